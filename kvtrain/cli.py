@@ -1,0 +1,54 @@
+"""The ``kvtrain`` command: one subcommand per module.
+
+Each subcommand module exposes ``register(subparsers)``, which adds its parser
+and sets ``func`` to a callable taking the parsed args and returning an exit
+code. Subcommands are imported lazily by name so that ``kvtrain data ...``
+never imports torch or megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvtrain.config import ConfigError
+
+# name -> module with register(subparsers)
+SUBCOMMANDS = {
+    "demo": "kvtrain.commands.demo",
+    "data": "data_tools.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtrain",
+        description="Pretrain Llama-style LMs with KV shifting attention on Megatron-Core.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and module.startswith(e.name):
+                continue  # not built yet
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"kvtrain: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

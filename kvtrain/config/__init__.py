@@ -1,0 +1,50 @@
+"""Run configuration: typed sections (schema.py) loaded strictly from YAML (loader.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Optional
+
+from .loader import ConfigError, apply_override, dump_yaml, from_dict, read_yaml, to_dict
+from .schema import (
+    CheckpointConfig,
+    DataConfig,
+    KVShiftConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    WandbConfig,
+)
+
+
+def load_config(
+    path: Optional[str | Path] = None,
+    overrides: Iterable[str] = (),
+    world_size: Optional[int] = None,
+) -> RunConfig:
+    """Reads a YAML run config, applies ``--set`` overrides, builds and validates it."""
+    data = read_yaml(path) if path is not None else {}
+    for assignment in overrides:
+        apply_override(data, assignment, RunConfig)
+    cfg = from_dict(RunConfig, data, source=str(path) if path is not None else None)
+    cfg.validate(world_size=world_size)
+    return cfg
+
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "KVShiftConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "WandbConfig",
+    "dump_yaml",
+    "load_config",
+    "to_dict",
+]

@@ -1,0 +1,265 @@
+"""Strict loading of nested typed dataclasses from YAML.
+
+Every config section is a plain ``@dataclass`` whose fields carry type hints
+(int, float, str, bool, Optional[X], list[X], Literal[...], nested dataclasses).
+``from_dict`` walks the hints and refuses anything it does not know:
+
+* an unknown key is an error naming its full dotted path and the closest valid
+  key ("unknown key 'model.hiden_size' (did you mean 'model.hidden_size'?)");
+* a value of the wrong type names the key, the type expected and the value;
+* errors in a YAML file also name the file and line.
+
+``--set a.b=value`` overrides are parsed as YAML scalars and pass through the
+same checks, so a typo on the command line fails the same way as in the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line without a traceback by the CLI."""
+
+
+# ----------------------------------------------------------------------------- YAML with lines
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that records the line of every mapping key (1-based)."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    mapping = {}
+    lines = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in mapping:
+            raise ConfigError(
+                f"{loader.name}:{key_node.start_mark.line + 1}: duplicate key {key!r}"
+            )
+        mapping[key] = loader.construct_object(value_node, deep=deep)
+        lines[key] = key_node.start_mark.line + 1
+    return _LinedDict(mapping, lines)
+
+
+class _LinedDict(dict):
+    """A dict that remembers the YAML line of each key."""
+
+    def __init__(self, data: dict, lines: dict):
+        super().__init__(data)
+        self.lines = lines
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Reads a YAML mapping, keeping key lines; errors name the file and line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    loader = _LineLoader(text)
+    loader.name = str(path)
+    try:
+        data = loader.get_single_data()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {e.problem}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        return _LinedDict({}, {})
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+# ----------------------------------------------------------------------------- typed conversion
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        (inner,) = get_args(tp) or (Any,)
+        return f"list of {_type_name(inner)}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _where(key: str, source: str | None, line: int | None) -> str:
+    if source and line:
+        return f"{source}:{line}: {key}"
+    if source:
+        return f"{source}: {key}"
+    return key
+
+
+def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"{_where(key, source, line)}: expected a mapping (section {tp.__name__}), "
+                f"got {value!r}"
+            )
+        return from_dict(tp, value, prefix=key, source=source)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, key, source, line)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(
+            f"{_where(key, source, line)}: expected {_type_name(tp)}, got {value!r}"
+        )
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(
+                f"{_where(key, source, line)}: expected one of "
+                f"{', '.join(repr(c) for c in choices)}, got {value!r}"
+            )
+        return value
+    if origin is list:
+        (inner,) = get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{_where(key, source, line)}: expected {_type_name(tp)}, got {value!r}")
+        return [_convert(inner, v, f"{key}[{i}]", source, line) for i, v in enumerate(value)]
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{_where(key, source, line)}: expected bool, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            # Allow 1e6-style floats that are whole numbers (token budgets).
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{_where(key, source, line)}: expected int, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # PyYAML reads "1e-4" (no dot) as a string: accept numeric strings.
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"{_where(key, source, line)}: expected float, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{_where(key, source, line)}: expected str, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def field_hints(cls: type) -> dict[str, Any]:
+    """The resolved type hints of a config dataclass's fields."""
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def from_dict(cls: type, data: dict, prefix: str = "", source: str | None = None):
+    """Builds ``cls`` from ``data``, refusing unknown keys and wrong types."""
+    hints = field_hints(cls)
+    lines = getattr(data, "lines", {})
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in hints:
+            candidates = [f"{prefix}.{k}" if prefix else k for k in hints]
+            close = difflib.get_close_matches(path, candidates, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{_where(repr(path), source, lines.get(key))}: unknown key{hint}")
+        kwargs[key] = _convert(hints[key], value, path, source, lines.get(key))
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-dict form of a config (for saving and printing)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------- overrides
+def apply_override(data: dict, assignment: str, cls: type) -> None:
+    """Applies one ``a.b.c=value`` override to a raw config dict, in place.
+
+    The path is checked against ``cls`` so a misspelt key fails here with the
+    same message as in a file; the value is parsed as a YAML scalar/flow value.
+    """
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE")
+    path, raw = assignment.split("=", 1)
+    parts = path.strip().split(".")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {path}: cannot parse value {raw!r}: {e}") from None
+    node = data
+    section = cls
+    for i, part in enumerate(parts):
+        hints = field_hints(section)
+        dotted = ".".join(parts[: i + 1])
+        if part not in hints:
+            prefix = ".".join(parts[:i])
+            candidates = [f"{prefix}.{k}" if prefix else k for k in hints]
+            close = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"--set: unknown key '{dotted}'{hint}")
+        tp = _unwrap_optional(hints[part])
+        if i == len(parts) - 1:
+            node[part] = value
+        else:
+            if not dataclasses.is_dataclass(tp):
+                raise ConfigError(f"--set: '{dotted}' is a {_type_name(tp)}, not a section")
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node, section = child, tp
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def dump_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=None)
+
+
+__all__ = [
+    "ConfigError",
+    "read_yaml",
+    "from_dict",
+    "to_dict",
+    "apply_override",
+    "dump_yaml",
+    "field_hints",
+]

@@ -1,0 +1,352 @@
+"""The typed config of a kvtrain run: one dataclass per section.
+
+A YAML file maps onto ``RunConfig``; every field has a docstring (the string
+under it). Cross-field checks live in ``RunConfig.validate`` and each gives one
+clear line naming the keys involved. The translation into megatron's
+``TransformerConfig`` is ``kvtrain.model.builder.transformer_config``.
+
+Vanilla and KV shifting differ by one key: ``model.attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from .loader import ConfigError
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class KVShiftConfig:
+    """Options of KV shifting attention (used when ``model.attention: kv_shift``)."""
+
+    shift: list[Literal["q", "k", "v"]] = field(default_factory=lambda: ["k", "v"])
+    """Which projections are shifted: [k, v] is the paper's KV shifting; [k], [v]
+    and [q, k, v] are its K-only, V-only and QKV ablations (Appendix G/H)."""
+
+    window: int = 1
+    """Previous tokens mixed in: 1 is the paper's shift (K_t, K_{t-1}); 2 and 3 are
+    the longer windows of Figure 7b (w+1 coefficients per tensor and KV head)."""
+
+    mode: Literal["free", "gate", "clamp"] = "free"
+    """Coefficient parametrisation: ``free`` scalars (paper default); ``gate``:
+    alpha1 = sigmoid(a), alpha2 = 1 - alpha1 (softmax over w+1 for longer
+    windows); ``clamp``: free scalars clamped to [0, 1] in the forward (App. F.1)."""
+
+    weight_decay: bool = False
+    """Apply weight decay to the shift coefficients (off by default)."""
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder (RMSNorm, SwiGLU, RoPE, no biases)."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 128
+    """Model width."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: Optional[int] = None
+    """KV heads (GQA groups); null means as many as query heads (MHA)."""
+    ffn_hidden_size: Optional[int] = None
+    """SwiGLU inner size; null means 8/3 * hidden rounded up to a multiple of 256."""
+    vocab_size: int = 32000
+    """Tokenizer vocabulary; the embedding is padded to ``make_vocab_size_divisible_by * TP``."""
+    make_vocab_size_divisible_by: int = 128
+    """Padding multiple for the embedding table (per TP rank)."""
+    max_position_embeddings: int = 2048
+    """Maximum sequence length (the paper's MAX LENGTH)."""
+    position_embedding: Literal["rope", "none"] = "rope"
+    """Positional encoding: RoPE, or none (used by analysis tests)."""
+    rotary_base: int = 100000
+    """RoPE base (the paper uses 100000)."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+    init_method_std: float = 0.02
+    """Std of the normal init of linear weights."""
+    untie_embeddings: bool = True
+    """Separate input embedding and output layer (Llama style)."""
+    attention: Literal["vanilla", "kv_shift"] = "vanilla"
+    """The attention variant: the one key that differs between a vanilla run and a KV-shift run."""
+    kv_shift: KVShiftConfig = field(default_factory=KVShiftConfig)
+    """KV shifting options (ignored by vanilla attention)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout on residual branches."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return ((8 * self.hidden_size // 3) + 255) // 256 * 256
+
+    def validate(self) -> None:
+        """Checks of the model alone (parallel checks are in RunConfig.validate)."""
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                    "max_position_embeddings"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key} must be positive, got {getattr(self, key)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"model.num_query_groups ({self.kv_heads})"
+            )
+        ks = self.kv_shift
+        if not 1 <= ks.window <= 3:
+            raise ConfigError(f"model.kv_shift.window must be 1, 2 or 3, got {ks.window}")
+        if not ks.shift:
+            raise ConfigError("model.kv_shift.shift must name at least one of q, k, v")
+        if len(set(ks.shift)) != len(ks.shift):
+            raise ConfigError(f"model.kv_shift.shift has duplicates: {ks.shift}")
+
+
+# ----------------------------------------------------------------------------- parallelism
+@dataclass
+class ParallelConfig:
+    """How the model and data are split over processes."""
+
+    tensor: int = 1
+    """Tensor-parallel size."""
+    pipeline: int = 1
+    """Pipeline-parallel size."""
+    virtual_pipeline: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved schedule); null for none."""
+    context: int = 1
+    """Context-parallel size (needs Transformer Engine attention)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism in the TP group (norms/dropout on sequence shards)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation."""
+    overlap_grad_reduce: bool = False
+    """Overlap the DP gradient reduce-scatter with backward (GPU runs)."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's param all-gather with forward (GPU runs)."""
+
+
+# ----------------------------------------------------------------------------- training
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    micro_batch_size: int = 2
+    """Sequences per micro batch per data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, all ranks together."""
+    seq_length: int = 128
+    """Tokens per sequence (<= model.max_position_embeddings)."""
+    max_steps: Optional[int] = 100
+    """Optimizer steps to run (null: derived from train_tokens)."""
+    train_tokens: Optional[int] = None
+    """Stop after this many tokens (the paper's TOTAL TOKENS)."""
+    seed: int = 1234
+    """Seed of weights, data order and dropout."""
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Numerics: auto is bf16 with fp32 main params on GPU, fp32 on CPU."""
+    log_interval: int = 10
+    """Steps between log lines (metrics.jsonl, stdout, wandb)."""
+    eval_interval: Optional[int] = 100
+    """Steps between validations; null disables."""
+    eval_iters: int = 10
+    """Batches per validation."""
+    kv_shift_stats_interval: Optional[int] = 100
+    """Steps between alpha/beta statistics (KV-shift models)."""
+    exit_duration_minutes: Optional[float] = None
+    """Save and stop after this many minutes of wall time."""
+    max_consecutive_nonfinite: int = 10
+    """Save and stop after this many non-finite steps in a row."""
+    peak_tflops_per_device: Optional[float] = None
+    """Peak dense bf16 TFLOP/s of one device, for MFU (null: guessed from the device name)."""
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: Optional[float] = None
+    """Floor of decaying schedules (null: lr for constant, 0.1*lr otherwise)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not on norms, biases, or KV-shift coefficients unless enabled)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    lr_warmup_steps: int = 0
+    """Linear warmup steps."""
+    lr_schedule: Literal["constant", "cosine", "wsd"] = "constant"
+    """After warmup: constant (paper), cosine decay, or warmup-stable-decay."""
+    lr_decay_steps: Optional[int] = None
+    """Steps of the decaying part (null: to the end of training)."""
+    wsd_decay_steps: Optional[int] = None
+    """Final decay steps of the wsd schedule."""
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class DataConfig:
+    """Where training tokens come from."""
+
+    type: Literal["gpt", "mock"] = "mock"
+    """``gpt``: Megatron .bin/.idx shards; ``mock``: random tokens for smoke runs."""
+    paths: list[float | str] = field(default_factory=list)
+    """Shard prefixes, optionally with weights: [0.7, a_text_document, 0.3, b_text_document]."""
+    split: str = "969,30,1"
+    """Train/valid/test split weights over documents."""
+    tokenizer: Optional[str] = None
+    """SentencePiece model (its sidecar JSON gives BOS/EOS/PAD ids)."""
+    cache_dir: Optional[str] = None
+    """Folder for index caches (default: <run_dir>/data_cache)."""
+    reset_position_ids: bool = False
+    """Restart positions at each document in a sequence."""
+    reset_attention_mask: bool = False
+    """Stop attention (and the KV shift) across documents in a sequence."""
+    eod_mask_loss: bool = False
+    """Mask the loss on end-of-document tokens."""
+    num_workers: int = 1
+    """DataLoader workers per rank."""
+
+
+# ----------------------------------------------------------------------------- checkpoints & logs
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints (megatron dist_checkpointing, torch_dist)."""
+
+    dir: Optional[str] = None
+    """Checkpoint folder (default: <run_dir>/checkpoints)."""
+    save_interval: Optional[int] = 100
+    """Steps between saves; null saves only at the end and on signals."""
+    keep_last: Optional[int] = 3
+    """Keep the newest K checkpoints; null keeps all."""
+    resume: str = "auto"
+    """``auto``: newest complete checkpoint if any; ``none``; or a checkpoint path."""
+    async_save: bool = False
+    """Write checkpoints in the background (GPU runs)."""
+    save_on_exit: bool = True
+    """Save when stopping on a signal, time limit, or the end of training."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging."""
+
+    enabled: bool = True
+    """Log to wandb."""
+    project: str = "kvtrain"
+    """wandb project."""
+    entity: Optional[str] = None
+    """wandb entity (team or user)."""
+    name: Optional[str] = None
+    """Run name (default: the run name)."""
+    group: Optional[str] = None
+    """Run group (e.g. a vanilla/KV-shift pair)."""
+    tags: list[str] = field(default_factory=list)
+    """Run tags."""
+    dir: Optional[str] = None
+    """wandb folder (default: <run_dir>/wandb)."""
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """auto: offline unless WANDB_MODE says otherwise or an API key is set."""
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one YAML file."""
+
+    name: str = "run"
+    """Run name (run folder and wandb name)."""
+    run_dir: Optional[str] = None
+    """Run folder (default: runs/<name>); --run-dir overrides."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and schedule."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """wandb."""
+
+    def validate(self, world_size: Optional[int] = None) -> None:
+        """Cross-field checks, each one clear line. ``world_size`` enables DP checks."""
+        m, p, t = self.model, self.parallel, self.train
+        m.validate()
+        if p.tensor < 1 or p.pipeline < 1 or p.context < 1:
+            raise ConfigError("parallel.tensor, parallel.pipeline and parallel.context must be >= 1")
+        if m.num_attention_heads % p.tensor:
+            raise ConfigError(
+                f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
+                f"parallel.tensor ({p.tensor})"
+            )
+        if m.kv_heads % p.tensor:
+            raise ConfigError(
+                f"model.num_query_groups ({m.kv_heads}) must be divisible by "
+                f"parallel.tensor ({p.tensor})"
+            )
+        if m.ffn_size % p.tensor:
+            raise ConfigError(
+                f"model.ffn_hidden_size ({m.ffn_size}) must be divisible by parallel.tensor ({p.tensor})"
+            )
+        stages = p.pipeline * (p.virtual_pipeline or 1)
+        if m.num_layers % stages:
+            raise ConfigError(
+                f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline "
+                f"x parallel.virtual_pipeline ({stages})"
+            )
+        if p.virtual_pipeline is not None and p.pipeline < 2:
+            raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline >= 2")
+        if p.sequence_parallel and p.tensor < 2:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tensor >= 2")
+        if p.sequence_parallel and t.seq_length % p.tensor:
+            raise ConfigError(
+                f"train.seq_length ({t.seq_length}) must be divisible by parallel.tensor "
+                f"({p.tensor}) with sequence parallel"
+            )
+        if t.seq_length > m.max_position_embeddings:
+            raise ConfigError(
+                f"train.seq_length ({t.seq_length}) exceeds model.max_position_embeddings "
+                f"({m.max_position_embeddings})"
+            )
+        if t.micro_batch_size < 1 or t.global_batch_size < 1:
+            raise ConfigError("train.micro_batch_size and train.global_batch_size must be >= 1")
+        if t.max_steps is None and t.train_tokens is None:
+            raise ConfigError("set train.max_steps or train.train_tokens")
+        if world_size is not None:
+            model_parallel = p.tensor * p.pipeline * p.context
+            if world_size % model_parallel:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by parallel.tensor x pipeline x "
+                    f"context ({model_parallel})"
+                )
+            dp = world_size // model_parallel
+            if t.global_batch_size % (t.micro_batch_size * dp):
+                raise ConfigError(
+                    f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                    f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})"
+                )
+        if self.data.type == "gpt" and not self.data.paths:
+            raise ConfigError("data.paths is empty: name at least one shard prefix for data.type gpt")
+        if self.optimizer.lr_schedule == "wsd" and not self.optimizer.wsd_decay_steps:
+            raise ConfigError("optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps")
