@@ -1,0 +1,291 @@
+"""Run megatron-core's real code paths on the CPU (over gloo) when CUDA is absent.
+
+megatron-core assumes a GPU in a few dozen places that are not about
+computation: it allocates buffers on ``torch.cuda.current_device()``, moves
+tensors with ``.cuda()``, synchronises streams and events, forks the CUDA RNG
+for tensor-parallel regions, and asserts on ``Tensor.type()`` names. Redirecting
+those calls (and nothing else) lets GPTModel, the tensor/sequence/pipeline
+parallel layers, the pipeline schedules, DDP, the distributed optimizer and
+dist_checkpointing run unchanged on a CPU machine. Tests and ``make demo`` use
+this; on a machine with CUDA, :func:`enable_cpu_backend` does nothing.
+
+What is patched, and why:
+
+* ``torch.cuda.current_device`` -> 0, ``device_count`` -> 1, ``set_device`` ->
+  no-op: megatron calls them to pick the device for buffers.
+* torch's tensor factories (``torch.empty/zeros/ones/full/arange/tensor/...``,
+  ``Tensor.new_*``) and ``Tensor.to`` get CUDA ``device`` arguments (``"cuda"``,
+  ``"cuda:N"``, an int, a CUDA ``torch.device``) rewritten to the CPU.
+* ``Tensor.cuda`` / ``Module.cuda`` return the CPU tensor/module; ``pin_memory``
+  becomes a no-op (it needs CUDA).
+* ``torch.cuda.Stream/Event/current_stream/default_stream/stream/synchronize``:
+  CPU execution is synchronous, so these are inert stand-ins.
+* ``torch.cuda.{get,set}_rng_state/manual_seed/manual_seed_all`` and megatron's
+  ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state`` map to the
+  CPU generator, so megatron's RNG tracker forks a real generator state for
+  tensor-parallel regions (dropout, TP-sharded init) exactly as on a GPU.
+* ``torch.cuda.memory_*`` / ``max_memory_allocated`` return 0, ``empty_cache``
+  and ``nvtx`` calls are no-ops.
+* ``Tensor.type()`` with no argument reports ``torch.cuda.<X>Tensor``: the
+  optimizer and grad clipping assert on those names.
+* gloo lacks ``reduce_scatter_tensor``: it is done as an all-reduce plus a slice
+  (numerically the same sum; the distributed optimizer and sequence parallel use
+  it).
+
+Call :func:`enable_cpu_backend` once, before megatron builds anything; it is
+idempotent. ``kvtrain.backend.init_distributed`` calls it for you.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import types
+
+import torch
+import torch.distributed as dist
+
+_ENABLED = False
+
+
+def cpu_backend_enabled() -> bool:
+    """Whether the CPU redirection is active in this process."""
+    return _ENABLED
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # megatron passes torch.cuda.current_device() (an int)
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "arange", "tensor", "as_tensor", "rand", "randn",
+    "randint", "randperm", "empty_strided", "linspace", "eye", "empty_like", "zeros_like",
+    "ones_like", "full_like", "rand_like", "randn_like", "frombuffer",
+)
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+
+
+def _cpu_kwargs(kwargs: dict) -> dict:
+    if _is_cuda_device(kwargs.get("device")):
+        kwargs["device"] = "cpu"
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return kwargs
+
+
+def _wrap_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **_cpu_kwargs(kwargs))
+
+    return wrapper
+
+
+def _wrap_to(fn):
+    @functools.wraps(fn)
+    def to(self, *args, **kwargs):
+        # Tensor.to(device, ...) / Tensor.to(int): the device may be positional.
+        if args and _is_cuda_device(args[0]):
+            args = ("cpu", *args[1:])
+        return fn(self, *args, **_cpu_kwargs(kwargs))
+
+    return to
+
+
+def _patch_factories() -> None:
+    """Rewrites CUDA ``device=`` arguments to the CPU in torch's factories.
+
+    Wrapping the functions (rather than a TorchFunctionMode) also covers code
+    run by the autograd engine in backward, where modes are not active, and
+    adds no per-op cost to the rest of the model.
+    """
+    for name in _FACTORIES:
+        if hasattr(torch, name):
+            setattr(torch, name, _wrap_factory(getattr(torch, name)))
+    for name in _TENSOR_FACTORIES:
+        setattr(torch.Tensor, name, _wrap_factory(getattr(torch.Tensor, name)))
+    torch.Tensor.to = _wrap_to(torch.Tensor.to)
+
+
+class _InertStream:
+    """Stand-in for torch.cuda.Stream: CPU work is already in order."""
+
+    def __init__(self, *args, **kwargs):
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def wait_event(self, *args, **kwargs):
+        return None
+
+    def record_event(self, event=None):
+        return event or _InertEvent()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _InertEvent:
+    """Stand-in for torch.cuda.Event, timing with the wall clock."""
+
+    def __init__(self, *args, **kwargs):
+        self._t = None
+
+    def record(self, stream=None):
+        import time
+
+        self._t = time.perf_counter()
+
+    def wait(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end: "_InertEvent") -> float:
+        return (end._t - self._t) * 1000.0
+
+
+def _reduce_scatter_tensor_via_allreduce(output, input, op=dist.ReduceOp.SUM, group=None,
+                                         async_op=False):
+    """gloo has no reduce_scatter_tensor: all-reduce a copy and keep this rank's slice."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    buf = input.detach().clone() if input.requires_grad else input.clone()
+    work = dist.all_reduce(buf, op=op, group=group)
+    chunk = buf.numel() // world
+    output.copy_(buf.reshape(-1)[rank * chunk:(rank + 1) * chunk].view_as(output))
+    if async_op:
+        return _DoneWork()
+    return work
+
+
+class _DoneWork:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _patch_distributed() -> None:
+    original = dist.reduce_scatter_tensor
+
+    @functools.wraps(original)
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if dist.get_backend(group) == "gloo":
+            return _reduce_scatter_tensor_via_allreduce(output, input, op, group, async_op)
+        return original(output, input, op=op, group=group, async_op=async_op)
+
+    dist.reduce_scatter_tensor = reduce_scatter_tensor
+    dist._reduce_scatter_base = reduce_scatter_tensor  # older alias megatron may use
+
+
+def _patch_cuda_module() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.device_count = lambda: 1
+    cuda.set_device = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _InertStream
+    cuda.ExternalStream = _InertStream
+    cuda.Event = _InertEvent
+    cuda.current_stream = lambda *a, **k: _InertStream()
+    cuda.default_stream = lambda *a, **k: _InertStream()
+    cuda.set_stream = lambda *a, **k: None
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.max_memory_reserved = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.memory_stats = lambda *a, **k: {}
+    # The "CUDA" generator is the CPU one: megatron's tracker forks its state.
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # torch.manual_seed itself calls cuda.manual_seed_all: seed the generator
+    # object directly to avoid recursing.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    nvtx = types.SimpleNamespace(
+        range_push=lambda *a, **k: None,
+        range_pop=lambda *a, **k: None,
+        range=lambda *a, **k: contextlib.nullcontext(),
+        mark=lambda *a, **k: None,
+    )
+    cuda.nvtx = nvtx
+
+
+def _patch_tensor_methods() -> None:
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
+    original_type = torch.Tensor.type
+
+    @functools.wraps(original_type)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original_type(self)
+            # megatron asserts e.g. param.type() == 'torch.cuda.FloatTensor'
+            if name.startswith("torch.") and not name.startswith("torch.cuda."):
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+            dtype = "torch." + dtype[len("torch.cuda."):]
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+
+
+def _patch_megatron_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def enable_cpu_backend(force: bool = False) -> bool:
+    """Redirects megatron's CUDA-only calls to the CPU. Returns True if active.
+
+    A no-op (returns False) when CUDA is available, unless ``force``; safe to
+    call more than once. ``KVTRAIN_CPU_BACKEND=0`` disables it.
+    """
+    global _ENABLED
+    if _ENABLED:
+        return True
+    if os.environ.get("KVTRAIN_CPU_BACKEND") == "0":
+        return False
+    if torch.cuda.is_available() and not force:
+        return False
+    _patch_cuda_module()
+    _patch_tensor_methods()
+    _patch_distributed()
+    _patch_megatron_rng()
+    _patch_factories()
+    _ENABLED = True
+    return True

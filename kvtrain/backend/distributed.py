@@ -1,0 +1,122 @@
+"""Process groups and seeds: gloo on CPU, NCCL on GPU, megatron's parallel state.
+
+Works as one plain process (a single-rank group on a free local port) or
+under ``torchrun``/SLURM (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT`` in the environment).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .cpu import enable_cpu_backend
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(timeout_minutes: float = 10.0) -> DistEnv:
+    """Initialises torch.distributed from the environment (idempotent).
+
+    Turns on the CPU backend first when there is no GPU. Without ``WORLD_SIZE``
+    this is a one-process group, so the same code path runs everywhere.
+    """
+    enable_cpu_backend()
+    backend = default_backend()
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if "MASTER_ADDR" not in os.environ:
+            if world != 1:
+                raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is not set (use torchrun)")
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(free_port())
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    return DistEnv(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        backend=dist.get_backend(),
+    )
+
+
+def init_model_parallel(tensor: int = 1, pipeline: int = 1, virtual_pipeline: Optional[int] = None,
+                        context: int = 1) -> None:
+    """megatron's parallel state (TP/PP/CP/DP groups) over the default group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor,
+        pipeline_model_parallel_size=pipeline,
+        virtual_pipeline_model_parallel_size=virtual_pipeline,
+        context_parallel_size=context,
+    )
+
+
+def set_seed(seed: int) -> None:
+    """Seeds Python, NumPy, torch and megatron's model-parallel RNG tracker.
+
+    The same seed on every rank: TP-sharded weights and TP-region dropout still
+    differ per TP rank through megatron's tracker (seed + 2718 + tp_rank).
+    """
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def init_distributed(tensor: int = 1, pipeline: int = 1, virtual_pipeline: Optional[int] = None,
+                     context: int = 1, seed: int = 1234,
+                     timeout_minutes: float = 10.0) -> DistEnv:
+    """Process group + megatron parallel state + seeds, in that order."""
+    env = init_process_group(timeout_minutes)
+    init_model_parallel(tensor, pipeline, virtual_pipeline, context)
+    set_seed(seed)
+    return env
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

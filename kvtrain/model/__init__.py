@@ -1,0 +1,1 @@
+"""The model: KV shifting attention, layer specs, and the GPT builder."""

@@ -1,0 +1,164 @@
+"""From kvtrain's typed model config to megatron's ``TransformerConfig`` and ``GPTModel``.
+
+``transformer_config`` is the one explicit translation of config keys into
+megatron; ``build_gpt`` builds the model chunk of one pipeline (virtual) stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from kvtrain.config.schema import ModelConfig, ParallelConfig
+
+from .kv_shift import KVShiftOptions
+from .specs import Backend, block_spec, layer_spec, resolve_backend
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Parameter/compute dtypes of a run (resolved from ``train.precision``)."""
+
+    params_dtype: torch.dtype = torch.float32
+    bf16: bool = False
+    fp16: bool = False
+
+    @classmethod
+    def from_precision(cls, precision: str) -> "Numerics":
+        if precision == "auto":
+            precision = "bf16" if torch.cuda.is_available() else "fp32"
+        if precision == "bf16":
+            return cls(params_dtype=torch.bfloat16, bf16=True)
+        if precision == "fp16":
+            return cls(params_dtype=torch.float16, fp16=True)
+        return cls()
+
+
+def padded_vocab_size(model: ModelConfig, tensor_parallel: int) -> int:
+    """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``
+    (megatron's rule, so that every TP rank holds an equal, aligned slice)."""
+    multiple = model.make_vocab_size_divisible_by * tensor_parallel
+    return -(-model.vocab_size // multiple) * multiple
+
+
+def kv_shift_options(model: ModelConfig, seed: int) -> KVShiftOptions:
+    ks = model.kv_shift
+    return KVShiftOptions(shift=tuple(ks.shift), window=ks.window, mode=ks.mode, seed=seed)
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: Optional[ParallelConfig] = None,
+    numerics: Numerics = Numerics(),
+    use_cpu_initialization: Optional[bool] = None,
+    perform_initialization: bool = True,
+) -> TransformerConfig:
+    """The ``TransformerConfig`` of a Llama-style decoder (RMSNorm, SwiGLU, no biases)."""
+    parallel = parallel or ParallelConfig()
+    on_gpu = torch.cuda.is_available()
+    if use_cpu_initialization is None:
+        use_cpu_initialization = not on_gpu
+    recompute = {
+        "none": {},
+        "selective": dict(recompute_granularity="selective"),
+        "full": dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1),
+    }[parallel.recompute]
+    return TransformerConfig(
+        # shape
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.kv_heads,
+        ffn_hidden_size=model.ffn_size,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        # Llama style
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        init_method_std=model.init_method_std,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        # parallelism
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        context_parallel_size=parallel.context,
+        sequence_parallel=parallel.sequence_parallel,
+        # numerics
+        params_dtype=numerics.params_dtype,
+        pipeline_dtype=numerics.params_dtype,
+        bf16=numerics.bf16,
+        fp16=numerics.fp16,
+        # fused kernels exist only on GPU (and some only with apex/TE)
+        bias_activation_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=use_cpu_initialization,
+        perform_initialization=perform_initialization,
+        **recompute,
+    )
+
+
+def build_gpt(
+    model: ModelConfig,
+    config: TransformerConfig,
+    seed: int = 1234,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
+    backend: Backend = "auto",
+    parallel_output: bool = True,
+) -> GPTModel:
+    """The GPTModel chunk of this rank's pipeline stage (``vp_stage`` for interleaving).
+
+    ``seed`` sets the KV-shift coefficient init (the same values whatever the
+    TP/PP layout); the rest of the weights follow megatron's RNG setup.
+    """
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(
+            ignore_virtual=False, vp_stage=vp_stage
+        ) if parallel_state.model_parallel_is_initialized() else True
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(
+            ignore_virtual=False, vp_stage=vp_stage
+        ) if parallel_state.model_parallel_is_initialized() else True
+    backend = resolve_backend(backend)
+    spec = layer_spec(model.attention, kv_shift_options(model, seed), backend)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(spec, config, vp_stage=vp_stage),
+        vocab_size=padded_vocab_size(model, config.tensor_model_parallel_size),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=not model.untie_embeddings,
+        position_embedding_type=model.position_embedding,
+        rotary_base=model.rotary_base,
+        vp_stage=vp_stage,
+    )
+
+
+def count_parameters(module: torch.nn.Module) -> dict[str, int]:
+    """Parameters of ``module`` (this rank's shard): total, embedding, non-embedding."""
+    total = emb = 0
+    for name, p in module.named_parameters():
+        n = p.numel()
+        total += n
+        if "embedding" in name or "output_layer" in name:
+            emb += n
+    return {"total": total, "embedding": emb, "non_embedding": total - emb}

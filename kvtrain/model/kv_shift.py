@@ -1,0 +1,310 @@
+"""KV shifting attention (Xu, Wang, Chen, ICML 2025) for megatron-core.
+
+Everything about the variant lives here:
+
+* :func:`shift_tokens` - the math, a pure function:
+  ``x̂_t = c_0·x_t + c_1·x_{t-1} + ... + c_w·x_{t-w}`` per head, with the tokens
+  before the start of a sequence (or of a document in a packed sequence) taken
+  as zero;
+* :class:`KVShiftSelfAttention` - megatron's ``SelfAttention`` with K and V
+  (optionally Q) shifted right after the QKV projection, so that RoPE and the
+  core attention see the shifted tensors (paper §2.2, Appendix M);
+* :func:`kv_shift_layer_spec` - the layer spec with only the self-attention
+  module swapped.
+
+The coefficients are per KV head (per GQA group). Paper notation: α are the
+coefficients of K, β those of V; index 0 is the current token, so with the
+default window 1, ``α = (α1, α2)`` and ``K̂_t = α1·K_t + α2·K_{t-1}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+# Names of the coefficient parameters, by shifted tensor.
+PARAM_NAMES = {"q": "shift_q", "k": "shift_k", "v": "shift_v"}
+
+
+@dataclass(frozen=True)
+class KVShiftOptions:
+    """What the KV-shift attention module needs to know (from ``model.kv_shift``)."""
+
+    shift: tuple[str, ...] = ("k", "v")
+    window: int = 1
+    mode: str = "free"  # free | gate | clamp
+    seed: int = 1234  # coefficient init; the same values for every TP/PP layout
+
+    def num_params(self) -> int:
+        """Learnable scalars per KV head (4 for the paper's default)."""
+        per_tensor = self.window if self.mode == "gate" else self.window + 1
+        return per_tensor * len(self.shift)
+
+
+# ----------------------------------------------------------------------------- the math
+def shift_tokens(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor] = None) -> Tensor:
+    """Mixes each token with its ``w`` predecessors, per head.
+
+    Args:
+        x: ``[s, b, h, d]`` (sequence first, as in megatron).
+        coef: ``[h, w+1]``; ``coef[:, i]`` weighs the token ``i`` steps back.
+        doc_ids: optional ``[s, b]`` integer document index of every token; a
+            predecessor from another document counts as zero (packed sequences).
+            Without it, only the sequence start resets.
+
+    Returns:
+        ``[s, b, h, d]``: ``out_t = Σ_i coef[:, i] · x_{t-i}``, zero for ``t-i < 0``.
+    """
+    s = x.shape[0]
+    window = coef.shape[1] - 1
+    c = coef.to(x.dtype)
+    out = x * c[:, 0, None]  # [s, b, h, d] * [h, 1]
+    for i in range(1, window + 1):
+        if i >= s:
+            break
+        prev = x[:-i]  # token t-i for t = i..s-1, [s-i, b, h, d]
+        term = prev * c[:, i, None]
+        if doc_ids is not None:
+            same_doc = (doc_ids[i:] == doc_ids[:-i]).to(x.dtype)  # [s-i, b]
+            term = term * same_doc[:, :, None, None]
+        # Left-pad with zeros: positions t < i have no predecessor i steps back.
+        out = out + torch.nn.functional.pad(term, (0, 0, 0, 0, 0, 0, i, 0))
+    return out
+
+
+def effective_coefficients(param: Tensor, mode: str) -> Tensor:
+    """From the stored parameter to the mixing coefficients ``[h, w+1]``."""
+    if mode == "free":
+        return param
+    if mode == "clamp":
+        return param.clamp(0.0, 1.0)
+    if mode == "gate":
+        # softmax over (a_0..a_{w-1}, 0): for w = 1, (sigmoid(a), 1 - sigmoid(a)).
+        logits = torch.cat([param, param.new_zeros(param.shape[0], 1)], dim=1)
+        return torch.softmax(logits.float(), dim=1).to(param.dtype)
+    raise ValueError(f"unknown KV-shift coefficient mode {mode!r}")
+
+
+def initial_parameter(num_heads: int, opts: KVShiftOptions, layer_number: int,
+                      tensor: str) -> Tensor:
+    """The initial stored parameter of all ``num_heads`` (global) KV heads, ``[h, n]``.
+
+    ``free``/``clamp``: the paper's footnote 10: the first w coefficients
+    ``~ U(0, 1)`` and the last one 1 minus their sum; for w = 1 that is
+    ``α1 ~ U(0, 1), α2 = 1 - α1``.
+    ``gate``: the coefficients are a uniform point of the simplex (for w = 1,
+    ``α1 ~ U(0, 1)`` again), stored as logits relative to the last one.
+
+    Drawn from a generator seeded by (seed, layer, tensor) alone, so every TP
+    and PP layout gets the same values; each rank then keeps its own slice.
+    """
+    digest = hashlib.sha256(f"{opts.seed}/{layer_number}/{tensor}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    w = opts.window
+    if opts.mode == "gate":
+        e = -torch.log(torch.rand(num_heads, w + 1, generator=gen, dtype=torch.float64, device="cpu"))
+        p = e / e.sum(dim=1, keepdim=True)  # Dirichlet(1,...,1)
+        return (p[:, :w].log() - p[:, w:].log()).float()
+    u = torch.rand(num_heads, w, generator=gen, dtype=torch.float64, device="cpu")
+    return torch.cat([u, 1.0 - u.sum(dim=1, keepdim=True)], dim=1).float()
+
+
+def doc_ids_from_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:
+    """Document index of each of ``total`` packed (THD) tokens, ``[total, 1]``."""
+    starts = torch.zeros(total, dtype=torch.int32, device=cu_seqlens.device)
+    inner = cu_seqlens[1:-1].long()
+    inner = inner[inner < total]
+    starts[inner] = 1
+    return starts.cumsum(0)[:, None]
+
+
+def doc_ids_from_attention_mask(mask: Tensor, s: int, b: int) -> Optional[Tensor]:
+    """Document index ``[s, b]`` from a ``[b|1, 1, s, s]`` mask (True = masked).
+
+    A token whose immediate predecessor is masked starts a new document (this is
+    how megatron's ``reset_attention_mask`` separates documents). Returns None
+    when no token in the batch starts a document after position 0.
+    """
+    if mask is None or mask.dim() != 4 or mask.shape[-1] != s or mask.shape[-2] != s:
+        return None
+    sub = mask[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)  # [b|1, s-1]: can t see t-1?
+    if sub.dtype != torch.bool:
+        sub = sub < -1e4 if sub.is_floating_point() else sub.bool()
+    if not bool(sub.any()):
+        return None
+    starts = torch.nn.functional.pad(sub.to(torch.int32), (1, 0))  # [b|1, s]
+    return starts.cumsum(1).expand(b, s).transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------- megatron module
+class KVShiftSelfAttention(SelfAttention):
+    """``SelfAttention`` whose K and V (and optionally Q) are shifted before RoPE.
+
+    Parameters ``shift_k``/``shift_v``/``shift_q`` are ``[kv_heads_local, n]``
+    (n = w+1, or w in gate mode), marked tensor-parallel on dim 0 so that the
+    grad norm, the distributed optimizer and dist checkpoints treat each rank's
+    slice as its own heads. Requires ``num_query_groups % tp == 0``.
+    """
+
+    def __init__(self, config, submodules, layer_number: int, *args,
+                 kv_shift: KVShiftOptions = KVShiftOptions(), **kwargs):
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        self.kv_shift = kv_shift
+        tp = self.pg_collection.tp
+        tp_size = tp.size() if tp is not None else 1
+        tp_rank = tp.rank() if tp is not None else 0
+        groups = config.num_query_groups
+        if groups % tp_size:
+            raise ValueError(
+                f"KV shift needs the KV heads (num_query_groups={groups}) to divide by the "
+                f"tensor-parallel size ({tp_size}): each rank must own whole KV heads"
+            )
+        if getattr(config, "fused_single_qkv_rope", False):
+            raise ValueError("KV shift needs split Q/K/V: set fused_single_qkv_rope=False")
+        if config.context_parallel_size > 1:
+            raise ValueError("KV shift with context parallelism is not supported yet")
+        local = groups // tp_size
+        self._tp_slice = slice(tp_rank * local, (tp_rank + 1) * local)
+        for tensor in kv_shift.shift:
+            full = initial_parameter(groups, kv_shift, layer_number, tensor)
+            device = torch.device("meta") if _on_meta(self) else None
+            data = full[self._tp_slice].to(device=device or "cpu", dtype=config.params_dtype)
+            if device is None and torch.cuda.is_available():
+                data = data.to(torch.cuda.current_device())
+            param = torch.nn.Parameter(data)
+            set_tensor_model_parallel_attributes(param, True, 0, 1)
+            param.kv_shift = True  # lets the optimizer find them (weight decay switch)
+            self.register_parameter(PARAM_NAMES[tensor], param)
+        self._doc_ids: Optional[Tensor] = None
+
+    # -- the shift ---------------------------------------------------------------
+    def coefficients(self, tensor: str) -> Tensor:
+        """Mixing coefficients ``[kv_heads_local, w+1]`` of ``tensor`` (q, k or v)."""
+        return effective_coefficients(getattr(self, PARAM_NAMES[tensor]), self.kv_shift.mode)
+
+    def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
+        # get_query_key_value_tensors does not see the mask or packing: note the
+        # document boundaries here for the shift to reset at.
+        self._doc_ids = None
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            self._doc_ids = ("thd", cu)
+        elif attention_mask is not None:
+            self._doc_ids = ("mask", attention_mask)
+        try:
+            return super().forward(hidden_states, attention_mask, *args,
+                                   packed_seq_params=packed_seq_params, **kwargs)
+        finally:
+            self._doc_ids = None
+
+    def _resolve_doc_ids(self, s: int, b: int) -> Optional[Tensor]:
+        if self._doc_ids is None:
+            return None
+        kind, value = self._doc_ids
+        if kind == "thd":
+            return doc_ids_from_cu_seqlens(value, s).expand(s, b)
+        return doc_ids_from_attention_mask(value, s, b)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    output_gate: bool = False, split_qkv: bool = True):
+        if not split_qkv:
+            raise ValueError("KV shift needs split Q/K/V tensors (fused QKV RoPE is not supported)")
+        out = super().get_query_key_value_tensors(
+            hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
+        )
+        query, key, value = out[:3]  # q [s, b, np, d]; k, v [s, b, ng, d]
+        s, b = key.shape[0], key.shape[1]
+        doc_ids = self._resolve_doc_ids(s, b)
+        shift = self.kv_shift.shift
+        if "k" in shift:
+            key = shift_tokens(key, self.coefficients("k"), doc_ids)
+        if "v" in shift:
+            value = shift_tokens(value, self.coefficients("v"), doc_ids)
+        if "q" in shift:
+            # One coefficient set per KV group, shared by the group's query heads.
+            heads_per_group = query.shape[2] // key.shape[2]
+            coef = self.coefficients("q").repeat_interleave(heads_per_group, dim=0)
+            query = shift_tokens(query, coef, doc_ids)
+        return (query, key, value, *out[3:])
+
+    # -- checkpoints ---------------------------------------------------------------
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Like the parent's, but the shift coefficients are TP-sharded on dim 0.
+
+        The default treats a module's own parameters as replicated, which would
+        save only TP rank 0's heads; sharding them lets a checkpoint saved at one
+        TP size load at another.
+        """
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        own = {name: getattr(self, name) for name in self._shift_param_names()}
+        state.update(
+            make_sharded_tensors_for_checkpoint(
+                own, prefix, {name: 0 for name in own}, sharded_offsets,
+                tp_group=self.pg_collection.tp,
+                dp_cp_group=(metadata or {}).get("dp_cp_group"),
+            )
+        )
+        return state
+
+    def _shift_param_names(self) -> list[str]:
+        return [PARAM_NAMES[t] for t in self.kv_shift.shift]
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    for p in module.parameters():
+        return p.device.type == "meta"
+    return False
+
+
+def is_kv_shift_param(param: Tensor) -> bool:
+    """True for the shift coefficients (kept out of weight decay by default)."""
+    return bool(getattr(param, "kv_shift", False))
+
+
+# ----------------------------------------------------------------------------- the spec
+def kv_shift_layer_spec(base: ModuleSpec, options: KVShiftOptions) -> ModuleSpec:
+    """A copy of the GPT layer spec ``base`` with self-attention made KV-shifting.
+
+    Only ``submodules.self_attention.module`` changes (plus its options); the
+    projections, core attention and norms of ``base`` are kept, so the same
+    builder serves the local and the Transformer Engine backends.
+    """
+    spec = copy.deepcopy(base)
+    attn = spec.submodules.self_attention
+    if not issubclass(attn.module, SelfAttention):
+        raise ValueError(f"expected a SelfAttention spec, got {attn.module.__name__}")
+    attn.module = KVShiftSelfAttention
+    attn.params = {**attn.params, "kv_shift": options}
+    return spec
+
+
+@dataclass
+class ShiftStats:
+    """Per-layer coefficient statistics (the paper's Appendix F / Table 5)."""
+
+    layer: int
+    coefficients: dict[str, Tensor] = field(default_factory=dict)  # tensor -> [kv_heads, w+1]
+
+
+def collect_shift_coefficients(modules: Sequence[torch.nn.Module]) -> list[ShiftStats]:
+    """Effective coefficients of every KV-shift layer in ``modules`` (this rank's
+    heads; gather over TP for all heads), ordered by global layer number."""
+    stats = []
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, KVShiftSelfAttention):
+                coefs = {t: m.coefficients(t).detach().float().cpu() for t in m.kv_shift.shift}
+                stats.append(ShiftStats(layer=m.layer_number, coefficients=coefs))
+    return sorted(stats, key=lambda s: s.layer)

@@ -1,0 +1,85 @@
+"""Run a function on N ranks of a gloo group (tests, benchmarks, analysis scripts).
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes,
+initialises torch.distributed in each (gloo on CPU), calls
+``fn(rank, world_size, *args)`` and returns the list of the ranks' return
+values. An exception on any rank is re-raised in the caller with that rank's
+traceback. ``fn`` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    # One thread per rank: ranks share the machine's cores.
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        from kvtrain.backend import destroy_distributed, init_process_group
+
+        init_process_group(timeout_minutes=5)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report everything, including SystemExit
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            destroy_distributed()
+        except Exception:
+            pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks."""
+    from kvtrain.backend import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(results) + len(failures) < world_size:
+        if time.monotonic() > deadline:
+            break
+        if queue.empty():
+            if not any(p.is_alive() for p in procs) and queue.empty():
+                break
+            time.sleep(0.05)
+            continue
+        rank, ok, value = queue.get()
+        if ok:
+            results[rank] = value
+        else:
+            failures.append(f"rank {rank} failed:\n{value}")
+            break  # the other ranks are likely stuck in a collective
+    for p in procs:
+        p.join(timeout=5 if failures or len(results) < world_size else 60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    if len(results) < world_size:
+        codes = [p.exitcode for p in procs]
+        raise RuntimeError(f"distributed run incomplete: got {sorted(results)}, exit codes {codes}")
+    return [results[r] for r in range(world_size)]
