@@ -16,8 +16,12 @@ from kvtrain.config import ConfigError
 
 # name -> module with register(subparsers)
 SUBCOMMANDS = {
-    "demo": "kvtrain.commands.demo",
+    "train": "kvtrain.commands.train",
     "data": "data_tools.cli",
+    "plan": "kvtrain.commands.plan",
+    "submit": "kvtrain.commands.submit",
+    "experiment": "kvtrain.commands.experiment",
+    "demo": "kvtrain.commands.demo",
 }
 
 
