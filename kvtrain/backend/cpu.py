@@ -108,6 +108,11 @@ def _patch_factories() -> None:
     run by the autograd engine in backward, where modes are not active, and
     adds no per-op cost to the rest of the model.
     """
+    # `with torch.device("meta"):` recognises factories by identity in a cached
+    # set: fill that cache with the original functions before wrapping them.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in _FACTORIES:
         if hasattr(torch, name):
             setattr(torch, name, _wrap_factory(getattr(torch, name)))
