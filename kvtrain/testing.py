@@ -9,6 +9,7 @@ traceback. ``fn`` must be importable (a module-level function).
 
 from __future__ import annotations
 
+import io
 import os
 import traceback
 from typing import Any, Callable
@@ -30,7 +31,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
         init_process_group(timeout_minutes=5)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Serialise to bytes: tensors sent as-is go through shared-memory file
+        # descriptors that vanish when this process exits before the parent reads.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # report everything, including SystemExit
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -42,6 +47,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks."""
+    import torch
+
     from kvtrain.backend import free_port
 
     ctx = mp.get_context("spawn")
@@ -68,7 +75,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             continue
         rank, ok, value = queue.get()
         if ok:
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
         else:
             failures.append(f"rank {rank} failed:\n{value}")
             break  # the other ranks are likely stuck in a collective

@@ -150,19 +150,19 @@ def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            # Allow 1e6-style floats that are whole numbers (token budgets).
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
+            # Allow whole numbers written 1e9 / 1.0e9 (token budgets); PyYAML
+            # reads an exponent without a sign as a string.
+            number = _as_float(value)
+            if number is not None and number.is_integer():
+                return int(number)
             raise ConfigError(f"{_where(key, source, line)}: expected int, got {value!r}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             # PyYAML reads "1e-4" (no dot) as a string: accept numeric strings.
-            if isinstance(value, str):
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
+            number = _as_float(value)
+            if number is not None:
+                return number
             raise ConfigError(f"{_where(key, source, line)}: expected float, got {value!r}")
         return float(value)
     if tp is str:
@@ -170,6 +170,17 @@ def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None
             raise ConfigError(f"{_where(key, source, line)}: expected str, got {value!r}")
         return value
     raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, float):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def field_hints(cls: type) -> dict[str, Any]:
