@@ -186,6 +186,7 @@ class KVShiftSelfAttention(SelfAttention):
             param.kv_shift = True  # lets the optimizer find them (weight decay switch)
             self.register_parameter(PARAM_NAMES[tensor], param)
         self._doc_ids: Optional[Tensor] = None
+        self._inference = None
 
     # -- the shift ---------------------------------------------------------------
     def coefficients(self, tensor: str) -> Tensor:
@@ -193,8 +194,11 @@ class KVShiftSelfAttention(SelfAttention):
         return effective_coefficients(getattr(self, PARAM_NAMES[tensor]), self.kv_shift.mode)
 
     def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
-        # get_query_key_value_tensors does not see the mask or packing: note the
-        # document boundaries here for the shift to reset at.
+        # get_query_key_value_tensors does not see the mask, packing or the
+        # inference context: note them here for the shift.
+        self._inference = kwargs.get("inference_context") or kwargs.get("inference_params")
+        if len(args) >= 2 and args[1] is not None:  # (key_value_states, inference_context, ...)
+            self._inference = args[1]
         self._doc_ids = None
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q_padded
@@ -208,6 +212,7 @@ class KVShiftSelfAttention(SelfAttention):
                                    packed_seq_params=packed_seq_params, **kwargs)
         finally:
             self._doc_ids = None
+            self._inference = None
 
     def _resolve_doc_ids(self, s: int, b: int) -> Optional[Tensor]:
         if self._doc_ids is None:
@@ -224,20 +229,56 @@ class KVShiftSelfAttention(SelfAttention):
         out = super().get_query_key_value_tensors(
             hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
         )
-        query, key, value = out[:3]  # q [s, b, np, d]; k, v [s, b, ng, d]
-        s, b = key.shape[0], key.shape[1]
+        tensors = dict(zip("qkv", out[:3]))  # q [s, b, np, d]; k, v [s, b, ng, d]
+        s, b = tensors["k"].shape[0], tensors["k"].shape[1]
         doc_ids = self._resolve_doc_ids(s, b)
-        shift = self.kv_shift.shift
-        if "k" in shift:
-            key = shift_tokens(key, self.coefficients("k"), doc_ids)
-        if "v" in shift:
-            value = shift_tokens(value, self.coefficients("v"), doc_ids)
-        if "q" in shift:
-            # One coefficient set per KV group, shared by the group's query heads.
-            heads_per_group = query.shape[2] // key.shape[2]
-            coef = self.coefficients("q").repeat_interleave(heads_per_group, dim=0)
-            query = shift_tokens(query, coef, doc_ids)
-        return (query, key, value, *out[3:])
+        for name in self.kv_shift.shift:
+            coef = self.coefficients(name)
+            if name == "q":
+                # One coefficient set per KV group, shared by the group's query heads.
+                coef = coef.repeat_interleave(tensors["q"].shape[2] // tensors["k"].shape[2], 0)
+            if self._decoding():
+                tensors[name] = self._shift_with_cache(name, tensors[name], coef)
+            else:
+                tensors[name] = shift_tokens(tensors[name], coef, doc_ids)
+        return (tensors["q"], tensors["k"], tensors["v"], *out[3:])
+
+    # -- incremental decoding ------------------------------------------------------
+    def _decoding(self) -> bool:
+        ctx = self._inference
+        if ctx is None or self.training:
+            return False
+        if not ctx.is_static_batching():
+            raise RuntimeError(
+                "KV shift supports megatron's static-batching inference; dynamic batching "
+                "needs per-request shift state"
+            )
+        return True
+
+    def _shift_with_cache(self, name: str, x: Tensor, coef: Tensor) -> Tensor:
+        """Shift ``x`` [s, b, h, d] continuing from the cached raw tail of earlier steps.
+
+        The KV cache holds shifted keys/values; the next step needs the previous
+        tokens' *raw* projections, kept here as a ``[w, max_batch, h, d]`` tail.
+        It is stored in ``key_value_memory_dict`` under a string key, as a pair
+        indexed ``[:, batch]`` like megatron's own entries, so that
+        ``swap_key_value_dict`` (beam search) reorders it with the KV cache.
+        """
+        ctx = self._inference
+        w = self.kv_shift.window
+        slot = f"kv_shift.{name}.{self.layer_number}"
+        start = ctx.batch_size_offset
+        end = start + x.shape[1]
+        if ctx.sequence_len_offset == 0 or slot not in ctx.key_value_memory_dict:
+            tail_all = x.new_zeros(w, ctx.max_batch_size, *x.shape[2:])
+            ctx.key_value_memory_dict[slot] = (tail_all, tail_all)
+        tail_all = ctx.key_value_memory_dict[slot][0]
+        if ctx.sequence_len_offset == 0:
+            tail_all[:, start:end].zero_()  # a new sequence: nothing before it
+        joined = torch.cat([tail_all[:, start:end], x], dim=0)  # [w + s, b, h, d]
+        shifted = shift_tokens(joined, coef)[w:]
+        tail_all[:, start:end] = joined[-w:].detach()
+        return shifted
 
     # -- checkpoints ---------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
