@@ -106,3 +106,30 @@ def test_unsupported_layouts_give_clear_errors(mp1):
     tc.fused_single_qkv_rope = True
     with pytest.raises(ValueError, match="fused_single_qkv_rope"):
         build_gpt(cfg, tc)
+
+
+def test_thd_packed_sequences_reset_at_cu_seqlens(mp1):
+    """THD packing (which needs TE attention to run end to end): the Q/K/V the
+    attention sees reset at each cu_seqlens boundary, as if each sequence were alone."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cfg = tiny("kv_shift")
+    attn = build_gpt(cfg, transformer_config(cfg)).decoder.layers[0].self_attention
+    seen = {}
+
+    def capture(query, key, value, *args, **kwargs):  # stands in for core attention
+        seen["k"], seen["v"] = key, value
+        raise StopIteration
+
+    attn.core_attention.forward = capture
+    x = torch.randn(9, 1, 32)  # [t, 1, h]: three packed sequences of 3, 2 and 4 tokens
+    cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=4, max_seqlen_kv=4)
+    with pytest.raises(StopIteration):
+        attn(x, attention_mask=None, packed_seq_params=params)
+    packed = seen["k"]  # [t, g, d] after megatron squeezes the THD batch dim
+    for a, b in [(0, 3), (3, 5), (5, 9)]:
+        with pytest.raises(StopIteration):
+            attn(x[a:b], attention_mask=None)
+        torch.testing.assert_close(packed[a:b], seen["k"][:, 0])
