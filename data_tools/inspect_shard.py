@@ -1,0 +1,128 @@
+"""``kvtrain data inspect``: what is in an IndexedDataset, and is it sound.
+
+Prints the header (version, token dtype), counts of documents, sequences and
+tokens, document length statistics and a log2 histogram, the preprocess
+record (``.meta.json``) when there is one, and the first documents, decoded
+when a tokenizer is given (or recorded in the meta and still on disk).
+Exit status 1 when the files are inconsistent.
+
+(Not called ``inspect.py``: that would shadow the standard library module
+for anything run from inside this folder.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from data_tools.indexed import CODE_DTYPES, IndexedReader, resolve_prefixes
+from data_tools.progress import skipped_text
+
+
+def histogram(lengths: np.ndarray, width: int = 40) -> list[str]:
+    """Log2-bucketed histogram lines: ``[lo, hi)  count  bar``."""
+    if lengths.size == 0:
+        return ["  (no documents)"]
+    buckets = np.floor(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+    counts = np.bincount(buckets)
+    top = counts.max()
+    lines = []
+    for b in range(int(buckets.min()), len(counts)):
+        lo, hi = 1 << b, (1 << (b + 1))
+        bar = "#" * max(1 if counts[b] else 0, round(width * counts[b] / top))
+        lines.append(f"  [{lo:>7}, {hi:>7})  {counts[b]:>10,}  {bar}")
+    return lines
+
+
+def _load_tokenizer(path: str | None, meta: dict | None, warn):
+    if path is None and meta and os.path.isfile(meta.get("tokenizer", "")):
+        path = meta["tokenizer"]
+    if path is None:
+        return None
+    try:
+        from data_tools.tokenizer import SentencePieceTokenizer
+
+        return SentencePieceTokenizer(path)
+    except (OSError, ValueError, RuntimeError) as e:
+        warn(f"cannot load tokenizer {path}: {e}")
+        return None
+
+
+def inspect(prefix: str, tokenizer: str | None = None, docs: int = 3, max_chars: int = 400,
+            out=print) -> int:
+    """Print the report for one dataset; returns the exit status."""
+    r = IndexedReader(prefix)
+    lengths = r.document_lengths()
+    dtype_name = np.dtype(CODE_DTYPES[r.dtype_code]).name
+    out(f"dataset    {r.prefix}")
+    out(f"  .idx     {r.idx_bytes:,} bytes, version {r.version}, dtype {dtype_name} "
+        f"(code {r.dtype_code}){', multimodal' if r.multimodal else ''}")
+    out(f"  .bin     {r.bin_bytes:,} bytes")
+    out(f"documents  {r.num_documents:,}")
+    out(f"sequences  {r.sequence_count:,}")
+    out(f"tokens     {r.num_tokens:,}")
+    problems = r.check()
+    out("check      " + ("OK" if not problems else "FAILED: " + "; ".join(problems)))
+    if lengths.size:
+        q = np.percentile(lengths, [50, 90, 99])
+        out(f"tokens per document: min {lengths.min():,}  mean {lengths.mean():,.1f}  "
+            f"median {q[0]:,.0f}  p90 {q[1]:,.0f}  p99 {q[2]:,.0f}  max {lengths.max():,}")
+    out("document length histogram (tokens):")
+    for line in histogram(lengths):
+        out(line)
+    meta = None
+    if os.path.exists(r.prefix + ".meta.json"):
+        with open(r.prefix + ".meta.json") as f:
+            meta = json.load(f)
+        counts = meta.get("counts", {})
+        if "fingerprint" in meta:
+            n_in = len(meta["fingerprint"].get("inputs", []))
+            skipped = skipped_text(counts.get("skipped", {}))
+            out(f"preprocess {n_in} input file(s), skipped: {skipped}")
+        if "merged_from" in meta:
+            out(f"merged     from {len(meta['merged_from'])} datasets")
+    tok = _load_tokenizer(tokenizer, meta, lambda m: out(f"warning: {m}"))
+    if tok is not None and r.num_tokens and not problems:
+        out(f"tokenizer  {tok.model_path} (vocab {tok.vocab_size}, eod {tok.eod})")
+        ends = r.sequence_pointers[r.document_indices[1:] - 1] // r.itemsize + \
+            r.sequence_lengths[r.document_indices[1:] - 1] - 1
+        no_eod = int((r._tokens[ends[lengths > 0]] != tok.eod).sum())
+        out(f"  documents not ending in EOD: {no_eod:,}")
+        top = int(r._tokens.max())
+        if top >= tok.vocab_size:
+            out(f"  WARNING: token id {top} >= vocab size {tok.vocab_size}: wrong tokenizer?")
+            problems.append("ids outside the vocabulary")
+    for i in range(min(docs, r.num_documents)):
+        ids = r.document(i)
+        out(f"--- document {i}: {len(ids):,} tokens")
+        if tok is not None and (len(ids) == 0 or int(ids.max()) < tok.vocab_size):
+            text = tok.decode(ids[:-1] if len(ids) and ids[-1] == tok.eod else ids)
+            shown = text[:max_chars].replace("\n", "\n    ")
+            out("    " + shown + (" [...]" if len(text) > max_chars else "")
+                + ("  <EOD>" if len(ids) and ids[-1] == tok.eod else ""))
+        else:
+            more = " ..." if len(ids) > 64 else ""
+            out("    " + " ".join(str(int(t)) for t in ids[:64]) + more)
+    return 1 if problems else 0
+
+
+def run(args) -> int:
+    """CLI entry (see data_tools.cli)."""
+    try:
+        prefixes = resolve_prefixes(args.prefix)
+    except FileNotFoundError as e:
+        print(f"kvtrain data inspect: error: {e}", file=sys.stderr)
+        return 1
+    status = 0
+    for i, prefix in enumerate(prefixes):
+        if i:
+            print()
+        try:
+            status |= inspect(prefix, args.tokenizer, args.docs, args.max_chars)
+        except (OSError, ValueError) as e:
+            print(f"kvtrain data inspect: error: {e}", file=sys.stderr)
+            status = 1
+    return status

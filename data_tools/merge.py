@@ -1,0 +1,110 @@
+"""``kvtrain data merge``: join IndexedDatasets (e.g. preprocess shards) into one.
+
+The result equals, byte for byte, what megatron's
+``IndexedDatasetBuilder.add_index`` would produce, and what preprocess would
+have written for the concatenated inputs: documents are encoded
+independently, so joining their token streams and indexes in order is exact.
+
+Streams: token bytes are copied in blocks and index arrays appended block by
+block, so memory stays small for any size. The output is written under
+temporary names and renamed in when complete, like preprocess.
+
+Shards of different token dtypes (uint16 and int32, from tokenizers of
+different sizes) are widened to the larger; everything else must match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from data_tools.indexed import IndexedReader, IndexedWriter, atomic_write_bytes, resolve_prefixes
+from data_tools.progress import Counts
+
+_BLOCK = 1 << 22  # index entries or tokens per block
+
+
+def output_name(output_prefix: str) -> str:
+    """``OUT`` -> ``OUT_text_document`` (as preprocess names a single shard);
+    a name already ending in ``_text_document`` is used as is."""
+    if output_prefix.endswith("_text_document"):
+        return output_prefix
+    return output_prefix + "_text_document"
+
+
+def merge(sources: list[str], output_prefix: str, log=None) -> dict:
+    """Merge the datasets ``sources`` (prefixes) in order into ``output_prefix``
+    (the exact dataset prefix to write). Returns the written meta dict."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    out = os.path.abspath(output_prefix)
+    if not sources:
+        raise ValueError("nothing to merge")
+    if out in {os.path.abspath(s) for s in sources}:
+        raise ValueError(f"{output_prefix}: the output is also an input")
+    readers = [IndexedReader(s) for s in sources]
+    for r in readers:
+        if r.multimodal:
+            raise ValueError(f"{r.prefix}: multimodal datasets (sequence modes) are not supported")
+        problems = r.check()
+        if problems:
+            raise ValueError(f"{r.prefix}: damaged: {'; '.join(problems)}")
+    dtype = np.result_type(*[r.dtype for r in readers]).type
+    counts = Counts()
+    counts_known = True
+    parts = []
+    with IndexedWriter(out, dtype) as writer:
+        for r in readers:
+            offset = writer.sequences
+            if r.dtype == dtype:
+                writer.append_bin_file(r.bin_file, r.bin_bytes)
+            else:
+                for start in range(0, r.num_tokens, _BLOCK):
+                    writer.write_tokens(np.asarray(r._tokens[start:start + _BLOCK]))
+            # Index entries: lengths as they are, document ends shifted by the
+            # sequences already written (the builder's add_index does the same).
+            S, ends = r.sequence_count, r.document_indices[1:]
+            for start in range(0, max(S, len(ends)), _BLOCK):
+                writer.add_index_entries(r.sequence_lengths[start:start + _BLOCK],
+                                         ends[start:start + _BLOCK] + offset)
+            meta = _read_meta(r.prefix)
+            if meta and "counts" in meta:
+                counts.merge(Counts.from_dict(meta["counts"]))
+            else:
+                counts_known = False
+            parts.append({"prefix": os.path.abspath(r.prefix), "documents": r.num_documents,
+                          "sequences": r.sequence_count, "tokens": r.num_tokens})
+        bin_bytes, idx_bytes = writer.commit()
+    result = {"merged_from": parts, "bin_bytes": bin_bytes, "idx_bytes": idx_bytes,
+              "dtype": np.dtype(dtype).name, "documents": sum(p["documents"] for p in parts),
+              "tokens": sum(p["tokens"] for p in parts)}
+    if counts_known:
+        result["counts"] = counts.to_dict()
+    atomic_write_bytes(out + ".meta.json", (json.dumps(result, indent=1) + "\n").encode())
+    log(f"merge: wrote {out}.bin/.idx: {len(parts)} datasets, {result['documents']:,} "
+        f"documents, {result['tokens']:,} tokens ({result['dtype']})")
+    return result
+
+
+def _read_meta(prefix: str) -> dict | None:
+    try:
+        with open(prefix + ".meta.json") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def run(args) -> int:
+    """CLI entry (see data_tools.cli)."""
+    try:
+        sources = [p for spec in args.inputs for p in resolve_prefixes(spec, prefer_shards=True)]
+        out = output_name(args.output_prefix)
+        # A glob can also match an earlier merge result; never read the output.
+        sources = [s for s in sources if os.path.abspath(s) != os.path.abspath(out)]
+        merge(sources, out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"kvtrain data merge: error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,316 @@
+"""``kvtrain data preprocess``: documents -> Megatron ``_text_document`` shards.
+
+Pipeline (one process per core)::
+
+    main, feeder thread   worker processes          main thread
+    read + split files -> parse, validate, encode -> append .bin, spool index
+        (readers)            (encoder)                 (indexed.IndexedWriter)
+
+``Pool.imap`` keeps results in input order, so the output is the same for
+any ``--workers`` (0 runs everything inline). The feeder blocks once
+``4 * workers`` chunks are in flight, which bounds memory whatever the corpus
+size (about ``chunk size * 4 * workers`` plus their tokens).
+
+Shards: one per input file by default (one in all with ``--text-mode file``),
+or ``--shards N`` contiguous groups of inputs balanced by size. A single shard
+is ``PREFIX_text_document``; several are ``PREFIX_00000_text_document``, ...
+(``kvtrain data merge`` joins them).
+
+Interruption: a shard is written to temporary files and renamed in when
+complete; then ``SHARD.meta.json`` is written, recording the fingerprint of
+its inputs (path, size, mtime), tokenizer (sha256) and options. ``--resume``
+keeps the shards whose meta matches and redoes the rest, so a killed run
+resumed gives the same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from data_tools import readers
+from data_tools.encoder import ChunkEncoder, Encoded, ShardEnd, encode_item, init_worker
+from data_tools.indexed import (
+    IndexedWriter,
+    atomic_write_bytes,
+    bin_path,
+    idx_path,
+    remove_stale_temps,
+    token_dtype,
+)
+from data_tools.progress import Counts, Progress, summary
+from data_tools.tokenizer import SentencePieceTokenizer
+
+META_VERSION = 1
+
+
+class StrictError(Exception):
+    """``--strict`` met a bad record; the message names file:line."""
+
+
+@dataclass
+class Shard:
+    index: int
+    prefix: str                    # .../NAME_text_document
+    inputs: list[readers.InputFile]
+
+    @property
+    def meta_path(self) -> str:
+        return self.prefix + ".meta.json"
+
+
+def default_workers() -> int:
+    if hasattr(os, "process_cpu_count"):
+        return os.process_cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def plan_shards(inputs: list[readers.InputFile], output_prefix: str, shards: int | None,
+                text_mode: str = "line") -> list[Shard]:
+    """Group inputs into shards: contiguous, in input order, balanced by size."""
+    if shards is None:
+        shards = 1 if text_mode == "file" else len(inputs)
+    n = max(1, min(shards, len(inputs)))
+    # Boundaries where the running size crosses k/n of the total, nudged so
+    # that every shard gets at least one file.
+    cum = list(itertools.accumulate((max(i.size, 1) for i in inputs), initial=0))
+    bounds = [0]
+    for k in range(1, n):
+        cut = bisect.bisect_left(cum, cum[-1] * k / n)
+        bounds.append(min(max(cut, bounds[-1] + 1), len(inputs) - (n - k)))
+    bounds.append(len(inputs))
+    groups = [inputs[bounds[k]:bounds[k + 1]] for k in range(n)]
+    if n == 1:
+        return [Shard(0, f"{output_prefix}_text_document", groups[0])]
+    return [Shard(i, f"{output_prefix}_{i:05d}_text_document", grp) for i, grp in enumerate(groups)]
+
+
+def fingerprint(shard: Shard, tokenizer_sha: str, options: dict) -> dict:
+    return {
+        "version": META_VERSION,
+        "inputs": [{"path": os.path.abspath(i.path), "size": i.size,
+                    "mtime_ns": os.stat(i.path).st_mtime_ns} for i in shard.inputs],
+        "tokenizer_sha256": tokenizer_sha,
+        **options,
+    }
+
+
+def is_complete(shard: Shard, fp: dict) -> bool:
+    """Complete = meta written after the rename, same fingerprint, sizes match."""
+    try:
+        with open(shard.meta_path) as f:
+            meta = json.load(f)
+        return (meta.get("fingerprint") == fp
+                and os.path.getsize(bin_path(shard.prefix)) == meta["bin_bytes"]
+                and os.path.getsize(idx_path(shard.prefix)) == meta["idx_bytes"])
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+class _BoundedFeed:
+    """Iterator handed to ``Pool.imap``: at most ``limit`` items in flight.
+
+    ``imap`` drains its input in a background thread as fast as it can; the
+    semaphore makes that thread wait until the main thread has consumed
+    results. ``stop`` unblocks it so ``Pool.terminate`` (which joins that
+    thread) cannot hang."""
+
+    def __init__(self, items, limit: int) -> None:
+        self._items = items
+        self._sem = threading.BoundedSemaphore(limit)
+        self._limit = limit
+        self._stopped = False
+
+    def __iter__(self):
+        for item in self._items:
+            self._sem.acquire()
+            if self._stopped:
+                return
+            yield item
+
+    def consumed(self) -> None:
+        self._sem.release()
+
+    def stop(self) -> None:
+        self._stopped = True
+        for _ in range(self._limit):
+            try:
+                self._sem.release()
+            except ValueError:
+                break
+
+
+def _work_items(shards: list[Shard], json_key: str, text_mode: str, chunk_bytes: int):
+    for shard in shards:
+        if text_mode == "file":
+            yield from readers.iter_file_docs(shard.inputs, shard.index, chunk_bytes)
+        else:
+            for inp in shard.inputs:
+                yield from readers.iter_chunks(inp, shard.index, json_key, chunk_bytes)
+        yield ShardEnd(shard.index)
+
+
+class _ShardSink:
+    """Receives the encoded chunks in order and writes them to their shards:
+    opens a shard's writer at its first result, commits it and writes its
+    meta at its ShardEnd, discards it on abort."""
+
+    def __init__(self, plan: list[Shard], fps: dict, dtype: type, tok: SentencePieceTokenizer):
+        self.shards = {s.index: s for s in plan}
+        self.fps, self.dtype, self.tok = fps, dtype, tok
+        self.writer: IndexedWriter | None = None
+        self.counts = Counts()  # of the shard being written
+
+    def _open(self, shard: Shard) -> IndexedWriter:
+        for name in (bin_path(shard.prefix), idx_path(shard.prefix),
+                     shard.prefix + ".lengths", shard.prefix + ".docs"):
+            remove_stale_temps(name)
+        # Invalidate first: from here until the new meta lands, this shard
+        # does not count as complete, whatever is on disk.
+        try:
+            os.unlink(shard.meta_path)
+        except FileNotFoundError:
+            pass
+        self.counts = Counts()
+        return IndexedWriter(shard.prefix, self.dtype)
+
+    def add(self, res: Encoded) -> None:
+        if self.writer is None:
+            self.writer = self._open(self.shards[res.shard])
+        self.writer.add_documents(res.tokens, res.lengths)
+        self.counts.add(len(res.lengths), int(res.tokens.size), res.text_bytes, res.disk_bytes,
+                        res.counts)
+
+    def end(self, index: int) -> None:
+        shard = self.shards[index]
+        if self.writer is None:  # a shard whose inputs hold no line at all
+            self.writer = self._open(shard)
+        bin_bytes, idx_bytes = self.writer.commit()
+        self.writer = None
+        meta = {"fingerprint": self.fps[index], "counts": self.counts.to_dict(),
+                "bin_bytes": bin_bytes, "idx_bytes": idx_bytes,
+                "tokenizer": os.path.abspath(self.tok.model_path),
+                "vocab_size": self.tok.vocab_size}
+        atomic_write_bytes(shard.meta_path, (json.dumps(meta, indent=1) + "\n").encode())
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
+
+def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_prefix: str, *,
+               json_key: str = "text", text_mode: str = "line", workers: int | None = None,
+               shards: int | None = None, resume: bool = False, strict: bool = False,
+               report_bad: int = 5, chunk_bytes: int = readers.DEFAULT_CHUNK_BYTES,
+               progress: bool = True, log=None) -> dict:
+    """Run the pipeline. Returns a dict: counts (all shards, resumed ones
+    included), outputs (shard prefixes), resumed, dtype, elapsed, first_bad.
+
+    Raises StrictError (strict mode), readers.InputError (unreadable input)."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    if text_mode == "file" and any(i.format != "text" for i in inputs):
+        raise ValueError("--text-mode file reads text files whole; some inputs are not text")
+    tok = SentencePieceTokenizer(tokenizer_path)
+    dtype = token_dtype(tok.vocab_size)
+    plan = plan_shards(inputs, os.path.abspath(output_prefix), shards, text_mode)
+    options = {"json_key": json_key, "text_mode": text_mode, "dtype": np.dtype(dtype).name,
+               "eod": tok.eod}
+    fps = {s.index: fingerprint(s, tok.sha256, options) for s in plan}
+    todo = [s for s in plan if not (resume and is_complete(s, fps[s.index]))]
+    total = Counts()
+    todo_ids = {s.index for s in todo}
+    for s in plan:
+        if s.index not in todo_ids:
+            with open(s.meta_path) as f:
+                total.merge(Counts.from_dict(json.load(f)["counts"]))
+    if resume:
+        log(f"preprocess: resume: {len(plan) - len(todo)} of {len(plan)} shard(s) complete, "
+            f"{len(todo)} to do")
+    workers = default_workers() if workers is None else workers
+    keep = max(report_bad, 1 if strict else 0)  # bad-record samples each chunk reports
+    sink = _ShardSink(plan, fps, dtype, tok)
+    bar = Progress(sum(i.size for s in todo for i in s.inputs), enabled=progress)
+    run_counts, done_bytes, first_bad = Counts(), 0, []
+
+    items = _work_items(todo, json_key, text_mode, chunk_bytes)
+    pool = feed = None
+    if workers > 0 and todo:
+        ctx = multiprocessing.get_context()
+        # Workers are children of this process, except under forkserver.
+        parent = None if ctx.get_start_method() == "forkserver" else os.getpid()
+        pool = ctx.Pool(workers, initializer=init_worker,
+                        initargs=(tok.model_path, dtype, json_key, keep, parent))
+        feed = _BoundedFeed(items, 4 * workers)
+        results = pool.imap(encode_item, feed, chunksize=1)
+    else:
+        results = map(ChunkEncoder(tok.model_path, dtype, json_key, keep), items)
+    try:
+        for res in results:
+            if feed is not None:
+                feed.consumed()
+            if isinstance(res, ShardEnd):
+                sink.end(res.shard)
+                continue
+            if res.samples and strict:
+                loc, reason, detail = res.samples[0]
+                raise StrictError(f"{loc}: {reason} ({detail})")
+            for loc, reason, detail in res.samples[: max(report_bad - len(first_bad), 0)]:
+                first_bad.append((loc, reason, detail))
+                bar.message(f"preprocess: skipped {loc}: {reason} ({detail})")
+            sink.add(res)
+            run_counts.add(len(res.lengths), int(res.tokens.size), res.text_bytes,
+                           res.disk_bytes, res.counts)
+            done_bytes += res.disk_bytes
+            bar.update(run_counts, done_bytes)
+    except BaseException:
+        sink.abort()
+        if pool is not None:
+            feed.stop()
+            pool.terminate()
+        raise
+    finally:
+        bar.clear()
+    if pool is not None:
+        pool.close()
+        pool.join()
+    total.merge(run_counts)
+    return {"counts": total, "outputs": [s.prefix for s in plan],
+            "resumed": len(plan) - len(todo), "dtype": np.dtype(dtype).name,
+            "elapsed": bar.elapsed(), "first_bad": first_bad}
+
+
+def run(args) -> int:
+    """CLI entry (see data_tools.cli)."""
+    try:
+        inputs = readers.discover(args.input, args.format)
+        result = preprocess(
+            inputs, args.tokenizer, args.output_prefix, json_key=args.json_key,
+            text_mode=args.text_mode, workers=args.workers, shards=args.shards,
+            resume=args.resume, strict=args.strict, report_bad=args.report_bad,
+            chunk_bytes=int(args.chunk_mb * (1 << 20)), progress=not args.quiet)
+    except StrictError as e:
+        print(f"kvtrain data preprocess: error (--strict): {e}; nothing was written for "
+              f"the shard being processed", file=sys.stderr)
+        return 1
+    except (readers.InputError, FileNotFoundError, ValueError) as e:
+        print(f"kvtrain data preprocess: error: {e}", file=sys.stderr)
+        return 1
+    print(summary(result["counts"], result["elapsed"], dtype=result["dtype"],
+                  outputs=result["outputs"], resumed=result["resumed"],
+                  first_bad=result["first_bad"]))
+    if len(result["outputs"]) > 1:
+        # merge resolves a preprocess prefix to all of its shards
+        print(f"  join them:  kvtrain data merge --output-prefix {args.output_prefix} "
+              f"{args.output_prefix}")
+    return 0

@@ -1,0 +1,89 @@
+"""CLI smoke: the whole pipeline through ``kvtrain data ...`` subprocesses,
+``python -m data_tools``, and the demo corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import dt_helpers as h  # noqa: E402
+
+
+def test_pipeline_through_kvtrain_data(tmp_path):
+    corpus = tmp_path / "demo.jsonl"
+    proc = h.kvtrain("data", "demo-corpus", "--output", str(corpus), "--max-mb", "0.4")
+    assert "documents" in proc.stderr
+    lines = corpus.read_text(encoding="utf-8").splitlines()
+    assert len(lines) > 100
+    first = json.loads(lines[0])
+    assert first["text"] and first["id"].startswith("stdlib:")
+
+    h.kvtrain("data", "train-tokenizer", "--input", str(corpus), "--vocab-size", "600",
+              "--output", str(tmp_path / "tok"), "--threads", "2")
+    side = json.loads((tmp_path / "tok.json").read_text())
+    assert side["vocab_size"] == 600 and side["eod_id"] == 2 and side["pad_id"] == 3
+
+    proc = h.kvtrain("data", "preprocess", "--input", str(corpus), "--tokenizer",
+                     str(tmp_path / "tok.model"), "--output-prefix", str(tmp_path / "demo"),
+                     "--workers", "2")
+    assert f"{len(lines):,} written, 0 skipped" in proc.stdout
+    assert "tokens/s" in proc.stdout and "MB/s" in proc.stdout
+    prefix = tmp_path / "demo_text_document"
+    expected = h.encode_expected(str(tmp_path / "tok.model"),
+                                 [json.loads(line)["text"] for line in lines])
+    assert h.shard_docs(str(prefix)) == expected
+
+    proc = h.kvtrain("data", "inspect", str(tmp_path / "demo"), "--docs", "2")
+    out = proc.stdout
+    assert "version 1, dtype uint16 (code 8)" in out
+    assert f"documents  {len(lines):,}" in out
+    assert f"tokens     {sum(map(len, expected)):,}" in out
+    assert "check      OK" in out
+    assert "document length histogram (tokens):" in out
+    assert "documents not ending in EOD: 0" in out  # tokenizer found via the meta
+    assert first["text"].splitlines()[0] in out  # first document decoded
+
+    proc = h.kvtrain("data", "merge", "--output-prefix", str(tmp_path / "twice"),
+                     str(prefix), str(prefix) + ".idx")
+    assert "merge: wrote" in proc.stderr
+    assert h.shard_docs(str(tmp_path / "twice_text_document")) == expected + expected
+
+    proc = h.kvtrain("data", "inspect", str(tmp_path / "nothing"), check=False)
+    assert proc.returncode == 1 and "no IndexedDataset" in proc.stderr
+
+
+def test_python_m_data_tools_and_light_help():
+    proc = subprocess.run([sys.executable, "-m", "data_tools", "--help"], capture_output=True,
+                          text=True, cwd=h.ROOT, timeout=60)
+    assert proc.returncode == 0
+    for cmd in ("train-tokenizer", "preprocess", "merge", "inspect", "demo-corpus"):
+        assert cmd in proc.stdout
+    # `kvtrain data --help` loads neither the trainer stack nor the tokenizer.
+    code = ("import sys\nfrom kvtrain.cli import main\n"
+            "try:\n    main(['data', 'preprocess', '--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = {'torch', 'megatron', 'sentencepiece', 'numpy', 'pyarrow'} & "
+            "{m.split('.')[0] for m in sys.modules}\nprint(sorted(heavy))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=h.ROOT, timeout=60)
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
+
+
+def test_demo_corpus_is_deterministic(tmp_path):
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"demo{seed}.jsonl"
+        subprocess.run([sys.executable, "-m", "data_tools", "demo-corpus", "--output", str(out)],
+                       check=True, capture_output=True, cwd=h.ROOT, timeout=120,
+                       env={**os.environ, "PYTHONHASHSEED": seed})
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    size = len(outs[0])
+    assert 1_000_000 < size < 20_000_000  # "a few MB"
+    texts = [json.loads(line)["text"] for line in outs[0].splitlines()]
+    assert all(t.strip() for t in texts)
+    assert not any(" at 0x" in t for t in texts)  # no memory addresses
+    ids = [json.loads(line)["id"] for line in outs[0].splitlines()]
+    assert len(set(ids)) == len(ids)
