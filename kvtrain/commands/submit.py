@@ -1,0 +1,149 @@
+"""``kvtrain submit CONFIG --nodes N ...``: fill in launch/slurm.sbatch and call sbatch.
+
+Checks the config first (on N x GPUs-per-node ranks, and with ``kvtrain plan``'s
+memory estimate on GPU runs), then submits one job - or a chain of ``--chain
+K`` jobs with the same name and ``--dependency=singleton``, each starting when
+the previous one ends and resuming from its checkpoint. ``--dry-run`` prints
+the commands instead. ``--gpus-per-node 0`` submits a CPU job (gloo; one
+process per CPU of the node unless ``--nproc-per-node``).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "submit",
+        help="submit a training run to SLURM (launch/slurm.sbatch)",
+        description="Submit CONFIG to SLURM: one torchrun per node, c10d rendezvous on the "
+                    "first node, checkpoint and requeue before the time limit.",
+    )
+    p.add_argument("config", help="run config (YAML)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node (default 8); 0 for a CPU-only job")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes per node (default: the GPUs, or the node's CPUs)")
+    from kvtrain.plan.flops import GPUS
+
+    p.add_argument("--gpu", choices=sorted(GPUS), default="a100",
+                   help="GPU kind for kvtrain plan's memory check (default a100)")
+    p.add_argument("--partition", "-p", help="SLURM partition")
+    p.add_argument("--account", "-A", help="SLURM account")
+    p.add_argument("--qos", help="SLURM QOS")
+    p.add_argument("--time", "-t", help="time limit per job, e.g. 24:00:00")
+    p.add_argument("--job-name", help="job name (default kvtrain-<config name>); chained "
+                   "jobs share it (--dependency=singleton)")
+    p.add_argument("--signal-seconds", type=int, default=300,
+                   help="send SIGUSR1 this many seconds before the time limit: the trainer "
+                        "saves and the job requeues itself (default 300)")
+    p.add_argument("--chain", type=int, default=1,
+                   help="submit this many jobs in a chain (default 1)")
+    p.add_argument("--no-singleton", action="store_true",
+                   help="do not add --dependency=singleton")
+    p.add_argument("--max-requeues", type=int, default=None,
+                   help="requeue at most this many times (default 50)")
+    p.add_argument("--container-image", help="run in this container (pyxis/enroot)")
+    p.add_argument("--container-mounts", help="pyxis --container-mounts (default: repo, run folder)")
+    p.add_argument("--run-dir", help="run folder (default: the config's, else runs/<name>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="extra sbatch argument, e.g. --sbatch-arg=--exclude=node7 (repeatable)")
+    p.add_argument("--no-plan", action="store_true",
+                   help="skip the memory estimate of kvtrain plan (GPU jobs)")
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch commands only")
+    p.set_defaults(func=run)
+
+
+def repo_root() -> Path:
+    """The checkout holding launch/slurm.sbatch (kvtrain is installed editable)."""
+    here = Path(__file__).resolve().parents[2]
+    if (here / "launch" / "slurm.sbatch").is_file():
+        return here
+    cwd = Path.cwd()
+    if (cwd / "launch" / "slurm.sbatch").is_file():
+        return cwd
+    raise SystemExit("kvtrain submit: launch/slurm.sbatch not found (run from the kvtrain checkout)")
+
+
+def build(args) -> tuple[list[str], dict[str, str]]:
+    """The sbatch command line and the environment it needs (also for tests)."""
+    from kvtrain.config import ConfigError, load_config
+
+    if args.nodes < 1 or args.chain < 1 or args.gpus_per_node < 0:
+        raise ConfigError("--nodes and --chain must be >= 1 and --gpus-per-node >= 0")
+    nproc = args.nproc_per_node or (args.gpus_per_node or None)
+    world = args.nodes * nproc if nproc else None
+    cfg = load_config(args.config, args.overrides, world_size=world)
+    if args.gpus_per_node > 0 and not args.no_plan:
+        from kvtrain.plan import PlanError, make_plan
+
+        try:
+            make_plan(cfg, nodes=args.nodes, gpus_per_node=nproc, gpu=args.gpu)
+        except PlanError as e:
+            raise ConfigError(f"kvtrain plan refuses this layout: {e}") from None
+
+    repo = repo_root()
+    run_dir = Path(args.run_dir or cfg.run_dir or Path("runs") / cfg.name)
+    run_dir = (run_dir if run_dir.is_absolute() else Path.cwd() / run_dir).resolve()
+    config = Path(args.config).resolve()
+    name = args.job_name or f"kvtrain-{cfg.name}"
+
+    cmd = ["sbatch", "--parsable", f"--job-name={name}", f"--nodes={args.nodes}",
+           "--ntasks-per-node=1", f"--chdir={repo}",
+           f"--output={run_dir / 'logs' / 'slurm-%j.out'}",
+           f"--signal=B:USR1@{args.signal_seconds}", "--requeue"]
+    if args.gpus_per_node > 0:
+        cmd.append(f"--gpus-per-node={args.gpus_per_node}")
+    for flag in ("partition", "account", "qos", "time"):
+        value = getattr(args, flag)
+        if value:
+            cmd.append(f"--{flag}={value}")
+    if not args.no_singleton:
+        cmd.append("--dependency=singleton")
+    cmd += args.sbatch_arg
+    cmd += [str(repo / "launch" / "slurm.sbatch"), str(config), *args.overrides]
+
+    env = {"RUN_DIR": str(run_dir), "KVTRAIN_REPO": str(repo)}
+    if args.nproc_per_node:
+        env["NPROC_PER_NODE"] = str(args.nproc_per_node)
+    if args.max_requeues is not None:
+        env["MAX_REQUEUES"] = str(args.max_requeues)
+    if args.container_image:
+        env["CONTAINER_IMAGE"] = args.container_image
+    if args.container_mounts:
+        env["CONTAINER_MOUNTS"] = args.container_mounts
+    return cmd, env
+
+
+def run(args) -> int:
+    cmd, env = build(args)
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
+    if args.dry_run:
+        for _ in range(args.chain):
+            print(shown)
+        return 0
+    if shutil.which("sbatch") is None:
+        print("kvtrain submit: sbatch not found (is this a SLURM login node?)", file=sys.stderr)
+        return 1
+    Path(env["RUN_DIR"], "logs").mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for _ in range(args.chain):
+        out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+        if out.returncode != 0:
+            msg = (out.stderr or out.stdout).strip().splitlines()
+            print(f"kvtrain submit: sbatch failed: {msg[-1] if msg else out.returncode}",
+                  file=sys.stderr)
+            return 1
+        jobs.append(out.stdout.strip().split(";")[0])
+    print(f"submitted job{'s' if len(jobs) > 1 else ''} {' '.join(jobs)}: run folder "
+          f"{env['RUN_DIR']}, logs {env['RUN_DIR']}/logs/slurm-<job id>")
+    return 0

@@ -1,0 +1,127 @@
+"""FLOPs per step and wall time at a given MFU, and the GPUs the plan knows.
+
+The FLOP count is the trainer's (``kvtrain.train.flops``, which the MFU in
+metrics.jsonl uses; ``tests/launch`` checks that the two agree), restated here
+so that planning imports neither torch nor megatron. Per token, training
+(forward + backward = 3 × forward, a multiply-add = 2 FLOPs):
+
+* ``6N`` over the matrix parameters: QKV ``h·(h+2gd)``, output projection
+  ``h·h``, SwiGLU ``3·h·f`` per layer, and the output layer ``h·V``;
+* causal attention ``3·L·2·2·h·(s+1)/2`` (QK^T and A·V; a query sees
+  ``(s+1)/2`` keys on average, which is what flash attention computes);
+* KV shifting ``3·L·(2w+1)·width`` per shifted tensor (``w+1`` multiplies and
+  ``w`` adds per element; width ``g·d`` for K and V, ``h`` for Q).
+
+Wall time: ``step FLOPs / (GPUs × peak × MFU)``. MFU counts model FLOPs only,
+so the recomputed forward of ``recompute: full`` (hardware FLOPs, reported
+too) is part of what lowers the MFU you should assume, not an extra term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtrain.config.schema import ModelConfig
+
+from .params import padded_vocab
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    peak_tflops: float  # dense bf16
+
+
+# 80 GB cards; dense bf16 peak without sparsity.
+GPUS = {
+    "a100": GPU("A100-80G", 80.0, 312.0),
+    "a800": GPU("A800-80G", 80.0, 312.0),  # A100 with reduced NVLink (the paper's 19B)
+    "h800": GPU("H800-80G", 80.0, 989.0),  # H100 SXM compute, reduced NVLink
+    "h100": GPU("H100-80G", 80.0, 989.0),
+}
+
+
+@dataclass(frozen=True)
+class FlopsBreakdown:
+    """Forward FLOPs per sequence, by part (the fields of ``kvtrain.train.flops``)."""
+
+    qkv_and_output_proj: float
+    attention: float
+    mlp: float
+    kv_shift: float
+    logits: float
+
+    @property
+    def forward(self) -> float:
+        return self.qkv_and_output_proj + self.attention + self.mlp + self.kv_shift + self.logits
+
+    @property
+    def training(self) -> float:
+        return 3.0 * self.forward
+
+
+def forward_flops_per_sequence(model: ModelConfig, seq_length: int,
+                               padded_vocab_size: int) -> FlopsBreakdown:
+    """Forward FLOPs of one sequence of ``seq_length`` tokens (see the module doc)."""
+    h, s, layers = model.hidden_size, seq_length, model.num_layers
+    gd = model.kv_heads * (h // model.num_attention_heads)
+    f = model.ffn_size
+    shift = 0.0
+    if model.attention == "kv_shift":
+        per_element = 2 * model.kv_shift.window + 1
+        shift = sum(per_element * (h if x == "q" else gd) for x in model.kv_shift.shift)
+    return FlopsBreakdown(
+        qkv_and_output_proj=layers * s * (2 * h * (h + 2 * gd) + 2 * h * h),
+        attention=layers * s * 2 * (2 * (s + 1) / 2 * h),
+        mlp=layers * s * 3 * 2 * h * f,
+        kv_shift=layers * s * shift,
+        logits=s * 2 * h * padded_vocab_size,
+    )
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one optimizer step, all GPUs together."""
+
+    per_sequence: FlopsBreakdown  # forward, per sequence
+    sequences: int
+    recompute: str
+
+    @property
+    def model(self) -> float:
+        """Model FLOPs (forward + backward), what MFU is measured against."""
+        return self.sequences * self.per_sequence.training
+
+    @property
+    def hardware(self) -> float:
+        """Model FLOPs plus the forward recomputed by ``recompute: full``."""
+        extra = 0.0
+        if self.recompute == "full":
+            extra = self.sequences * (self.per_sequence.forward - self.per_sequence.logits)
+        return self.model + extra
+
+    def part(self, name: str) -> float:
+        """Training FLOPs of one part (``attention``, ``kv_shift``, ...) per step."""
+        return 3.0 * self.sequences * getattr(self.per_sequence, name)
+
+
+def step_flops(model: ModelConfig, seq_length: int, global_batch_size: int,
+               tensor_parallel: int = 1, recompute: str = "none") -> StepFlops:
+    per_seq = forward_flops_per_sequence(model, seq_length, padded_vocab(model, tensor_parallel))
+    return StepFlops(per_sequence=per_seq, sequences=global_batch_size, recompute=recompute)
+
+
+def step_seconds(flops: StepFlops, gpus: int, peak_tflops: float, mfu: float) -> float:
+    """Seconds per step at ``mfu`` of ``gpus`` devices of ``peak_tflops`` each."""
+    return flops.model / (gpus * peak_tflops * 1e12 * mfu)
+
+
+def human_duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"

@@ -1,0 +1,158 @@
+"""The plan of a run on a cluster: layout checks, batch arithmetic, memory, FLOPs.
+
+``make_plan(cfg, nodes, gpus_per_node, gpu, mfu)`` derives the data-parallel
+size from the GPU count, checks that the layout can work and raises
+``PlanError`` (one line) when it cannot: the GPU count does not divide into
+TP × PP × CP, the global batch does not divide into micro batches × DP, KV
+shifting with context parallelism, or the estimated memory of the busiest GPU
+above the card. Things that work but cost speed are ``warnings``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvtrain.config import ConfigError, RunConfig
+
+from .flops import GPU, GPUS, StepFlops, step_flops, step_seconds
+from .memory import GiB, MemoryEstimate, estimate_memory
+from .params import ParamCounts, count_params
+
+WARN_MEMORY_FRACTION = 0.9
+
+
+class PlanError(ValueError):
+    """The layout cannot work; the message is one line."""
+
+
+@dataclass
+class Plan:
+    cfg: RunConfig
+    gpu: GPU
+    nodes: int
+    gpus_per_node: int
+    mfu: float
+    dp: int
+    num_microbatches: int
+    params: ParamCounts  # whole model (vocabulary padded for this TP)
+    memory: MemoryEstimate
+    flops: StepFlops
+    steps: int
+    steps_from: str
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch_size * self.cfg.train.seq_length
+
+    @property
+    def step_seconds(self) -> float:
+        return step_seconds(self.flops, self.world, self.gpu.peak_tflops, self.mfu)
+
+    @property
+    def total_seconds(self) -> float:
+        return self.steps * self.step_seconds
+
+    @property
+    def total_tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.gpu.memory_gib * GiB
+
+
+def _steps(cfg: RunConfig, tokens_per_step: int) -> tuple[int, str]:
+    t = cfg.train
+    by_tokens = math.ceil(t.train_tokens / tokens_per_step) if t.train_tokens else None
+    if by_tokens is not None and (t.max_steps is None or by_tokens <= t.max_steps):
+        return by_tokens, "train.train_tokens"
+    assert t.max_steps is not None  # validate() requires one of the two
+    return t.max_steps, "train.max_steps"
+
+
+def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str = "a100",
+              mfu: float = 0.4) -> Plan:
+    """Checks ``cfg`` on ``nodes × gpus_per_node`` GPUs of kind ``gpu`` (a key of GPUS)."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise PlanError(f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
+    if not 0 < mfu <= 1:
+        raise PlanError(f"--mfu must be in (0, 1], got {mfu}")
+    if gpu not in GPUS:
+        raise PlanError(f"unknown GPU {gpu!r}; one of {', '.join(GPUS)}")
+    card = GPUS[gpu]
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    world = nodes * gpus_per_node
+    model_parallel = p.tensor * p.pipeline * p.context
+    if world % model_parallel:
+        raise PlanError(
+            f"{world} GPUs ({nodes} nodes x {gpus_per_node}) do not divide into "
+            f"TP {p.tensor} x PP {p.pipeline} x CP {p.context} = {model_parallel}"
+        )
+    dp = world // model_parallel
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise PlanError(
+            f"{world} GPUs give DP {dp} (= {world} / TP {p.tensor} x PP {p.pipeline} x CP "
+            f"{p.context}): train.global_batch_size {t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size {t.micro_batch_size} x DP {dp}"
+        )
+    try:
+        cfg.validate(world_size=world)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+    if m.attention == "kv_shift" and p.context > 1:
+        raise PlanError("KV shifting with context parallelism (parallel.context > 1) is not "
+                        "supported by the model yet")
+    num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+
+    warnings = []
+    if p.tensor > gpus_per_node:
+        warnings.append(f"TP {p.tensor} spans nodes ({gpus_per_node} GPUs per node): "
+                        "tensor-parallel all-reduces would cross the network")
+    elif gpus_per_node % p.tensor:
+        warnings.append(f"TP {p.tensor} does not divide the {gpus_per_node} GPUs of a node: "
+                        "some TP groups span two nodes")
+    if p.pipeline > 1 and num_microbatches < p.pipeline:
+        warnings.append(f"{num_microbatches} micro batches per step for PP {p.pipeline}: "
+                        "the pipeline bubble dominates (want micro batches >= 4 x PP)")
+    if t.precision == "fp32":
+        warnings.append("train.precision fp32 on GPU: bf16 is the paper's setting and ~2x faster")
+
+    memory = estimate_memory(m, p, t, dp, num_microbatches)
+    flops = step_flops(m, t.seq_length, t.global_batch_size, p.tensor, p.recompute)
+    steps, steps_from = _steps(cfg, t.global_batch_size * t.seq_length)
+    plan = Plan(
+        cfg=cfg, gpu=card, nodes=nodes, gpus_per_node=gpus_per_node, mfu=mfu, dp=dp,
+        num_microbatches=num_microbatches, params=count_params(m, p.tensor), memory=memory,
+        flops=flops, steps=steps, steps_from=steps_from, warnings=warnings,
+    )
+    capacity = card.memory_gib * GiB
+    if memory.total > capacity:
+        raise PlanError(
+            f"estimated {memory.total / GiB:.1f} GiB per GPU (stage {memory.stage}: states "
+            f"{memory.states / GiB:.1f}, activations {memory.activations / GiB:.1f}) exceeds the "
+            f"{card.memory_gib:.0f} GiB of an {card.name}; {_suggest(plan)}"
+        )
+    if memory.total > WARN_MEMORY_FRACTION * capacity:
+        warnings.append(f"estimated memory is {memory.total / capacity:.0%} of the card: "
+                        "little headroom for fragmentation")
+    return plan
+
+
+def _suggest(plan: Plan) -> str:
+    capacity = plan.gpu.memory_gib * GiB
+    p = plan.cfg.parallel
+    alt = plan.memory.alternatives
+    if p.recompute != "full" and alt.get("recompute full", math.inf) <= capacity:
+        return f"parallel.recompute=full would need {alt['recompute full'] / GiB:.1f} GiB"
+    if not p.distributed_optimizer and alt.get("distributed optimizer on", math.inf) <= capacity:
+        return (f"parallel.distributed_optimizer=true would need "
+                f"{alt['distributed optimizer on'] / GiB:.1f} GiB")
+    return ("raise parallel.tensor (with sequence_parallel) or parallel.pipeline, "
+            "or lower train.micro_batch_size")
+

@@ -1,0 +1,219 @@
+"""Per-GPU memory estimate of a training layout: model states plus activations.
+
+Model states (bytes per parameter held by the GPU; Megatron-LM's
+``docs/source/api-guide/dist_optimizer.md`` table, ``d`` = data-parallel size):
+
+==========================  =======  =====  ====================  =============
+precision                   weights  grads  optimizer             total
+==========================  =======  =====  ====================  =============
+bf16/fp16 (fp32 main grads)  2        4      12 (fp32 copy, m, v)  6 + 12/d dist.
+fp32                         4        4      8  (m, v)             8 + 8/d dist.
+==========================  =======  =====  ====================  =============
+
+The optimizer column is divided by ``d`` only with the distributed optimizer
+(ZeRO-1); without it every rank keeps all of it. Gradients are counted in
+fp32, as megatron accumulates and reduces them for bf16 runs.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", arXiv:2205.05198, §4), adapted to a Llama layer:
+Korthikanti count ``sbh(34 + 5as/h)`` bytes per GPT layer (16-bit, LayerNorm,
+GeLU MLP of 4h, dropout). For RMSNorm + GQA + SwiGLU(``f``) + fused (flash)
+attention and no dropout, the tensors kept for the backward pass per token are,
+in 16-bit elements:
+
+* norm inputs and outputs (2 norms): ``4h``;
+* Q, K, V after RoPE (what flash attention saves): ``h + 2·g·d``;
+* attention output (input of the output projection): ``h``;
+* SwiGLU: fc1 output ``2f`` and fc2 input ``f``;
+
+that is ``2·sb·(6h + 2gd + 3f)`` bytes, plus flash attention's fp32
+log-sum-exp (``4·a·sb``), plus for KV shifting the unshifted projection
+output, ``h + 2gd`` elements: the shift keeps K and V for the coefficient
+gradients, and as views they hold on to the whole QKV output (measured with
+``torch.autograd.graph.saved_tensors_hooks`` on a GQA layer: exactly ``h + 2gd``
+more than vanilla). Flash attention stores no
+``s×s`` matrix, so Korthikanti's ``5as/h`` term is absent (which is also why
+``selective`` recomputation, megatron's core-attention recompute, saves
+nothing here). With TP ``t``: the norm tensors (``4h``) are split only with
+sequence parallel (Korthikanti eq. 4 vs 5); the rest is always split by ``t``.
+
+Full recomputation (megatron ``uniform``, one layer per checkpoint) keeps only
+each layer's input, ``2·sbh`` bytes (``/t`` with SP), plus one layer's full
+activations while that layer is recomputed in the backward pass.
+
+Pipeline (1F1B): the first stage keeps ``min(m, p)`` micro batches in flight,
+so its activations are those of ``L/p · min(m, p)`` layers (Korthikanti §4.2.3:
+``L`` layers' worth when ``m ≥ p``); with the interleaved schedule this grows by
+``1 + (p-1)/(p·v)``. The last stage keeps one micro batch in flight plus the
+logits: ``s·b·V/t`` in bf16 and the fp32 softmax of the cross entropy.
+
+Overhead: CUDA context, NCCL and cuBLAS/TE workspaces and allocator
+fragmentation, taken as 3 GiB plus 5% of the rest. Expect real usage within
+about ±15% of the estimate. One calibration point: the paper (Table 13)
+measured 42,584 MiB peak for its BlaGPT-scale vanilla model at context 4096 on
+an A100 and 43,360 MiB with KV shifting (4 KV heads); ``kvtrain plan
+configs/blagpt/vanilla.yaml`` at 4096 tokens x 16 sequences per GPU estimates
+43,199 MiB (for KV shifting ours adds 3.6 GiB: our layer has 12 KV heads, theirs 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kvtrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
+
+from .params import padded_vocab, stage_params
+
+GiB = 1024**3
+OVERHEAD_FIXED = 3 * GiB
+OVERHEAD_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of model states."""
+
+    weights: float
+    grads: float
+    optimizer: float  # before division by DP
+
+
+def state_bytes(precision: str) -> StateBytes:
+    """``auto`` is bf16 on GPU (the plan is for GPU runs)."""
+    if precision in ("auto", "bf16", "fp16"):
+        return StateBytes(weights=2, grads=4, optimizer=12)
+    return StateBytes(weights=4, grads=4, optimizer=8)
+
+
+def activation_dtype_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def layer_activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
+                           micro_batch: int, precision: str = "bf16") -> float:
+    """Bytes one layer keeps for backward per micro batch, per GPU, without recompute."""
+    t = parallel.tensor
+    sb = seq_length * micro_batch / parallel.context
+    h = model.hidden_size
+    gd = model.kv_heads * (h // model.num_attention_heads)
+    f = model.ffn_size
+    e = activation_dtype_bytes(precision)
+    norms = 4 * h / (t if parallel.sequence_parallel else 1)
+    split = (h + 2 * gd) + h + 3 * f
+    if model.attention == "kv_shift":
+        split += h + 2 * gd  # the QKV output, retained by the shift's saved K/V views
+    elements = norms + split / t
+    dropout_masks = sb * h * 2 / (t if parallel.sequence_parallel else 1) \
+        if model.hidden_dropout > 0 else 0.0
+    lse = 4.0 * model.num_attention_heads / t * sb
+    return e * sb * elements + lse + dropout_masks
+
+
+def layer_input_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
+                      micro_batch: int, precision: str = "bf16") -> float:
+    """The checkpointed input of one layer under full recompute."""
+    sb = seq_length * micro_batch / parallel.context
+    t = parallel.tensor if parallel.sequence_parallel else 1
+    return activation_dtype_bytes(precision) * sb * model.hidden_size / t
+
+
+def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
+                     micro_batch: int, num_microbatches: int, recompute: str, stage: int = 0,
+                     precision: str = "bf16") -> dict[str, float]:
+    """Activation bytes of one GPU of pipeline ``stage`` under ``recompute``.
+
+    Returns ``total`` and its parts: ``layers`` (kept layer activations),
+    ``working`` (one recomputed layer, full recompute only), ``logits`` (last
+    stage), and ``in_flight`` (micro batches whose activations are kept).
+    """
+    p = parallel.pipeline
+    layers = model.num_layers // p
+    in_flight = float(min(num_microbatches, p - stage))  # 1F1B: stage s keeps p - s
+    if parallel.virtual_pipeline and p > 1:
+        in_flight *= 1 + (p - 1) / (p * parallel.virtual_pipeline)
+    full = layer_activation_bytes(model, parallel, seq_length, micro_batch, precision)
+    if recompute == "full":
+        per_layer = layer_input_bytes(model, parallel, seq_length, micro_batch, precision)
+        working = full  # one layer is recomputed at a time in the backward pass
+    else:  # none / selective (the same with flash attention, see the module doc)
+        per_layer = full
+        working = 0.0
+    logits = 0.0
+    if stage == p - 1:  # bf16 logits and the fp32 softmax of the cross entropy
+        t = parallel.tensor
+        sb = seq_length * micro_batch / parallel.context
+        logits = sb * padded_vocab(model, t) / t * (2 + 4)
+    kept = layers * in_flight * per_layer
+    return {"total": kept + working + logits, "layers": kept, "working": working,
+            "logits": logits, "per_layer": per_layer, "in_flight": in_flight}
+
+
+@dataclass
+class MemoryEstimate:
+    """Estimated peak bytes on the busiest GPU."""
+
+    stage: int
+    params: int  # parameters held by the GPU
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float  # part of ``activations`` (last stage)
+    in_flight: float  # micro batches whose activations the stage keeps
+    overhead: float
+    recompute: str
+    distributed_optimizer: bool
+    # Totals of the alternatives, for the report.
+    alternatives: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def states(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations + self.overhead
+
+
+def _estimate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dp: int,
+              num_microbatches: int, recompute: str, distributed_optimizer: bool) -> MemoryEstimate:
+    precision = train.precision
+    sb = state_bytes(precision)
+    stages = stage_params(model, parallel)
+    best: Optional[MemoryEstimate] = None
+    for st in stages:
+        acts = activation_bytes(model, parallel, train.seq_length, train.micro_batch_size,
+                                num_microbatches, recompute, st.stage, precision)
+        opt = sb.optimizer * st.params / (dp if distributed_optimizer else 1)
+        weights = sb.weights * st.params
+        grads = sb.grads * st.params
+        rest = weights + grads + opt + acts["total"]
+        est = MemoryEstimate(
+            stage=st.stage, params=st.params, weights=weights, grads=grads, optimizer=opt,
+            activations=acts["total"], logits=acts["logits"],
+            in_flight=acts["in_flight"],
+            overhead=OVERHEAD_FIXED + OVERHEAD_FRACTION * rest,
+            recompute=recompute, distributed_optimizer=distributed_optimizer,
+        )
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+def estimate_memory(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, dp: int,
+                    num_microbatches: int) -> MemoryEstimate:
+    """The configured layout's estimate, with the totals of the alternatives attached
+    (each recompute mode; with and without the distributed optimizer)."""
+    est = _estimate(model, parallel, train, dp, num_microbatches, parallel.recompute,
+                    parallel.distributed_optimizer)
+    for mode in ("none", "selective", "full"):
+        est.alternatives[f"recompute {mode}"] = _estimate(
+            model, parallel, train, dp, num_microbatches, mode, parallel.distributed_optimizer
+        ).total
+    for dist in (True, False):
+        est.alternatives[f"distributed optimizer {'on' if dist else 'off'}"] = _estimate(
+            model, parallel, train, dp, num_microbatches, parallel.recompute, dist
+        ).total
+    return est

@@ -1,0 +1,172 @@
+"""Parameter counts of a kvtrain model, analytically, per component and per rank.
+
+The model is megatron's GPTModel as ``kvtrain.model.builder.build_gpt`` makes
+it: Llama style, no biases. With ``h`` hidden, ``a`` query heads of ``d = h/a``
+dims, ``g`` KV heads, ``f`` the SwiGLU inner size, ``V`` the padded vocabulary
+and ``L`` layers:
+
+* per layer: QKV ``h·(h + 2·g·d)``, output projection ``h·h``, SwiGLU
+  ``h·2f + f·h``, two RMSNorm weights ``2·h``, and for KV shifting
+  ``g·n`` coefficients per shifted tensor (``n = w+1`` free/clamp, ``w`` gate);
+* input embedding ``V·h``, output layer ``V·h`` (none when tied), final norm ``h``.
+
+``V`` is the vocabulary padded to a multiple of ``make_vocab_size_divisible_by
+× TP`` (megatron's rule, as in ``builder.padded_vocab_size``), so the embedding
+grows slightly with TP. Per rank, TP splits every matrix, the embedding (by
+vocabulary rows) and the KV-shift coefficients (by KV head); norms are
+replicated. PP gives each stage ``L/PP`` layers; the first stage also holds the
+input embedding, the last the final norm and the output layer (both, with tied
+embeddings, hold a copy of the embedding).
+
+The test ``tests/launch/test_paper_configs.py`` checks these numbers against a
+GPTModel built on the meta device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtrain.config.schema import ModelConfig, ParallelConfig
+
+
+def padded_vocab(model: ModelConfig, tensor_parallel: int = 1) -> int:
+    """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``."""
+    multiple = model.make_vocab_size_divisible_by * tensor_parallel
+    return -(-model.vocab_size // multiple) * multiple
+
+
+def kv_shift_coefficients_per_kv_head(model: ModelConfig) -> int:
+    """Learnable KV-shift scalars per KV head (4 for the paper's K and V, window 1)."""
+    if model.attention != "kv_shift":
+        return 0
+    ks = model.kv_shift
+    per_tensor = ks.window if ks.mode == "gate" else ks.window + 1
+    return per_tensor * len(ks.shift)
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one transformer layer, by part (unsharded)."""
+
+    qkv: int
+    proj: int
+    mlp: int
+    norms: int
+    kv_shift: int
+
+    @property
+    def matrices(self) -> int:
+        return self.qkv + self.proj + self.mlp
+
+    @property
+    def total(self) -> int:
+        return self.matrices + self.norms + self.kv_shift
+
+
+def layer_params(model: ModelConfig) -> LayerParams:
+    h = model.hidden_size
+    d = h // model.num_attention_heads
+    g = model.kv_heads
+    f = model.ffn_size
+    return LayerParams(
+        qkv=h * (h + 2 * g * d),
+        proj=h * h,
+        mlp=h * 2 * f + f * h,
+        norms=2 * h,
+        kv_shift=g * kv_shift_coefficients_per_kv_head(model),
+    )
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Whole-model parameter counts (unsharded, TP-padded vocabulary)."""
+
+    layer: LayerParams
+    num_layers: int
+    input_embedding: int
+    output_layer: int  # 0 with tied embeddings
+    final_norm: int
+    vocab_padded: int
+
+    @property
+    def embedding(self) -> int:
+        """Input embedding plus output layer (what ``count_parameters`` calls embedding)."""
+        return self.input_embedding + self.output_layer
+
+    @property
+    def non_embedding(self) -> int:
+        return self.num_layers * self.layer.total + self.final_norm
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.non_embedding
+
+    @property
+    def kv_shift(self) -> int:
+        return self.num_layers * self.layer.kv_shift
+
+    @property
+    def matmul(self) -> int:
+        """Parameters that take part in a matrix multiply per token (6N's N):
+        the layers' matrices and the output layer (tied or not), not the lookup."""
+        return self.num_layers * self.layer.matrices + self.input_embedding
+
+
+def count_params(model: ModelConfig, tensor_parallel: int = 1) -> ParamCounts:
+    """Parameters of the whole model, with the vocabulary padded for ``tensor_parallel``."""
+    v = padded_vocab(model, tensor_parallel)
+    h = model.hidden_size
+    return ParamCounts(
+        layer=layer_params(model),
+        num_layers=model.num_layers,
+        input_embedding=v * h,
+        output_layer=v * h if model.untie_embeddings else 0,
+        final_norm=h,
+        vocab_padded=v,
+    )
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters held by one GPU of a pipeline stage (its TP shard)."""
+
+    stage: int
+    layers: int
+    params: int
+    embedding: int  # the embedding/output-layer part of ``params``
+
+
+def stage_params(model: ModelConfig, parallel: ParallelConfig) -> list[StageParams]:
+    """Per-GPU parameters of every pipeline stage (all TP ranks of a stage hold the same count).
+
+    Exact for megatron's layout when ``num_layers`` divides by PP (the config
+    requires it): each stage builds ``L/PP`` layers.
+    """
+    t, p = parallel.tensor, parallel.pipeline
+    counts = count_params(model, t)
+    lp = counts.layer
+    per_layer = lp.matrices // t + lp.norms + lp.kv_shift // t
+    layers = model.num_layers // p
+    emb_shard = counts.input_embedding // t
+    stages = []
+    for s in range(p):
+        first, last = s == 0, s == p - 1
+        emb = 0
+        if first:
+            emb += emb_shard
+        if last:
+            # The output layer; with tied embeddings megatron keeps a copy of the
+            # word embeddings on the last stage too (unless it is also the first).
+            if model.untie_embeddings or not first:
+                emb += emb_shard
+        params = layers * per_layer + emb + (counts.final_norm if last else 0)
+        stages.append(StageParams(stage=s, layers=layers, params=params, embedding=emb))
+    return stages
+
+
+def human(n: float, unit: str = "") -> str:
+    """1234567 -> '1.23 M'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3f} {suffix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()

@@ -1,0 +1,124 @@
+"""The text and JSON forms of a plan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .flops import human_duration
+from .layout import Plan
+from .memory import GiB
+from .params import human
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:6.1f} GiB"
+
+
+def render(plan: Plan, source: str = "") -> str:
+    cfg = plan.cfg
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    pc = plan.params
+    mem = plan.memory
+    kv = m.kv_heads
+    heads = f"{m.num_attention_heads} heads" + (
+        f" ({kv} KV heads, GQA)" if kv != m.num_attention_heads else "")
+    attention = "KV shifting attention" if m.attention == "kv_shift" else "vanilla attention"
+    if m.attention == "kv_shift":
+        attention += f" (shift {'+'.join(m.kv_shift.shift)}, window {m.kv_shift.window}, " \
+                     f"{m.kv_shift.mode})"
+    lines = [
+        f"plan for {source or cfg.name}: {cfg.name}, {attention}",
+        "",
+        f"model        {m.num_layers} layers, hidden {m.hidden_size}, {heads}, FFN {m.ffn_size}, "
+        f"vocab {m.vocab_size} (padded {pc.vocab_padded}), "
+        f"{'untied' if m.untie_embeddings else 'tied'} embeddings, seq {t.seq_length}",
+        f"parameters   {human(pc.total)} total = {human(pc.non_embedding)} non-embedding + "
+        f"{human(pc.embedding)} embedding ({human(pc.input_embedding)} input"
+        + (f" + {human(pc.output_layer)} output layer)" if pc.output_layer else ", tied)")
+        + (f"; KV shift adds {pc.kv_shift}" if pc.kv_shift else ""),
+        f"             {pc.total:,} exactly; {mem.params:,} on the busiest GPU (stage {mem.stage})",
+        f"cluster      {plan.world} x {plan.gpu.name} = {plan.nodes} node(s) x "
+        f"{plan.gpus_per_node}; {plan.gpu.peak_tflops:.0f} TFLOP/s bf16 and "
+        f"{plan.gpu.memory_gib:.0f} GiB each",
+        f"layout       TP {p.tensor} x PP {p.pipeline}"
+        + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else "")
+        + f" x CP {p.context} x DP {plan.dp}; sequence parallel "
+        f"{'on' if p.sequence_parallel else 'off'}, distributed optimizer "
+        f"{'on' if p.distributed_optimizer else 'off'}, recompute {p.recompute}, "
+        f"precision {t.precision}",
+        f"batch        global {t.global_batch_size} sequences = micro {t.micro_batch_size} x DP "
+        f"{plan.dp} x {plan.num_microbatches} accumulation = {plan.tokens_per_step:,} tokens "
+        f"({plan.tokens_per_step / 2**20:.2f} Mi) per step",
+        f"steps        {plan.steps:,} (from {plan.steps_from}: "
+        + (f"{t.train_tokens:,} tokens" if plan.steps_from == "train.train_tokens"
+           else f"{t.max_steps:,}")
+        + f"); {human(plan.total_tokens)} tokens in all; warmup {cfg.optimizer.lr_warmup_steps}, "
+        f"lr {cfg.optimizer.lr:g} {cfg.optimizer.lr_schedule}",
+        "",
+        f"memory per GPU (estimate for stage {mem.stage} of {p.pipeline}; Korthikanti et al. 2022 "
+        "activations, Megatron distributed-optimizer states: kvtrain/plan/memory.py)",
+        f"  weights        {_gib(mem.weights)}",
+        f"  gradients      {_gib(mem.grads)}   (fp32 main grads)",
+        f"  optimizer      {_gib(mem.optimizer)}   (fp32 params + Adam m, v"
+        + (f"; sharded over DP {plan.dp})" if p.distributed_optimizer else "; not sharded)"),
+        f"  activations    {_gib(mem.activations)}   ({mem.in_flight:g} micro batch"
+        f"{'es' if mem.in_flight != 1 else ''} of "
+        f"{t.micro_batch_size} x {t.seq_length} in flight, recompute {mem.recompute}"
+        + (f"; logits {mem.logits / GiB:.1f} GiB" if mem.logits else "") + ")",
+        f"  overhead       {_gib(mem.overhead)}   (CUDA context, NCCL, workspaces, fragmentation)",
+        f"  total          {_gib(mem.total)}   of {plan.gpu.memory_gib:.0f} GiB "
+        f"({mem.total / (plan.gpu.memory_gib * GiB):.0%})",
+        "  alternatives   " + ", ".join(f"{k}: {v / GiB:.1f} GiB"
+                                        for k, v in mem.alternatives.items()),
+        "",
+        f"compute      {plan.flops.model:.3e} model FLOPs per step "
+        f"({plan.flops.model / plan.tokens_per_step / 1e9:.2f} GFLOP per token: attention "
+        f"{plan.flops.part('attention') / plan.flops.model:.1%}"
+        + (f", KV shift {100 * plan.flops.part('kv_shift') / plan.flops.model:.2g}%"
+           if plan.flops.part("kv_shift") else "")
+        + ")"
+        + (f"; {plan.flops.hardware:.3e} with the recomputed forward"
+           if plan.flops.hardware != plan.flops.model else ""),
+        f"time         at MFU {plan.mfu:g}: {plan.step_seconds:.2f} s per step, "
+        f"{plan.tokens_per_step / plan.step_seconds / plan.world:,.0f} tokens/s per GPU, "
+        f"{human_duration(plan.total_seconds)} for {plan.steps:,} steps "
+        f"({plan.total_seconds / 86400:.2f} days, {plan.total_seconds * plan.world / 3600:,.0f} "
+        "GPU hours)",
+    ]
+    for w in plan.warnings:
+        lines.append(f"warning      {w}")
+    return "\n".join(lines)
+
+
+def as_dict(plan: Plan) -> dict[str, Any]:
+    cfg = plan.cfg
+    p, t = cfg.parallel, cfg.train
+    mem = plan.memory
+    return {
+        "name": cfg.name,
+        "attention": cfg.model.attention,
+        "params": {"total": plan.params.total, "non_embedding": plan.params.non_embedding,
+                   "embedding": plan.params.embedding, "kv_shift": plan.params.kv_shift,
+                   "per_gpu": mem.params},
+        "cluster": {"gpu": plan.gpu.name, "nodes": plan.nodes,
+                    "gpus_per_node": plan.gpus_per_node, "gpus": plan.world},
+        "layout": {"tensor": p.tensor, "pipeline": p.pipeline,
+                   "virtual_pipeline": p.virtual_pipeline, "context": p.context,
+                   "data": plan.dp, "sequence_parallel": p.sequence_parallel,
+                   "distributed_optimizer": p.distributed_optimizer, "recompute": p.recompute},
+        "batch": {"micro": t.micro_batch_size, "global": t.global_batch_size,
+                  "accumulation": plan.num_microbatches, "tokens_per_step": plan.tokens_per_step},
+        "steps": plan.steps,
+        "steps_from": plan.steps_from,
+        "memory_gib": {"weights": mem.weights / GiB, "grads": mem.grads / GiB,
+                       "optimizer": mem.optimizer / GiB, "activations": mem.activations / GiB,
+                       "overhead": mem.overhead / GiB, "total": mem.total / GiB,
+                       "stage": mem.stage, "card": plan.gpu.memory_gib,
+                       "alternatives": {k: v / GiB for k, v in mem.alternatives.items()}},
+        "flops_per_step": plan.flops.model,
+        "hardware_flops_per_step": plan.flops.hardware,
+        "mfu": plan.mfu,
+        "step_seconds": plan.step_seconds,
+        "days": plan.total_seconds / 86400,
+        "warnings": plan.warnings,
+    }

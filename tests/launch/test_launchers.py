@@ -1,0 +1,186 @@
+"""launch/torchrun.sh, launch/slurm.sbatch and `kvtrain submit` without SLURM:
+shellcheck, the commands they build, two simulated nodes reproducing the
+single-node run, and a signal to torchrun.sh saving and resuming."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import subprocess
+import time
+
+import pytest
+
+from .conftest import (
+    REFERENCE_STEPS, REPO, VENV_BIN, ensure_tools, free_port, launch_env, losses,
+    short_overrides, train_records,
+)
+
+TORCHRUN_SH = REPO / "launch" / "torchrun.sh"
+SBATCH = REPO / "launch" / "slurm.sbatch"
+
+
+def test_shellcheck_passes():
+    if not ensure_tools(["shellcheck"], ["shellcheck"]):
+        pytest.skip("shellcheck is not installed and cannot be installed here")
+    files = sorted(str(p) for p in (REPO / "launch").iterdir() if p.is_file())
+    assert files
+    out = subprocess.run(["shellcheck", "--external-sources", *files], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def dry(script, *args, **env):
+    out = subprocess.run(["bash", str(script), *args], cwd=REPO, capture_output=True, text=True,
+                         env=launch_env(KVTRAIN_DRY_RUN="1", **env), timeout=60)
+    return out
+
+
+def test_torchrun_sh_builds_the_command():
+    cfg = "configs/tiny.yaml" if (REPO / "configs/tiny.yaml").exists() else "tests/launch/tiny.yaml"
+    single = dry(TORCHRUN_SH, cfg, "train.max_steps=3", "--set", "train.seed=7",
+                 "--run-dir", "/tmp/x")
+    assert single.returncode == 0, single.stderr
+    assert "--standalone" in single.stdout and "--nproc-per-node=1" in single.stdout
+    assert "--set train.max_steps=3 --set train.seed=7" in single.stdout
+    assert "--run-dir /tmp/x" in single.stdout and "-m kvtrain.cli train" in single.stdout
+
+    c10d = dry(TORCHRUN_SH, cfg, NNODES="2", NPROC_PER_NODE="2", RDZV_ENDPOINT="head:29400",
+               RDZV_ID="job7")
+    assert c10d.returncode == 0, c10d.stderr
+    assert "--rdzv-backend=c10d --rdzv-endpoint=head:29400 --rdzv-id=job7" in c10d.stdout
+    assert "--nnodes=2 --nproc-per-node=2" in c10d.stdout
+
+    static = dry(TORCHRUN_SH, cfg, NNODES="2", NODE_RANK="1", NPROC_PER_NODE="2",
+                 MASTER_ADDR="head", MASTER_PORT="1234")
+    assert "--master-addr=head --master-port=1234 --node-rank=1" in static.stdout
+
+    # Under SLURM: node rank and the process count come from SLURM's variables (CPU job).
+    slurm = dry(TORCHRUN_SH, cfg, SLURM_NNODES="2", SLURM_NODEID="1", SLURM_CPUS_ON_NODE="2",
+                RDZV_ENDPOINT="head:1")
+    assert "NNODES=2 NODE_RANK=1 NPROC_PER_NODE=2" in slurm.stdout
+
+    missing = dry(TORCHRUN_SH, cfg, NNODES="2")
+    assert missing.returncode == 2 and "RDZV_ENDPOINT" in missing.stderr
+
+
+def test_torchrun_sh_refuses_a_bad_config_in_one_line():
+    out = dry(TORCHRUN_SH, "configs/paper/13b_vanilla.yaml", "parallel.tensor=3")
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "config error" in out.stderr
+    out = dry(TORCHRUN_SH, "configs/paper/13b_vanilla.yaml", NPROC_PER_NODE="3")
+    assert out.returncode == 2 and "world size 3" in out.stderr
+
+
+def test_slurm_sbatch_builds_the_step():
+    out = dry(SBATCH, "configs/paper/19b_kv_shift.yaml", "train.seed=3", SLURM_JOB_ID="4242",
+              SLURM_JOB_NUM_NODES="30", SLURM_CPUS_ON_NODE="128", RUN_DIR="/shared/r",
+              CONTAINER_IMAGE="/shared/kvtrain.sqsh")
+    assert out.returncode == 0, out.stderr
+    words = shlex.split(out.stdout.splitlines()[1])
+    assert words[:6] == ["srun", "--nodes=30", "--ntasks=30", "--ntasks-per-node=1",
+                         "--kill-on-bad-exit=1", "--cpu-bind=none"]
+    assert "--cpus-per-task=128" in words
+    assert "--container-image=/shared/kvtrain.sqsh" in words
+    assert f"--container-mounts={REPO}:{REPO},/shared/r:/shared/r" in words
+    assert words[-6:] == ["bash", str(TORCHRUN_SH), "configs/paper/19b_kv_shift.yaml",
+                          "--run-dir", "/shared/r", "train.seed=3"]
+    assert "LOG_DIR=/shared/r/logs/slurm-4242" in out.stdout
+    assert "STOP_FILE=/shared/r/logs/slurm-4242/stop-requested.restart0" in out.stdout
+    assert "RDZV_ENDPOINT=" in out.stdout and ":29642" in out.stdout
+    text = SBATCH.read_text()
+    assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --requeue" in text
+    assert "scontrol requeue" in text
+
+
+def kvtrain(*args, **env):
+    return subprocess.run([str(VENV_BIN / "kvtrain"), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=launch_env(**env))
+
+
+def test_submit_dry_run():
+    out = kvtrain("submit", "configs/paper/19b_kv_shift.yaml", "--nodes", "30", "--gpu", "a800",
+                  "--time", "24:00:00", "--partition", "gpu", "--chain", "3",
+                  "--container-image", "reg#kvtrain:1", "--set", "train.seed=5", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 3 and len(set(lines)) == 1  # a chain of identical singleton jobs
+    words = shlex.split(lines[0])
+    env = dict(w.split("=", 1) for w in words[:words.index("sbatch")])
+    args = words[words.index("sbatch"):]
+    assert env["RUN_DIR"] == str(REPO / "runs" / "paper-19b-kv-shift")
+    assert env["CONTAINER_IMAGE"] == "reg#kvtrain:1" and env["KVTRAIN_REPO"] == str(REPO)
+    for flag in ("--nodes=30", "--ntasks-per-node=1", "--gpus-per-node=8", "--time=24:00:00",
+                 "--partition=gpu", "--signal=B:USR1@300", "--dependency=singleton",
+                 "--requeue", "--job-name=kvtrain-paper-19b-kv-shift"):
+        assert flag in args, flag
+    assert args[-3:] == [str(SBATCH), str(REPO / "configs/paper/19b_kv_shift.yaml"),
+                         "train.seed=5"]
+
+
+def test_submit_refuses_impossible_layouts_in_one_line():
+    for args in (["configs/paper/19b_kv_shift.yaml", "--nodes", "29"],
+                 ["configs/paper/2.9b_kv_shift.yaml", "--nodes", "64", "--set",
+                  "parallel.tensor=1", "--set", "parallel.sequence_parallel=false"]):
+        out = kvtrain("submit", *args, "--dry-run")
+        assert out.returncode == 2, out.stdout
+        assert out.stderr.strip().count("\n") == 0 and "config error" in out.stderr
+
+
+@pytest.mark.slow
+def test_two_simulated_nodes_reproduce_the_single_node_run(tmp_path, train_args, reference_run):
+    """Two torchrun agents (node ranks 0 and 1, one process each, static rendezvous
+    on node 0) give the losses of one agent with two processes, bit for bit."""
+    run_dir = tmp_path / "run"
+    port = str(free_port())
+    cmd = ["bash", str(TORCHRUN_SH), *train_args, *short_overrides(REFERENCE_STEPS),
+           "--run-dir", str(run_dir)]
+    agents = [
+        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=launch_env(NNODES="2", NODE_RANK=str(rank),
+                                                   NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+                                                   MASTER_PORT=port))
+        for rank in (0, 1)
+    ]
+    outputs = []
+    for agent in agents:
+        try:
+            outputs.append(agent.communicate(timeout=600)[0])
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert "node 0 of 2" in (run_dir / "logs" / "node0.log").read_text()
+    assert "node 1 of 2" in (run_dir / "logs" / "node1.log").read_text()
+    assert losses(run_dir) == reference_run["losses"]
+
+
+@pytest.mark.slow
+def test_signal_to_torchrun_sh_stops_at_a_step_with_a_checkpoint(tmp_path, train_args):
+    """SIGTERM to torchrun.sh (what a scheduler sends it): the script passes it to the
+    workers only (as SIGUSR1), they stop at a step boundary, save, and all exit 0.
+    (Resuming from that checkpoint is the SLURM test's second half.)"""
+    run_dir = tmp_path / "run"
+    steps = 200
+    cmd = ["bash", str(TORCHRUN_SH), *train_args, *short_overrides(steps, save_interval=1000),
+           "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=launch_env(NPROC_PER_NODE="2"))
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / "metrics.jsonl").exists() and len(train_records(run_dir)) >= 2:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    its = [r["iteration"] for r in train_records(run_dir)]
+    stopped = its[-1]
+    assert its == list(range(1, stopped + 1)) and stopped < steps
+    assert "stopped on request, torchrun exit code 0" in output
+    latest = (run_dir / "checkpoints" / "latest").read_text()
+    assert f"{stopped:07d}" in latest, latest
