@@ -170,6 +170,8 @@ class TrainConfig:
     """Save and stop after this many non-finite steps in a row."""
     peak_tflops_per_device: Optional[float] = None
     """Peak dense bf16 TFLOP/s of one device, for MFU (null: guessed from the device name)."""
+    dist_timeout_minutes: float = 10.0
+    """Timeout of collective operations (a hung rank fails the job after this)."""
 
 
 @dataclass
@@ -198,6 +200,10 @@ class OptimizerConfig:
     """Steps of the decaying part (null: to the end of training)."""
     wsd_decay_steps: Optional[int] = None
     """Final decay steps of the wsd schedule."""
+    wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+    """Shape of the final decay of the wsd schedule."""
+    loss_scale: Optional[float] = None
+    """fp16 only: a constant loss scale; null uses megatron's dynamic loss scaling."""
 
 
 # ----------------------------------------------------------------------------- data
@@ -222,7 +228,12 @@ class DataConfig:
     eod_mask_loss: bool = False
     """Mask the loss on end-of-document tokens."""
     num_workers: int = 1
-    """DataLoader workers per rank."""
+    """DataLoader workers per rank (0 reads in the training process)."""
+    seed: Optional[int] = None
+    """Seed of the document/sample shuffle (null: train.seed)."""
+    eod_id: Optional[int] = None
+    """End-of-document id when data.tokenizer is null (shards from another tokenizer);
+    needed only by reset_position_ids, reset_attention_mask and eod_mask_loss."""
 
 
 # ----------------------------------------------------------------------------- checkpoints & logs
@@ -242,6 +253,10 @@ class CheckpointConfig:
     """Write checkpoints in the background (GPU runs)."""
     save_on_exit: bool = True
     """Save when stopping on a signal, time limit, or the end of training."""
+    load_optimizer: bool = True
+    """Restore optimizer and scheduler state on resume (false: weights only, fresh optimizer)."""
+    load_rng: bool = True
+    """Restore every rank's RNG states on resume (skipped when the TP/PP/DP layout changed)."""
 
 
 @dataclass
@@ -346,7 +361,119 @@ class RunConfig:
                     f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                     f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})"
                 )
-        if self.data.type == "gpt" and not self.data.paths:
+            microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+            if p.virtual_pipeline is not None and microbatches % p.pipeline:
+                raise ConfigError(
+                    f"the interleaved schedule needs the micro batches per step ({microbatches} = "
+                    f"train.global_batch_size / (train.micro_batch_size x DP {dp})) to be a "
+                    f"multiple of parallel.pipeline ({p.pipeline})"
+                )
+        self._validate_train()
+        self._validate_optimizer()
+        self._validate_data()
+        self._validate_checkpoint()
+
+    # The sections owned by the trainer; each check names its keys.
+    def _validate_train(self) -> None:
+        t = self.train
+        positive = {
+            "train.max_steps": t.max_steps, "train.train_tokens": t.train_tokens,
+            "train.log_interval": t.log_interval, "train.eval_interval": t.eval_interval,
+            "train.kv_shift_stats_interval": t.kv_shift_stats_interval,
+            "train.max_consecutive_nonfinite": t.max_consecutive_nonfinite,
+            "train.exit_duration_minutes": t.exit_duration_minutes,
+            "train.peak_tflops_per_device": t.peak_tflops_per_device,
+            "train.dist_timeout_minutes": t.dist_timeout_minutes,
+        }
+        for key, value in positive.items():
+            if value is not None and value <= 0:
+                raise ConfigError(f"{key} must be positive (or null), got {value}")
+        if t.eval_interval is not None and t.eval_iters < 1:
+            raise ConfigError(f"train.eval_iters must be >= 1 when train.eval_interval is set, "
+                              f"got {t.eval_iters}")
+        if t.seq_length < 1:
+            raise ConfigError(f"train.seq_length must be positive, got {t.seq_length}")
+
+    def _validate_optimizer(self) -> None:
+        o, t = self.optimizer, self.train
+        if o.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be positive, got {o.lr}")
+        if o.min_lr is not None and not 0 <= o.min_lr <= o.lr:
+            raise ConfigError(f"optimizer.min_lr ({o.min_lr}) must be in [0, optimizer.lr ({o.lr})]")
+        if o.weight_decay < 0 or o.clip_grad < 0 or o.adam_eps <= 0:
+            raise ConfigError("optimizer.weight_decay and optimizer.clip_grad must be >= 0 and "
+                              "optimizer.adam_eps > 0")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(o, key) < 1:
+                raise ConfigError(f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
+        if o.lr_warmup_steps < 0:
+            raise ConfigError(f"optimizer.lr_warmup_steps must be >= 0, got {o.lr_warmup_steps}")
+        if o.lr_decay_steps is not None and o.lr_decay_steps <= o.lr_warmup_steps:
+            raise ConfigError(
+                f"optimizer.lr_decay_steps ({o.lr_decay_steps}) must exceed "
+                f"optimizer.lr_warmup_steps ({o.lr_warmup_steps})"
+            )
+        if o.lr_schedule == "wsd":
+            if not o.wsd_decay_steps:
+                raise ConfigError("optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps")
+            horizon = o.lr_decay_steps or t.max_steps
+            if horizon is not None and o.wsd_decay_steps > horizon - o.lr_warmup_steps:
+                raise ConfigError(
+                    f"optimizer.wsd_decay_steps ({o.wsd_decay_steps}) must fit after the warmup "
+                    f"in the schedule ({horizon} steps, warmup {o.lr_warmup_steps})"
+                )
+        if o.loss_scale is not None and o.loss_scale <= 0:
+            raise ConfigError(f"optimizer.loss_scale must be positive, got {o.loss_scale}")
+
+    def _validate_data(self) -> None:
+        d = self.data
+        if d.type == "gpt" and not d.paths:
             raise ConfigError("data.paths is empty: name at least one shard prefix for data.type gpt")
-        if self.optimizer.lr_schedule == "wsd" and not self.optimizer.wsd_decay_steps:
-            raise ConfigError("optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps")
+        if d.paths:
+            weights = [x for x in d.paths if not isinstance(x, str)]
+            if weights and (len(d.paths) % 2 or any(
+                    not isinstance(w, (int, float)) or not isinstance(pth, str)
+                    for w, pth in zip(d.paths[0::2], d.paths[1::2]))):
+                raise ConfigError(
+                    "data.paths must be all prefixes or weight, prefix pairs "
+                    f"([0.7, a_text_document, 0.3, b_text_document]), got {d.paths}"
+                )
+            if any(w <= 0 for w in weights):
+                raise ConfigError(f"data.paths weights must be positive, got {weights}")
+        parts = [x.strip() for x in d.split.split(",")]
+        try:
+            values = [float(x) for x in parts]
+        except ValueError:
+            values = []
+        if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or not values[0] > 0:
+            raise ConfigError(
+                f"data.split must be up to three non-negative train,valid,test weights with a "
+                f"positive train part (e.g. '969,30,1'), got {d.split!r}"
+            )
+        if self.train.eval_interval is not None and (len(values) < 2 or values[1] == 0):
+            raise ConfigError(
+                f"data.split {d.split!r} has no validation part but train.eval_interval is set "
+                "(give the valid part a weight or set train.eval_interval: null)"
+            )
+        if d.num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0, got {d.num_workers}")
+        needs_eod = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
+        if d.type == "gpt" and needs_eod and d.tokenizer is None and d.eod_id is None:
+            raise ConfigError(
+                "data.reset_position_ids/reset_attention_mask/eod_mask_loss need the "
+                "end-of-document id: set data.tokenizer or data.eod_id"
+            )
+        if d.eod_id is not None and not 0 <= d.eod_id < self.model.vocab_size:
+            raise ConfigError(
+                f"data.eod_id ({d.eod_id}) must be a token id below model.vocab_size "
+                f"({self.model.vocab_size})"
+            )
+
+    def _validate_checkpoint(self) -> None:
+        c = self.checkpoint
+        if c.save_interval is not None and c.save_interval < 1:
+            raise ConfigError(f"checkpoint.save_interval must be >= 1 (or null), got {c.save_interval}")
+        if c.keep_last is not None and c.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last must be >= 1 (or null), got {c.keep_last}")
+        if not c.resume.strip():
+            raise ConfigError("checkpoint.resume must be auto, none, or a checkpoint path")

@@ -1,0 +1,51 @@
+"""``kvtrain train CONFIG.yaml [--set a.b=v ...] [--run-dir DIR]``.
+
+One process, or one per rank under ``torchrun`` / SLURM: the same command.
+Config problems are reported as one line (``kvtrain: config error: ...``,
+exit code 2) before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train (or resume) a model from a YAML config",
+        description="Train or resume a run. Under torchrun every rank runs this command.",
+    )
+    p.add_argument("config", metavar="CONFIG.yaml", help="run config (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.max_steps=200 (repeatable)")
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="run folder (default: run_dir from the config, else runs/<name>)")
+    p.set_defaults(func=run)
+
+
+def _quiet_imports() -> None:
+    # megatron warns at import about optional GPU libraries (TE/apex); on a CPU
+    # these are expected, and a screen of them hides the run's own output.
+    for pattern in (".*Transformer Engine and Apex are not installed.*",
+                    ".*Apex is not installed.*", ".*full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="megatron")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="megatron")
+    # megatron's optimizer probes .grad of non-leaf views; torch's c10d marks the
+    # *_tensor collectives megatron calls as deprecated aliases.
+    warnings.filterwarnings("ignore", message=".*The .grad attribute of a Tensor that is not a leaf")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated. Please use")
+
+
+def run(args) -> int:
+    from kvtrain.config import load_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # Checked here in full (with the world size) so that a bad config fails in
+    # one line before torch/megatron are imported.
+    cfg = load_config(args.config, args.overrides, world_size=world)
+    _quiet_imports()
+    from kvtrain.train import resolve_run_dir, train
+
+    return train(cfg, resolve_run_dir(cfg, args.run_dir))

@@ -1,0 +1,21 @@
+"""Data for the trainer: megatron GPT/mock datasets, resumable micro-batch
+iterators, the tokenizer object, and a synthetic structured corpus."""
+
+from .datasets import Datasets, build_datasets, parse_blend
+from .loader import PretrainingBatchSampler, fixed_batches, micro_batches
+from .synthetic import synthetic_documents, write_shard, write_synthetic_corpus
+from .tokenizer import VocabOnlyTokenizer, load_tokenizer
+
+__all__ = [
+    "Datasets",
+    "PretrainingBatchSampler",
+    "VocabOnlyTokenizer",
+    "build_datasets",
+    "fixed_batches",
+    "load_tokenizer",
+    "micro_batches",
+    "parse_blend",
+    "synthetic_documents",
+    "write_shard",
+    "write_synthetic_corpus",
+]

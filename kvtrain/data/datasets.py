@@ -1,0 +1,139 @@
+"""Train/valid/test datasets for the trainer, built with megatron's own builders.
+
+* ``data.type: gpt`` - ``.bin/.idx`` shards (megatron's IndexedDataset format,
+  whoever wrote them) blended with ``data.paths`` weights and split by
+  ``data.split`` through ``BlendedMegatronDatasetBuilder`` + ``GPTDataset``;
+* ``data.type: mock`` - ``MockGPTDataset`` (synthetic documents), for smoke runs.
+
+Index caches (document/sample/shuffle indices) go to ``data.cache_dir``
+(default ``<run_dir>/data_cache``); the builder makes rank 0 build them while
+the other ranks wait at a barrier, then every rank loads them.
+
+One trap is checked here rather than inside megatron: a split part that gets
+0 documents of a shard but is asked for samples makes ``GPTDataset`` loop
+forever (``_get_num_epochs``). Parts we need (train; valid when evaluating)
+must own documents; parts we do not use are dropped from the split matrix
+without moving the boundaries of the others.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from kvtrain.config import ConfigError
+from kvtrain.config.schema import RunConfig
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass
+class Datasets:
+    """The built datasets (None for a part not built) and what they were built from."""
+
+    train: Any
+    valid: Optional[Any]
+    test: Optional[Any]
+    tokenizer: Any
+
+
+def parse_blend(paths: list) -> tuple[list[str], Optional[list[float]]]:
+    """``[a, b]`` -> ([a, b], None); ``[0.7, a, 0.3, b]`` -> ([a, b], [0.7, 0.3])."""
+    if all(isinstance(p, str) for p in paths):
+        return [str(p) for p in paths], None
+    weights = [float(w) for w in paths[0::2]]
+    prefixes = [str(p) for p in paths[1::2]]
+    return prefixes, weights
+
+
+def _sequence_count(prefix: str) -> int:
+    """Sequences (megatron's split unit) in a shard, read from its .idx only."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for ext in (".bin", ".idx"):
+        if not os.path.exists(prefix + ext):
+            raise ConfigError(f"data.paths: shard {prefix}{ext} does not exist")
+    ds = IndexedDataset(prefix, multimodal=False, mmap=True)
+    return int(ds.sequence_lengths.shape[0])
+
+
+def plan_split(split_matrix: list, counts: dict[str, int], needed: tuple[bool, bool, bool],
+               split: str) -> list:
+    """The split matrix to build: parts we draw from are checked to own documents
+    in every shard; parts we never draw from are dropped (None), so megatron never
+    asks them for samples. The boundaries of the other parts do not move."""
+    planned = []
+    for i, bookends in enumerate(split_matrix):
+        if not needed[i]:
+            planned.append(None)
+            continue
+        if bookends is None:
+            raise ConfigError(f"data.split {split!r} has no {SPLIT_NAMES[i]} part")
+        for prefix, n in counts.items():
+            docs = int(round(bookends[1] * n)) - int(round(bookends[0] * n))
+            if docs <= 0:
+                raise ConfigError(
+                    f"data.split {split!r} gives the {SPLIT_NAMES[i]} part 0 of the {n} "
+                    f"documents of {prefix}: use more documents or a larger "
+                    f"{SPLIT_NAMES[i]} weight"
+                    + (" (or set train.eval_interval: null)" if i == 1 else "")
+                )
+        planned.append(bookends)
+    return planned
+
+
+def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
+                   valid_samples: int) -> Datasets:
+    """Builds the datasets on every rank (rank 0 first: it writes the index caches).
+
+    ``train_samples``/``valid_samples``: sequences that will be drawn, so that
+    megatron builds enough epochs of indices.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    from .tokenizer import load_tokenizer
+
+    d = cfg.data
+    tokenizer = load_tokenizer(d, cfg.model)
+    blend = parse_blend(d.paths) if d.type == "gpt" else None
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    needs_mask = d.reset_attention_mask
+    ds_config = GPTDatasetConfig(
+        random_seed=d.seed if d.seed is not None else cfg.train.seed,
+        sequence_length=cfg.train.seq_length,
+        blend=blend,
+        split=d.split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss,
+        # The causal mask is implied by the attention's mask type; a per-sample
+        # mask is only needed to stop attention (and the shift) at documents.
+        create_attention_mask=needs_mask,
+        mid_level_dataset_surplus=0.005,
+    )
+    needed = (True, valid_samples > 0, False)
+    if blend is not None:
+        counts = {prefix: _sequence_count(prefix) for prefix in blend[0]}
+        ds_config.split_matrix = plan_split(ds_config.split_matrix, counts, needed, d.split)
+    else:
+        # Mock data: megatron sets split "1,1,1"; build only what is drawn from.
+        ds_config.split_matrix = [m if needed[i] else None
+                                  for i, m in enumerate(ds_config.split_matrix)]
+    sizes = [train_samples, valid_samples if needed[1] else None, None]
+    cls = GPTDataset if d.type == "gpt" else MockGPTDataset
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        cls, sizes, lambda: True, ds_config
+    ).build()
+    if train is None or len(train) < train_samples:
+        raise ConfigError(
+            f"the training data gives {0 if train is None else len(train)} sequences of "
+            f"{cfg.train.seq_length} tokens, fewer than the {train_samples} the run needs"
+        )
+    return Datasets(train=train, valid=valid, test=test, tokenizer=tokenizer)

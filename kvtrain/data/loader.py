@@ -1,0 +1,84 @@
+"""Micro-batch iterators that resume exactly: the sample order is a pure
+function of the number of samples consumed so far.
+
+Step ``k`` draws the global samples ``[k*G, (k+1)*G)`` (G = global batch
+size) of the dataset's own (shuffled) order; micro batch ``m`` of data-parallel
+rank ``r`` is ``[base + m*B*D + r*B, ... + B)`` with B the micro batch size and
+D the data-parallel size. That is megatron's ``MegatronPretrainingSampler``
+order, so every (TP, PP, DP) layout trains on the same sequences in the same
+optimizer steps and a resumed run continues with exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+
+class PretrainingBatchSampler:
+    """Yields this rank's micro batches of indices, from ``consumed_samples`` on."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        if consumed_samples > total_samples:
+            raise ValueError(f"consumed samples {consumed_samples} exceed the dataset "
+                             f"({total_samples})")
+        self.total = total_samples
+        self.consumed = consumed_samples
+        self.mbs = micro_batch_size
+        self.rank = dp_rank
+        self.dp = dp_size
+
+    def __len__(self) -> int:
+        return (self.total - self.consumed) // (self.mbs * self.dp)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        stride = self.mbs * self.dp
+        start = self.consumed
+        while start + stride <= self.total:
+            first = start + self.rank * self.mbs
+            yield list(range(first, first + self.mbs))
+            start += stride
+
+
+def _worker_init(_worker_id: int) -> None:
+    # SIGTERM/SIGUSR1 ask the *trainer* to stop at a step boundary (SLURM sends
+    # them to every process of the job): a loader worker that died of it would
+    # make the trainer fail instead of saving. Workers end with their parent.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "SIGUSR1"):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    torch.set_num_threads(1)
+
+
+def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
+                  dp_size: int, num_workers: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """An iterator of this rank's micro batches (dicts of ``[b, s]`` tensors:
+    tokens, labels, loss_mask, position_ids, and attention_mask ``[b, 1, s, s]``
+    when the dataset makes one)."""
+    sampler = PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size,
+                                      dp_rank, dp_size)
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        worker_init_fn=_worker_init if num_workers > 0 else None,
+        pin_memory=False,
+        persistent_workers=False,
+        prefetch_factor=2 if num_workers > 0 else None,
+    )
+    return iter(loader)
+
+
+def fixed_batches(dataset, num_samples: int, micro_batch_size: int, dp_rank: int,
+                  dp_size: int) -> Optional[Iterator[dict[str, torch.Tensor]]]:
+    """The first ``num_samples`` samples, split like training batches (validation:
+    every evaluation sees the same sequences, so val losses compare over time)."""
+    if dataset is None:
+        return None
+    sampler = PretrainingBatchSampler(min(num_samples, len(dataset)), 0, micro_batch_size,
+                                      dp_rank, dp_size)
+    return iter(DataLoader(dataset, batch_sampler=sampler, num_workers=0))

@@ -1,0 +1,466 @@
+"""Distributed checkpoints (megatron ``dist_checkpointing``, torch_dist format).
+
+Layout of ``checkpoint.dir`` (default ``<run_dir>/checkpoints``)::
+
+    iter_0000100/          one checkpoint: torch_dist shards + common.pt + metadata.json
+        kvtrain_checkpoint.json   written last, by rank 0: marks the checkpoint complete
+    iter_0000200.incomplete/      a checkpoint being written (renamed when complete)
+    latest                 "iter_0000100": the newest *complete* checkpoint
+
+A checkpoint holds the model, the optimizer (distributed optimizer state in the
+``fully_reshardable`` format), the LR scheduler, every rank's RNG states, the
+iteration, consumed samples and the run config. Shards are written into
+``iter_N.incomplete``; after every rank's shards are on disk (the writer
+fsyncs them), rank 0 writes the marker, renames the folder to ``iter_N`` and
+only then rewrites ``latest``, through a fsync'd temporary file and an atomic
+rename. A process killed in the middle of a save therefore leaves ``latest``
+naming the previous complete checkpoint; the half-written folder is removed
+by the next save.
+
+The traps of megatron-core 0.16.1 measured in the project notes, and where
+each is handled:
+
+1. ``fully_reshardable`` (``SHARDING_METADATA``): the default
+   ``fully_sharded_model_space`` fails ("flattened_range is not supported");
+   ``dp_reshardable`` cannot change TP. ``fully_reshardable`` loads into any
+   TP/PP/DP layout.
+2. Torch AdamW inside the distributed optimizer (every CPU run; no TE/apex):
+   the optimizer state must exist before ``sharded_state_dict(is_loading=True)``
+   (``_prime_optimizer_state``), the per-parameter ``step`` is not in the
+   checkpoint (only one value per param group), and ``load_state_dict`` puts
+   one *shared* step tensor in every parameter's state, so AdamW's in-place
+   ``step += 1`` advances it once per parameter per update, corrupting bias
+   correction. ``_fix_adam_steps`` gives every parameter its own tensor holding
+   the restored update count.
+3. The writer's spawn-context ``multiprocessing.Manager`` re-imports the main
+   module; a training script without a ``__main__`` guard would re-run itself
+   in that child and hang the save. ``ensure_writer_queue`` gives synchronous
+   saves an in-process queue (no manager at all) and starts the manager of
+   asynchronous saves with the main module hidden from the child (see
+   ``writer_queue``).
+4. The state dict comes from the unwrapped models (GPTModel / Float16Module),
+   not the DDP wrapper, which would prefix every key with ``module.``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from kvtrain.config import ConfigError
+
+from .optimizer import inner_optimizers
+
+log = logging.getLogger(__name__)
+
+PREFIX = "iter_"
+TRACKER = "latest"
+MARKER = "kvtrain_checkpoint.json"
+INCOMPLETE = ".incomplete"  # suffix of a checkpoint folder while it is written
+FORMAT_VERSION = 1
+SHARDING_METADATA = {
+    # trap 1: the only optimizer format that loads into another TP/PP/DP layout
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
+# Test hooks (deterministic crash windows for the tests; never set in real runs):
+# SIGKILL this process after the shards of iteration N are written but before the
+# checkpoint is marked complete / after it is complete.
+KILL_IN_SAVE_ENV = "KVTRAIN_TEST_KILL_IN_SAVE"
+KILL_AFTER_SAVE_ENV = "KVTRAIN_TEST_KILL_AFTER_SAVE"
+
+
+@dataclass
+class TrainState:
+    """The loop's counters: everything besides tensors that a resume needs."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_steps: int = 0  # optimizer updates dropped (non-finite, fp16 overflow)
+    nonfinite_in_row: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"{PREFIX}{iteration:07d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` via a fsync'd temporary file and an atomic rename."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_tracker(root: Path) -> Optional[Path]:
+    """The checkpoint named by ``root/latest`` (None if there is no tracker)."""
+    tracker = Path(root) / TRACKER
+    try:
+        name = tracker.read_text().strip()
+    except OSError:
+        return None
+    if not name:
+        return None
+    path = Path(root) / name
+    if not is_complete(path):
+        raise ConfigError(f"{tracker} names {name}, which is not a complete checkpoint")
+    return path
+
+
+def is_complete(path: Path) -> bool:
+    path = Path(path)
+    return (not path.name.endswith(INCOMPLETE) and (path / MARKER).exists()
+            and (path / "metadata.json").exists())
+
+
+def _remove(path: Path) -> None:
+    """Deletes a checkpoint folder; renamed first, so that a crash in the middle of
+    the deletion never leaves a half folder under a checkpoint's name."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    except OSError as e:
+        log.warning("could not remove old checkpoint %s: %s", path, e)
+
+
+def resolve_resume(resume: str, root: Path) -> Optional[Path]:
+    """``auto``: the checkpoint in ``root/latest`` (None when there is none);
+    ``none``: None; otherwise a checkpoint folder, or a folder with a ``latest``."""
+    value = resume.strip()
+    if value.lower() == "none":
+        return None
+    if value.lower() == "auto":
+        return read_tracker(root)
+    path = Path(value).expanduser()
+    if (path / TRACKER).exists():
+        found = read_tracker(path)
+        if found is None:
+            raise ConfigError(f"checkpoint.resume: {path}/latest names no checkpoint")
+        return found
+    if not path.exists():
+        raise ConfigError(f"checkpoint.resume: no such checkpoint {path}")
+    if not is_complete(path):
+        raise ConfigError(f"checkpoint.resume: {path} is not a complete kvtrain checkpoint "
+                          f"(no {MARKER})")
+    return path
+
+
+def read_marker(path: Path) -> dict:
+    return json.loads((Path(path) / MARKER).read_text())
+
+
+def ensure_writer_queue(async_save: bool) -> None:
+    """Gives megatron's torch_dist writer its results queue before the first save
+    (trap 3, see ``writer_queue``): in-process for synchronous saves, a manager
+    started without re-importing ``__main__`` for asynchronous ones."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from .writer_queue import results_queue
+
+    current = filesystem_async._results_queue
+    if current is None or (async_save and isinstance(current, queue.Queue)):
+        filesystem_async._results_queue = results_queue(async_save)
+
+
+# ----------------------------------------------------------------------------- RNG
+def rng_state() -> dict:
+    """This rank's RNG states (Python, NumPy, torch, CUDA, megatron's TP tracker)."""
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def current_layout() -> dict:
+    return {
+        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data": parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        "world": dist.get_world_size(),
+    }
+
+
+def _rng_sharded_object() -> ShardedObject:
+    """Every rank's RNG state: one object per (PP, TP) position holding the list
+    over data-parallel ranks (gathered here), saved by DP rank 0."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    states = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, rng_state(), group=group)
+    pp = parallel_state.get_pipeline_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    return ShardedObject(
+        "rng_state", states,
+        (parallel_state.get_pipeline_model_parallel_world_size(),
+         parallel_state.get_tensor_model_parallel_world_size()),
+        (pp, tp),
+        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+    )
+
+
+@contextmanager
+def _step_free_param_state_load(optimizer):
+    """trap 2b: a ``fully_reshardable`` checkpoint has no per-parameter ``step``
+    (megatron keeps one per param group), but ``load_parameter_state_from_
+    fully_reshardable`` copies *every* key of the live AdamW state from the
+    checkpoint, and fails with ``KeyError: 'step'``. The steps are set aside
+    while the parameter state loads; ``_fix_adam_steps`` then sets them."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "load_parameter_state_from_fully_reshardable", None)
+        inner = getattr(opt, "optimizer", None)
+        if original is None or inner is None:
+            continue
+
+        def load_without_step(state_dict, _original=original, _inner=inner):
+            steps = {p: st.pop("step") for p, st in _inner.state.items() if "step" in st}
+            try:
+                _original(state_dict)
+            finally:
+                for p, step in steps.items():
+                    _inner.state[p]["step"] = step
+
+        opt.load_parameter_state_from_fully_reshardable = load_without_step
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt.load_parameter_state_from_fully_reshardable  # back to the class method
+
+
+# ----------------------------------------------------------------------------- checkpointer
+class Checkpointer:
+    """Saves and loads the whole training state of this rank's model chunks."""
+
+    def __init__(self, root: Path, model_chunks: list, optimizer, scheduler, run_config: dict,
+                 keep_last: Optional[int] = None, async_save: bool = False):
+        self.root = Path(root)
+        # trap 4: the unwrapped modules (DDP's .module: GPTModel or Float16Module)
+        self.modules = [getattr(m, "module", m) for m in model_chunks]
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.run_config = run_config
+        self.keep_last = keep_last
+        self.rank = dist.get_rank()
+        self._async_queue = None
+        if async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_queue = AsyncCallsQueue(persistent=False)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+        ensure_writer_queue(async_save)
+
+    # -- state dicts --------------------------------------------------------------
+    def _model_state(self) -> dict:
+        if len(self.modules) == 1:
+            return {"model": self.modules[0].sharded_state_dict(metadata=dict(SHARDING_METADATA))}
+        return {f"model{i}": m.sharded_state_dict(metadata=dict(SHARDING_METADATA))
+                for i, m in enumerate(self.modules)}
+
+    def _sharded_state(self, state: Optional[TrainState], loading: bool, optimizer: bool,
+                       rng: bool) -> dict:
+        sd = self._model_state()
+        if optimizer:
+            if loading:
+                self._prime_optimizer_state()
+            sd["optimizer"] = self.optimizer.sharded_state_dict(
+                sd, is_loading=loading, metadata=dict(SHARDING_METADATA))
+            sd["opt_param_scheduler"] = self.scheduler.state_dict()
+        if rng:
+            sd["rng_state"] = _rng_sharded_object()
+        if state is not None:
+            # Plain values: saved once (common.pt) and identical on every rank.
+            sd["kvtrain"] = {"state": asdict(state), "layout": current_layout(),
+                             "config": self.run_config, "version": FORMAT_VERSION}
+        return sd
+
+    def _prime_optimizer_state(self) -> None:
+        """trap 2a: torch AdamW creates its state lazily; the distributed optimizer's
+        ``sharded_state_dict(is_loading=True)`` needs it to exist."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None or len(inner.state) > 0:
+                continue
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+                # Runs a zero-gradient AdamW step on the main params; every value it
+                # touches is overwritten by the load that follows.
+                opt._init_optimizer_states_with_dummy_values()
+            elif getattr(opt, "init_state_fn", None) is not None:
+                opt.init_state_fn(inner, opt.config)
+
+    def _fix_adam_steps(self) -> None:
+        """trap 2b/2c: one step tensor of its own per parameter, equal to the number
+        of updates applied (= the scheduler's count; skipped steps advance neither)."""
+        updates = float(self.scheduler.num_steps)
+        for inner in inner_optimizers(self.optimizer):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    state = inner.state.get(p)
+                    if not state:
+                        continue
+                    old = state.get("step")
+                    dtype = old.dtype if torch.is_tensor(old) else torch.float32
+                    device = old.device if torch.is_tensor(old) else torch.device("cpu")
+                    state["step"] = torch.tensor(updates, dtype=dtype, device=device)
+
+    # -- save ---------------------------------------------------------------------
+    def save(self, state: TrainState) -> Path:
+        """Saves a checkpoint of ``state.iteration`` on every rank (collective).
+
+        The shards are written to ``iter_N.incomplete``; once every rank is done,
+        rank 0 adds the marker, renames the folder to ``iter_N`` (replacing an
+        older ``iter_N`` of an abandoned history, if any) and moves ``latest``.
+        A folder named ``iter_N`` is therefore always complete.
+        """
+        self.finalize(blocking=True)  # one save in flight at a time
+        # The loop goes on mutating its state while an async save is written.
+        state = copy.deepcopy(state)
+        work = self.root / (checkpoint_name(state.iteration) + INCOMPLETE)
+        if self.rank == 0:
+            if work.exists():  # leftovers of a save that was killed half-way
+                shutil.rmtree(work)
+            work.mkdir(parents=True)
+        dist.barrier()
+        t0 = time.monotonic()
+        sd = self._sharded_state(state, loading=False, optimizer=True, rng=True)
+        request = dist_checkpointing.save(
+            sd, str(work), async_sharded_save=self._async_queue is not None,
+            content_metadata={"kvtrain_format": FORMAT_VERSION},
+        )
+        finalize = lambda: self._mark_complete(work, state, time.monotonic() - t0)  # noqa: E731
+        if request is None:
+            finalize()
+        else:
+            request.add_finalize_fn(finalize)
+            self._async_queue.schedule_async_request(request)
+        return self.root / checkpoint_name(state.iteration)
+
+    def _mark_complete(self, work: Path, state: TrainState, seconds: float) -> None:
+        """Runs on every rank once all shards are written (megatron's finalize, which
+        writes metadata.json, has gathered every rank's results before this)."""
+        dist.barrier()
+        if os.environ.get(KILL_IN_SAVE_ENV) == str(state.iteration):
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die before the marker
+        if self.rank == 0:
+            info = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
+                    "layout": current_layout(), "format": "torch_dist",
+                    "version": FORMAT_VERSION, "saved_at": time.time(),
+                    "save_seconds": round(seconds, 3)}
+            write_atomic(work / MARKER, json.dumps(info, indent=1) + "\n")
+            final = self.root / checkpoint_name(state.iteration)
+            if final.exists():  # same iteration from an abandoned history (a rollback)
+                _remove(final)
+            os.replace(work, final)
+            _fsync_dir(self.root)
+            write_atomic(self.root / TRACKER, final.name + "\n")
+            self._cleanup(keep=final)
+        dist.barrier()
+        if os.environ.get(KILL_AFTER_SAVE_ENV) == str(state.iteration):
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die right after a save
+
+    def _cleanup(self, keep: Path) -> None:
+        """Rank 0: drops half-written saves and complete checkpoints beyond keep_last."""
+        complete = sorted(p for p in self.root.glob(f"{PREFIX}*")
+                          if p.is_dir() and p != keep and is_complete(p))
+        doomed = [p for p in self.root.glob(f"{PREFIX}*{INCOMPLETE}")]
+        doomed += [p for p in self.root.glob(".trash-*")]
+        if self.keep_last is not None:
+            doomed += complete[:max(len(complete) + 1 - self.keep_last, 0)]
+        for p in doomed:
+            _remove(p)
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Completes finished async saves (collective: call on every rank)."""
+        if self._async_queue is not None and self._async_queue.get_num_unfinalized_calls():
+            self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def close(self) -> None:
+        self.finalize(blocking=True)
+
+    # -- load ---------------------------------------------------------------------
+    def load(self, path: Path, load_optimizer: bool = True, load_rng: bool = True) -> TrainState:
+        """Loads ``path`` into the model (and optimizer, scheduler, RNG) of this rank.
+
+        Works from any TP/PP/DP layout to any other; the RNG states are only
+        restored when the layout is the one they were saved from.
+        """
+        path = Path(path)
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        meta = common.get("kvtrain", {})
+        saved_layout = meta.get("layout")
+        same_layout = saved_layout == current_layout()
+        rng = load_rng and same_layout
+        sd = self._sharded_state(None, loading=True, optimizer=load_optimizer, rng=rng)
+        loaded = dist_checkpointing.load(sd, str(path))
+        if len(self.modules) == 1:
+            self.modules[0].load_state_dict(loaded["model"], strict=True)
+        else:
+            for i, m in enumerate(self.modules):
+                m.load_state_dict(loaded[f"model{i}"], strict=True)
+        if load_optimizer:
+            with _step_free_param_state_load(self.optimizer):
+                self.optimizer.load_state_dict(loaded["optimizer"])
+            self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            self._fix_adam_steps()
+        else:
+            self.optimizer.reload_model_params()  # main params <- loaded weights
+        if rng:
+            states = loaded["rng_state"]
+            set_rng_state(states[parallel_state.get_data_parallel_rank(with_context_parallel=True)])
+        state = TrainState(**meta.get("state", {}))
+        if not load_optimizer:
+            state.nonfinite_in_row = 0
+        state.extra = {"same_layout": same_layout, "rng_restored": rng,
+                       "saved_layout": saved_layout}
+        return state

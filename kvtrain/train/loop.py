@@ -1,0 +1,231 @@
+"""The training loop, and ``train()``: set up, resume, loop, save, clean up.
+
+The loop itself only sequences the pieces: a step (``step.train_step``),
+then whatever is due at this iteration - a log line, KV-shift statistics,
+validation, a checkpoint - and then the stop conditions, which every rank
+evaluates on the same all-reduced flags so all ranks leave at the same step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from kvtrain.config import RunConfig, to_dict
+
+from .checkpoint import Checkpointer, TrainState, resolve_resume
+from .evaluation import Validator, gather_shift_coefficients, shift_statistics
+from .metrics import MetricsLogger, peak_memory_gib, say
+from .optimizer import current_lr
+from .setup import Run, build_run, write_run_config
+from .signals import StopRequests
+from .step import ForwardStep, StepResult, train_step
+from .wandb_logger import WandbLogger
+
+EXIT_OK = 0
+EXIT_NONFINITE = 3  # stopped after train.max_consecutive_nonfinite bad steps (checkpoint saved)
+
+
+def _due(iteration: int, interval: Optional[int]) -> bool:
+    return bool(interval) and iteration % interval == 0
+
+
+def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: MetricsLogger,
+                  validator: Validator, stop: StopRequests) -> int:
+    """Trains from ``state`` to the end of the run (or a stop); returns the exit code."""
+    cfg, t = run.cfg, run.cfg.train
+    iterators = _data_iterators(run, state.consumed_samples)
+    forward_step, window = ForwardStep(), Window()
+    last_saved = state.iteration if state.iteration > 0 else None
+    exit_code, why = EXIT_OK, None
+    while state.iteration < run.total_steps:
+        forward_step.iteration = state.iteration + 1
+        started = time.perf_counter()
+        result = train_step(run.forward_backward, forward_step, iterators, run.model,
+                            run.optimizer, run.scheduler, run.num_microbatches, t.seq_length,
+                            t.micro_batch_size, (stop.signal_flag, stop.time_flag))
+        state.iteration += 1
+        state.consumed_samples += t.global_batch_size
+        window.add(result, time.perf_counter() - started)
+        _count_skips(state, result, metrics)
+
+        if _due(state.iteration, t.log_interval):
+            metrics.write(window.flush(run, state))
+        if cfg.model.attention == "kv_shift" and _due(state.iteration, t.kv_shift_stats_interval):
+            _log_shift_stats(run, state, metrics)
+        if _due(state.iteration, t.eval_interval):
+            _validate(validator, state, metrics)
+        ckpt.finalize()  # completes a finished async save, if any
+        if _due(state.iteration, cfg.checkpoint.save_interval):
+            ckpt.save(state)
+            last_saved = state.iteration
+
+        if state.nonfinite_in_row >= t.max_consecutive_nonfinite:
+            exit_code = EXIT_NONFINITE
+            why = (f"{state.nonfinite_in_row} steps in a row had a non-finite loss or "
+                   f"gradient norm (train.max_consecutive_nonfinite); their updates were "
+                   f"skipped, so the weights are those of the last good step")
+            break
+        if result.stop_signal or result.time_up:
+            why = ("a stop signal (SIGTERM/SIGUSR1)" if result.stop_signal
+                   else f"train.exit_duration_minutes ({t.exit_duration_minutes})")
+            break
+    else:  # the end of the run
+        if window.steps:
+            metrics.write(window.flush(run, state))
+        if cfg.model.attention == "kv_shift" and t.kv_shift_stats_interval and \
+                not _due(state.iteration, t.kv_shift_stats_interval):
+            _log_shift_stats(run, state, metrics)
+        if t.eval_interval and not _due(state.iteration, t.eval_interval):
+            _validate(validator, state, metrics)
+
+    if cfg.checkpoint.save_on_exit and last_saved != state.iteration and state.iteration > 0:
+        ckpt.save(state)
+        last_saved = state.iteration
+    ckpt.close()  # waits for an async save to complete
+    done = f"iteration {state.iteration}/{run.total_steps}"
+    saved = f"; checkpoint {ckpt.root}/latest = iteration {last_saved}" if last_saved else ""
+    if why:
+        metrics.write({"kind": "event", "iteration": state.iteration, "message": f"stopped: {why}"},
+                      echo=False)
+        say(f"kvtrain: stopped at {done} because of {why}{saved}")
+    else:
+        say(f"kvtrain: finished at {done}{saved}")
+    return exit_code
+
+
+# ----------------------------------------------------------------------------- helpers of the loop
+def _data_iterators(run: Run, consumed_samples: int) -> list:
+    """One micro-batch iterator per model chunk (virtual stages each read the
+    same micro batches), starting at ``consumed_samples``."""
+    from kvtrain.data import micro_batches
+
+    t = run.cfg.train
+    return [micro_batches(run.datasets.train, consumed_samples, t.micro_batch_size, run.dp_rank,
+                          run.dp_size, run.cfg.data.num_workers) for _ in run.model]
+
+
+def _count_skips(state: TrainState, result: StepResult, metrics: MetricsLogger) -> None:
+    skipped = result.outcome.skipped
+    if skipped is None:
+        state.nonfinite_in_row = 0
+        return
+    state.skipped_steps += 1
+    if skipped == "nonfinite":
+        state.nonfinite_in_row += 1
+    metrics.write({"kind": "event", "iteration": state.iteration, "skipped": skipped,
+                   "message": f"update skipped ({skipped}): lm_loss {result.loss}, "
+                              f"grad_norm {result.outcome.grad_norm}",
+                   "lm_loss": result.loss, "grad_norm": result.outcome.grad_norm,
+                   "skipped_steps": state.skipped_steps,
+                   "nonfinite_in_row": state.nonfinite_in_row})
+
+
+def _log_shift_stats(run: Run, state: TrainState, metrics: MetricsLogger) -> None:
+    coefs = gather_shift_coefficients([m.module for m in run.model])  # collective
+    if coefs is not None:
+        metrics.write(shift_statistics(coefs, state.iteration))
+
+
+def _validate(validator: Validator, state: TrainState, metrics: MetricsLogger) -> None:
+    record = validator.run(state.iteration)  # collective
+    if record is not None:
+        metrics.write(record)
+
+
+@dataclass
+class Window:
+    """Steps since the last log line: losses, step times, the last grad norm."""
+
+    steps: int = 0
+    losses: list = field(default_factory=list)
+    seconds: float = 0.0
+    grad_norm: Optional[float] = None
+
+    def add(self, result: StepResult, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        if result.outcome.skipped is None:
+            self.losses.append(result.loss)
+            self.grad_norm = result.outcome.grad_norm
+
+    def flush(self, run: Run, state: TrainState) -> dict:
+        """The train record of the window (collective: peak memory is a max over ranks)."""
+        t = run.cfg.train
+        step_time = self.seconds / max(self.steps, 1)
+        tflops = run.flops_per_step / step_time / run.world_size / 1e12
+        memory, memory_kind = peak_memory_gib()
+        peak = torch.tensor([memory], dtype=torch.float64)
+        if torch.cuda.is_available():
+            peak = peak.cuda()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        record = {
+            "kind": "train",
+            "iteration": state.iteration,
+            "consumed_samples": state.consumed_samples,
+            "consumed_tokens": state.consumed_samples * t.seq_length,
+            "lm_loss": sum(self.losses) / len(self.losses) if self.losses else float("nan"),
+            "lr": current_lr(run.optimizer),
+            "grad_norm": self.grad_norm,
+            "step_time_s": step_time,
+            "tokens_per_s": t.global_batch_size * t.seq_length / step_time,
+            "tflops_per_device": tflops,
+            "mfu": tflops / run.peak_tflops if run.peak_tflops else None,
+            "peak_memory_gib": float(peak.item()),
+            "memory_kind": memory_kind,
+            "skipped_steps": state.skipped_steps,
+            "steps_in_window": self.steps,
+        }
+        if run.cfg.train.precision == "fp16" or getattr(run.optimizer, "grad_scaler", None):
+            record["loss_scale"] = float(run.optimizer.get_loss_scale().item())
+        self.steps, self.losses, self.seconds = 0, [], 0.0
+        return record
+
+
+# ----------------------------------------------------------------------------- the entry point
+def train(cfg: RunConfig, run_dir: Path) -> int:
+    """Runs (or resumes) the run of ``cfg`` in ``run_dir`` on this rank; returns the
+    exit code (0: finished or stopped on request; 3: too many non-finite steps)."""
+    stop = StopRequests(cfg.train.exit_duration_minutes).install()
+    run = build_run(cfg, Path(run_dir))
+    rank0 = run.rank == 0
+    if rank0:
+        text = write_run_config(cfg, run.run_dir)
+        say(f"kvtrain: run folder {run.run_dir.resolve()}\n--- resolved config ---\n{text}"
+            f"--- layout: world {run.world_size} = TP {cfg.parallel.tensor} x PP "
+            f"{cfg.parallel.pipeline} x DP {run.dp_size}; {run.num_microbatches} micro batches "
+            f"per step; {run.total_steps} steps")
+    ckpt = Checkpointer(run.checkpoint_dir, run.model, run.optimizer, run.scheduler,
+                        to_dict(cfg), keep_last=cfg.checkpoint.keep_last,
+                        async_save=cfg.checkpoint.async_save)
+    state = TrainState()
+    resume_from = resolve_resume(cfg.checkpoint.resume, run.checkpoint_dir)
+    if resume_from is not None:
+        state = ckpt.load(resume_from, cfg.checkpoint.load_optimizer, cfg.checkpoint.load_rng)
+        note = "" if state.extra.get("rng_restored") else " (RNG states not restored: layout changed)"
+        say(f"kvtrain: resumed from {resume_from} at iteration {state.iteration}{note}")
+    wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, to_dict(cfg), active=rank0)
+    metrics = MetricsLogger(run.run_dir, wandb, active=rank0)
+    metrics.resume_at(state.iteration)
+    t = cfg.train
+    validator = Validator(run.datasets.valid, run.forward_backward, run.model, t.eval_iters,
+                          t.global_batch_size, t.micro_batch_size, run.num_microbatches,
+                          t.seq_length)
+    code = 1
+    try:
+        if state.iteration >= run.total_steps:
+            say(f"kvtrain: nothing to do: iteration {state.iteration} >= {run.total_steps} steps")
+            code = EXIT_OK
+        else:
+            code = training_loop(run, state, ckpt, metrics, validator, stop)
+    finally:
+        metrics.close()
+        wandb.finish(exit_code=code)
+        stop.restore()
+    return code

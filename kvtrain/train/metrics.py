@@ -1,0 +1,146 @@
+"""What a run reports: ``metrics.jsonl``, one line on stdout, and wandb.
+
+Every record is one JSON object with ``kind`` (train | valid | kv_shift |
+event) and ``iteration``; train records carry ``lm_loss``, ``lr``,
+``grad_norm``, consumed samples/tokens, step time, tokens/s, TFLOP/s per
+device, MFU and peak memory. The same numbers go to wandb under
+``train/``, ``valid/`` and ``kv_shift/`` names. Only global rank 0 writes.
+
+On a resume the records past the checkpoint's iteration (steps a crashed run
+did after its last save) are dropped from ``metrics.jsonl``: the file then
+reads as one consistent history, the one the resumed run continues.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .wandb_logger import WandbLogger
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def peak_memory_gib() -> tuple[float, str]:
+    """Peak device memory (CUDA allocator) or, on CPU, the process's peak RSS."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30, "cuda_allocated"
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kib / 2**20, "cpu_rss"
+
+
+def truncate_after(path: Path, iteration: int) -> int:
+    """Drops records with ``iteration`` > ``iteration`` (atomically); returns how many."""
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            dropped += 1  # a line torn by a kill mid-write
+            continue
+        if int(record.get("iteration", 0)) > iteration:
+            dropped += 1
+        else:
+            keep.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    return dropped
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+class MetricsLogger:
+    """Rank 0's sink for records; other ranks hold an inactive one."""
+
+    def __init__(self, run_dir: Path, wandb: WandbLogger, active: bool):
+        self.active = active
+        self.path = Path(run_dir) / METRICS_FILE
+        self.wandb = wandb
+        self._file = None
+        if active:
+            self._file = open(self.path, "a", buffering=1)  # line-buffered
+
+    def resume_at(self, iteration: int) -> None:
+        """Forget records a crashed run wrote after the checkpoint we resume from."""
+        if not self.active:
+            return
+        self._file.close()
+        dropped = truncate_after(self.path, iteration)
+        if dropped:
+            print(f"metrics: dropped {dropped} records after iteration {iteration} "
+                  "(written by the interrupted run after its last checkpoint)", flush=True)
+        self._file = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict, echo: bool = True) -> None:
+        if not self.active:
+            return
+        # JSON has no NaN/inf: a non-finite loss or norm is written as "nan"/"inf"
+        clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in record.items()}
+        clean.setdefault("time", round(time.time(), 3))
+        self._file.write(json.dumps(clean) + "\n")
+        self.wandb.log(self._wandb_view(record))
+        if echo:
+            print(self._line(record), flush=True)
+
+    @staticmethod
+    def _wandb_view(record: dict) -> dict:
+        kind = record.get("kind", "train")
+        out = {"iteration": record["iteration"]}
+        for key, value in record.items():
+            if key in ("kind", "iteration", "time") or isinstance(value, (str, dict, list)):
+                continue
+            name = key if "/" in key else f"{kind}/{key}"
+            out[name] = value
+        return out
+
+    @staticmethod
+    def _line(record: dict) -> str:
+        kind = record.get("kind", "train")
+        if kind == "train":
+            keys = ("lm_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
+                    "tflops_per_device", "mfu", "peak_memory_gib", "skipped_steps")
+            parts = [f"iter {record['iteration']:>7d}",
+                     f"samples {record.get('consumed_samples')}"]
+            parts += [f"{k} {_fmt(record.get(k))}" for k in keys if k in record]
+            return " | ".join(parts)
+        if kind == "valid":
+            return (f"iter {record['iteration']:>7d} | validation | val_loss "
+                    f"{_fmt(record['val_loss'])} | val_ppl {_fmt(record['val_ppl'])}")
+        if kind == "kv_shift":
+            quad = {k.rsplit("/", 1)[1]: v for k, v in record.items() if "/quadrant/" in k}
+            return f"iter {record['iteration']:>7d} | kv_shift quadrants {quad}"
+        return f"iter {record['iteration']:>7d} | {record.get('message', kind)}"
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def say(message: str, rank0: bool = True) -> None:
+    """Prints a line from global rank 0."""
+    import torch.distributed as dist
+
+    if not rank0 or not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, file=sys.stdout, flush=True)

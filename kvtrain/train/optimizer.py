@@ -1,0 +1,178 @@
+"""AdamW (megatron's distributed optimizer), the LR schedule, and one guarded
+optimizer step.
+
+Weight decay: megatron's default param-group rule takes decay off 1-D
+parameters (norm weights) and biases. The KV-shift coefficients are 2-D
+(``[kv_heads_local, w+1]``) and would be decayed by that rule, pulling α and β
+towards zero; they join the no-decay group unless ``model.kv_shift.weight_decay``
+is true. The per-group ``wd_mult`` is applied by ``OptimizerParamScheduler.step``
+(the notes' trap: without a scheduler every group decays), and a scheduler is
+always built here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ParamGroupOverride
+
+from kvtrain.config.schema import RunConfig
+from kvtrain.model.builder import Numerics
+from kvtrain.model.kv_shift import is_kv_shift_param
+
+
+def no_weight_decay_overrides(decay_kv_shift: bool) -> dict[ParamKey, ParamGroupOverride]:
+    """Param-group overrides: ``wd_mult=0`` for norms (1-D), biases and, unless
+    ``decay_kv_shift``, the KV-shift coefficients."""
+    predicates = [ParamPredicate(name="one_dim", fn=lambda p: p.dim() == 1)]
+    if not decay_kv_shift:
+        predicates.append(ParamPredicate(name="kv_shift_coefficients", fn=is_kv_shift_param))
+    key = ParamKey(name="*.bias", predicate=tuple(predicates))
+    return {key: ParamGroupOverride(wd_mult=0.0)}
+
+
+def megatron_optimizer_config(cfg: RunConfig, numerics: Numerics) -> MegatronOptimizerConfig:
+    o, p = cfg.optimizer, cfg.parallel
+    return MegatronOptimizerConfig(
+        optimizer="adam",  # with decoupled_weight_decay (default): AdamW
+        lr=o.lr,
+        min_lr=resolved_min_lr(cfg),
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=numerics.bf16,
+        fp16=numerics.fp16,
+        params_dtype=numerics.params_dtype,
+        loss_scale=o.loss_scale,
+        use_distributed_optimizer=p.distributed_optimizer,
+        overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
+    )
+
+
+def build_optimizer(cfg: RunConfig, numerics: Numerics, model_chunks: list):
+    """megatron's (distributed) AdamW over the DDP-wrapped ``model_chunks``."""
+    return get_megatron_optimizer(
+        megatron_optimizer_config(cfg, numerics),
+        model_chunks,
+        config_overrides=no_weight_decay_overrides(cfg.model.kv_shift.weight_decay),
+    )
+
+
+def resolved_min_lr(cfg: RunConfig) -> float:
+    o = cfg.optimizer
+    if o.min_lr is not None:
+        return o.min_lr
+    return o.lr if o.lr_schedule == "constant" else 0.1 * o.lr
+
+
+def build_scheduler(cfg: RunConfig, optimizer, total_steps: int) -> OptimizerParamScheduler:
+    """Linear warmup from 0, then constant (the paper), cosine, or warmup-stable-decay.
+
+    The scheduler counts successful optimizer updates; the trainer steps it
+    just before each update, so update ``k`` (1-based) runs at ``lr(k)`` and
+    warmup reaches the peak at update ``lr_warmup_steps``. Values from the
+    config win over those in a checkpoint (only the step count is restored), so
+    a resumed run can extend or change its schedule.
+    """
+    o = cfg.optimizer
+    warmup = o.lr_warmup_steps
+    decay_steps = max(o.lr_decay_steps or total_steps, warmup + 1)
+    style = {"constant": "constant", "cosine": "cosine", "wsd": "WSD"}[o.lr_schedule]
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else o.lr,
+        max_lr=o.lr,
+        min_lr=resolved_min_lr(cfg),
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+        wsd_decay_steps=o.wsd_decay_steps,
+        lr_wsd_decay_style=o.wsd_decay_style,
+    )
+
+
+def current_lr(optimizer) -> float:
+    """The LR of the default param groups (all groups share one schedule here)."""
+    for group in optimizer.param_groups:
+        if group.get("default_config", True):
+            return float(group["lr"])
+    return float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else 0.0
+
+
+@dataclass
+class StepOutcome:
+    """What happened to one optimizer step."""
+
+    updated: bool
+    grad_norm: Optional[float]
+    # None: the update was applied. "overflow": fp16 loss-scale overflow (the
+    # dynamic scaler backs off; normal while it calibrates). "nonfinite": the
+    # loss or the gradient norm was inf/NaN: the update was dropped.
+    skipped: Optional[str] = None
+
+
+@torch.no_grad()
+def guarded_step(optimizer, scheduler: OptimizerParamScheduler, loss_is_finite: bool) -> StepOutcome:
+    """megatron's ``ChainedOptimizer.step`` with a finite check before the update.
+
+    For fp32/bf16 there is no grad scaler, so megatron would apply an update
+    with NaN gradients; here the gradient norm (already reduced over every
+    rank, hence the same on all of them) and the globally reduced loss decide,
+    and a non-finite step leaves weights, optimizer state and the schedule
+    untouched. The gradients are zeroed at the start of the next step.
+    """
+    found_inf = optimizer.prepare_grads()  # model grads -> main grads; fp16: unscale + inf check
+    if found_inf:
+        return StepOutcome(False, None, "overflow" if loss_is_finite else "nonfinite")
+    grad_norm = float(optimizer.get_grad_norm())
+    if not (loss_is_finite and math.isfinite(grad_norm)):
+        return StepOutcome(False, grad_norm, "nonfinite")
+    scheduler.step(increment=1)  # sets this update's lr and weight decay per group
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0:
+            continue
+        params = opt.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(
+                params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    updated = optimizer.step_with_ready_grads()
+    return StepOutcome(bool(updated), grad_norm, None)
+
+
+def inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron's wrappers (for state surgery)."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            out.append(inner)
+    return out
+
+
+def adam_steps(optimizer) -> list[float]:
+    """The per-parameter AdamW step counts (tests: all equal the update count)."""
+    steps = []
+    for inner in inner_optimizers(optimizer):
+        for state in inner.state.values():
+            if "step" in state:
+                step = state["step"]
+                steps.append(float(step.item() if torch.is_tensor(step) else step))
+    return steps

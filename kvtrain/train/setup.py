@@ -1,0 +1,200 @@
+"""Everything a run needs, built once: process groups, the model chunks wrapped
+in megatron's DDP, the (distributed) optimizer and schedule, the data, the
+checkpointer and the loggers.
+
+The parallel layout comes from the config: TP and PP (with optional virtual
+stages) from ``parallel``, DP from the world size, sequence parallelism and the
+distributed optimizer from their switches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from kvtrain.config import ConfigError, RunConfig, to_dict
+
+from .flops import guess_peak_tflops, training_flops_per_step
+
+
+def resolve_run_dir(cfg: RunConfig, override: Optional[str] = None) -> Path:
+    """``--run-dir``, else ``run_dir`` from the config, else ``runs/<name>``."""
+    return Path(override or cfg.run_dir or Path("runs") / cfg.name).expanduser()
+
+
+def total_steps(cfg: RunConfig) -> int:
+    """Optimizer steps of the whole run: ``max_steps``, or the steps that cover
+    ``train_tokens``, whichever comes first."""
+    t = cfg.train
+    steps = []
+    if t.max_steps is not None:
+        steps.append(t.max_steps)
+    if t.train_tokens is not None:
+        steps.append(math.ceil(t.train_tokens / (t.global_batch_size * t.seq_length)))
+    return min(steps)
+
+
+@dataclass
+class Run:
+    """The built pieces of a run on this rank."""
+
+    cfg: RunConfig
+    run_dir: Path
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    num_microbatches: int
+    total_steps: int
+    model: list  # DDP-wrapped chunks (one per virtual pipeline stage)
+    optimizer: Any
+    scheduler: Any
+    forward_backward: Any
+    datasets: Any
+    flops_per_step: float
+    peak_tflops: Optional[float]
+    padded_vocab: int
+    checkpoint_dir: Path
+    start_time: float = field(default_factory=time.monotonic)
+
+
+def _build_model(cfg: RunConfig, tconfig, numerics) -> list:
+    """GPTModel chunks of this rank (one per virtual stage), wrapped for mixed
+    precision and in megatron's DistributedDataParallel."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from kvtrain.model.builder import build_gpt
+
+    p = cfg.parallel
+    chunks = []
+    for vp_stage in range(p.virtual_pipeline or 1):
+        chunk = build_gpt(cfg.model, tconfig, seed=cfg.train.seed,
+                          vp_stage=vp_stage if p.virtual_pipeline else None)
+        for param in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        if numerics.bf16 or numerics.fp16:
+            chunk = Float16Module(tconfig, chunk)
+        chunks.append(chunk)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,  # bf16 grads accumulate and reduce in fp32
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
+        use_distributed_optimizer=p.distributed_optimizer,
+        check_for_nan_in_grad=False,  # non-finite steps are handled by the trainer
+    )
+    model = [
+        DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk,
+                                # only the first chunk's buckets overlap with backward
+                                disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    for chunk in model:
+        chunk.broadcast_params()  # identical replicas whatever each rank's init did
+    return model
+
+
+def _native_gloo_reduce_scatter() -> None:
+    """Workaround for a bug of ``kvtrain.backend.cpu`` (reported): its gloo
+    ``reduce_scatter_tensor`` fallback (all-reduce, then slice) runs inside
+    torch's ``_coalescing_manager``, where megatron's DDP issues the gradient
+    reduce-scatter of the distributed optimizer; there the all-reduce is
+    deferred and the slice copies *unreduced* local gradients. torch's gloo has
+    a native ``reduce_scatter_tensor``; megatron binds the function when
+    ``param_and_grad_buffer`` is first imported, so it only gets the broken one
+    if the backend was enabled first (e.g. ``kvtrain.testing`` workers)."""
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    native = getattr(buffers.dist_reduce_scatter_func, "__wrapped__", None)
+    if native is not None and dist.get_backend() == "gloo":
+        buffers.dist_reduce_scatter_func = native
+
+
+def build_run(cfg: RunConfig, run_dir: Path) -> Run:
+    """Builds the run on this rank (collective: every rank calls it)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from kvtrain.backend import init_distributed
+    from kvtrain.data import build_datasets
+    from kvtrain.model.builder import Numerics, padded_vocab_size, transformer_config
+
+    from .optimizer import build_optimizer, build_scheduler
+
+    p, t = cfg.parallel, cfg.train
+    env = init_distributed(p.tensor, p.pipeline, p.virtual_pipeline, p.context, seed=t.seed,
+                           timeout_minutes=t.dist_timeout_minutes)
+    cfg.validate(world_size=env.world_size)
+    _native_gloo_reduce_scatter()
+    numerics = Numerics.from_precision(t.precision)
+    if numerics.fp16 and not torch.cuda.is_available():
+        raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
+
+    tconfig = transformer_config(cfg.model, p, numerics)
+    # Set before DDP is built (DDP reads it): gradients are divided by the token
+    # count of the global batch in finalize_model_grads, not by DP size.
+    tconfig.calculate_per_token_loss = True
+    # Without this, data-parallel gradients are never all-reduced (notes: DDP's
+    # hooks only accumulate when overlap is off).
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    model = _build_model(cfg, tconfig, numerics)
+    if p.overlap_grad_reduce:
+        # as Megatron-LM: no grad sync inside the micro-batch loop, and with PP the
+        # stages launch their reduce-scatters in step (its align_grad_reduce default)
+        no_sync = [m.no_sync for m in model]
+        tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if p.pipeline > 1:
+            grad_sync = [m.start_grad_sync for m in model]
+            tconfig.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+
+    steps = total_steps(cfg)
+    optimizer = build_optimizer(cfg, numerics, model)
+    tconfig.grad_scale_func = optimizer.scale_loss  # fp16 loss scaling (1.0 otherwise)
+    scheduler = build_scheduler(cfg, optimizer, steps)
+
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
+    valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    datasets = build_datasets(cfg, cache_dir, steps * t.global_batch_size, valid_samples)
+
+    padded = padded_vocab_size(cfg.model, p.tensor)
+    return Run(
+        cfg=cfg, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
+        dp_rank=dp_rank, dp_size=dp_size,
+        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp_size),
+        total_steps=steps, model=model, optimizer=optimizer, scheduler=scheduler,
+        forward_backward=get_forward_backward_func(),
+        datasets=datasets,
+        flops_per_step=training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size, padded),
+        peak_tflops=t.peak_tflops_per_device or guess_peak_tflops(),
+        padded_vocab=padded,
+        checkpoint_dir=Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints",
+    )
+
+
+def write_run_config(cfg: RunConfig, run_dir: Path) -> str:
+    """Saves the resolved config as ``<run_dir>/config.yaml``; returns the YAML
+    (block style, one key a line: it is read by people as much as by programs)."""
+    import yaml
+
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / ".config.yaml.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, run_dir / "config.yaml")
+    return text
+
+
+__all__ = ["Run", "build_run", "resolve_run_dir", "total_steps", "write_run_config"]

@@ -1,0 +1,136 @@
+"""One training step: megatron's pipeline schedule over the micro batches, the
+loss reduction every rank agrees on, and the guarded optimizer update.
+
+Shapes: a micro batch is ``tokens/labels/loss_mask/position_ids [b, s]`` (b the
+micro batch size, s the sequence length) plus ``attention_mask [b, 1, s, s]``
+when documents are separated; the model's output on the last pipeline stage
+is the per-token loss ``[b, s]``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+from .optimizer import StepOutcome, guarded_step
+
+# Test hook: comma-separated iterations whose loss is replaced by NaN.
+NONFINITE_ENV = "KVTRAIN_TEST_NONFINITE_STEPS"
+
+
+def _nonfinite_test_steps() -> frozenset[int]:
+    raw = os.environ.get(NONFINITE_ENV, "")
+    return frozenset(int(x) for x in raw.split(",") if x.strip())
+
+
+def loss_func(loss_mask: torch.Tensor, poison: bool, output_tensor: torch.Tensor):
+    """Sum of masked token losses, its token count, and both for logging.
+
+    Returning ``(sum, tokens, logs)`` with ``calculate_per_token_loss`` makes
+    megatron divide the gradients by the token count of the whole global batch
+    (all micro batches and DP ranks), so the loss is a true per-token mean
+    whatever the layout or the padding.
+    """
+    losses = output_tensor.float().reshape(-1)  # [b*s]
+    mask = loss_mask.float().reshape(-1)  # [b*s]
+    loss_sum = torch.sum(losses * mask)
+    if poison:
+        loss_sum = loss_sum * float("nan")
+    tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), mask.sum().detach()])  # [2]
+    return loss_sum, tokens, {"lm loss": report}
+
+
+class ForwardStep:
+    """megatron's ``forward_step_func``: pulls a micro batch and runs the model."""
+
+    def __init__(self):
+        self.iteration = 0  # the step being run (1-based), for the NaN test hook
+        self._poison = _nonfinite_test_steps()
+
+    def __call__(self, data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"]
+        position_ids = batch["position_ids"]
+        labels = batch["labels"]
+        loss_mask = batch["loss_mask"]
+        mask = batch.get("attention_mask")  # [b, 1, s, s] bool, True = masked
+        if torch.cuda.is_available():
+            tokens, position_ids, labels, loss_mask = (
+                t.cuda(non_blocking=True) for t in (tokens, position_ids, labels, loss_mask))
+            mask = mask.cuda(non_blocking=True) if mask is not None else None
+        output = model(tokens, position_ids, mask, labels=labels)  # [b, s] loss (last stage)
+        return output, partial(loss_func, loss_mask, self.iteration in self._poison)
+
+
+def reduce_losses(losses: list) -> torch.Tensor:
+    """``[loss_sum, tokens]`` over the global batch, the same on every rank.
+
+    Only last-stage ranks hold losses and the TP ranks of one replica hold the
+    same value, so each (last stage, TP rank 0) rank contributes its data-
+    parallel share and one all-reduce over the world gives everyone the total.
+    """
+    local = torch.zeros(2, dtype=torch.float64)
+    contributes = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                   and parallel_state.get_tensor_model_parallel_rank() == 0)
+    if contributes:
+        for item in losses:
+            local += item["lm loss"].to(torch.float64).cpu()
+    return local
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean lm loss per token over the global batch
+    tokens: int  # loss tokens in the global batch
+    outcome: StepOutcome
+    stop_signal: bool  # some rank got SIGTERM/SIGUSR1
+    time_up: bool  # some rank passed exit_duration_minutes
+
+
+def train_step(forward_backward: Callable, forward_step: ForwardStep, data_iterators: list,
+               model: list, optimizer, scheduler, num_microbatches: int, seq_length: int,
+               micro_batch_size: int, stop_flags: tuple[float, float]) -> StepResult:
+    """Forward/backward over ``num_microbatches`` micro batches, then the update."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=seq_length,
+        forward_only=False,
+    )
+    # One all-reduce per step carries the loss and the stop requests of every
+    # rank: all ranks see the same loss (finite or not) and the same flags.
+    packed = torch.cat([reduce_losses(losses), torch.tensor(stop_flags, dtype=torch.float64)])
+    if torch.cuda.is_available():
+        packed = packed.cuda()
+    dist.all_reduce(packed)
+    loss_sum, tokens, signal_flag, time_flag = packed.cpu().tolist()
+    loss = loss_sum / max(tokens, 1.0)
+    outcome = guarded_step(optimizer, scheduler, loss_is_finite=math.isfinite(loss))
+    return StepResult(loss=loss, tokens=int(tokens), outcome=outcome,
+                      stop_signal=signal_flag > 0, time_up=time_flag > 0)
+
+
+def global_mean_loss(losses: list) -> tuple[float, int]:
+    """Mean per-token loss of a forward-only pass, reduced like ``train_step``."""
+    packed = reduce_losses(losses)
+    if torch.cuda.is_available():
+        packed = packed.cuda()
+    dist.all_reduce(packed)
+    loss_sum, tokens = packed.cpu().tolist()
+    return loss_sum / max(tokens, 1.0), int(tokens)

@@ -1,0 +1,224 @@
+"""Helpers of the trainer tests: a small tokenized corpus, tiny configs, and
+launching ``kvtrain train`` (one process or torchrun) as a subprocess.
+
+Every launch runs in its own session (process group), which is killed once the
+launch is over, so a test that SIGKILLs a trainer leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("driver.py")
+PY = sys.executable
+VOCAB = 384
+
+
+@dataclass
+class Corpus:
+    prefix: str
+    tokenizer: Optional[str]
+    eod_id: Optional[int]
+    kind: str  # "text" (data_tools: docs -> BPE -> shards) or "synthetic"
+
+    def data_section(self, cache_dir: Path) -> dict:
+        return {"type": "gpt", "paths": [self.prefix], "split": "90,10,0",
+                "tokenizer": self.tokenizer, "eod_id": self.eod_id, "num_workers": 0,
+                "cache_dir": str(cache_dir)}
+
+
+def _data_tools_ready() -> bool:
+    try:
+        from data_tools import cli
+    except Exception:
+        return False
+    return all(c in cli.COMMANDS for c in ("demo-corpus", "train-tokenizer", "preprocess"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Corpus:
+    """Tokenized text: the data tools' corpus -> BPE tokenizer -> shards when they
+    are there; otherwise a structured synthetic token corpus (megatron's
+    IndexedDatasetBuilder). Vocabulary: 384."""
+    root = tmp_path_factory.mktemp("corpus")
+    if _data_tools_ready():
+        def tool(*argv):
+            subprocess.run([PY, "-m", "data_tools", *argv], check=True, capture_output=True,
+                           cwd=root)
+        tool("demo-corpus", "--output", "corpus.jsonl", "--max-mb", "0.6")
+        tool("train-tokenizer", "--input", "corpus.jsonl", "--vocab-size", str(VOCAB),
+             "--output", "tok")
+        tool("preprocess", "--input", "corpus.jsonl", "--tokenizer", "tok.model",
+             "--output-prefix", "shards/text", "--quiet")
+        (idx,) = (root / "shards").glob("*.idx")
+        return Corpus(str(idx.with_suffix("")), str(root / "tok.model"), None, "text")
+    from kvtrain.data.synthetic import write_synthetic_corpus
+
+    prefix = write_synthetic_corpus(root / "synthetic", num_docs=800, vocab_size=VOCAB, seed=0)
+    return Corpus(prefix, None, VOCAB - 1, "synthetic")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One megatron index cache for all runs of the session."""
+    return tmp_path_factory.mktemp("index_cache")
+
+
+def tiny_config(corpus: Optional[Corpus], cache_dir: Path, **sections) -> dict:
+    """A 2-layer, width-32 model on the test corpus (or mock data): seconds a run."""
+    cfg = {
+        "name": "t",
+        "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                  "num_query_groups": 2, "ffn_hidden_size": 64, "vocab_size": VOCAB,
+                  "make_vocab_size_divisible_by": 64, "max_position_embeddings": 64,
+                  "attention": "kv_shift"},
+        "train": {"micro_batch_size": 2, "global_batch_size": 8, "seq_length": 32,
+                  "max_steps": 6, "log_interval": 1, "eval_interval": None,
+                  "kv_shift_stats_interval": None, "seed": 1234},
+        "optimizer": {"lr": 3.0e-3, "lr_warmup_steps": 2},
+        "data": (corpus.data_section(cache_dir) if corpus is not None else
+                 {"type": "mock", "num_workers": 0, "cache_dir": str(cache_dir)}),
+        "checkpoint": {"save_interval": 3, "keep_last": None},
+        "wandb": {"enabled": False},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            cfg.setdefault(section, {}).update(values)
+        else:
+            cfg[section] = values
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(args: list[str], nproc: int = 1, script: Optional[Path] = None) -> list[str]:
+    """``kvtrain <args>`` (or ``script <args>``), under torchrun when nproc > 1."""
+    target = [str(script)] if script else ["-m", "kvtrain.cli"]
+    if nproc == 1:
+        return [PY, *target, *args]
+    return [PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}", *target, *args]
+
+
+def launch_env(extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true")
+    env.pop("PYTHONWARNINGS", None)
+    # The pytest process may hold a one-rank group of its own (tests that build a
+    # run in-process): its rendezvous variables must not leak into launches.
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "GROUP_RANK"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launch's own session: its leftovers only
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run(args: list[str], nproc: int = 1, env: Optional[dict] = None, timeout: float = 300,
+        script: Optional[Path] = None, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Runs a launch to completion; returns its exit code and output."""
+    proc = subprocess.Popen(command(args, nproc, script), env=launch_env(env), cwd=cwd or REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"launch timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        _kill_session(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def start(args: list[str], nproc: int = 1, env: Optional[dict] = None,
+          log: Optional[Path] = None) -> subprocess.Popen:
+    """Starts a launch in the background (stdout+stderr to ``log``)."""
+    sink = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen(command(args, nproc), env=launch_env(env), cwd=REPO, stdout=sink,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        _kill_session(proc)
+
+
+def run_driver(jobs: list[dict], plan: Path, nproc: int = 1, timeout: float = 400,
+               env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """Runs several trainings one after the other in one launch, each in a child
+    forked from one process (tests/train/driver.py). ``.job_codes`` maps each
+    job's run_dir to its child's exit code (-9: SIGKILL)."""
+    plan.write_text(json.dumps(jobs, indent=1))
+    result = run([str(plan)], nproc=nproc, env=env, timeout=timeout, script=DRIVER)
+    plan.with_suffix(".log").write_text(result.stdout + "\n--- stderr ---\n" + result.stderr)
+    result.job_codes = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("driver: job ") and " exit " in line:
+            run_dir, code = line[len("driver: job "):].rsplit(" exit ", 1)
+            result.job_codes.setdefault(run_dir, []).append(int(code))
+    return result
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 120, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def metrics(run_dir: Path, kind: Optional[str] = "train") -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if kind is None or record.get("kind") == kind:
+            out.append(record)
+    return out
+
+
+def by_iteration(records: list[dict]) -> dict[int, dict]:
+    return {r["iteration"]: r for r in records}
+
+
+def latest(run_dir: Path) -> Optional[str]:
+    tracker = Path(run_dir) / "checkpoints" / "latest"
+    return tracker.read_text().strip() if tracker.exists() else None

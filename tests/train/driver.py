@@ -1,0 +1,118 @@
+"""Test driver: runs many trainings in one launch, each in a forked child.
+
+``python tests/train/driver.py PLAN.json`` (or under torchrun, once per rank).
+PLAN is a list of jobs ``{"config", "run_dir", "overrides", "env", "stop_after"}``.
+
+The driver imports torch, megatron and kvtrain once and forks a child per job:
+the child builds its own process group (on its own port), model and data,
+trains, and exits; a crash hook in ``env`` (e.g. SIGKILL right after a
+checkpoint) kills only that child, like a real pre-empted job, and the next
+job (e.g. the resume) runs in a fresh child. Forking after the imports saves
+the seconds of importing torch and megatron per run. No process group exists
+in the parent, so the fork copies no communication state.
+
+``stop_after: N`` makes step N carry a stop request, as if a signal had
+arrived during it (a graceful stop at a chosen step). ``env`` is set in the
+child only. Exit status: 0 when every job's child exited as expected (its
+``expect`` code, 0 by default; -9 for a SIGKILLed one), 1 otherwise; each
+job's code is printed as ``driver: job <run_dir> exit <code>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+
+def _stop_after(n: int) -> None:
+    """Wraps ``loop.train_step`` so that its n-th call reports a stop request."""
+    from kvtrain.train import loop
+
+    original = loop.train_step
+    calls = {"n": 0}
+
+    def train_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            args = (*args[:-1], (1.0, 0.0))  # stop_flags: (signal, time limit)
+        return original(*args, **kwargs)
+
+    loop.train_step = train_step
+
+
+def _child(job: dict, port: int) -> int:
+    from kvtrain.config import load_config
+    from kvtrain.train import train
+
+    os.environ.update(job.get("env", {}))
+    if port:  # a fresh rendezvous of this job's children on their own port
+        os.environ["MASTER_PORT"] = str(port)
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_config(job["config"], job.get("overrides", []), world_size=world)
+    if job.get("stop_after"):
+        _stop_after(job["stop_after"])
+    return train(cfg, Path(job["run_dir"]))
+
+
+def _launcher_store():
+    """A client of torchrun's own key-value store (None without torchrun)."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timedelta(minutes=5))
+
+
+def _job_port(store, index: int) -> int:
+    """A free port for the children of job ``index``: rank 0 picks, the others read."""
+    if store is None:
+        return 0
+    key = f"kvtrain_test_driver/port/{index}"
+    if os.environ.get("RANK") == "0":
+        from kvtrain.backend import free_port
+
+        store.set(key, str(free_port()))
+    return int(store.get(key))
+
+
+def main(plan_path: str) -> int:
+    from kvtrain.commands.train import _quiet_imports
+
+    _quiet_imports()
+    import kvtrain.train.loop  # noqa: F401 (the imports every child shares)
+
+    store = _launcher_store()
+    ok = True
+    for i, job in enumerate(json.loads(Path(plan_path).read_text())):
+        port = _job_port(store, i)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _child(job, port)
+            except BaseException:  # noqa: BLE001 - report and exit the child
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        sys.stdout.flush()
+        # one write() of one line: atomic on a pipe, so the ranks' lines never interleave
+        os.write(sys.stdout.fileno(), f"driver: job {job['run_dir']} exit {code}\n".encode())
+        ok &= code == job.get("expect", 0)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,156 @@
+"""Exact resume, and resume into another layout (2 ranks, torchrun).
+
+For DP=2, TP=2 and PP=2, vanilla and KV shift: train 2N steps in one go;
+separately train N steps, SIGKILL the process right after the checkpoint at N
+(test hook), resume to 2N. The losses and gradient norms of steps N+1..2N in
+metrics.jsonl must be bit-identical (CPU, fp32).
+
+All runs share one torchrun launch to keep the test fast: the test driver
+(tests/train/driver.py) forks a child process per run on every rank, so each
+first half is a real process killed by SIGKILL right after its checkpoint,
+and its resume is a fresh process. Two more layouts, the plain
+(non-distributed) optimizer at DP=2 and the interleaved pipeline (PP=2 x 2
+virtual stages), stop gracefully at N and resume; TP=2 with sequence
+parallelism must match TP=2 without it.
+
+Then checkpoints saved at TP=2, DP=2 (distributed optimizer state) and PP=2 are
+resumed by one process (TP=PP=DP=1): the next losses must match the
+uninterrupted 2-rank runs to 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .conftest import by_iteration, latest, metrics, run_driver, tiny_config, write_config
+
+pytestmark = pytest.mark.slow
+
+N = 3
+LAYOUTS = {
+    "dp2": [],
+    "tp2": ["parallel.tensor=2"],
+    "pp2": ["parallel.pipeline=2"],
+    "dp2-ddp": ["parallel.distributed_optimizer=false"],
+    "pp2-vpp2": ["parallel.pipeline=2", "parallel.virtual_pipeline=2", "model.num_layers=4"],
+    "tp2-sp": ["parallel.tensor=2", "parallel.sequence_parallel=true"],
+}
+KILLED = [("dp2", "vanilla"), ("dp2", "kv_shift"), ("tp2", "vanilla"), ("tp2", "kv_shift"),
+          ("pp2", "vanilla"), ("pp2", "kv_shift")]
+STOPPED = [("dp2-ddp", "kv_shift"), ("pp2-vpp2", "kv_shift")]
+LAYOUT_SOURCES = [("tp2", "kv_shift"), ("dp2", "vanilla"), ("pp2", "kv_shift")]
+KILL_AFTER_SAVE = "KVTRAIN_TEST_KILL_AFTER_SAVE"
+
+
+def case_id(case) -> str:
+    return f"{case[0]}-{case[1]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus, cache_dir):
+    """All runs, in one 2-rank launch; every run is a child process of the driver."""
+    root = tmp_path_factory.mktemp("exact_resume")
+    config = write_config(root / "base.yaml", tiny_config(
+        corpus, cache_dir, train={"max_steps": 2 * N, "dist_timeout_minutes": 2},
+        checkpoint={"save_interval": N, "keep_last": None}))
+
+    def job(case, kind, **extra):
+        layout, attention = case
+        return {"config": str(config), "run_dir": str(root / case_id(case) / kind),
+                "overrides": LAYOUTS[layout] + [f"model.attention={attention}"], **extra}
+
+    # References save nothing (so a save with side effects on training would show),
+    # except at N for the sources of the layout-change test.
+    no_saves = ["checkpoint.save_interval=null", "checkpoint.save_on_exit=false"]
+    jobs = [job(c, "reference") if c in LAYOUT_SOURCES else
+            dict(job(c, "reference"), overrides=job(c, "reference")["overrides"] + no_saves)
+            for c in KILLED + STOPPED + [("tp2-sp", "kv_shift")]]
+    for case in KILLED:  # first half dies by SIGKILL right after its checkpoint at N
+        jobs += [job(case, "interrupted", env={KILL_AFTER_SAVE: str(N)}, expect=-9),
+                 job(case, "interrupted")]
+    for case in STOPPED:  # first half stops at N as if signalled
+        jobs += [job(case, "interrupted", stop_after=N), job(case, "interrupted")]
+    result = run_driver(jobs, root / "plan.json", nproc=2, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return root, result
+
+
+def assert_same_continuation(root, case):
+    reference = by_iteration(metrics(root / case_id(case) / "reference"))
+    resumed = by_iteration(metrics(root / case_id(case) / "interrupted"))
+    assert sorted(reference) == sorted(resumed) == list(range(1, 2 * N + 1))
+    for it in range(N + 1, 2 * N + 1):
+        assert resumed[it]["lm_loss"] == reference[it]["lm_loss"], it
+        assert resumed[it]["grad_norm"] == reference[it]["grad_norm"], it
+        assert resumed[it]["consumed_samples"] == reference[it]["consumed_samples"] == it * 8
+    assert latest(root / case_id(case) / "interrupted") == f"iter_{2 * N:07d}"
+
+
+@pytest.mark.parametrize("case", KILLED, ids=case_id)
+def test_resume_after_sigkill_is_bit_identical(runs, case):
+    root, result = runs
+    interrupted = str(root / case_id(case) / "interrupted")
+    assert sorted(result.job_codes[interrupted]) == [-9, -9, 0, 0], \
+        f"first halves must die by SIGKILL, resumes exit 0: see {root}/plan.log"
+    ckpt = root / case_id(case) / "interrupted" / "checkpoints" / f"iter_{N:07d}"
+    assert f"resumed from {ckpt} at iteration {N}" in result.stdout, f"see {root}/plan.log"
+    assert_same_continuation(root, case)
+
+
+@pytest.mark.parametrize("case", STOPPED, ids=case_id)
+def test_resume_is_bit_identical_other_layouts(runs, case):
+    root, result = runs
+    ckpt = root / case_id(case) / "interrupted" / "checkpoints" / f"iter_{N:07d}"
+    assert f"resumed from {ckpt} at iteration {N}" in result.stdout
+    assert_same_continuation(root, case)
+
+
+def test_sequence_parallel_matches(runs):
+    """Sequence parallelism changes where norms run, not the numbers (1e-6)."""
+    root, _ = runs
+    sp = by_iteration(metrics(root / "tp2-sp-kv_shift" / "reference"))
+    tp = by_iteration(metrics(root / "tp2-kv_shift" / "reference"))
+    for it in range(1, 2 * N + 1):
+        assert sp[it]["lm_loss"] == pytest.approx(tp[it]["lm_loss"], rel=1e-6, abs=1e-6)
+
+
+def test_layouts_change_on_resume(runs, tmp_path):
+    """TP=2 / DP=2 / PP=2 checkpoints continue at TP=PP=DP=1 like the 2-rank runs (1e-5)."""
+    root, _ = runs
+    config = str(root / "base.yaml")
+    sources = LAYOUT_SOURCES
+    jobs = [{"config": config, "run_dir": str(tmp_path / case_id(c)),
+             "overrides": [f"model.attention={c[1]}",
+                           f"checkpoint.resume={root / case_id(c) / 'reference'}"
+                           f"/checkpoints/iter_{N:07d}"]}
+            for c in sources]
+    result = run_driver(jobs, tmp_path / "plan.json", nproc=1)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "RNG states not restored: layout changed" in result.stdout
+    for case in sources:
+        reference = by_iteration(metrics(root / case_id(case) / "reference"))
+        resumed = by_iteration(metrics(tmp_path / case_id(case)))
+        assert sorted(resumed) == list(range(N + 1, 2 * N + 1)), case
+        for it in resumed:
+            assert resumed[it]["lm_loss"] == pytest.approx(reference[it]["lm_loss"], rel=1e-5,
+                                                           abs=1e-5), (case, it)
+            assert resumed[it]["grad_norm"] == pytest.approx(reference[it]["grad_norm"],
+                                                             rel=1e-5, abs=1e-5), (case, it)
+
+
+def test_checkpoint_contents(runs):
+    """The checkpoint names its layout and iteration; the distributed optimizer's
+    state is in the fully_reshardable format (the only one that changes TP)."""
+    import torch
+
+    root, _ = runs
+    ckpt = root / "tp2-kv_shift" / "reference" / "checkpoints" / f"iter_{N:07d}"
+    marker = json.loads((ckpt / "kvtrain_checkpoint.json").read_text())
+    assert marker["iteration"] == N
+    assert marker["layout"] == {"tensor": 2, "pipeline": 1, "data": 1, "world": 2}
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert common["kvtrain"]["state"]["consumed_samples"] == N * 8
+    assert common["kvtrain"]["config"]["model"]["attention"] == "kv_shift"

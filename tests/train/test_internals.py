@@ -1,0 +1,141 @@
+"""The trainer's pieces in-process: the checkpoint traps of the notes, weight
+decay groups, and data-parallel gradient synchronisation.
+
+Each trap test fails without its fix:
+* shared AdamW ``step`` after a load (and the ``KeyError: 'step'``): steps are
+  per parameter and count the updates after a resume;
+* ``finalize_model_grads_func``: without it DP ranks drift apart (shown);
+* weight decay: norms, biases and KV-shift coefficients are in wd_mult=0 groups.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtrain.config import RunConfig
+from kvtrain.config.loader import from_dict
+
+from .conftest import tiny_config
+
+
+def _run(cfg_dict: dict, run_dir: Path):
+    from kvtrain.train.setup import build_run
+
+    return build_run(from_dict(RunConfig, cfg_dict), run_dir)
+
+
+def _steps(run, n: int, iterators=None):
+    from kvtrain.train.loop import _data_iterators
+    from kvtrain.train.step import ForwardStep, train_step
+
+    t = run.cfg.train
+    iterators = iterators or _data_iterators(run, 0)
+    results = []
+    for _ in range(n):
+        results.append(train_step(run.forward_backward, ForwardStep(), iterators, run.model,
+                                  run.optimizer, run.scheduler, run.num_microbatches,
+                                  t.seq_length, t.micro_batch_size, (0.0, 0.0)))
+    return results, iterators
+
+
+def test_adam_steps_are_per_parameter_after_resume(single_rank, tmp_path, cache_dir):
+    from kvtrain.config import to_dict
+    from kvtrain.train.checkpoint import Checkpointer, TrainState
+    from kvtrain.train.optimizer import adam_steps, inner_optimizers
+
+    cfg = tiny_config(None, cache_dir)
+    run = _run(cfg, tmp_path)
+    _steps(run, 3)
+    assert set(adam_steps(run.optimizer)) == {3.0}
+    Checkpointer(tmp_path / "ckpt", run.model, run.optimizer, run.scheduler, to_dict(run.cfg)) \
+        .save(TrainState(iteration=3, consumed_samples=24))
+
+    fresh = _run(cfg, tmp_path)  # new model and optimizer (no state yet)
+    ckpt = Checkpointer(tmp_path / "ckpt", fresh.model, fresh.optimizer, fresh.scheduler,
+                        to_dict(fresh.cfg))
+    state = ckpt.load(tmp_path / "ckpt" / "iter_0000003")  # KeyError 'step' without the fix
+    assert state.iteration == 3 and state.consumed_samples == 24
+    states = [s for inner in inner_optimizers(fresh.optimizer) for s in inner.state.values()]
+    assert len(states) > 1
+    assert len({id(s["step"]) for s in states}) == len(states)  # one tensor per parameter
+    assert set(adam_steps(fresh.optimizer)) == {3.0}
+    _steps(fresh, 1)
+    assert set(adam_steps(fresh.optimizer)) == {4.0}  # a shared tensor would jump by #params
+    assert fresh.scheduler.num_steps == 4
+    # the restored weights and moments are the saved ones: the next step agrees
+    old = {n: p.detach().clone() for n, p in run.model[0].module.named_parameters()}
+    _steps(run, 1)
+    for name, p in run.model[0].module.named_parameters():
+        torch.testing.assert_close(p, dict(fresh.model[0].module.named_parameters())[name],
+                                   rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(old[n], p) for n, p in run.model[0].module.named_parameters())
+
+
+@pytest.mark.parametrize("decay_shift", [False, True])
+def test_weight_decay_groups(single_rank, tmp_path, cache_dir, decay_shift):
+    from kvtrain.model.kv_shift import is_kv_shift_param
+
+    cfg = tiny_config(None, cache_dir, optimizer={"weight_decay": 0.1})
+    cfg["model"]["kv_shift"] = {"weight_decay": decay_shift}
+    run = _run(cfg, tmp_path)
+    names = {id(p): n for n, p in run.model[0].module.named_parameters()}
+    seen = set()
+    for group in run.optimizer.param_groups:
+        for p in group["params"]:
+            # the distributed optimizer steps fp32 shards: map them back by shape
+            seen.add(group["wd_mult"])
+        assert group["weight_decay"] == pytest.approx(0.1 * group["wd_mult"])
+    assert seen == {0.0, 1.0}
+    from kvtrain.train.optimizer import no_weight_decay_overrides
+
+    (key,) = no_weight_decay_overrides(decay_shift)
+    decayed = {n for n, p in run.model[0].module.named_parameters() if not key.matches(p, n)}
+    no_decay = {n for n, p in run.model[0].module.named_parameters() if key.matches(p, n)}
+    assert all("layernorm" in n or "final_layernorm" in n or "shift_" in n for n in no_decay)
+    assert any("layernorm" in n for n in no_decay)
+    shift = {n for n, p in run.model[0].module.named_parameters() if is_kv_shift_param(p)}
+    assert shift and (shift <= decayed if decay_shift else shift <= no_decay)
+    assert all(p.dim() == 2 for n, p in run.model[0].module.named_parameters() if n in decayed)
+
+
+def _flat(run) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in run.model[0].module.parameters()])
+
+
+def _dp_worker(rank: int, world: int, cfg: dict, run_dir: str):
+    """Two steps at DP=2, then one more without megatron's finalize_model_grads
+    (the notes' trap), returning this replica's weights after each."""
+    from megatron.core.utils import get_model_config
+
+    run = _run(cfg, Path(run_dir))
+    results, iterators = _steps(run, 2)
+    after_two = _flat(run)
+    get_model_config(run.model[0]).finalize_model_grads_func = None
+    _steps(run, 1, iterators)
+    return after_two, _flat(run), [r.loss for r in results]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distributed_optimizer", [True, False])
+def test_data_parallel_gradients_are_synchronised(single_rank, tmp_path, cache_dir,
+                                                  distributed_optimizer):
+    """DP=2 trains exactly like one process on the same global batches; without
+    finalize_model_grads it would not (each replica would follow its own half
+    of the batch)."""
+    from kvtrain.testing import run_distributed
+
+    cfg = tiny_config(None, cache_dir,
+                      parallel={"distributed_optimizer": distributed_optimizer})
+    replicas = run_distributed(_dp_worker, 2, cfg, str(tmp_path / "dp2"))
+    single = _run(cfg, tmp_path / "dp1")
+    results, iterators = _steps(single, 2)
+    ref_two = _flat(single)
+    _steps(single, 1, iterators)
+    ref_three = _flat(single)
+    for after_two, after_three, losses in replicas:
+        assert losses == pytest.approx([r.loss for r in results], rel=1e-6)
+        torch.testing.assert_close(after_two, ref_two, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(after_three, ref_three, rtol=1e-5, atol=1e-6)

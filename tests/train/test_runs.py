@@ -1,0 +1,275 @@
+"""End-to-end runs of ``kvtrain train`` as a user starts it (subprocesses).
+
+Covered here: the loss falls on tokenized text; the run folder and metrics;
+SIGKILL in the middle of a checkpoint save; SIGTERM/SIGUSR1 (one rank
+signalled, all ranks stop at the same step, save, exit 0, resume at the next
+step); wandb offline files and the resumed run's id; non-finite steps;
+the time limit and the token budget; async checkpoints from an entry script
+without a ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from .conftest import (
+    REPO, by_iteration, finish, latest, metrics, run, start, tiny_config, wait_for, write_config,
+)
+
+TOKENS_PER_STEP = 8 * 32  # global batch x sequence length of tiny_config
+
+
+def train_args(config: Path, run_dir: Path, *overrides: str) -> list[str]:
+    args = ["train", str(config), "--run-dir", str(run_dir)]
+    for o in overrides:
+        args += ["--set", o]
+    return args
+
+
+def test_loss_falls_on_tokenized_text(tmp_path, corpus, cache_dir):
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        corpus, cache_dir,
+        train={"max_steps": 50, "log_interval": 5, "eval_interval": 25, "eval_iters": 2,
+               "kv_shift_stats_interval": 25},
+        checkpoint={"save_interval": 25, "keep_last": 1}))
+    run_dir = tmp_path / "run"
+    result = run(train_args(config, run_dir), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    train = metrics(run_dir)
+    assert [r["iteration"] for r in train] == list(range(5, 51, 5))
+    first, last = train[0]["lm_loss"], train[-1]["lm_loss"]
+    assert last < first - 0.5, (corpus.kind, [r["lm_loss"] for r in train])
+    assert first < math.log(384) + 0.5  # starts near uniform over the vocabulary
+    record = train[-1]
+    for key in ("consumed_samples", "consumed_tokens", "lm_loss", "lr", "grad_norm",
+                "step_time_s", "tokens_per_s", "tflops_per_device", "peak_memory_gib"):
+        assert isinstance(record[key], (int, float)) and record[key] >= 0, key
+    assert record["consumed_samples"] == 50 * 8
+    assert record["consumed_tokens"] == 50 * TOKENS_PER_STEP
+    assert record["mfu"] is None  # no peak FLOP/s known for a CPU
+
+    valid = metrics(run_dir, "valid")
+    assert [r["iteration"] for r in valid] == [25, 50]
+    assert valid[-1]["val_loss"] < valid[0]["val_loss"]
+    assert valid[-1]["val_ppl"] == pytest.approx(math.exp(valid[-1]["val_loss"]))
+    shift = metrics(run_dir, "kv_shift")
+    assert [r["iteration"] for r in shift] == [25, 50]
+    assert shift[-1]["kv_shift/kv_heads"] == 2 * 2  # layers x KV heads
+    assert sum(v for k, v in shift[-1].items() if "/quadrant/" in k) == 4
+    assert "kv_shift/layer_02/beta2" in shift[-1]
+
+    # run folder: the resolved config (loadable as is), checkpoints, metrics
+    from kvtrain.config import load_config
+
+    saved = load_config(run_dir / "config.yaml")
+    assert saved.train.max_steps == 50 and saved.data.paths == [corpus.prefix]
+    assert latest(run_dir) == "iter_0000050"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "iter_0000050", "latest"]  # keep_last: 1
+
+
+def test_sigkill_in_save_then_sigterm_then_resume(tmp_path, corpus, cache_dir):
+    """A kill while a checkpoint is being written leaves ``latest`` on the previous
+    complete one; the resumed run is exact, survives a SIGTERM (checkpoint at the
+    next step boundary, exit 0) and resumes again at the following step. The run
+    length comes from train.train_tokens (no max_steps)."""
+    steps = 30
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        corpus, cache_dir, train={"max_steps": None, "train_tokens": steps * TOKENS_PER_STEP},
+        checkpoint={"save_interval": 3, "keep_last": 2}))
+    run_dir = tmp_path / "run"
+
+    # 1. killed while saving iteration 6 (test hook: SIGKILL after the shards are
+    #    written, before the checkpoint is marked complete and `latest` moves)
+    first = run(train_args(config, run_dir), env={"KVTRAIN_TEST_KILL_IN_SAVE": "6"})
+    assert first.returncode == -signal.SIGKILL, first.stdout[-2000:] + first.stderr[-2000:]
+    assert latest(run_dir) == "iter_0000003"
+    partial = run_dir / "checkpoints" / "iter_0000006.incomplete"
+    assert partial.is_dir() and not (partial / "kvtrain_checkpoint.json").exists()
+    assert not (run_dir / "checkpoints" / "iter_0000006").exists()
+    before_kill = by_iteration(metrics(run_dir))
+    assert sorted(before_kill) == list(range(1, 7))
+
+    # 2. resumes from iteration 3; SIGTERM once it is past iteration 8
+    log = tmp_path / "second.log"
+    proc = start(train_args(config, run_dir), log=log)
+    wait_for(lambda: max((r["iteration"] for r in metrics(run_dir)), default=0) >= 8
+             and "resumed from" in log.read_text(), what="iteration 8 of the resumed run")
+    proc.send_signal(signal.SIGTERM)
+    assert finish(proc) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert f"resumed from {run_dir / 'checkpoints' / 'iter_0000003'} at iteration 3" in text
+    second = by_iteration(metrics(run_dir))
+    stopped_at = max(second)
+    assert 8 <= stopped_at < steps
+    assert latest(run_dir) == f"iter_{stopped_at:07d}"  # saved at the step boundary
+    assert "stopped at iteration" in text and "stop signal" in text
+    for it in (4, 5, 6):  # exact across the kill
+        assert second[it]["lm_loss"] == before_kill[it]["lm_loss"]
+        assert second[it]["grad_norm"] == before_kill[it]["grad_norm"]
+
+    # 3. resumes at the following step and runs to the token budget (saving only
+    #    at the end this time)
+    third = run(train_args(config, run_dir, "checkpoint.save_interval=null"))
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert f"at iteration {stopped_at}" in third.stdout
+    final = metrics(run_dir)
+    assert [r["iteration"] for r in final] == list(range(1, steps + 1))
+    assert final[-1]["consumed_tokens"] == steps * TOKENS_PER_STEP
+    complete = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*"))
+    assert complete == [f"iter_{stopped_at:07d}", f"iter_{steps:07d}"]  # keep_last 2
+    assert not list((run_dir / "checkpoints").glob(".trash-*"))
+    assert not list((run_dir / "checkpoints").glob("*.incomplete"))
+
+
+@pytest.mark.slow
+def test_signal_to_one_rank_stops_all_and_wandb_resumes_same_run(tmp_path, corpus, cache_dir):
+    """DP=2 under torchrun: SIGUSR1 to rank 1 only; both ranks stop after the same
+    step, save and exit 0; the resumed run (one process) starts at the next step
+    and logs to the same wandb run (offline files hold loss, lr, grad norm,
+    tokens/s, alpha/beta)."""
+    import psutil
+
+    from kvtrain.train.wandb_logger import offline_run_files, read_offline_run
+
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        corpus, cache_dir, train={"max_steps": 500, "kv_shift_stats_interval": 2},
+        checkpoint={"save_interval": None}, wandb={"enabled": True, "mode": "offline",
+                                                   "project": "kvtrain-tests"}))
+    run_dir = tmp_path / "run"
+    log = tmp_path / "first.log"
+    proc = start(train_args(config, run_dir), nproc=2, log=log)
+    wait_for(lambda: len(metrics(run_dir)) >= 3, what="three steps")
+    ranks = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and "kvtrain.cli" in " ".join(child.cmdline()):
+            ranks[rank] = child
+    assert set(ranks) == {"0", "1"}, ranks
+    ranks["1"].send_signal(signal.SIGUSR1)
+    assert finish(proc) == 0, log.read_text()[-4000:]
+    stopped_at = metrics(run_dir)[-1]["iteration"]
+    assert stopped_at < 500
+    assert latest(run_dir) == f"iter_{stopped_at:07d}"
+    marker = json.loads((run_dir / "checkpoints" / latest(run_dir) /
+                         "kvtrain_checkpoint.json").read_text())
+    assert marker["layout"]["data"] == 2
+
+    # resumed by one process (DP=2 -> DP=1): the same wandb run continues
+    resumed = run(train_args(config, run_dir, f"train.max_steps={stopped_at + 2}"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"at iteration {stopped_at}" in resumed.stdout
+    assert [r["iteration"] for r in metrics(run_dir)][-2:] == [stopped_at + 1, stopped_at + 2]
+
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    files = offline_run_files(run_dir)
+    assert len(files) == 2  # one offline run folder per start...
+    runs = [read_offline_run(f) for f in files]
+    assert {r["run_id"] for r in runs} == {run_id}  # ...of the same wandb run
+    rows = [row for r in runs for row in r["history"]]
+    keys = set().union(*rows)
+    for key in ("train/lm_loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
+                "kv_shift/layer_01/alpha1", "kv_shift/layer_02/beta2",
+                "kv_shift/quadrant/a1>a2,b1>b2"):
+        assert key in keys, sorted(keys)
+    logged = sorted(row["iteration"] for row in rows if "train/lm_loss" in row)
+    assert logged == list(range(1, stopped_at + 3))
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, corpus, cache_dir):
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        corpus, cache_dir, train={"max_steps": 20, "max_consecutive_nonfinite": 3},
+        checkpoint={"save_interval": None}))
+    run_dir = tmp_path / "run"
+    result = run(train_args(config, run_dir), env={"KVTRAIN_TEST_NONFINITE_STEPS": "3,6,7,8"})
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "3 steps in a row had a non-finite loss or gradient norm" in result.stdout
+    events = [r for r in metrics(run_dir, "event") if r.get("skipped")]
+    assert [(r["iteration"], r["skipped"]) for r in events] == [
+        (3, "nonfinite"), (6, "nonfinite"), (7, "nonfinite"), (8, "nonfinite")]
+    assert [r["nonfinite_in_row"] for r in events] == [1, 1, 2, 3]
+    train = by_iteration(metrics(run_dir))
+    assert train[3]["lm_loss"] == "nan" and train[3]["skipped_steps"] == 1
+    assert math.isfinite(train[4]["lm_loss"]) and math.isfinite(train[5]["lm_loss"])
+    assert train[5]["skipped_steps"] == 1 and train[8]["skipped_steps"] == 4
+    # saved at the stop, with only the 4 good updates applied (1, 2, 4, 5)
+    assert latest(run_dir) == "iter_0000008"
+    import torch
+
+    common = torch.load(run_dir / "checkpoints" / "iter_0000008" / "common.pt",
+                        weights_only=False)
+    assert common["opt_param_scheduler"]["num_steps"] == 4
+    assert common["kvtrain"]["state"]["skipped_steps"] == 4
+
+
+def test_time_limit_stops_and_token_budget_sets_length(tmp_path, cache_dir):
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        None, cache_dir, train={"max_steps": None, "train_tokens": 10 * TOKENS_PER_STEP - 5,
+                                "exit_duration_minutes": 0.0005}))
+    run_dir = tmp_path / "run"
+    result = run(train_args(config, run_dir))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "stopped at iteration 1/10 because of train.exit_duration_minutes" in result.stdout
+    assert latest(run_dir) == "iter_0000001"
+
+
+def test_async_save_from_an_unguarded_entry_script(tmp_path, cache_dir):
+    """An entry script without ``if __name__ == "__main__":`` (the notes' spawn
+    trap: megatron's writer starts a spawn-context Manager that re-imports the
+    main module) saves asynchronously and finishes."""
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        None, cache_dir, train={"max_steps": 4},
+        checkpoint={"save_interval": 2, "async_save": True}))
+    run_dir = tmp_path / "run"
+    script = tmp_path / "train_no_guard.py"
+    script.write_text(textwrap.dedent(f"""\
+        import sys
+        from kvtrain.cli import main
+        code = main(["train", {str(config)!r}, "--run-dir", {str(run_dir)!r}])
+        print("exit code", code)
+        sys.exit(code)
+        """))
+    result = run([], script=script, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert latest(run_dir) == "iter_0000004"
+    for it in (2, 4):
+        assert (run_dir / "checkpoints" / f"iter_{it:07d}" / "kvtrain_checkpoint.json").exists()
+
+
+@pytest.mark.slow
+def test_demo_command(tmp_path):
+    """``kvtrain demo`` (what ``make demo`` runs): data, tokenizer, shards, training."""
+    result = run(["demo", "--run-dir", str(tmp_path / "demo"), "--steps", "3",
+                  "--set", "train.log_interval=1", "--set", "wandb.enabled=false"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "kvtrain demo: done in" in result.stdout
+    assert [r["iteration"] for r in metrics(tmp_path / "demo")] == [1, 2, 3]
+    assert latest(tmp_path / "demo") == "iter_0000003"
+
+
+@pytest.mark.gpu
+def test_bf16_and_async_save_on_gpu(tmp_path, cache_dir):
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        None, cache_dir, train={"max_steps": 20, "precision": "bf16"},
+        checkpoint={"save_interval": 10, "async_save": True}))
+    run_dir = tmp_path / "run"
+    result = run(train_args(config, run_dir))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    train = metrics(run_dir)
+    assert train[-1]["lm_loss"] < train[0]["lm_loss"]
+    assert train[-1]["memory_kind"] == "cuda_allocated"
+    assert latest(run_dir) == "iter_0000020"
+    resumed = run(train_args(config, run_dir, "train.max_steps=22"))
+    assert resumed.returncode == 0 and "at iteration 20" in resumed.stdout

@@ -1,0 +1,185 @@
+"""Unit tests of the trainer's pure pieces (no training)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvtrain.config import ConfigError, ModelConfig, load_config
+
+
+# ----------------------------------------------------------------------------- FLOPs
+def test_flops_count_the_real_architecture():
+    from kvtrain.train.flops import forward_flops_per_sequence, training_flops_per_step
+
+    h, heads, groups, f, layers, s, v = 64, 8, 2, 192, 3, 16, 512
+    m = ModelConfig(num_layers=layers, hidden_size=h, num_attention_heads=heads,
+                    num_query_groups=groups, ffn_hidden_size=f, vocab_size=v)
+    d = h // heads
+    fl = forward_flops_per_sequence(m, s, v)
+    # GQA: K and V are only groups*d wide
+    assert fl.qkv_and_output_proj == layers * s * (2 * h * (h + 2 * groups * d) + 2 * h * h)
+    assert fl.mlp == layers * s * 3 * 2 * h * f  # SwiGLU: three matrices
+    assert fl.attention == layers * s * 2 * 2 * h * (s + 1) / 2  # causal: (s+1)/2 keys
+    assert fl.logits == s * 2 * h * v and fl.kv_shift == 0
+    kv = ModelConfig(**{**m.__dict__, "attention": "kv_shift"})
+    extra = forward_flops_per_sequence(kv, s, v).kv_shift
+    assert extra == layers * s * 2 * (2 * 1 + 1) * groups * d  # K and V, window 1: 3 flops/elem
+    qkv = ModelConfig(**{**kv.__dict__, "kv_shift": type(kv.kv_shift)(shift=["q", "k", "v"],
+                                                                      window=2)})
+    assert forward_flops_per_sequence(qkv, s, v).kv_shift == layers * s * 5 * (h + 2 * groups * d)
+    assert training_flops_per_step(m, s, 4, v) == 4 * 3 * fl.forward
+
+
+# ----------------------------------------------------------------------------- schedules
+def _schedule(tmp_cfg_overrides, steps):
+    from kvtrain.train.optimizer import build_scheduler, current_lr
+
+    cfg = load_config(None, tmp_cfg_overrides)
+    opt = SimpleNamespace(param_groups=[{"default_config": True, "wd_mult": 1.0},
+                                        {"default_config": True, "wd_mult": 0.0}])
+    sched = build_scheduler(cfg, opt, total_steps=steps)
+    lrs = []
+    for _ in range(steps):
+        sched.step(1)
+        lrs.append(current_lr(opt))
+    return lrs, opt
+
+
+def test_warmup_then_constant_is_the_paper_schedule():
+    lrs, opt = _schedule(["optimizer.lr=1e-3", "optimizer.lr_warmup_steps=4"], 10)
+    assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])  # update k uses lr*k/W
+    assert lrs[4:] == pytest.approx([1e-3] * 6)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # wd_mult applied
+
+
+def test_cosine_and_wsd_schedules():
+    lrs, _ = _schedule(["optimizer.lr=1e-3", "optimizer.lr_warmup_steps=2",
+                        "optimizer.lr_schedule=cosine", "optimizer.min_lr=1e-4"], 12)
+    assert lrs[1] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    lrs, _ = _schedule(["optimizer.lr=1e-3", "optimizer.lr_warmup_steps=2",
+                        "optimizer.lr_schedule=wsd", "optimizer.wsd_decay_steps=4",
+                        "optimizer.min_lr=0"], 12)
+    assert lrs[1:8] == pytest.approx([1e-3] * 7)  # stable
+    assert lrs[-1] == pytest.approx(0.0) and lrs[8] < 1e-3  # linear decay over the last 4
+
+
+# ----------------------------------------------------------------------------- data order
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_sample_order_does_not_depend_on_the_layout(dp):
+    from kvtrain.data.loader import PretrainingBatchSampler
+
+    mbs, gbs, steps = 2, 8, 3
+    per_rank = [list(PretrainingBatchSampler(100, 8, mbs, r, dp)) for r in range(dp)]
+    micro = gbs // (mbs * dp)
+    for step in range(steps):
+        seen = []
+        for r in range(dp):
+            for m in per_rank[r][step * micro:(step + 1) * micro]:
+                seen += m
+        assert sorted(seen) == list(range(8 + step * gbs, 8 + (step + 1) * gbs))
+
+
+def test_empty_split_part_is_refused_not_looped_on():
+    from kvtrain.data.datasets import plan_split
+
+    matrix = [(0.0, 0.969), (0.969, 0.999), (0.999, 1.0)]
+    with pytest.raises(ConfigError, match="valid part 0 of the 10 documents"):
+        plan_split(matrix, {"shard": 10}, (True, True, False), "969,30,1")
+    # parts we never draw from are dropped without moving the others
+    assert plan_split(matrix, {"shard": 1000}, (True, True, False), "x") == \
+        [(0.0, 0.969), (0.969, 0.999), None]
+
+
+# ----------------------------------------------------------------------------- run folder files
+def test_metrics_after_the_checkpoint_are_dropped_on_resume(tmp_path):
+    from kvtrain.train.metrics import truncate_after
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"kind": "train", "iteration": i}) for i in range(1, 8)]
+    path.write_text("\n".join(lines) + "\n{\"kind\": \"tr")  # a line torn by a kill
+    assert truncate_after(path, 4) == 4
+    assert [json.loads(l)["iteration"] for l in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_resume_resolution_and_tracker(tmp_path):
+    from kvtrain.train.checkpoint import MARKER, read_tracker, resolve_resume, write_atomic
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    assert resolve_resume("auto", root) is None and resolve_resume("none", root) is None
+    done = root / "iter_0000004"
+    done.mkdir()
+    (done / "metadata.json").write_text("{}")
+    (done / MARKER).write_text("{}")
+    partial = root / "iter_0000008.incomplete"
+    partial.mkdir()
+    (partial / "metadata.json").write_text("{}")
+    (partial / MARKER).write_text("{}")  # even with every file: its name says unfinished
+    write_atomic(root / "latest", "iter_0000004\n")
+    assert read_tracker(root) == done == resolve_resume("auto", root) == resolve_resume(
+        str(root), root) == resolve_resume(str(done), root)
+    with pytest.raises(ConfigError, match="not a complete kvtrain checkpoint"):
+        resolve_resume(str(partial), root)
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        resolve_resume(str(tmp_path / "nope"), root)
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no temp files left
+    write_atomic(root / "latest", "iter_0000008\n")  # a tracker naming no checkpoint
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        resolve_resume("auto", root)
+
+
+# ----------------------------------------------------------------------------- KV-shift stats
+def test_table5_quadrants_and_layer_means():
+    from kvtrain.train.evaluation import shift_statistics
+
+    k = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.7, 0.3]])  # alpha1 > alpha2: heads 0, 2
+    v = torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.1, 0.9]])  # beta1 > beta2: head 0
+    rec = shift_statistics({1: {"k": k, "v": v}, 2: {"k": k.flip(1), "v": v}}, iteration=7)
+    assert rec["iteration"] == 7 and rec["kv_shift/kv_heads"] == 6
+    assert rec["kv_shift/layer_01/alpha1"] == pytest.approx(0.6)
+    assert rec["kv_shift/layer_02/beta2"] == pytest.approx(2.0 / 3)
+    assert rec["kv_shift/quadrant/a1>a2,b1>b2"] == 1
+    assert rec["kv_shift/quadrant/a1>a2,b1<=b2"] == 1 + 1
+    assert rec["kv_shift/quadrant/a1<=a2,b1<=b2"] == 1 + 1
+    assert rec["kv_shift/quadrant/a1<=a2,b1>b2"] == 1
+
+
+# ----------------------------------------------------------------------------- signals
+def test_stop_signals_only_set_a_flag():
+    from kvtrain.train.signals import StopRequests
+
+    with StopRequests() as stop:
+        assert stop.signal_flag == 0.0
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.signal_flag == 1.0 and stop.received == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # handlers restored
+    assert StopRequests(exit_duration_minutes=1e-9).time_flag == 1.0
+
+
+# ----------------------------------------------------------------------------- wandb
+def test_wandb_mode_resolution(monkeypatch, tmp_path):
+    from kvtrain.config import WandbConfig
+    from kvtrain.train import wandb_logger
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    assert wandb_logger.resolve_mode(WandbConfig()) == "offline"  # no key: offline
+    assert wandb_logger.resolve_mode(WandbConfig(enabled=False)) == "disabled"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setattr(wandb_logger, "_host_reachable", lambda *a, **k: False)
+    assert wandb_logger.resolve_mode(WandbConfig()) == "offline"  # key but no network
+    monkeypatch.setattr(wandb_logger, "_host_reachable", lambda *a, **k: True)
+    assert wandb_logger.resolve_mode(WandbConfig()) == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_logger.resolve_mode(WandbConfig()) == "disabled"
+    first = wandb_logger.run_id_for(tmp_path)
+    assert first == wandb_logger.run_id_for(tmp_path) and len(first) == 8
