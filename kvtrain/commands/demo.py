@@ -89,11 +89,19 @@ def prepare_data(data_dir: Path, synthetic: bool = False) -> list[str]:
     return [f"data.paths=[{prefix}]", "data.tokenizer=null", f"data.eod_id={DEMO_VOCAB - 1}"]
 
 
+# What a run writes into its folder (the demo's data/ is kept and reused).
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "checkpoints", "wandb", "wandb_run_id",
+               "data_cache")
+
+
 def _clear_run(run_dir: Path) -> None:
-    for child in run_dir.iterdir() if run_dir.exists() else []:
-        if child.name == "data":
-            continue
-        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    """Removes a previous demo run's outputs, and nothing else."""
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def summarize(run_dir: Path, seconds: float) -> str:

@@ -51,12 +51,11 @@ import os
 import random
 import shutil
 import signal
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch

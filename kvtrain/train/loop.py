@@ -8,7 +8,6 @@ evaluates on the same all-reduced flags so all ranks leave at the same step.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

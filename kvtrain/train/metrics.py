@@ -20,7 +20,6 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 

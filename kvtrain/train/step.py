@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
