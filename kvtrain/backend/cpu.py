@@ -200,9 +200,16 @@ def _patch_distributed() -> None:
 
     @functools.wraps(original)
     def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if dist.get_backend(group) == "gloo":
+        # Prefer the native op: recent gloo has it, and it also works inside
+        # torch's _coalescing_manager (where megatron's DDP issues the grad
+        # reduce-scatter), whereas the all-reduce fallback's slice would read
+        # the not-yet-reduced buffer there.
+        try:
+            return original(output, input, op=op, group=group, async_op=async_op)
+        except (RuntimeError, NotImplementedError):
+            if dist.get_backend(group) != "gloo":
+                raise
             return _reduce_scatter_tensor_via_allreduce(output, input, op, group, async_op)
-        return original(output, input, op=op, group=group, async_op=async_op)
 
     dist.reduce_scatter_tensor = reduce_scatter_tensor
     dist._reduce_scatter_base = reduce_scatter_tensor  # older alias megatron may use
