@@ -1,10 +1,9 @@
 """The tokenizer object megatron's GPT datasets need: ``vocab_size``, ``eod``, ``pad``
 and ``unique_identifiers`` (a JSON-able dict that goes into the index-cache hash).
 
-``data.tokenizer`` names a SentencePiece model. The project's own wrapper,
-``data_tools.tokenizer.SentencePieceTokenizer``, is used when it is importable
-(it reads the sidecar JSON with the special ids); otherwise a minimal wrapper
-over ``sentencepiece`` reads the ids from the model itself. Shards tokenized
+``data.tokenizer`` names a SentencePiece model, loaded with the data tools'
+``data_tools.tokenizer.SentencePieceTokenizer`` (EOD = the EOS piece that
+preprocessing appends; pad -1 when the model has none). Shards tokenized
 elsewhere can be trained on with ``data.tokenizer: null``: the vocabulary is
 then ``model.vocab_size`` and the end-of-document id ``data.eod_id``.
 """
@@ -35,47 +34,16 @@ class VocabOnlyTokenizer:
         self.unique_identifiers = {"class": name, "vocab_size": vocab_size, "eod": self.eod}
 
 
-class _SentencePieceTokenizer:
-    """Fallback wrapper over a SentencePiece model (when data_tools is absent)."""
-
-    def __init__(self, model_path: str):
-        import sentencepiece as spm
-
-        self._sp = spm.SentencePieceProcessor(model_file=model_path)
-        self.vocab_size = int(self._sp.get_piece_size())
-        eos = int(self._sp.eos_id())
-        if eos < 0:
-            raise ConfigError(f"data.tokenizer {model_path}: the SentencePiece model has no EOS id")
-        self.eod = eos
-        self.pad = int(self._sp.pad_id()) if self._sp.pad_id() >= 0 else NO_PAD
-        self.bos = int(self._sp.bos_id()) if self._sp.bos_id() >= 0 else None
-        self.unique_identifiers = {
-            "class": "SentencePieceTokenizer", "model": str(Path(model_path).resolve()),
-            "vocab_size": self.vocab_size,
-        }
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._sp.encode(text))
-
-    def detokenize(self, ids) -> str:
-        return self._sp.decode(list(ids))
-
-
 def load_tokenizer(data: DataConfig, model: ModelConfig) -> Any:
     """The tokenizer of a run, checked against ``model.vocab_size``."""
     if data.type == "mock":
         return VocabOnlyTokenizer(model.vocab_size, data.eod_id, "MockTokenizer")
     if data.tokenizer is None:
         return VocabOnlyTokenizer(model.vocab_size, data.eod_id, "VocabOnlyTokenizer")
-    path = Path(data.tokenizer)
-    if not path.exists():
-        raise ConfigError(f"data.tokenizer: no such file {data.tokenizer}")
-    try:
-        from data_tools.tokenizer import SentencePieceTokenizer  # the project's wrapper
-    except ImportError:
-        SentencePieceTokenizer = _SentencePieceTokenizer
-    try:
-        tokenizer = SentencePieceTokenizer(str(path))
+    from data_tools.tokenizer import SentencePieceTokenizer  # the project's wrapper
+
+    try:  # PREFIX, PREFIX.model or PREFIX.json
+        tokenizer = SentencePieceTokenizer(str(Path(data.tokenizer).expanduser()))
     except (OSError, RuntimeError, ValueError) as e:
         raise ConfigError(f"data.tokenizer {data.tokenizer}: cannot load ({e})") from None
     if tokenizer.vocab_size > model.vocab_size:

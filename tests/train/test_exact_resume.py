@@ -11,7 +11,8 @@ first half is a real process killed by SIGKILL right after its checkpoint,
 and its resume is a fresh process. Two more layouts, the plain
 (non-distributed) optimizer at DP=2 and the interleaved pipeline (PP=2 x 2
 virtual stages), stop gracefully at N and resume; TP=2 with sequence
-parallelism must match TP=2 without it.
+parallelism, and DP=2 with overlapped gradient reduce / parameter gather, must
+match the plain layouts.
 
 Then checkpoints saved at TP=2, DP=2 (distributed optimizer state) and PP=2 are
 resumed by one process (TP=PP=DP=1): the next losses must match the
@@ -36,10 +37,12 @@ LAYOUTS = {
     "dp2-ddp": ["parallel.distributed_optimizer=false"],
     "pp2-vpp2": ["parallel.pipeline=2", "parallel.virtual_pipeline=2", "model.num_layers=4"],
     "tp2-sp": ["parallel.tensor=2", "parallel.sequence_parallel=true"],
+    "dp2-overlap": ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"],
+    "dp2-bf16": ["train.precision=bf16"],  # bf16 weights, fp32 main params and moments
 }
 KILLED = [("dp2", "vanilla"), ("dp2", "kv_shift"), ("tp2", "vanilla"), ("tp2", "kv_shift"),
           ("pp2", "vanilla"), ("pp2", "kv_shift")]
-STOPPED = [("dp2-ddp", "kv_shift"), ("pp2-vpp2", "kv_shift")]
+STOPPED = [("dp2-ddp", "kv_shift"), ("pp2-vpp2", "kv_shift"), ("dp2-bf16", "kv_shift")]
 LAYOUT_SOURCES = [("tp2", "kv_shift"), ("dp2", "vanilla"), ("pp2", "kv_shift")]
 KILL_AFTER_SAVE = "KVTRAIN_TEST_KILL_AFTER_SAVE"
 
@@ -66,7 +69,7 @@ def runs(tmp_path_factory, corpus, cache_dir):
     no_saves = ["checkpoint.save_interval=null", "checkpoint.save_on_exit=false"]
     jobs = [job(c, "reference") if c in LAYOUT_SOURCES else
             dict(job(c, "reference"), overrides=job(c, "reference")["overrides"] + no_saves)
-            for c in KILLED + STOPPED + [("tp2-sp", "kv_shift")]]
+            for c in KILLED + STOPPED + [("tp2-sp", "kv_shift"), ("dp2-overlap", "kv_shift")]]
     for case in KILLED:  # first half dies by SIGKILL right after its checkpoint at N
         jobs += [job(case, "interrupted", env={KILL_AFTER_SAVE: str(N)}, expect=-9),
                  job(case, "interrupted")]
@@ -107,13 +110,16 @@ def test_resume_is_bit_identical_other_layouts(runs, case):
     assert_same_continuation(root, case)
 
 
-def test_sequence_parallel_matches(runs):
-    """Sequence parallelism changes where norms run, not the numbers (1e-6)."""
+@pytest.mark.parametrize("variant,base", [("tp2-sp", "tp2"), ("dp2-overlap", "dp2")])
+def test_sequence_parallel_and_overlap_match(runs, variant, base):
+    """Sequence parallelism (norms on sequence shards) and overlapped DP
+    communication change where and when things run, not the numbers (1e-6)."""
     root, _ = runs
-    sp = by_iteration(metrics(root / "tp2-sp-kv_shift" / "reference"))
-    tp = by_iteration(metrics(root / "tp2-kv_shift" / "reference"))
-    for it in range(1, 2 * N + 1):
-        assert sp[it]["lm_loss"] == pytest.approx(tp[it]["lm_loss"], rel=1e-6, abs=1e-6)
+    a = by_iteration(metrics(root / f"{variant}-kv_shift" / "reference"))
+    b = by_iteration(metrics(root / f"{base}-kv_shift" / "reference"))
+    assert sorted(a) == sorted(b) == list(range(1, 2 * N + 1))
+    for it in a:
+        assert a[it]["lm_loss"] == pytest.approx(b[it]["lm_loss"], rel=1e-6, abs=1e-6)
 
 
 def test_layouts_change_on_resume(runs, tmp_path):

@@ -81,11 +81,9 @@ def test_weight_decay_groups(single_rank, tmp_path, cache_dir, decay_shift):
     cfg = tiny_config(None, cache_dir, optimizer={"weight_decay": 0.1})
     cfg["model"]["kv_shift"] = {"weight_decay": decay_shift}
     run = _run(cfg, tmp_path)
-    names = {id(p): n for n, p in run.model[0].module.named_parameters()}
     seen = set()
-    for group in run.optimizer.param_groups:
-        for p in group["params"]:
-            # the distributed optimizer steps fp32 shards: map them back by shape
+    for group in run.optimizer.param_groups:  # the scheduler applied each group's wd_mult
+        if group["params"]:
             seen.add(group["wd_mult"])
         assert group["weight_decay"] == pytest.approx(0.1 * group["wd_mult"])
     assert seen == {0.0, 1.0}
@@ -105,37 +103,40 @@ def _flat(run) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in run.model[0].module.parameters()])
 
 
-def _dp_worker(rank: int, world: int, cfg: dict, run_dir: str):
-    """Two steps at DP=2, then one more without megatron's finalize_model_grads
-    (the notes' trap), returning this replica's weights after each."""
+def _dp_worker(rank: int, world: int, cfgs: list, run_dir: str):
+    """For each config: two steps at DP=2, then one more without megatron's
+    finalize_model_grads (the notes' trap); this replica's weights after each."""
     from megatron.core.utils import get_model_config
 
-    run = _run(cfg, Path(run_dir))
-    results, iterators = _steps(run, 2)
-    after_two = _flat(run)
-    get_model_config(run.model[0]).finalize_model_grads_func = None
-    _steps(run, 1, iterators)
-    return after_two, _flat(run), [r.loss for r in results]
+    out = []
+    for i, cfg in enumerate(cfgs):
+        run = _run(cfg, Path(run_dir) / str(i))
+        results, iterators = _steps(run, 2)
+        after_two = _flat(run)
+        get_model_config(run.model[0]).finalize_model_grads_func = None
+        _steps(run, 1, iterators)
+        out.append((after_two, _flat(run), [r.loss for r in results]))
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("distributed_optimizer", [True, False])
-def test_data_parallel_gradients_are_synchronised(single_rank, tmp_path, cache_dir,
-                                                  distributed_optimizer):
-    """DP=2 trains exactly like one process on the same global batches; without
-    finalize_model_grads it would not (each replica would follow its own half
-    of the batch)."""
+def test_data_parallel_gradients_are_synchronised(single_rank, tmp_path, cache_dir):
+    """DP=2 trains exactly like one process on the same global batches, with the
+    distributed optimizer and with the plain one; without finalize_model_grads it
+    would not (each replica would follow its own half of the batch)."""
     from kvtrain.testing import run_distributed
 
-    cfg = tiny_config(None, cache_dir,
-                      parallel={"distributed_optimizer": distributed_optimizer})
-    replicas = run_distributed(_dp_worker, 2, cfg, str(tmp_path / "dp2"))
-    single = _run(cfg, tmp_path / "dp1")
-    results, iterators = _steps(single, 2)
-    ref_two = _flat(single)
-    _steps(single, 1, iterators)
-    ref_three = _flat(single)
-    for after_two, after_three, losses in replicas:
-        assert losses == pytest.approx([r.loss for r in results], rel=1e-6)
-        torch.testing.assert_close(after_two, ref_two, rtol=1e-5, atol=1e-6)
-        assert not torch.allclose(after_three, ref_three, rtol=1e-5, atol=1e-6)
+    cfgs = [tiny_config(None, cache_dir, parallel={"distributed_optimizer": flag})
+            for flag in (True, False)]
+    replicas = run_distributed(_dp_worker, 2, cfgs, str(tmp_path / "dp2"))
+    for i, cfg in enumerate(cfgs):
+        single = _run(cfg, tmp_path / f"dp1-{i}")
+        results, iterators = _steps(single, 2)
+        ref_two = _flat(single)
+        _steps(single, 1, iterators)
+        ref_three = _flat(single)
+        for rank_results in replicas:
+            after_two, after_three, losses = rank_results[i]
+            assert losses == pytest.approx([r.loss for r in results], rel=1e-6)
+            torch.testing.assert_close(after_two, ref_two, rtol=1e-5, atol=1e-6)
+            assert not torch.allclose(after_three, ref_three, rtol=1e-5, atol=1e-6)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import signal
 import textwrap
 from pathlib import Path
@@ -21,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from .conftest import (
-    REPO, by_iteration, finish, latest, metrics, run, start, tiny_config, wait_for, write_config,
+    by_iteration, finish, latest, metrics, run, run_driver, start, tiny_config, wait_for,
+    write_config,
 )
 
 TOKENS_PER_STEP = 8 * 32  # global batch x sequence length of tiny_config
@@ -34,15 +33,36 @@ def train_args(config: Path, run_dir: Path, *overrides: str) -> list[str]:
     return args
 
 
-def test_loss_falls_on_tokenized_text(tmp_path, corpus, cache_dir):
-    config = write_config(tmp_path / "c.yaml", tiny_config(
-        corpus, cache_dir,
-        train={"max_steps": 50, "log_interval": 5, "eval_interval": 25, "eval_iters": 2,
-               "kv_shift_stats_interval": 25},
-        checkpoint={"save_interval": 25, "keep_last": 1}))
-    run_dir = tmp_path / "run"
-    result = run(train_args(config, run_dir), timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory, corpus, cache_dir):
+    """Three short runs in one launch (the test driver forks a process per run):
+    50 steps on text; non-finite steps; the time limit with a token budget."""
+    root = tmp_path_factory.mktemp("short_runs")
+    configs = {
+        "loss": tiny_config(
+            corpus, cache_dir,
+            train={"max_steps": 50, "log_interval": 5, "eval_interval": 25, "eval_iters": 2,
+                   "kv_shift_stats_interval": 25},
+            checkpoint={"save_interval": 25, "keep_last": 1}),
+        "nonfinite": tiny_config(
+            corpus, cache_dir, train={"max_steps": 20, "max_consecutive_nonfinite": 3},
+            checkpoint={"save_interval": None}),
+        "timelimit": tiny_config(
+            None, cache_dir, train={"max_steps": None, "train_tokens": 10 * TOKENS_PER_STEP - 5,
+                                    "exit_duration_minutes": 0.0005}),
+    }
+    jobs = [{"config": str(write_config(root / f"{name}.yaml", cfg)), "run_dir": str(root / name),
+             "env": {"KVTRAIN_TEST_NONFINITE_STEPS": "3,6,7,8"} if name == "nonfinite" else {},
+             "expect": 3 if name == "nonfinite" else 0}
+            for name, cfg in configs.items()]
+    result = run_driver(jobs, root / "plan.json", nproc=1, timeout=400)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return root, result
+
+
+def test_loss_falls_on_tokenized_text(short_runs, corpus):
+    root, _ = short_runs
+    run_dir = root / "loss"
 
     train = metrics(run_dir)
     assert [r["iteration"] for r in train] == list(range(5, 51, 5))
@@ -188,13 +208,10 @@ def test_signal_to_one_rank_stops_all_and_wandb_resumes_same_run(tmp_path, corpu
     assert logged == list(range(1, stopped_at + 3))
 
 
-def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, corpus, cache_dir):
-    config = write_config(tmp_path / "c.yaml", tiny_config(
-        corpus, cache_dir, train={"max_steps": 20, "max_consecutive_nonfinite": 3},
-        checkpoint={"save_interval": None}))
-    run_dir = tmp_path / "run"
-    result = run(train_args(config, run_dir), env={"KVTRAIN_TEST_NONFINITE_STEPS": "3,6,7,8"})
-    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+def test_nonfinite_steps_are_skipped_then_the_run_stops(short_runs):
+    root, result = short_runs
+    run_dir = root / "nonfinite"
+    assert result.job_codes[str(run_dir)] == [3]  # the exit code of a non-finite stop
     assert "3 steps in a row had a non-finite loss or gradient norm" in result.stdout
     events = [r for r in metrics(run_dir, "event") if r.get("skipped")]
     assert [(r["iteration"], r["skipped"]) for r in events] == [
@@ -214,15 +231,11 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, corpus, cache_
     assert common["kvtrain"]["state"]["skipped_steps"] == 4
 
 
-def test_time_limit_stops_and_token_budget_sets_length(tmp_path, cache_dir):
-    config = write_config(tmp_path / "c.yaml", tiny_config(
-        None, cache_dir, train={"max_steps": None, "train_tokens": 10 * TOKENS_PER_STEP - 5,
-                                "exit_duration_minutes": 0.0005}))
-    run_dir = tmp_path / "run"
-    result = run(train_args(config, run_dir))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def test_time_limit_stops_and_token_budget_sets_length(short_runs):
+    root, result = short_runs
+    assert result.job_codes[str(root / "timelimit")] == [0]
     assert "stopped at iteration 1/10 because of train.exit_duration_minutes" in result.stdout
-    assert latest(run_dir) == "iter_0000001"
+    assert latest(root / "timelimit") == "iter_0000001"
 
 
 def test_async_save_from_an_unguarded_entry_script(tmp_path, cache_dir):
