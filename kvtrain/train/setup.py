@@ -103,23 +103,6 @@ def _build_model(cfg: RunConfig, tconfig, numerics) -> list:
     return model
 
 
-def _native_gloo_reduce_scatter() -> None:
-    """Workaround for a bug of ``kvtrain.backend.cpu`` (reported): its gloo
-    ``reduce_scatter_tensor`` fallback (all-reduce, then slice) runs inside
-    torch's ``_coalescing_manager``, where megatron's DDP issues the gradient
-    reduce-scatter of the distributed optimizer; there the all-reduce is
-    deferred and the slice copies *unreduced* local gradients. torch's gloo has
-    a native ``reduce_scatter_tensor``; megatron binds the function when
-    ``param_and_grad_buffer`` is first imported, so it only gets the broken one
-    if the backend was enabled first (e.g. ``kvtrain.testing`` workers)."""
-    import torch.distributed as dist
-    from megatron.core.distributed import param_and_grad_buffer as buffers
-
-    native = getattr(buffers.dist_reduce_scatter_func, "__wrapped__", None)
-    if native is not None and dist.get_backend() == "gloo":
-        buffers.dist_reduce_scatter_func = native
-
-
 def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     """Builds the run on this rank (collective: every rank calls it)."""
     from megatron.core import parallel_state
@@ -136,7 +119,6 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     env = init_distributed(p.tensor, p.pipeline, p.virtual_pipeline, p.context, seed=t.seed,
                            timeout_minutes=t.dist_timeout_minutes)
     cfg.validate(world_size=env.world_size)
-    _native_gloo_reduce_scatter()
     numerics = Numerics.from_precision(t.precision)
     if numerics.fp16 and not torch.cuda.is_available():
         raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")

@@ -62,6 +62,30 @@ def test_gloo_reduce_scatter_tensor():
     assert torch.equal(a, full[:4]) and torch.equal(b, full[4:])
 
 
+def coalesced_reduce_scatter_worker(rank, world):
+    """What megatron's DDP does for the distributed optimizer: several
+    reduce-scatters issued inside torch's _coalescing_manager, waited on together."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    grads = [torch.arange(8, dtype=torch.float32) * (rank + 1),
+             torch.arange(4, dtype=torch.float32) * 10 * (rank + 1)]
+    outs = [torch.empty(g.numel() // world) for g in grads]
+    with _coalescing_manager(async_ops=True) as cm:
+        for out, g in zip(outs, grads):
+            dist.reduce_scatter_tensor(out, g, async_op=True)
+    cm.wait()
+    return outs
+
+
+def test_gloo_reduce_scatter_inside_coalescing_manager():
+    """Each rank gets its slice of the *reduced* gradients (a fallback that slices
+    before the deferred all-reduce ran would return this rank's own gradients)."""
+    a, b = run_distributed(coalesced_reduce_scatter_worker, 2)
+    full = [torch.arange(8, dtype=torch.float32) * 3, torch.arange(4, dtype=torch.float32) * 30]
+    assert torch.equal(a[0], full[0][:4]) and torch.equal(b[0], full[0][4:])
+    assert torch.equal(a[1], full[1][:2]) and torch.equal(b[1], full[1][2:])
+
+
 @pytest.mark.gpu
 def test_no_op_on_gpu():
     """With CUDA present the backend stays off and torch is untouched."""
