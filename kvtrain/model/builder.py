@@ -6,6 +6,7 @@ megatron; ``build_gpt`` builds the model chunk of one pipeline (virtual) stage.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,6 +52,19 @@ def padded_vocab_size(model: ModelConfig, tensor_parallel: int) -> int:
 def kv_shift_options(model: ModelConfig, seed: int) -> KVShiftOptions:
     ks = model.kv_shift
     return KVShiftOptions(shift=tuple(ks.shift), window=ks.window, mode=ks.mode, seed=seed)
+
+
+# megatron's fused softmax kernels come compiled with apex (NVIDIA's container), not
+# with megatron-core; FusedScaleMaskSoftmax imports them at the first fp16/bf16
+# forward of the local spec and fails there when they are missing.
+_SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
+                    "scaled_softmax_cuda")
+
+
+def fused_softmax_available() -> bool:
+    """Whether megatron's fused masked-softmax kernels can be used (GPU + apex's build)."""
+    return torch.cuda.is_available() and all(
+        importlib.util.find_spec(name) is not None for name in _SOFTMAX_KERNELS)
 
 
 def transformer_config(
@@ -100,10 +114,11 @@ def transformer_config(
         pipeline_dtype=numerics.params_dtype,
         bf16=numerics.bf16,
         fp16=numerics.fp16,
-        # fused kernels exist only on GPU (and some only with apex/TE)
+        # fused kernels exist only on GPU, some only with apex's build (seen
+        # failing on an H200 without apex: masked_softmax_fusion)
         bias_activation_fusion=False,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=fused_softmax_available(),
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,

@@ -133,3 +133,15 @@ def test_thd_packed_sequences_reset_at_cu_seqlens(mp1):
         with pytest.raises(StopIteration):
             attn(x[a:b], attention_mask=None)
         torch.testing.assert_close(packed[a:b], seen["k"][:, 0])
+
+
+def test_fused_softmax_only_with_its_kernels(monkeypatch):
+    """A GPU without apex's softmax kernels must get megatron's unfused softmax: the
+    fused one import-fails at the first bf16 forward (seen on an H200)."""
+    import importlib.util
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert transformer_config(tiny()).masked_softmax_fusion is False
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert transformer_config(tiny()).masked_softmax_fusion is True
