@@ -46,8 +46,8 @@ def register(sub) -> None:
                         "--set task.length=256 (repeatable)")
     q.add_argument("--backend", default="standalone", choices=["standalone", "trainer"],
                    help="standalone: the experiment's own one-process loop (torch AdamW); "
-                        "trainer: one `kvtrain train` run per arm (needs data.type "
-                        "induction in the trainer, see docs/induction.md)")
+                        "trainer: one `kvtrain train` run per arm (data.type induction|ngram; "
+                        "multi-GPU, checkpoints, metrics.jsonl), see docs/induction.md")
     q.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
     q.set_defaults(func=run_induction)
 
@@ -110,13 +110,6 @@ def run_induction(args) -> int:
     print(f"experiment induction --preset {args.preset} --scale {args.scale} "
           f"(backend {args.backend}): {len(arms)} arms ({', '.join(a.name for a in arms)}), "
           f"{settings.steps} steps each -> {run_dir}", flush=True)
-    if args.backend == "trainer":
-        from kvtrain.experiments.trainer_backend import trainer_supports_synthetic_data
-
-        if not trainer_supports_synthetic_data():
-            raise ConfigError("--backend trainer: kvtrain train has no data.type induction yet "
-                              "(apply the integration in docs/induction.md, or use "
-                              "--backend standalone)")
     summary = run_experiment(settings, arms, run_dir, workers=args.workers, threads=args.threads,
                              preset=args.preset, scale=args.scale, backend=args.backend)
     print(format_summary(summary))

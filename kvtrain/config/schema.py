@@ -208,11 +208,44 @@ class OptimizerConfig:
 
 # ----------------------------------------------------------------------------- data
 @dataclass
+class InductionDataConfig:
+    """Options of ``data.type: induction``: the induction data of the paper's
+    Appendix K (kvtrain.data.induction.InductionTask)."""
+
+    length: Optional[int] = None
+    """Tokens generated per sequence before 0-padding (null: train.seq_length + 1)."""
+    mid_val: int = 10
+    """Token ids are drawn from mid_val+1 .. max_val-1."""
+    max_val: int = 8000
+    """Exclusive upper bound of the ids (<= model.vocab_size)."""
+    pool_size: Optional[int] = None
+    """Distinct ids per sequence (null: the length, as in Appendix K)."""
+    variant: Literal["appk", "strict"] = "appk"
+    """appk: Appendix K's script; strict: §3.2's rule at every position (periodic)."""
+
+
+@dataclass
+class NgramDataConfig:
+    """Options of ``data.type: ngram``: the 3-gram task of Appendix E.3."""
+
+    num_pairs: int = 200
+    """(x1, x2) pairs, each with a fixed x3."""
+    num_symbols: int = 32
+    """Distinct ids used for x1, x2, x3 (mid_val+1 .. mid_val+num_symbols)."""
+    mid_val: int = 10
+    """Ids at or below mid_val are not used (0 pads)."""
+    table_seed: int = 0
+    """Seed of the pair table (the task; the same for training and validation)."""
+
+
+@dataclass
 class DataConfig:
     """Where training tokens come from."""
 
-    type: Literal["gpt", "mock"] = "mock"
-    """``gpt``: Megatron .bin/.idx shards; ``mock``: random tokens for smoke runs."""
+    type: Literal["gpt", "mock", "induction", "ngram"] = "mock"
+    """``gpt``: Megatron .bin/.idx shards; ``mock``: random tokens for smoke runs;
+    ``induction`` / ``ngram``: the paper's toy tasks (Appendix K / E.3), with their
+    accuracy evaluated at every validation (options in data.induction / data.ngram)."""
     paths: list[float | str] = field(default_factory=list)
     """Shard prefixes, optionally with weights: [0.7, a_text_document, 0.3, b_text_document]."""
     split: str = "969,30,1"
@@ -234,6 +267,12 @@ class DataConfig:
     eod_id: Optional[int] = None
     """End-of-document id when data.tokenizer is null (shards from another tokenizer);
     needed only by reset_position_ids, reset_attention_mask and eod_mask_loss."""
+    induction: InductionDataConfig = field(default_factory=InductionDataConfig)
+    """Options of data.type induction."""
+    ngram: NgramDataConfig = field(default_factory=NgramDataConfig)
+    """Options of data.type ngram."""
+    eval_seed: Optional[int] = None
+    """Seed of the fixed validation set of induction/ngram data (null: data seed + 1000003)."""
 
 
 # ----------------------------------------------------------------------------- checkpoints & logs
@@ -463,6 +502,10 @@ class RunConfig:
                 "data.reset_position_ids/reset_attention_mask/eod_mask_loss need the "
                 "end-of-document id: set data.tokenizer or data.eod_id"
             )
+        if d.type in ("induction", "ngram"):
+            from kvtrain.data.induction import validate_config
+
+            validate_config(self)
         if d.eod_id is not None and not 0 <= d.eod_id < self.model.vocab_size:
             raise ConfigError(
                 f"data.eod_id ({d.eod_id}) must be a token id below model.vocab_size "

@@ -99,6 +99,11 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
     from .tokenizer import load_tokenizer
 
     d = cfg.data
+    if d.type in ("induction", "ngram"):
+        from .induction import synthetic_datasets
+
+        train, valid = synthetic_datasets(cfg, train_samples, valid_samples)
+        return Datasets(train=train, valid=valid, test=None, tokenizer=None)
     tokenizer = load_tokenizer(d, cfg.model)
     blend = parse_blend(d.paths) if d.type == "gpt" else None
     Path(cache_dir).mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,7 @@ class Settings:
     adam_betas: tuple = (0.9, 0.95)
     adam_eps: float = 1e-8
     rotary_base: int = 100000
+    init_method_std: float = 0.02
     seed: int = 1234
     data_seed: int = 0
     eval_seed: int = 1_000_003
@@ -78,7 +79,7 @@ def model_config(s: Settings, arm: Arm):
         num_layers=arm.num_layers, hidden_size=s.hidden_size,
         num_attention_heads=s.num_attention_heads, ffn_hidden_size=s.ffn_hidden_size,
         vocab_size=s.vocab_size, max_position_embeddings=s.seq_length,
-        rotary_base=s.rotary_base, attention=arm.attention,
+        rotary_base=s.rotary_base, attention=arm.attention, init_method_std=s.init_method_std,
     )
 
 

@@ -1,10 +1,10 @@
 """Running an arm with ``kvtrain train`` instead of the standalone loop.
 
-Needs the trainer to know ``data.type: induction | ngram`` (the integration
-described in docs/induction.md); :func:`trainer_supports_synthetic_data` says
-whether it does. Each arm becomes a run config (``arms/<arm>/arm.yaml``) and
-a ``kvtrain train`` process; its ``metrics.jsonl`` validation records give the
-curve (``val_acc_<mask>``, ``val_loss``). Megatron's optimizer, DDP and
+The trainer reads the task from ``data.type: induction | ngram`` and adds the
+accuracies to its validation records. Each arm becomes a run config
+(``arms/<arm>/arm.yaml``) and a ``kvtrain train`` process; its
+``metrics.jsonl`` validation records give the curve (``val_acc_<mask>``,
+``val_loss``). Megatron's optimizer, DDP and
 schedules then do the training, and checkpoints, resume and wandb come with it.
 """
 
@@ -25,17 +25,6 @@ from .metrics import MASKS
 from .standalone import CURVE_FIELDS, Arm, Settings
 
 
-def trainer_supports_synthetic_data() -> bool:
-    """True when the run config accepts ``data.type: induction``."""
-    from typing import get_args
-
-    from kvtrain.config.schema import DataConfig
-
-    from kvtrain.config.loader import field_hints
-
-    return "induction" in get_args(field_hints(DataConfig)["type"])
-
-
 def arm_config(s: Settings, arm: Arm, name: str, group: Optional[str], wandb: bool) -> dict:
     """The ``kvtrain train`` config (a dict for YAML) of one arm."""
     eval_iters = max(1, math.ceil(s.eval_samples / s.batch_size))
@@ -46,7 +35,7 @@ def arm_config(s: Settings, arm: Arm, name: str, group: Optional[str], wandb: bo
             "num_attention_heads": s.num_attention_heads,
             "ffn_hidden_size": s.ffn_hidden_size, "vocab_size": s.vocab_size,
             "max_position_embeddings": s.seq_length, "rotary_base": s.rotary_base,
-            "attention": arm.attention,
+            "attention": arm.attention, "init_method_std": s.init_method_std,
         },
         "train": {
             "micro_batch_size": s.micro_batch_size, "global_batch_size": s.batch_size,
@@ -100,9 +89,6 @@ def train_arm_with_trainer(s: Settings, arm: Arm, out_dir: str | Path, threads: 
     """Trains one arm with ``kvtrain train`` (``nproc`` > 1: under torchrun, DP)."""
     import yaml
 
-    if not trainer_supports_synthetic_data():
-        raise RuntimeError("kvtrain train has no data.type induction/ngram yet: apply the "
-                           "integration in docs/induction.md, or use --backend standalone")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = arm_config(s, arm, f"{out_dir.parent.parent.name}-{arm.name}", group, wandb)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from kvtrain.data import fixed_batches
+from kvtrain.experiments.validation import AccuracyForwardStep, reduce_accuracies
 from kvtrain.model.kv_shift import collect_shift_coefficients
 
 from .step import ForwardStep, global_mean_loss
@@ -27,14 +28,18 @@ class Validator:
 
     def __init__(self, dataset, forward_backward: Callable, model: list, eval_iters: int,
                  global_batch_size: int, micro_batch_size: int, num_microbatches: int,
-                 seq_length: int):
+                 seq_length: int, accuracy_masks: tuple = (), vocab_size: int = 0):
         self.dataset = dataset
         self.forward_backward = forward_backward
         self.model = model
         self.gbs, self.mbs, self.m = global_batch_size, micro_batch_size, num_microbatches
         self.seq_length = seq_length
         self.iters = min(eval_iters, len(dataset) // global_batch_size) if dataset is not None else 0
-        self.forward_step = ForwardStep()
+        self.accuracy_masks = tuple(accuracy_masks)
+        if self.accuracy_masks:  # induction / 3-gram data: accuracy from the logits
+            self.forward_step = AccuracyForwardStep(self.accuracy_masks, vocab_size)
+        else:
+            self.forward_step = ForwardStep()
 
     def run(self, iteration: int) -> Optional[dict]:
         """``{"val_loss", "val_ppl", ...}`` (the same on every rank), or None."""
@@ -62,8 +67,11 @@ class Validator:
         for chunk in self.model:
             chunk.train()
         loss, tokens = global_mean_loss(losses)
-        return {"kind": "valid", "iteration": iteration, "val_loss": loss,
-                "val_ppl": math.exp(min(loss, 80.0)), "val_tokens": tokens}
+        record = {"kind": "valid", "iteration": iteration, "val_loss": loss,
+                  "val_ppl": math.exp(min(loss, 80.0)), "val_tokens": tokens}
+        if self.accuracy_masks:
+            record.update(reduce_accuracies(losses, self.accuracy_masks))  # collective
+        return record
 
 
 # ----------------------------------------------------------------------------- KV-shift statistics

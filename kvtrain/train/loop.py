@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kvtrain.config import RunConfig, to_dict
+from kvtrain.experiments.validation import accuracy_masks
 
 from .checkpoint import Checkpointer, TrainState, resolve_resume
 from .evaluation import Validator, gather_shift_coefficients, shift_statistics
@@ -215,7 +216,7 @@ def train(cfg: RunConfig, run_dir: Path) -> int:
     t = cfg.train
     validator = Validator(run.datasets.valid, run.forward_backward, run.model, t.eval_iters,
                           t.global_batch_size, t.micro_batch_size, run.num_microbatches,
-                          t.seq_length)
+                          t.seq_length, accuracy_masks(cfg.data.type), cfg.model.vocab_size)
     code = 1
     try:
         if state.iteration >= run.total_steps:

@@ -124,8 +124,10 @@ class MetricsLogger:
             parts += [f"{k} {_fmt(record.get(k))}" for k in keys if k in record]
             return " | ".join(parts)
         if kind == "valid":
+            accs = "".join(f" | {k} {_fmt(v)}" for k, v in record.items()
+                           if k.startswith("val_acc_"))
             return (f"iter {record['iteration']:>7d} | validation | val_loss "
-                    f"{_fmt(record['val_loss'])} | val_ppl {_fmt(record['val_ppl'])}")
+                    f"{_fmt(record['val_loss'])} | val_ppl {_fmt(record['val_ppl'])}{accs}")
         if kind == "kv_shift":
             quad = {k.rsplit("/", 1)[1]: v for k, v in record.items() if "/quadrant/" in k}
             return f"iter {record['iteration']:>7d} | kv_shift quadrants {quad}"

@@ -1,7 +1,7 @@
 """The experiment runner driving ``kvtrain train`` (``--backend trainer``).
 
-The end-to-end test runs only once the trainer knows ``data.type: induction``
-(the integration described in docs/induction.md)."""
+The end-to-end test trains both fig1b arms with ``kvtrain train`` (``data.type:
+induction``) and reads the accuracies from its validation records."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from kvtrain.experiments.induction import experiment_spec
 from kvtrain.experiments.trainer_backend import (
     arm_config,
     curve_from_metrics,
-    trainer_supports_synthetic_data,
 )
 
 from .test_experiment_cli import TINY, check_outputs
@@ -50,16 +49,7 @@ def test_curve_from_metrics(tmp_path):
             for r in rows] == [(2, 0.25, 0.5, 4.5, 5.0), (4, 1.0, 0.75, 3.5, 4.0)]
 
 
-@pytest.mark.skipif(trainer_supports_synthetic_data(),
-                    reason="the trainer supports data.type induction")
-def test_trainer_backend_without_the_integration_is_a_one_line_error(capsys):
-    assert main(["experiment", "induction", "--preset", "fig1b", "--backend", "trainer"]) == 2
-    assert "no data.type induction" in capsys.readouterr().err
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not trainer_supports_synthetic_data(),
-                    reason="needs data.type induction in kvtrain train (docs/induction.md)")
 def test_fig1b_tiny_with_kvtrain_train(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = tmp_path / "fig1b"
