@@ -70,8 +70,11 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, tmp_path, train_arg
     slurm.run(["scancel", "--batch", "--signal=USR1", job])
 
     # The job requeues itself (same id, Restarts=1). SLURM holds a requeued job
-    # for a couple of minutes (its BeginTime): release it as soon as it is
-    # pending again (while it is still completing, the update does not apply).
+    # for a couple of minutes (its BeginTime): release it once it is pending again
+    # (while it is still completing, the update does not apply), a few seconds
+    # ahead: slurmd revokes the killed start's credential, and a relaunch whose
+    # credential is from the same second is refused ("Job credential revoked";
+    # seen here with StartTime=now).
     deadline = time.monotonic() + 900
     released = False
     while True:
@@ -79,7 +82,8 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, tmp_path, train_arg
         if _done(fields) or time.monotonic() > deadline:
             break
         if fields.get("JobState") == "PENDING" and fields.get("Restarts") == "1" and not released:
-            out = slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+            out = slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"],
+                            check=False)
             released = out.returncode == 0
         time.sleep(1.0)
     log = (run_dir / "logs" / f"slurm-{job}.out").read_text()

@@ -50,40 +50,35 @@ def test_disabled_by_environment():
 
 
 def reduce_scatter_worker(rank, world):
-    x = torch.arange(8, dtype=torch.float32) * (rank + 1)
-    out = torch.empty(8 // world)
-    dist.reduce_scatter_tensor(out, x)
-    return out
-
-
-def test_gloo_reduce_scatter_tensor():
-    a, b = run_distributed(reduce_scatter_worker, 2)
-    full = torch.arange(8, dtype=torch.float32) * 3
-    assert torch.equal(a, full[:4]) and torch.equal(b, full[4:])
-
-
-def coalesced_reduce_scatter_worker(rank, world):
-    """What megatron's DDP does for the distributed optimizer: several
-    reduce-scatters issued inside torch's _coalescing_manager, waited on together."""
+    """A plain reduce_scatter_tensor, then what megatron's DDP does for the
+    distributed optimizer: several issued inside torch's _coalescing_manager,
+    waited on together."""
     from torch.distributed.distributed_c10d import _coalescing_manager
+
+    x = torch.arange(8, dtype=torch.float32) * (rank + 1)
+    plain = torch.empty(8 // world)
+    dist.reduce_scatter_tensor(plain, x)
 
     grads = [torch.arange(8, dtype=torch.float32) * (rank + 1),
              torch.arange(4, dtype=torch.float32) * 10 * (rank + 1)]
-    outs = [torch.empty(g.numel() // world) for g in grads]
+    coalesced = [torch.empty(g.numel() // world) for g in grads]
     with _coalescing_manager(async_ops=True) as cm:
-        for out, g in zip(outs, grads):
+        for out, g in zip(coalesced, grads):
             dist.reduce_scatter_tensor(out, g, async_op=True)
     cm.wait()
-    return outs
+    return plain, coalesced
 
 
-def test_gloo_reduce_scatter_inside_coalescing_manager():
-    """Each rank gets its slice of the *reduced* gradients (a fallback that slices
-    before the deferred all-reduce ran would return this rank's own gradients)."""
-    a, b = run_distributed(coalesced_reduce_scatter_worker, 2)
+def test_gloo_reduce_scatter_tensor():
+    """Each rank gets its slice of the *reduced* tensor, also inside the coalescing
+    manager (a fallback that slices before the deferred all-reduce ran would
+    return this rank's own gradients there)."""
+    (a, a_co), (b, b_co) = run_distributed(reduce_scatter_worker, 2)
+    full = torch.arange(8, dtype=torch.float32) * 3
+    assert torch.equal(a, full[:4]) and torch.equal(b, full[4:])
     full = [torch.arange(8, dtype=torch.float32) * 3, torch.arange(4, dtype=torch.float32) * 30]
-    assert torch.equal(a[0], full[0][:4]) and torch.equal(b[0], full[0][4:])
-    assert torch.equal(a[1], full[1][:2]) and torch.equal(b[1], full[1][2:])
+    assert torch.equal(a_co[0], full[0][:4]) and torch.equal(b_co[0], full[0][4:])
+    assert torch.equal(a_co[1], full[1][:2]) and torch.equal(b_co[1], full[1][2:])
 
 
 @pytest.mark.gpu

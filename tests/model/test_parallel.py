@@ -65,10 +65,13 @@ def forward_backward(model, tokens, labels):
 
 
 # ----------------------------------------------------------------------------- TP (+SP)
-def tp_worker(rank, world, sp, attention, full_state, tokens, labels):
-    from kvtrain.backend import init_model_parallel, set_seed
+TP_CASES = [(attention, sp) for attention in ("kv_shift", "vanilla") for sp in (False, True)]
 
-    init_model_parallel(tensor=world)
+
+def tp_case(rank, world, attention, sp, full_state, tokens, labels):
+    """(logits, loss, grads of the shift scalars and norms) of one TP=2 model."""
+    from kvtrain.backend import set_seed
+
     set_seed(0)
     cfg = model_config(attention)
     model = build_gpt(cfg, transformer_config(cfg, ParallelConfig(tensor=world, sequence_parallel=sp)))
@@ -94,20 +97,50 @@ def tp_worker(rank, world, sp, attention, full_state, tokens, labels):
     return logits, loss, grads
 
 
+def tp_worker(rank, world, states, tokens, labels):
+    """Every TP case in one launch of 2 ranks (a launch costs more than the cases),
+    plus the error of a KV-shift model whose groups do not divide over TP."""
+    from kvtrain.backend import init_model_parallel
+
+    init_model_parallel(tensor=world)
+    out = {case: tp_case(rank, world, *case, states[case[0]], tokens, labels) for case in TP_CASES}
+    cfg = model_config("kv_shift", groups=1)
+    try:
+        build_gpt(cfg, transformer_config(cfg, ParallelConfig(tensor=world)))
+        out["gqa_error"] = None
+    except ValueError as e:
+        out["gqa_error"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_runs(single_rank):
+    """(TP=1 reference per attention, per-rank TP=2 results of every case)."""
+    from kvtrain.backend import init_model_parallel, set_seed
+
+    init_model_parallel(1, 1)
+    set_seed(1234)
+    tokens, labels = batch()
+    refs, states = {}, {}
+    for attention in ("kv_shift", "vanilla"):
+        cfg = model_config(attention)
+        ref = build_gpt(cfg, transformer_config(cfg))
+        states[attention] = {k: v.detach().clone() for k, v in ref.state_dict().items()
+                             if "_extra_state" not in k}
+        logits = ref(tokens, torch.arange(SEQ)[None].expand_as(tokens), None,
+                     runtime_gather_output=True).detach()
+        loss = forward_backward(ref, tokens, labels)
+        refs[attention] = (logits, loss, {n: p.grad for n, p in ref.named_parameters()})
+    return refs, run_distributed(tp_worker, 2, states, tokens, labels)
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 @pytest.mark.parametrize("attention", ["kv_shift", "vanilla"])
-def test_tp2_equals_tp1(mp1, sp, attention):
-    cfg = model_config(attention)
-    ref = build_gpt(cfg, transformer_config(cfg))
-    full_state = {k: v.detach().clone() for k, v in ref.state_dict().items() if "_extra_state" not in k}
-    tokens, labels = batch()
-    ref_logits = ref(tokens, torch.arange(SEQ)[None].expand_as(tokens), None,
-                     runtime_gather_output=True).detach()
-    ref_loss = forward_backward(ref, tokens, labels)
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-
-    results = run_distributed(tp_worker, 2, sp, attention, full_state, tokens, labels)
-    for logits, loss, grads in results:
+def test_tp2_equals_tp1(tp_runs, sp, attention):
+    refs, per_rank = tp_runs
+    ref_logits, ref_loss, ref_grads = refs[attention]
+    for results in per_rank:
+        logits, loss, grads = results[(attention, sp)]
         torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
         checked = [n for n in grads if "shift" in n]
@@ -116,20 +149,9 @@ def test_tp2_equals_tp1(mp1, sp, attention):
             torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
-def gqa_error_worker(rank, world):
-    from kvtrain.backend import init_model_parallel
-
-    init_model_parallel(tensor=world)
-    cfg = model_config("kv_shift", groups=1)
-    try:
-        build_gpt(cfg, transformer_config(cfg, ParallelConfig(tensor=world)))
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def test_kv_groups_must_divide_by_tp():
-    for message in run_distributed(gqa_error_worker, 2):
+def test_kv_groups_must_divide_by_tp(tp_runs):
+    for results in tp_runs[1]:
+        message = results["gqa_error"]
         assert message and "num_query_groups=1" in message and "tensor-parallel size (2)" in message
 
 
