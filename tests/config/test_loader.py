@@ -91,6 +91,12 @@ def test_overrides_use_the_same_checks(tmp_path):
     (["model.kv_shift.shift=[]"], "must name at least one"),
     (["train.seq_length=4096"], "exceeds model.max_position_embeddings"),
     (["parallel.pipeline=3"], "model.num_layers (2) must be divisible by parallel.pipeline"),
+    (["data.type=induction", "data.induction.max_val=99999"],
+     "data.induction.max_val (99999) exceeds model.vocab_size (32000)"),
+    (["data.type=induction", "data.reset_attention_mask=true"], "has one sequence per sample"),
+    (["data.type=ngram", "data.eval_seed=7", "train.seed=7"],
+     "data.eval_seed (7) must differ from the training data seed (7)"),
+    (["data.type=induction", "data.induction.mid_val=7990"], "data.induction: need 2 <= pool_size"),
 ])
 def test_cross_field_checks(overrides, message):
     with pytest.raises(ConfigError) as e:
