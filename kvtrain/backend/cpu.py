@@ -28,9 +28,9 @@ What is patched, and why:
   and ``nvtx`` calls are no-ops.
 * ``Tensor.type()`` with no argument reports ``torch.cuda.<X>Tensor``: the
   optimizer and grad clipping assert on those names.
-* gloo lacks ``reduce_scatter_tensor``: it is done as an all-reduce plus a slice
-  (numerically the same sum; the distributed optimizer and sequence parallel use
-  it).
+* Collectives need no patch: gloo has ``reduce_scatter_tensor`` natively since
+  torch 2.2 (pyproject asks for >= 2.4), also inside ``_coalescing_manager``,
+  where the distributed optimizer issues its gradient reduce-scatter.
 
 Call :func:`enable_cpu_backend` once, before megatron builds anything; it is
 idempotent. ``kvtrain.backend.init_distributed`` calls it for you.
@@ -44,7 +44,6 @@ import os
 import types
 
 import torch
-import torch.distributed as dist
 
 _ENABLED = False
 
@@ -173,48 +172,6 @@ class _InertEvent:
         return (end._t - self._t) * 1000.0
 
 
-def _reduce_scatter_tensor_via_allreduce(output, input, op=dist.ReduceOp.SUM, group=None,
-                                         async_op=False):
-    """gloo has no reduce_scatter_tensor: all-reduce a copy and keep this rank's slice."""
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    buf = input.detach().clone() if input.requires_grad else input.clone()
-    work = dist.all_reduce(buf, op=op, group=group)
-    chunk = buf.numel() // world
-    output.copy_(buf.reshape(-1)[rank * chunk:(rank + 1) * chunk].view_as(output))
-    if async_op:
-        return _DoneWork()
-    return work
-
-
-class _DoneWork:
-    def wait(self, *args, **kwargs):
-        return True
-
-    def is_completed(self):
-        return True
-
-
-def _patch_distributed() -> None:
-    original = dist.reduce_scatter_tensor
-
-    @functools.wraps(original)
-    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        # Prefer the native op: recent gloo has it, and it also works inside
-        # torch's _coalescing_manager (where megatron's DDP issues the grad
-        # reduce-scatter), whereas the all-reduce fallback's slice would read
-        # the not-yet-reduced buffer there.
-        try:
-            return original(output, input, op=op, group=group, async_op=async_op)
-        except (RuntimeError, NotImplementedError):
-            if dist.get_backend(group) != "gloo":
-                raise
-            return _reduce_scatter_tensor_via_allreduce(output, input, op, group, async_op)
-
-    dist.reduce_scatter_tensor = reduce_scatter_tensor
-    dist._reduce_scatter_base = reduce_scatter_tensor  # older alias megatron may use
-
-
 def _patch_cuda_module() -> None:
     cuda = torch.cuda
     cuda.current_device = lambda: 0
@@ -296,7 +253,6 @@ def enable_cpu_backend(force: bool = False) -> bool:
         return False
     _patch_cuda_module()
     _patch_tensor_methods()
-    _patch_distributed()
     _patch_megatron_rng()
     _patch_factories()
     _ENABLED = True

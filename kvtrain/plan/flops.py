@@ -1,9 +1,9 @@
 """FLOPs per step and wall time at a given MFU, and the GPUs the plan knows.
 
-The FLOP count is the trainer's (``kvtrain.train.flops``, which the MFU in
-metrics.jsonl uses; ``tests/launch`` checks that the two agree), restated here
-so that planning imports neither torch nor megatron. Per token, training
-(forward + backward = 3 × forward, a multiply-add = 2 FLOPs):
+The FLOP count is the trainer's own (``kvtrain.train.flops``, which the MFU in
+metrics.jsonl uses; that module imports neither torch nor megatron at import
+time, so planning stays light). Per token, training (forward + backward =
+3 × forward, a multiply-add = 2 FLOPs):
 
 * ``6N`` over the matrix parameters: QKV ``h·(h+2gd)``, output projection
   ``h·h``, SwiGLU ``3·h·f`` per layer, and the output layer ``h·V``;
@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtrain.config.schema import ModelConfig
+from kvtrain.train.flops import FlopsBreakdown, forward_flops_per_sequence
 
 from .params import padded_vocab
 
@@ -40,44 +41,6 @@ GPUS = {
     "h800": GPU("H800-80G", 80.0, 989.0),  # H100 SXM compute, reduced NVLink
     "h100": GPU("H100-80G", 80.0, 989.0),
 }
-
-
-@dataclass(frozen=True)
-class FlopsBreakdown:
-    """Forward FLOPs per sequence, by part (the fields of ``kvtrain.train.flops``)."""
-
-    qkv_and_output_proj: float
-    attention: float
-    mlp: float
-    kv_shift: float
-    logits: float
-
-    @property
-    def forward(self) -> float:
-        return self.qkv_and_output_proj + self.attention + self.mlp + self.kv_shift + self.logits
-
-    @property
-    def training(self) -> float:
-        return 3.0 * self.forward
-
-
-def forward_flops_per_sequence(model: ModelConfig, seq_length: int,
-                               padded_vocab_size: int) -> FlopsBreakdown:
-    """Forward FLOPs of one sequence of ``seq_length`` tokens (see the module doc)."""
-    h, s, layers = model.hidden_size, seq_length, model.num_layers
-    gd = model.kv_heads * (h // model.num_attention_heads)
-    f = model.ffn_size
-    shift = 0.0
-    if model.attention == "kv_shift":
-        per_element = 2 * model.kv_shift.window + 1
-        shift = sum(per_element * (h if x == "q" else gd) for x in model.kv_shift.shift)
-    return FlopsBreakdown(
-        qkv_and_output_proj=layers * s * (2 * h * (h + 2 * gd) + 2 * h * h),
-        attention=layers * s * 2 * (2 * (s + 1) / 2 * h),
-        mlp=layers * s * 3 * 2 * h * f,
-        kv_shift=layers * s * shift,
-        logits=s * 2 * h * padded_vocab_size,
-    )
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from data_tools.indexed import atomic_write_bytes, fsync_dir
 from kvtrain.config import ConfigError
 
 from .optimizer import inner_optimizers
@@ -102,28 +103,9 @@ def checkpoint_name(iteration: int) -> str:
     return f"{PREFIX}{iteration:07d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: Path, text: str) -> None:
     """Writes ``text`` to ``path`` via a fsync'd temporary file and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    atomic_write_bytes(os.fspath(path), text.encode())
 
 
 def read_tracker(root: Path) -> Optional[Path]:
@@ -401,7 +383,7 @@ class Checkpointer:
             if final.exists():  # same iteration from an abandoned history (a rollback)
                 _remove(final)
             os.replace(work, final)
-            _fsync_dir(self.root)
+            fsync_dir(os.fspath(self.root))
             write_atomic(self.root / TRACKER, final.name + "\n")
             self._cleanup(keep=final)
         dist.barrier()

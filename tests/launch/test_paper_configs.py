@@ -221,17 +221,17 @@ def test_plan_memory_is_monotone_in_the_obvious_knobs():
 
 @pytest.mark.parametrize("path", PAPER + BLAGPT, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_plan_flops_and_steps_are_the_trainers(path):
-    from kvtrain.plan.flops import forward_flops_per_sequence
-    from kvtrain.plan.params import padded_vocab
-    from kvtrain.train.flops import forward_flops_per_sequence as trainer_flops
+    from kvtrain.model.builder import padded_vocab_size
+    from kvtrain.plan.flops import step_flops
+    from kvtrain.train.flops import training_flops_per_step
     from kvtrain.train.setup import total_steps
 
     cfg = load_config(path)
-    v = padded_vocab(cfg.model, cfg.parallel.tensor)
-    ours = forward_flops_per_sequence(cfg.model, cfg.train.seq_length, v)
-    theirs = trainer_flops(cfg.model, cfg.train.seq_length, v)
-    assert ours.forward == pytest.approx(theirs.forward, rel=1e-12)
-    assert ours.kv_shift == pytest.approx(theirs.kv_shift, rel=1e-12)
+    t = cfg.train
+    v = padded_vocab_size(cfg.model, cfg.parallel.tensor)  # the trainer's padding rule
+    ours = step_flops(cfg.model, t.seq_length, t.global_batch_size, cfg.parallel.tensor)
+    theirs = training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size, v)
+    assert ours.model == pytest.approx(theirs, rel=1e-12)
     nodes = {"1.5b": 8, "2.9b": 64, "6.7b": 8, "13b": 16, "19b": 30}.get(size_of(path), 1)
     plan = make_plan(cfg, nodes=nodes, gpu="a800")
     assert plan.steps == total_steps(cfg)

@@ -129,7 +129,7 @@ def test_resume_resolution_and_tracker(tmp_path):
         resolve_resume(str(partial), root)
     with pytest.raises(ConfigError, match="no such checkpoint"):
         resolve_resume(str(tmp_path / "nope"), root)
-    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no temp files left
+    assert not [p for p in root.iterdir() if ".tmp." in p.name]  # no temp files left
     write_atomic(root / "latest", "iter_0000008\n")  # a tracker naming no checkpoint
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
         resolve_resume("auto", root)
