@@ -87,6 +87,12 @@ class ModelConfig:
             return self.ffn_hidden_size
         return ((8 * self.hidden_size // 3) + 255) // 256 * 256
 
+    def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
+        """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``
+        (megatron's rule, so that every TP rank holds an equal, aligned slice)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
     def validate(self) -> None:
         """Checks of the model alone (parallel checks are in RunConfig.validate)."""
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",

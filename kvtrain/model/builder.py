@@ -42,13 +42,6 @@ class Numerics:
         return cls()
 
 
-def padded_vocab_size(model: ModelConfig, tensor_parallel: int) -> int:
-    """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``
-    (megatron's rule, so that every TP rank holds an equal, aligned slice)."""
-    multiple = model.make_vocab_size_divisible_by * tensor_parallel
-    return -(-model.vocab_size // multiple) * multiple
-
-
 def kv_shift_options(model: ModelConfig, seed: int) -> KVShiftOptions:
     ks = model.kv_shift
     return KVShiftOptions(shift=tuple(ks.shift), window=ks.window, mode=ks.mode, seed=seed)
@@ -156,7 +149,7 @@ def build_gpt(
     return GPTModel(
         config=config,
         transformer_layer_spec=block_spec(spec, config, vp_stage=vp_stage),
-        vocab_size=padded_vocab_size(model, config.tensor_model_parallel_size),
+        vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,

@@ -7,7 +7,7 @@ the report (report.py).
 
 from .flops import GPUS
 from .layout import Plan, PlanError, make_plan
-from .params import count_params, padded_vocab, stage_params
+from .params import count_params, stage_params
 from .report import as_dict, render
 
 __all__ = [
@@ -17,7 +17,6 @@ __all__ = [
     "as_dict",
     "count_params",
     "make_plan",
-    "padded_vocab",
     "render",
     "stage_params",
 ]

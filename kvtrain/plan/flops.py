@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from kvtrain.config.schema import ModelConfig
 from kvtrain.train.flops import FlopsBreakdown, forward_flops_per_sequence
 
-from .params import padded_vocab
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,8 @@ class StepFlops:
 
 def step_flops(model: ModelConfig, seq_length: int, global_batch_size: int,
                tensor_parallel: int = 1, recompute: str = "none") -> StepFlops:
-    per_seq = forward_flops_per_sequence(model, seq_length, padded_vocab(model, tensor_parallel))
+    vocab = model.padded_vocab_size(tensor_parallel)
+    per_seq = forward_flops_per_sequence(model, seq_length, vocab)
     return StepFlops(per_sequence=per_seq, sequences=global_batch_size, recompute=recompute)
 
 

@@ -63,7 +63,7 @@ from typing import Optional
 
 from kvtrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
 
-from .params import padded_vocab, stage_params
+from .params import stage_params
 
 GiB = 1024**3
 OVERHEAD_FIXED = 3 * GiB
@@ -143,7 +143,7 @@ def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: i
     if stage == p - 1:  # bf16 logits and the fp32 softmax of the cross entropy
         t = parallel.tensor
         sb = seq_length * micro_batch / parallel.context
-        logits = sb * padded_vocab(model, t) / t * (2 + 4)
+        logits = sb * model.padded_vocab_size(t) / t * (2 + 4)
     kept = layers * in_flight * per_layer
     return {"total": kept + working + logits, "layers": kept, "working": working,
             "logits": logits, "per_layer": per_layer, "in_flight": in_flight}

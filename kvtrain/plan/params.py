@@ -11,7 +11,7 @@ and ``L`` layers:
 * input embedding ``V·h``, output layer ``V·h`` (none when tied), final norm ``h``.
 
 ``V`` is the vocabulary padded to a multiple of ``make_vocab_size_divisible_by
-× TP`` (megatron's rule, as in ``builder.padded_vocab_size``), so the embedding
+× TP`` (megatron's rule, as in ``ModelConfig.padded_vocab_size``), so the embedding
 grows slightly with TP. Per rank, TP splits every matrix, the embedding (by
 vocabulary rows) and the KV-shift coefficients (by KV head); norms are
 replicated. PP gives each stage ``L/PP`` layers; the first stage also holds the
@@ -27,12 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtrain.config.schema import ModelConfig, ParallelConfig
-
-
-def padded_vocab(model: ModelConfig, tensor_parallel: int = 1) -> int:
-    """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``."""
-    multiple = model.make_vocab_size_divisible_by * tensor_parallel
-    return -(-model.vocab_size // multiple) * multiple
 
 
 def kv_shift_coefficients_per_kv_head(model: ModelConfig) -> int:
@@ -114,7 +108,7 @@ class ParamCounts:
 
 def count_params(model: ModelConfig, tensor_parallel: int = 1) -> ParamCounts:
     """Parameters of the whole model, with the vocabulary padded for ``tensor_parallel``."""
-    v = padded_vocab(model, tensor_parallel)
+    v = model.padded_vocab_size(tensor_parallel)
     h = model.hidden_size
     return ParamCounts(
         layer=layer_params(model),

@@ -111,7 +111,7 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
 
     from kvtrain.backend import init_distributed
     from kvtrain.data import build_datasets
-    from kvtrain.model.builder import Numerics, padded_vocab_size, transformer_config
+    from kvtrain.model.builder import Numerics, transformer_config
 
     from .optimizer import build_optimizer, build_scheduler
 
@@ -151,7 +151,7 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
     datasets = build_datasets(cfg, cache_dir, steps * t.global_batch_size, valid_samples)
 
-    padded = padded_vocab_size(cfg.model, p.tensor)
+    padded = cfg.model.padded_vocab_size(p.tensor)
     return Run(
         cfg=cfg, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
         dp_rank=dp_rank, dp_size=dp_size,

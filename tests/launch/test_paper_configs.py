@@ -221,14 +221,13 @@ def test_plan_memory_is_monotone_in_the_obvious_knobs():
 
 @pytest.mark.parametrize("path", PAPER + BLAGPT, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_plan_flops_and_steps_are_the_trainers(path):
-    from kvtrain.model.builder import padded_vocab_size
     from kvtrain.plan.flops import step_flops
     from kvtrain.train.flops import training_flops_per_step
     from kvtrain.train.setup import total_steps
 
     cfg = load_config(path)
     t = cfg.train
-    v = padded_vocab_size(cfg.model, cfg.parallel.tensor)  # the trainer's padding rule
+    v = cfg.model.padded_vocab_size(cfg.parallel.tensor)
     ours = step_flops(cfg.model, t.seq_length, t.global_batch_size, cfg.parallel.tensor)
     theirs = training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size, v)
     assert ours.model == pytest.approx(theirs, rel=1e-12)
