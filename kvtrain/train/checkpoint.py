@@ -50,7 +50,6 @@ import logging
 import os
 import random
 import shutil
-import signal
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -67,6 +66,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from data_tools.indexed import atomic_write_bytes, fsync_dir
 from kvtrain.config import ConfigError
 
+from .hooks import RunHooks
 from .optimizer import inner_optimizers
 
 log = logging.getLogger(__name__)
@@ -81,11 +81,6 @@ SHARDING_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "chained_optim_avoid_prefix": True,
 }
-# Test hooks (deterministic crash windows for the tests; never set in real runs):
-# SIGKILL this process after the shards of iteration N are written but before the
-# checkpoint is marked complete / after it is complete.
-KILL_IN_SAVE_ENV = "KVTRAIN_TEST_KILL_IN_SAVE"
-KILL_AFTER_SAVE_ENV = "KVTRAIN_TEST_KILL_AFTER_SAVE"
 
 
 @dataclass
@@ -264,7 +259,8 @@ class Checkpointer:
     """Saves and loads the whole training state of this rank's model chunks."""
 
     def __init__(self, root: Path, model_chunks: list, optimizer, scheduler, run_config: dict,
-                 keep_last: Optional[int] = None, async_save: bool = False):
+                 keep_last: Optional[int] = None, async_save: bool = False,
+                 hooks: Optional[RunHooks] = None):
         self.root = Path(root)
         # trap 4: the unwrapped modules (DDP's .module: GPTModel or Float16Module)
         self.modules = [getattr(m, "module", m) for m in model_chunks]
@@ -272,6 +268,7 @@ class Checkpointer:
         self.scheduler = scheduler
         self.run_config = run_config
         self.keep_last = keep_last
+        self.hooks = hooks or RunHooks()
         self.rank = dist.get_rank()
         self._async_queue = None
         if async_save:
@@ -371,8 +368,7 @@ class Checkpointer:
         """Runs on every rank once all shards are written (megatron's finalize, which
         writes metadata.json, has gathered every rank's results before this)."""
         dist.barrier()
-        if os.environ.get(KILL_IN_SAVE_ENV) == str(state.iteration):
-            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die before the marker
+        self.hooks.shards_written(work, state.iteration)
         if self.rank == 0:
             info = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
                     "layout": current_layout(), "format": "torch_dist",
@@ -387,8 +383,7 @@ class Checkpointer:
             write_atomic(self.root / TRACKER, final.name + "\n")
             self._cleanup(keep=final)
         dist.barrier()
-        if os.environ.get(KILL_AFTER_SAVE_ENV) == str(state.iteration):
-            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die right after a save
+        self.hooks.checkpoint_saved(self.root / checkpoint_name(state.iteration), state.iteration)
 
     def _cleanup(self, keep: Path) -> None:
         """Rank 0: drops half-written saves and complete checkpoints beyond keep_last."""

@@ -21,6 +21,7 @@ from kvtrain.experiments.validation import accuracy_masks
 
 from .checkpoint import Checkpointer, TrainState, resolve_resume
 from .evaluation import Validator, gather_shift_coefficients, shift_statistics
+from .hooks import RunHooks
 from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
 from .setup import Run, build_run, write_run_config
@@ -37,19 +38,20 @@ def _due(iteration: int, interval: Optional[int]) -> bool:
 
 
 def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: MetricsLogger,
-                  validator: Validator, stop: StopRequests) -> int:
+                  validator: Validator, stop: StopRequests, hooks: RunHooks) -> int:
     """Trains from ``state`` to the end of the run (or a stop); returns the exit code."""
     cfg, t = run.cfg, run.cfg.train
     iterators = _data_iterators(run, state.consumed_samples)
-    forward_step, window = ForwardStep(), Window()
+    forward_step, window = ForwardStep(hooks), Window()
     last_saved = state.iteration if state.iteration > 0 else None
     exit_code, why = EXIT_OK, None
     while state.iteration < run.total_steps:
         forward_step.iteration = state.iteration + 1
         started = time.perf_counter()
+        signal_flag = max(stop.signal_flag, float(hooks.stop_requested(state.iteration + 1)))
         result = train_step(run.forward_backward, forward_step, iterators, run.model,
                             run.optimizer, run.scheduler, run.num_microbatches, t.seq_length,
-                            t.micro_batch_size, (stop.signal_flag, stop.time_flag))
+                            t.micro_batch_size, (signal_flag, stop.time_flag))
         state.iteration += 1
         state.consumed_samples += t.global_batch_size
         window.add(result, time.perf_counter() - started)
@@ -189,9 +191,11 @@ class Window:
 
 
 # ----------------------------------------------------------------------------- the entry point
-def train(cfg: RunConfig, run_dir: Path) -> int:
+def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> int:
     """Runs (or resumes) the run of ``cfg`` in ``run_dir`` on this rank; returns the
-    exit code (0: finished or stopped on request; 3: too many non-finite steps)."""
+    exit code (0: finished or stopped on request; 3: too many non-finite steps).
+    ``hooks`` observe or steer the run at fixed points (``hooks.RunHooks``)."""
+    hooks = hooks or RunHooks()
     stop = StopRequests(cfg.train.exit_duration_minutes).install()
     run = build_run(cfg, Path(run_dir))
     rank0 = run.rank == 0
@@ -203,7 +207,7 @@ def train(cfg: RunConfig, run_dir: Path) -> int:
             f"per step; {run.total_steps} steps")
     ckpt = Checkpointer(run.checkpoint_dir, run.model, run.optimizer, run.scheduler,
                         to_dict(cfg), keep_last=cfg.checkpoint.keep_last,
-                        async_save=cfg.checkpoint.async_save)
+                        async_save=cfg.checkpoint.async_save, hooks=hooks)
     state = TrainState()
     resume_from = resolve_resume(cfg.checkpoint.resume, run.checkpoint_dir)
     if resume_from is not None:
@@ -223,7 +227,7 @@ def train(cfg: RunConfig, run_dir: Path) -> int:
             say(f"kvtrain: nothing to do: iteration {state.iteration} >= {run.total_steps} steps")
             code = EXIT_OK
         else:
-            code = training_loop(run, state, ckpt, metrics, validator, stop)
+            code = training_loop(run, state, ckpt, metrics, validator, stop, hooks)
     finally:
         metrics.close()
         wandb.finish(exit_code=code)

@@ -10,28 +10,20 @@ is the per-token loss ``[b, s]``.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
 
+from .hooks import RunHooks
 from .optimizer import StepOutcome, guarded_step
 
-# Test hook: comma-separated iterations whose loss is replaced by NaN.
-NONFINITE_ENV = "KVTRAIN_TEST_NONFINITE_STEPS"
 
-
-def _nonfinite_test_steps() -> frozenset[int]:
-    raw = os.environ.get(NONFINITE_ENV, "")
-    return frozenset(int(x) for x in raw.split(",") if x.strip())
-
-
-def loss_func(loss_mask: torch.Tensor, poison: bool, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, alter: Optional[Callable], output_tensor: torch.Tensor):
     """Sum of masked token losses, its token count, and both for logging.
 
     Returning ``(sum, tokens, logs)`` with ``calculate_per_token_loss`` makes
@@ -42,8 +34,8 @@ def loss_func(loss_mask: torch.Tensor, poison: bool, output_tensor: torch.Tensor
     losses = output_tensor.float().reshape(-1)  # [b*s]
     mask = loss_mask.float().reshape(-1)  # [b*s]
     loss_sum = torch.sum(losses * mask)
-    if poison:
-        loss_sum = loss_sum * float("nan")
+    if alter is not None:
+        loss_sum = alter(loss_sum)
     tokens = mask.sum().to(torch.int)
     report = torch.stack([loss_sum.detach(), mask.sum().detach()])  # [2]
     return loss_sum, tokens, {"lm loss": report}
@@ -52,9 +44,9 @@ def loss_func(loss_mask: torch.Tensor, poison: bool, output_tensor: torch.Tensor
 class ForwardStep:
     """megatron's ``forward_step_func``: pulls a micro batch and runs the model."""
 
-    def __init__(self):
-        self.iteration = 0  # the step being run (1-based), for the NaN test hook
-        self._poison = _nonfinite_test_steps()
+    def __init__(self, hooks: Optional[RunHooks] = None):
+        self.iteration = 0  # the training step being run (1-based); 0 in evaluation
+        self.hooks = hooks
 
     def __call__(self, data_iterator, model):
         batch = next(data_iterator)
@@ -68,7 +60,8 @@ class ForwardStep:
                 t.cuda(non_blocking=True) for t in (tokens, position_ids, labels, loss_mask))
             mask = mask.cuda(non_blocking=True) if mask is not None else None
         output = model(tokens, position_ids, mask, labels=labels)  # [b, s] loss (last stage)
-        return output, partial(loss_func, loss_mask, self.iteration in self._poison)
+        alter = partial(self.hooks.loss, self.iteration) if self.hooks is not None else None
+        return output, partial(loss_func, loss_mask, alter)
 
 
 def reduce_losses(losses: list) -> torch.Tensor:

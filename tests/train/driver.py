@@ -1,7 +1,7 @@
 """Test driver: runs many trainings in one launch, each in a forked child.
 
 ``python tests/train/driver.py PLAN.json`` (or under torchrun, once per rank).
-PLAN is a list of jobs ``{"config", "run_dir", "overrides", "env", "stop_after"}``.
+PLAN is a list of jobs ``{"config", "run_dir", "overrides", "env", "faults"}``.
 
 The driver imports torch, megatron and kvtrain once and forks a child per job:
 the child builds its own process group (on its own port), model and data,
@@ -11,9 +11,10 @@ job (e.g. the resume) runs in a fresh child. Forking after the imports saves
 the seconds of importing torch and megatron per run. No process group exists
 in the parent, so the fork copies no communication state.
 
-``stop_after: N`` makes step N carry a stop request, as if a signal had
-arrived during it (a graceful stop at a chosen step). ``env`` is set in the
-child only. Exit status: 0 when every job's child exited as expected (its
+``faults`` are the arguments of ``tests.faults.injector.Faults``, the hooks
+object handed to ``train`` (``{"stop_after": N}``: step N carries a stop
+request, as if a signal had arrived during it). ``env`` is set in the child
+only. Exit status: 0 when every job's child exited as expected (its
 ``expect`` code, 0 by default; -9 for a SIGKILLed one), 1 otherwise; each
 job's code is printed as ``driver: job <run_dir> exit <code>``.
 """
@@ -27,20 +28,7 @@ import traceback
 from pathlib import Path
 
 
-def _stop_after(n: int) -> None:
-    """Wraps ``loop.train_step`` so that its n-th call reports a stop request."""
-    from kvtrain.train import loop
-
-    original = loop.train_step
-    calls = {"n": 0}
-
-    def train_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == n:
-            args = (*args[:-1], (1.0, 0.0))  # stop_flags: (signal, time limit)
-        return original(*args, **kwargs)
-
-    loop.train_step = train_step
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.faults
 
 
 def _child(job: dict, port: int) -> int:
@@ -53,9 +41,9 @@ def _child(job: dict, port: int) -> int:
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(job["config"], job.get("overrides", []), world_size=world)
-    if job.get("stop_after"):
-        _stop_after(job["stop_after"])
-    return train(cfg, Path(job["run_dir"]))
+    from tests.faults.injector import Faults
+
+    return train(cfg, Path(job["run_dir"]), hooks=Faults(**job.get("faults", {})))
 
 
 def _launcher_store():

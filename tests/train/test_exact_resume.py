@@ -2,7 +2,7 @@
 
 For DP=2, TP=2 and PP=2, vanilla and KV shift: train 2N steps in one go;
 separately train N steps, SIGKILL the process right after the checkpoint at N
-(test hook), resume to 2N. The losses and gradient norms of steps N+1..2N in
+(a fault the test injects), resume to 2N. The losses and gradient norms of steps N+1..2N in
 metrics.jsonl must be bit-identical (CPU, fp32).
 
 All runs share one torchrun launch to keep the test fast: the test driver
@@ -44,7 +44,6 @@ LAYOUTS = {
 KILLED = [("dp2", "vanilla"), ("dp2", "kv_shift"), ("tp2", "kv_shift"), ("pp2", "kv_shift")]
 STOPPED = [("dp2-ddp", "kv_shift"), ("pp2-vpp2", "kv_shift"), ("dp2-bf16", "kv_shift")]
 LAYOUT_SOURCES = [("tp2", "kv_shift"), ("dp2", "vanilla"), ("pp2", "kv_shift")]
-KILL_AFTER_SAVE = "KVTRAIN_TEST_KILL_AFTER_SAVE"
 
 
 def case_id(case) -> str:
@@ -71,10 +70,10 @@ def runs(tmp_path_factory, corpus, cache_dir):
             dict(job(c, "reference"), overrides=job(c, "reference")["overrides"] + no_saves)
             for c in KILLED + STOPPED + [("tp2-sp", "kv_shift"), ("dp2-overlap", "kv_shift")]]
     for case in KILLED:  # first half dies by SIGKILL right after its checkpoint at N
-        jobs += [job(case, "interrupted", env={KILL_AFTER_SAVE: str(N)}, expect=-9),
+        jobs += [job(case, "interrupted", faults={"kill_after_save": N}, expect=-9),
                  job(case, "interrupted")]
     for case in STOPPED:  # first half stops at N as if signalled
-        jobs += [job(case, "interrupted", stop_after=N), job(case, "interrupted")]
+        jobs += [job(case, "interrupted", faults={"stop_after": N}), job(case, "interrupted")]
     result = run_driver(jobs, root / "plan.json", nproc=2, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return root, result

@@ -52,7 +52,7 @@ def short_runs(tmp_path_factory, corpus, cache_dir):
                                     "exit_duration_minutes": 0.0005}),
     }
     jobs = [{"config": str(write_config(root / f"{name}.yaml", cfg)), "run_dir": str(root / name),
-             "env": {"KVTRAIN_TEST_NONFINITE_STEPS": "3,6,7,8"} if name == "nonfinite" else {},
+             "faults": {"nonfinite_steps": [3, 6, 7, 8]} if name == "nonfinite" else {},
              "expect": 3 if name == "nonfinite" else 0}
             for name, cfg in configs.items()]
     result = run_driver(jobs, root / "plan.json", nproc=1, timeout=400)
@@ -108,10 +108,11 @@ def test_sigkill_in_save_then_sigterm_then_resume(tmp_path, corpus, cache_dir):
         checkpoint={"save_interval": 3, "keep_last": 2}))
     run_dir = tmp_path / "run"
 
-    # 1. killed while saving iteration 6 (test hook: SIGKILL after the shards are
-    #    written, before the checkpoint is marked complete and `latest` moves)
-    first = run(train_args(config, run_dir), env={"KVTRAIN_TEST_KILL_IN_SAVE": "6"})
-    assert first.returncode == -signal.SIGKILL, first.stdout[-2000:] + first.stderr[-2000:]
+    # 1. killed while saving iteration 6 (an injected fault: SIGKILL after the shards
+    #    are written, before the checkpoint is marked complete and `latest` moves)
+    first = run_driver([{"config": str(config), "run_dir": str(run_dir),
+                         "faults": {"kill_in_save": 6}, "expect": -9}], tmp_path / "plan.json")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert latest(run_dir) == "iter_0000003"
     partial = run_dir / "checkpoints" / "iter_0000006.incomplete"
     assert partial.is_dir() and not (partial / "kvtrain_checkpoint.json").exists()

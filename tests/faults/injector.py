@@ -1,0 +1,52 @@
+"""Faults for drills: a ``RunHooks`` that the test driver builds from a job's
+``faults`` entry and hands to ``train(cfg, run_dir, hooks=...)``.
+
+    {"kill_in_save": 6}        SIGKILL after iteration 6's shards are written,
+                               before the checkpoint is marked complete
+    {"kill_after_save": 3}     SIGKILL right after the checkpoint of 3 is complete
+    {"nonfinite_steps": [3]}   the loss of step 3 becomes NaN
+    {"stop_after": 3}          step 3 carries a stop request (like SIGTERM)
+    {"kill_at_step": 4}        SIGKILL at the start of step 4 (nothing saved for it)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Iterable, Optional
+
+from kvtrain.train.hooks import RunHooks
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Faults(RunHooks):
+    def __init__(self, kill_in_save: Optional[int] = None, kill_after_save: Optional[int] = None,
+                 nonfinite_steps: Iterable[int] = (), stop_after: Optional[int] = None,
+                 kill_at_step: Optional[int] = None):
+        self.kill_in_save = kill_in_save
+        self.kill_after_save = kill_after_save
+        self.nonfinite_steps = frozenset(nonfinite_steps)
+        self.stop_after = stop_after
+        self.kill_at_step = kill_at_step
+
+    def loss(self, iteration, loss_sum):
+        if iteration in self.nonfinite_steps:
+            return loss_sum * float("nan")
+        return loss_sum
+
+    def stop_requested(self, iteration: int) -> bool:
+        if iteration == self.kill_at_step:
+            _die()
+        return iteration == self.stop_after
+
+    def shards_written(self, work: Path, iteration: int) -> None:
+        if iteration == self.kill_in_save:
+            _die()
+
+    def checkpoint_saved(self, path: Path, iteration: int) -> None:
+        if iteration == self.kill_after_save:
+            _die()
