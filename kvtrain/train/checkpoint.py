@@ -68,6 +68,7 @@ from kvtrain.config import ConfigError
 
 from .hooks import RunHooks
 from .optimizer import inner_optimizers
+from .step import sync_params
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,7 @@ class Checkpointer:
                  keep_last: Optional[int] = None, async_save: bool = False,
                  hooks: Optional[RunHooks] = None):
         self.root = Path(root)
+        self.chunks = model_chunks  # DDP-wrapped: their deferred param all-gather
         # trap 4: the unwrapped modules (DDP's .module: GPTModel or Float16Module)
         self.modules = [getattr(m, "module", m) for m in model_chunks]
         self.optimizer = optimizer
@@ -342,6 +344,7 @@ class Checkpointer:
         A folder named ``iter_N`` is therefore always complete.
         """
         self.finalize(blocking=True)  # one save in flight at a time
+        sync_params(self.chunks)  # the updated weights, not one step old (overlap_param_gather)
         # The loop goes on mutating its state while an async save is written.
         state = copy.deepcopy(state)
         work = self.root / (checkpoint_name(state.iteration) + INCOMPLETE)

@@ -26,7 +26,7 @@ from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
 from .setup import Run, build_run, write_run_config
 from .signals import StopRequests
-from .step import ForwardStep, StepResult, train_step
+from .step import ForwardStep, StepResult, sync_params, train_step
 from .wandb_logger import WandbLogger
 
 EXIT_OK = 0
@@ -62,7 +62,7 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
         if cfg.model.attention == "kv_shift" and _due(state.iteration, t.kv_shift_stats_interval):
             _log_shift_stats(run, state, metrics)
         if _due(state.iteration, t.eval_interval):
-            _validate(validator, state, metrics)
+            _validate(run, validator, state, metrics)
         ckpt.finalize()  # completes a finished async save, if any
         if _due(state.iteration, cfg.checkpoint.save_interval):
             ckpt.save(state)
@@ -85,7 +85,7 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
                 not _due(state.iteration, t.kv_shift_stats_interval):
             _log_shift_stats(run, state, metrics)
         if t.eval_interval and not _due(state.iteration, t.eval_interval):
-            _validate(validator, state, metrics)
+            _validate(run, validator, state, metrics)
 
     if cfg.checkpoint.save_on_exit and last_saved != state.iteration and state.iteration > 0:
         ckpt.save(state)
@@ -130,12 +130,14 @@ def _count_skips(state: TrainState, result: StepResult, metrics: MetricsLogger) 
 
 
 def _log_shift_stats(run: Run, state: TrainState, metrics: MetricsLogger) -> None:
+    sync_params(run.model)  # the coefficients of this step's update on every rank
     coefs = gather_shift_coefficients([m.module for m in run.model])  # collective
     if coefs is not None:
         metrics.write(shift_statistics(coefs, state.iteration))
 
 
-def _validate(validator: Validator, state: TrainState, metrics: MetricsLogger) -> None:
+def _validate(run: Run, validator: Validator, state: TrainState, metrics: MetricsLogger) -> None:
+    sync_params(run.model)  # evaluate the updated weights (overlap_param_gather)
     record = validator.run(state.iteration)  # collective
     if record is not None:
         metrics.write(record)

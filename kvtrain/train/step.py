@@ -64,6 +64,21 @@ class ForwardStep:
         return output, partial(loss_func, loss_mask, alter)
 
 
+def sync_params(model: list) -> None:
+    """Brings every DP rank's copy of the weights up to date (collective).
+
+    With the distributed optimizer and ``overlap_param_gather``, an update only
+    refreshes the shard a rank owns; the all-gather of the other shards is left
+    to the next forward pass (its pre-hooks). Whatever reads the weights before
+    that forward - a checkpoint save, validation, the α/β statistics - must call
+    this first, as Megatron-LM forces the param sync before every save. The next
+    step re-gathers the same values (``zero_grad_buffer`` resets the buckets).
+    """
+    for chunk in model:
+        if getattr(chunk, "use_forward_hook", False):  # DDP with overlapped param gather
+            chunk.start_param_sync(force_sync=True)
+
+
 def reduce_losses(losses: list) -> torch.Tensor:
     """``[loss_sum, tokens]`` over the global batch, the same on every rank.
 

@@ -10,7 +10,8 @@ All runs share one torchrun launch to keep the test fast: the test driver
 first half is a real process killed by SIGKILL right after its checkpoint,
 and its resume is a fresh process. Two more layouts, the plain
 (non-distributed) optimizer at DP=2 and the interleaved pipeline (PP=2 x 2
-virtual stages), stop gracefully at N and resume; TP=2 with sequence
+virtual stages, also with overlapped gradient reduce / parameter gather), stop
+gracefully at N and resume; TP=2 with sequence
 parallelism, and DP=2 with overlapped gradient reduce / parameter gather, must
 match the plain layouts.
 
@@ -39,10 +40,16 @@ LAYOUTS = {
     "tp2-sp": ["parallel.tensor=2", "parallel.sequence_parallel=true"],
     "dp2-overlap": ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"],
     "dp2-bf16": ["train.precision=bf16"],  # bf16 weights, fp32 main params and moments
+    "pp2-vpp2-overlap": ["parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                         "model.num_layers=4", "parallel.overlap_grad_reduce=true",
+                         "parallel.overlap_param_gather=true"],
 }
 # KV shift in every layout (its scalars are the extra state); vanilla once, at DP=2.
-KILLED = [("dp2", "vanilla"), ("dp2", "kv_shift"), ("tp2", "kv_shift"), ("pp2", "kv_shift")]
-STOPPED = [("dp2-ddp", "kv_shift"), ("pp2-vpp2", "kv_shift"), ("dp2-bf16", "kv_shift")]
+# The overlapped layouts (deferred param all-gather) save on a kill's interval and on a stop.
+KILLED = [("dp2", "vanilla"), ("dp2", "kv_shift"), ("tp2", "kv_shift"), ("pp2", "kv_shift"),
+          ("dp2-overlap", "kv_shift")]
+STOPPED = [("dp2-ddp", "kv_shift"), ("pp2-vpp2", "kv_shift"), ("dp2-bf16", "kv_shift"),
+           ("pp2-vpp2-overlap", "kv_shift")]
 LAYOUT_SOURCES = [("tp2", "kv_shift"), ("dp2", "vanilla"), ("pp2", "kv_shift")]
 
 
@@ -68,7 +75,7 @@ def runs(tmp_path_factory, corpus, cache_dir):
     no_saves = ["checkpoint.save_interval=null", "checkpoint.save_on_exit=false"]
     jobs = [job(c, "reference") if c in LAYOUT_SOURCES else
             dict(job(c, "reference"), overrides=job(c, "reference")["overrides"] + no_saves)
-            for c in KILLED + STOPPED + [("tp2-sp", "kv_shift"), ("dp2-overlap", "kv_shift")]]
+            for c in KILLED + STOPPED + [("tp2-sp", "kv_shift")]]
     for case in KILLED:  # first half dies by SIGKILL right after its checkpoint at N
         jobs += [job(case, "interrupted", faults={"kill_after_save": N}, expect=-9),
                  job(case, "interrupted")]
