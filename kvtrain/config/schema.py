@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from .compat import check_allowed_keys
 from .loader import ConfigError
 
 
@@ -302,6 +303,12 @@ class CheckpointConfig:
     """Restore optimizer and scheduler state on resume (false: weights only, fresh optimizer)."""
     load_rng: bool = True
     """Restore every rank's RNG states on resume (skipped when the TP/PP/DP layout changed)."""
+    allow_config_changes: list[str] = field(default_factory=list)
+    """Keys (or sections) that may differ from the checkpoint's saved config on resume,
+    e.g. [train.seq_length] for a longer context. Resume compares the model section,
+    train.seq_length and the data (type, paths, split, tokenizer, seed, toy tasks);
+    any other difference stops the run with one line. Allowed changes are printed
+    and recorded as an event in metrics.jsonl."""
 
 
 @dataclass
@@ -526,3 +533,4 @@ class RunConfig:
             raise ConfigError(f"checkpoint.keep_last must be >= 1 (or null), got {c.keep_last}")
         if not c.resume.strip():
             raise ConfigError("checkpoint.resume must be auto, none, or a checkpoint path")
+        check_allowed_keys(c.allow_config_changes)

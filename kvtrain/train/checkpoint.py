@@ -62,9 +62,11 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from data_tools.indexed import atomic_write_bytes, fsync_dir
 from kvtrain.config import ConfigError
+from kvtrain.config.compat import check_resume_config
 
 from .hooks import RunHooks
 from .optimizer import inner_optimizers
@@ -255,6 +257,27 @@ def _step_free_param_state_load(optimizer):
             del opt.load_parameter_state_from_fully_reshardable  # back to the class method
 
 
+def _check_same_parameters(path: Path, in_checkpoint_only: set, in_model_only: set) -> None:
+    """Strict loading: the model's tensors and the checkpoint's are the same set.
+
+    megatron's default ignores checkpoint tensors that the model does not ask
+    for: a KV-shift checkpoint would load into a vanilla model, its coefficients
+    silently dropped. Optimizer state and RNG states are not compared here (a
+    weights-only load or a new layout leaves them in the checkpoint on purpose).
+    """
+    def model_keys(keys) -> list[str]:
+        return sorted(k for k in keys if not k.startswith(("optimizer.", "rng_state")))
+
+    extra, missing = model_keys(in_checkpoint_only), model_keys(in_model_only)
+    if extra or missing:
+        def listed(keys: list[str]) -> str:
+            return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+
+        parts = ([f"{listed(extra)} not in this model"] if extra else []) + \
+                ([f"{listed(missing)} not in the checkpoint"] if missing else [])
+        raise ConfigError(f"checkpoint {path} does not fit the model: {'; '.join(parts)}")
+
+
 # ----------------------------------------------------------------------------- checkpointer
 class Checkpointer:
     """Saves and loads the whole training state of this rank's model chunks."""
@@ -417,11 +440,17 @@ class Checkpointer:
         path = Path(path)
         common = dist_checkpointing.load_common_state_dict(str(path))
         meta = common.get("kvtrain", {})
+        changes = check_resume_config(
+            meta.get("config"), self.run_config,
+            self.run_config.get("checkpoint", {}).get("allow_config_changes", []),
+            where=f"checkpoint {path}")
         saved_layout = meta.get("layout")
         same_layout = saved_layout == current_layout()
         rng = load_rng and same_layout
         sd = self._sharded_state(None, loading=True, optimizer=load_optimizer, rng=rng)
-        loaded = dist_checkpointing.load(sd, str(path))
+        loaded, in_checkpoint_only, in_model_only = dist_checkpointing.load(
+            sd, str(path), strict=StrictHandling.RETURN_ALL)
+        _check_same_parameters(path, in_checkpoint_only, in_model_only)
         if len(self.modules) == 1:
             self.modules[0].load_state_dict(loaded["model"], strict=True)
         else:
@@ -441,5 +470,5 @@ class Checkpointer:
         if not load_optimizer:
             state.nonfinite_in_row = 0
         state.extra = {"same_layout": same_layout, "rng_restored": rng,
-                       "saved_layout": saved_layout}
+                       "saved_layout": saved_layout, "config_changes": changes}
         return state

@@ -143,6 +143,17 @@ def _validate(run: Run, validator: Validator, state: TrainState, metrics: Metric
         metrics.write(record)
 
 
+def _record_config_changes(state: TrainState, metrics: MetricsLogger) -> None:
+    """Allowed differences between the checkpoint's config and the run's
+    (``checkpoint.allow_config_changes``): printed and kept in metrics.jsonl."""
+    changes = state.extra.get("config_changes") or []
+    if changes:
+        message = "config changed since the checkpoint: " + "; ".join(map(str, changes))
+        say(f"kvtrain: {message}")
+        metrics.write({"kind": "event", "iteration": state.iteration, "message": message,
+                       "changes": {c.key: [c.saved, c.current] for c in changes}}, echo=False)
+
+
 @dataclass
 class Window:
     """Steps since the last log line: losses, step times, the last grad norm."""
@@ -219,6 +230,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, to_dict(cfg), active=rank0)
     metrics = MetricsLogger(run.run_dir, wandb, active=rank0)
     metrics.resume_at(state.iteration)
+    _record_config_changes(state, metrics)
     t = cfg.train
     validator = Validator(run.datasets.valid, run.forward_backward, run.model, t.eval_iters,
                           t.global_batch_size, t.micro_batch_size, run.num_microbatches,

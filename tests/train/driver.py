@@ -75,6 +75,7 @@ def main(plan_path: str) -> int:
 
     _quiet_imports()
     import kvtrain.train.loop  # noqa: F401 (the imports every child shares)
+    from kvtrain.config import ConfigError
 
     store = _launcher_store()
     ok = True
@@ -87,6 +88,9 @@ def main(plan_path: str) -> int:
             code = 1
             try:
                 code = _child(job, port)
+            except ConfigError as e:  # as the command line reports it (kvtrain/cli.py)
+                print(f"kvtrain: config error: {e}", file=sys.stderr)
+                code = 2
             except BaseException:  # noqa: BLE001 - report and exit the child
                 traceback.print_exc()
             finally:

@@ -1,0 +1,141 @@
+"""A resume compares the checkpoint with the run (issue 10, item 5).
+
+One run saves a KV-shift checkpoint; other runs resume it with a changed
+config (``checkpoint.resume: PATH``, each in its own folder). A change of the
+model, the sequence length, the tokenizer or the data blend stops with one
+line, unless ``checkpoint.allow_config_changes`` names it; then the change is
+printed and recorded in metrics.jsonl. Loading is strict: a parameter in the
+checkpoint that the model does not have, or the reverse, is an error.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtrain.config import ConfigError
+from kvtrain.config.compat import check_allowed_keys, check_resume_config, config_changes
+from tests.train.conftest import metrics, run, run_driver, tiny_config, write_config
+
+SAVED = {"model": {"hidden_size": 32, "attention": "kv_shift", "backend": "local",
+                   "kv_shift": {"window": 1}},
+         "train": {"seq_length": 32, "seed": 1, "max_steps": 6},
+         "data": {"type": "gpt", "paths": ["a"], "split": "9,1,0", "tokenizer": "t.model",
+                  "seed": None}}
+
+
+def changed(**edits) -> dict:
+    import copy
+
+    cfg = copy.deepcopy(SAVED)
+    for key, value in edits.items():
+        section, *rest = key.split("__")
+        node = cfg[section]
+        for part in rest[:-1]:
+            node = node[part]
+        node[rest[-1]] = value
+    return cfg
+
+
+def test_compared_keys():
+    assert config_changes(SAVED, SAVED) == []
+    # free to change: the schedule, the layout, the backend
+    assert config_changes(SAVED, changed(train__max_steps=9, model__backend="te")) == []
+    keys = [c.key for c in config_changes(SAVED, changed(
+        model__kv_shift__window=2, train__seq_length=64, data__paths=["b"],
+        data__tokenizer="u.model"))]
+    assert keys == ["data.paths", "data.tokenizer", "model.kv_shift.window", "train.seq_length"]
+    # data.seed null follows train.seed: a new train.seed is a new data order
+    assert [c.key for c in config_changes(SAVED, changed(train__seed=2))] == ["data.seed"]
+
+
+def test_refused_and_allowed_changes():
+    new = changed(train__seq_length=64, model__attention="vanilla")
+    with pytest.raises(ConfigError, match=r"model.attention: 'kv_shift' -> 'vanilla'; "
+                                          r"train.seq_length: 32 -> 64"):
+        check_resume_config(SAVED, new, [], "ckpt")
+    with pytest.raises(ConfigError, match="model.attention"):
+        check_resume_config(SAVED, new, ["train.seq_length"], "ckpt")
+    changes = check_resume_config(SAVED, new, ["train", "model.attention"], "ckpt")
+    assert [str(c) for c in changes] == ["model.attention: 'kv_shift' -> 'vanilla'",
+                                         "train.seq_length: 32 -> 64"]
+    check_allowed_keys(["model", "model.kv_shift.window", "data.paths"])
+    with pytest.raises(ConfigError, match="'train.lr' is not compared"):
+        check_allowed_keys(["train.lr"])
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory, corpus, cache_dir):
+    root = tmp_path_factory.mktemp("compat")
+    config = write_config(root / "c.yaml", tiny_config(
+        corpus, cache_dir, train={"max_steps": 3}, checkpoint={"save_interval": 3}))
+    ckpt = root / "saved" / "checkpoints" / "iter_0000003"
+    vanilla_ckpt = root / "saved_vanilla" / "checkpoints" / "iter_0000003"
+    cases = {
+        "vanilla": (["model.attention=vanilla"], 2),
+        "seq": (["train.seq_length=16"], 2),
+        "hidden": (["model.hidden_size=64", "model.ffn_hidden_size=128"], 2),
+        "seq_allowed": (["train.seq_length=16", "checkpoint.allow_config_changes=[train.seq_length]",
+                         "train.max_steps=4"], 0),
+        # allowed by the config check, refused by the strict load: the checkpoint
+        # holds the shift coefficients, the vanilla model has none...
+        "strict_extra": (["model.attention=vanilla",
+                          "checkpoint.allow_config_changes=[model.attention]"], 2),
+    }
+    jobs = [{"config": str(config), "run_dir": str(root / "saved")},
+            {"config": str(config), "run_dir": str(root / "saved_vanilla"),
+             "overrides": ["model.attention=vanilla"]}]
+    jobs += [{"config": str(config), "run_dir": str(root / name), "expect": code,
+              "overrides": [*overrides, f"checkpoint.resume={ckpt}"]}
+             for name, (overrides, code) in cases.items()]
+    # ... and the reverse: a KV-shift model from a vanilla checkpoint lacks them
+    jobs.append({"config": str(config), "run_dir": str(root / "strict_missing"), "expect": 2,
+                 "overrides": ["checkpoint.allow_config_changes=[model.attention]",
+                               f"checkpoint.resume={vanilla_ckpt}"]})
+    result = run_driver(jobs, root / "plan.json", nproc=1)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return root, result
+
+
+def _error_of(result, run_dir) -> str:
+    """The config error printed by the job that ran in ``run_dir``."""
+    lines = [line for line in result.stderr.splitlines() if "kvtrain: config error:" in line]
+    matches = [line for line in lines if str(run_dir) in line or "iter_0000003" in line]
+    return "\n".join(matches)
+
+
+def test_changed_model_or_sequence_length_is_refused(resumes):
+    root, result = resumes
+    errors = [line for line in result.stderr.splitlines() if "kvtrain: config error:" in line]
+    assert any("model.attention: 'kv_shift' -> 'vanilla'" in e for e in errors), errors
+    assert any("train.seq_length: 32 -> 16" in e for e in errors), errors
+    assert any("model.hidden_size: 32 -> 64" in e for e in errors), errors
+    for name in ("vanilla", "seq", "hidden"):
+        assert metrics(root / name, None) == []  # nothing trained, nothing written
+
+
+def test_strict_load_names_the_parameters(resumes):
+    _, result = resumes
+    errors = [line for line in result.stderr.splitlines() if "kvtrain: config error:" in line]
+    assert any("not in this model" in e and "shift_k" in e for e in errors), errors
+    assert any("not in the checkpoint" in e and "shift_k" in e for e in errors), errors
+
+
+def test_allowed_change_is_printed_and_recorded(resumes):
+    root, result = resumes
+    assert "config changed since the checkpoint: train.seq_length: 32 -> 16" in result.stdout
+    events = [r for r in metrics(root / "seq_allowed", "event") if "config changed" in
+              r.get("message", "")]
+    assert len(events) == 1 and events[0]["iteration"] == 3, events
+    assert events[0]["changes"] == {"train.seq_length": [32, 16]}
+    assert [r["iteration"] for r in metrics(root / "seq_allowed")] == [4]
+
+
+def test_refusal_is_one_line_on_the_command_line(resumes, tmp_path):
+    root, _ = resumes
+    ckpt = root / "saved" / "checkpoints" / "iter_0000003"
+    result = run(["train", str(root / "c.yaml"), "--run-dir", str(tmp_path / "r"),
+                  "--set", "train.seq_length=16", "--set", f"checkpoint.resume={ckpt}"])
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "train.seq_length: 32 -> 16" in errors[0], errors
