@@ -21,7 +21,8 @@ import sys
 
 import numpy as np
 
-from data_tools.indexed import IndexedReader, IndexedWriter, atomic_write_bytes, resolve_prefixes
+from data_tools.fileio import atomic_write_bytes
+from data_tools.indexed import IndexedReader, IndexedWriter, resolve_prefixes
 from data_tools.progress import Counts
 
 _BLOCK = 1 << 22  # index entries or tokens per block

@@ -38,14 +38,8 @@ import numpy as np
 
 from data_tools import readers
 from data_tools.encoder import ChunkEncoder, Encoded, ShardEnd, encode_item, init_worker
-from data_tools.indexed import (
-    IndexedWriter,
-    atomic_write_bytes,
-    bin_path,
-    idx_path,
-    remove_stale_temps,
-    token_dtype,
-)
+from data_tools.fileio import atomic_write_bytes, remove_stale_temps
+from data_tools.indexed import IndexedWriter, bin_path, idx_path, token_dtype
 from data_tools.progress import Counts, Progress, summary
 from data_tools.tokenizer import SentencePieceTokenizer
 

@@ -24,7 +24,7 @@ import sys
 import time
 
 from data_tools import readers
-from data_tools.indexed import atomic_write_bytes
+from data_tools.fileio import atomic_write_bytes
 from data_tools.tokenizer import SentencePieceTokenizer, sidecar_path
 
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}

@@ -64,7 +64,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
-from data_tools.indexed import atomic_write_bytes, fsync_dir
+from data_tools.fileio import atomic_write_bytes, fsync_dir
 from kvtrain.config import ConfigError
 from kvtrain.config.compat import check_resume_config
 

@@ -1,0 +1,71 @@
+"""Small file utilities shared by the data tools and the trainer: temporary
+names next to their target, atomic replace-by-rename with fsync, durable
+directory entries. Standard library only (``kvtrain`` imports this module; it
+imports nothing of ``kvtrain``)."""
+
+from __future__ import annotations
+
+import os
+
+
+def tmp_name(final: str) -> str:
+    """Temporary name next to ``final``: same folder so the rename is atomic;
+    the pid says which process owns it, so stale ones can be told apart."""
+    return f"{final}.tmp.{os.getpid()}"
+
+
+def remove_stale_temps(final: str) -> list[str]:
+    """Delete ``final.tmp.PID`` files whose process is gone (a killed run)."""
+    removed = []
+    folder = os.path.dirname(final) or "."
+    stem = os.path.basename(final) + ".tmp."
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not name.startswith(stem):
+            continue
+        pid = name[len(stem):]
+        if pid.isdigit() and _pid_alive(int(pid)) and int(pid) != os.getpid():
+            continue  # another live process owns it; leave it alone
+        try:
+            os.unlink(os.path.join(folder, name))
+            removed.append(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fsync_dir(folder: str) -> None:
+    """Make renames in ``folder`` durable (POSIX needs the directory synced)."""
+    try:
+        fd = os.open(folder or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    tmp = tmp_name(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
