@@ -1,14 +1,19 @@
-"""``kvtrain experiment induction --preset fig1a|fig1b|ngram [--scale cpu|paper] [--run-dir DIR]``.
+"""``kvtrain experiment induction --preset fig1a|fig1b|ngram [--scale cpu|paper]
+[--set KEY=VALUE ...] [--arms A,B] [--workers N] [--run-dir DIR] [--no-wandb]``.
 
-Runs one of the paper's toy grids (Figure 1a, Figure 1b, the 3-gram control
-of Appendix E.3) with the same seed and data for every arm, and writes
+Generates one ``kvtrain train`` run config per arm of one of the paper's toy
+grids (Figure 1a, Figure 1b, the 3-gram control of Appendix E.3; same seed and
+data for every arm), trains each with the trainer, and writes
 ``DIR/results.csv``, ``DIR/accuracy.png``, ``DIR/loss.png`` and
-``DIR/summary.json`` (see ``kvtrain.experiments.induction``).
+``DIR/summary.json`` (see ``kvtrain.experiments``). ``--set`` takes
+``kvtrain train``'s keys and grammar (``--set train.max_steps=100``) and
+applies to every arm.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 
 def register(sub) -> None:
@@ -17,8 +22,9 @@ def register(sub) -> None:
     esub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
     q = esub.add_parser(
         "induction", help="induction heads: Figure 1a/1b and the 3-gram control",
-        description="Train every arm of a preset grid (same seed and data) and write "
-                    "results.csv, accuracy.png, loss.png and summary.json to the run folder.")
+        description="Train every arm of a preset grid (same seed and data) with kvtrain train "
+                    "and write results.csv, accuracy.png, loss.png and summary.json to the "
+                    "run folder.")
     q.add_argument("--preset", required=True, choices=["fig1a", "fig1b", "ngram"],
                    help="fig1a: KV shift 1 layer vs vanilla 1/2/4 layers; fig1b: hidden 8, "
                         "vanilla 2 layers vs KV shift 1 layer; ngram: vanilla vs KV shift "
@@ -26,93 +32,55 @@ def register(sub) -> None:
     q.add_argument("--scale", default="cpu", choices=["cpu", "paper"],
                    help="cpu: fits 30 minutes on 2 cores (fig1a); paper: the paper's "
                         "setting (hidden 1024, vocab 8000, length 512), for GPUs")
-    q.add_argument("--run-dir", default=None, metavar="DIR",
-                   help="output folder (default: runs/induction-<preset>-<scale>)")
-    q.add_argument("--steps", type=int, default=None, help="training steps per arm")
-    q.add_argument("--eval-interval", type=int, default=None, metavar="N",
-                   help="steps between evaluations")
-    q.add_argument("--eval-samples", type=int, default=None, metavar="N",
-                   help="sequences in the fixed evaluation set")
-    q.add_argument("--seed", type=int, default=None, help="weight-init seed (all arms)")
-    q.add_argument("--data-seed", type=int, default=None, help="training-data seed (all arms)")
+    q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a kvtrain train config value for every arm, e.g. "
+                        "--set train.max_steps=300 --set data.induction.length=256 "
+                        "(repeatable; the keys the arms vary are refused)")
     q.add_argument("--arms", default=None, metavar="A,B",
                    help="run only these arms of the preset (comma separated names)")
+    q.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="output folder (default: runs/induction-<preset>-<scale>)")
     q.add_argument("--workers", type=int, default=1,
-                   help="arms trained side by side (processes); 1 = one after another")
+                   help="arms trained side by side (one process each); 1 = one after another")
     q.add_argument("--threads", type=int, default=0,
-                   help="torch threads per worker (0: torch's default)")
-    q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a setting, e.g. --set lr=1e-3 --set hidden_size=32 "
-                        "--set task.length=256 (repeatable)")
-    q.add_argument("--backend", default="standalone", choices=["standalone", "trainer"],
-                   help="standalone: the experiment's own one-process loop (torch AdamW); "
-                        "trainer: one `kvtrain train` run per arm (data.type induction|ngram; "
-                        "multi-GPU, checkpoints, metrics.jsonl), see docs/induction.md")
-    q.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
+                   help="OMP_NUM_THREADS of each arm's process (0: inherited)")
+    q.add_argument("--nproc", type=int, default=1,
+                   help="processes per arm (torchrun; e.g. GPUs per arm with --set parallel.*)")
+    q.add_argument("--no-wandb", action="store_true",
+                   help="do not log to wandb (the same as --set wandb.enabled=false)")
     q.set_defaults(func=run_induction)
 
 
-def _parse_value(text: str):
-    """int, float (1e-2 included, which YAML 1.1 reads as a string), bool/null/str."""
-    import yaml
-
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return yaml.safe_load(text)
-
-
 def run_induction(args) -> int:
-    import warnings
-
     from kvtrain.config import ConfigError
-    from kvtrain.experiments.induction import experiment_spec, format_summary, run_experiment
-    from kvtrain.experiments.standalone import Settings
+    from kvtrain.experiments.presets import arm_configs
 
-    overrides = {}
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        key = key.strip()
-        if not key.startswith("task.") and key not in Settings.__dataclass_fields__:
-            raise ConfigError(f"unknown experiment setting {key!r}; one of "
-                              f"{', '.join(Settings.__dataclass_fields__)} or task.<option>")
-        overrides[key] = _parse_value(value)
-    for key, value in (("steps", args.steps), ("eval_interval", args.eval_interval),
-                       ("eval_samples", args.eval_samples), ("seed", args.seed),
-                       ("data_seed", args.data_seed)):
-        if value is not None:
-            overrides[key] = value
-    try:
-        settings, arms = experiment_spec(args.preset, args.scale, **overrides)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-    if args.arms:
-        wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
-        unknown = sorted(set(wanted) - {a.name for a in arms})
-        if unknown:
-            raise ConfigError(f"--arms: unknown arm(s) {unknown}; the preset has "
-                              f"{[a.name for a in arms]}")
-        arms = [a for a in arms if a.name in wanted]
-    if settings.steps < 1 or settings.eval_interval < 1 or settings.eval_samples < 1:
-        raise ConfigError("steps, eval_interval and eval_samples must be positive")
-    if args.no_wandb:
-        os.environ["KVTRAIN_NO_WANDB"] = "1"
-    for pattern in (".*Transformer Engine and Apex are not installed.*",
-                    ".*Apex is not installed.*", ".*full scope is deprecated.*"):
-        warnings.filterwarnings("ignore", message=pattern)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    if args.workers < 1 or args.nproc < 1 or args.threads < 0:
+        raise ConfigError("--workers and --nproc must be >= 1, --threads >= 0")
+    overrides = list(args.overrides) + (["wandb.enabled=false"] if args.no_wandb else [])
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    group = f"{args.preset}-{args.scale}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # Every arm's config is built and validated before anything is trained.
+    configs = arm_configs(args.preset, args.scale, overrides, arms, world_size=args.nproc,
+                          extra={"wandb": {"group": group}})
     run_dir = args.run_dir or os.path.join("runs", f"induction-{args.preset}-{args.scale}")
-    print(f"experiment induction --preset {args.preset} --scale {args.scale} "
-          f"(backend {args.backend}): {len(arms)} arms ({', '.join(a.name for a in arms)}), "
-          f"{settings.steps} steps each -> {run_dir}", flush=True)
-    summary = run_experiment(settings, arms, run_dir, workers=args.workers, threads=args.threads,
-                             preset=args.preset, scale=args.scale, backend=args.backend)
+    steps = configs[0][1].train.max_steps
+    print(f"experiment induction --preset {args.preset} --scale {args.scale}: {len(configs)} "
+          f"arms ({', '.join(a.name for a, _ in configs)}), {steps} steps each, "
+          f"{args.workers} at a time -> {run_dir}", flush=True)
+    from kvtrain.experiments.results import format_summary
+    from kvtrain.experiments.runner import run_experiment
+
+    spec = {"preset": args.preset, "scale": args.scale, "overrides": overrides,
+            "wandb_group": group}
+    summary = run_experiment(configs, run_dir, spec, workers=args.workers, threads=args.threads,
+                             nproc=args.nproc, title=f"{args.preset} ({args.scale})")
     print(format_summary(summary))
     print(f"wrote {run_dir}/results.csv, {run_dir}/accuracy.png, {run_dir}/loss.png, "
           f"{run_dir}/summary.json")
+    failed = [arm for arm, a in summary["arms"].items() if a["exit_code"] != 0]
+    if failed:
+        print(f"kvtrain: arm(s) {', '.join(failed)} failed; see "
+              f"{run_dir}/arms/<arm>/train.log", flush=True)
+        return 1
     return 0

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from kvtrain.tasks.config import TASK_TYPES, InductionDataConfig, NgramDataConfig
+
 from .compat import check_allowed_keys
 from .loader import ConfigError
 
@@ -214,37 +216,6 @@ class OptimizerConfig:
 
 
 # ----------------------------------------------------------------------------- data
-@dataclass
-class InductionDataConfig:
-    """Options of ``data.type: induction``: the induction data of the paper's
-    Appendix K (kvtrain.data.induction.InductionTask)."""
-
-    length: Optional[int] = None
-    """Tokens generated per sequence before 0-padding (null: train.seq_length + 1)."""
-    mid_val: int = 10
-    """Token ids are drawn from mid_val+1 .. max_val-1."""
-    max_val: int = 8000
-    """Exclusive upper bound of the ids (<= model.vocab_size)."""
-    pool_size: Optional[int] = None
-    """Distinct ids per sequence (null: the length, as in Appendix K)."""
-    variant: Literal["appk", "strict"] = "appk"
-    """appk: Appendix K's script; strict: §3.2's rule at every position (periodic)."""
-
-
-@dataclass
-class NgramDataConfig:
-    """Options of ``data.type: ngram``: the 3-gram task of Appendix E.3."""
-
-    num_pairs: int = 200
-    """(x1, x2) pairs, each with a fixed x3."""
-    num_symbols: int = 32
-    """Distinct ids used for x1, x2, x3 (mid_val+1 .. mid_val+num_symbols)."""
-    mid_val: int = 10
-    """Ids at or below mid_val are not used (0 pads)."""
-    table_seed: int = 0
-    """Seed of the pair table (the task; the same for training and validation)."""
-
-
 @dataclass
 class DataConfig:
     """Where training tokens come from."""
@@ -515,10 +486,13 @@ class RunConfig:
                 "data.reset_position_ids/reset_attention_mask/eod_mask_loss need the "
                 "end-of-document id: set data.tokenizer or data.eod_id"
             )
-        if d.type in ("induction", "ngram"):
-            from kvtrain.data.induction import validate_config
+        if d.type in TASK_TYPES:
+            from kvtrain.tasks.sequences import validate_config  # numpy, only for toy tasks
 
-            validate_config(self)
+            try:
+                validate_config(self)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if d.eod_id is not None and not 0 <= d.eod_id < self.model.vocab_size:
             raise ConfigError(
                 f"data.eod_id ({d.eod_id}) must be a token id below model.vocab_size "

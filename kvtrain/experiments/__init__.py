@@ -1,13 +1,13 @@
-"""Experiments that reproduce the paper's toy results (Figure 1a/1b, Appendix E.3).
+"""Experiments that reproduce the paper's toy results (Figure 1a/1b, Appendix
+E.3) through the one trainer: an experiment is a generator of ``kvtrain
+train`` run configs, one per arm.
 
-* ``metrics``         - masked next-token accuracy at the induction / 3-gram positions
-* ``induction``       - the experiment grid (presets x scales), its runner,
-  results.csv, accuracy.png, loss.png and summary.json
-* ``standalone``      - the default back end: a single-process training loop
-  (GPTModel from ``build_gpt`` + torch AdamW)
-* ``trainer_backend`` - the other back end: one ``kvtrain train`` run per arm
-  (``data.type: induction | ngram``, docs/induction.md)
-* ``validation``      - the accuracy inside ``kvtrain train``'s validation
+* ``presets`` - the grids (presets x scales) as run configs, the arms, and
+  the user's ``--set`` overrides (``kvtrain train``'s grammar)
+* ``runner``  - trains each arm with ``kvtrain train`` (arms side by side)
+  and writes the results
+* ``results`` - curves from each run's ``metrics.jsonl``, results.csv,
+  accuracy.png, loss.png, summary.json
 
-The data live in ``kvtrain.data.induction``.
+The tasks' data and accuracy live in ``kvtrain.tasks``.
 """

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from kvtrain.data import fixed_batches
-from kvtrain.experiments.validation import AccuracyForwardStep, reduce_accuracies
+from kvtrain.tasks.accuracy import AccuracyForwardStep, reduce_accuracies
 from kvtrain.model.kv_shift import collect_shift_coefficients
 
 from .step import ForwardStep, global_mean_loss

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kvtrain.config import RunConfig, to_dict
-from kvtrain.experiments.validation import accuracy_masks
+from kvtrain.tasks.config import accuracy_masks
 
 from .checkpoint import Checkpointer, TrainState, resolve_resume
 from .evaluation import Validator, gather_shift_coefficients, shift_statistics

@@ -1,89 +1,129 @@
-"""``kvtrain experiment induction`` end to end, tiny: results.csv, accuracy.png,
-loss.png and summary.json are written and well-formed, every arm present."""
+"""``kvtrain experiment induction``: a generator of ``kvtrain train`` run
+configs, one per arm, trained by the trainer. The configs, the ``--set``
+grammar (kvtrain train's), the refusals, the curve read from metrics.jsonl,
+and one tiny grid end to end (results.csv, accuracy.png, loss.png,
+summary.json)."""
 
 from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvtrain.cli import main
-from kvtrain.experiments.induction import _arms, experiment_spec, preset_settings
+from kvtrain.config import ConfigError, to_dict
+from kvtrain.experiments.presets import arm_configs, preset_arms
+from kvtrain.experiments.results import curve_from_metrics
+from kvtrain.experiments.runner import arm_jobs
 
 PNG = b"\x89PNG\r\n\x1a\n"
-TINY = ["--steps", "4", "--eval-interval", "2", "--eval-samples", "8", "--threads", "1",
-        "--set", "batch_size=4", "--set", "micro_batch_size=2", "--set", "seq_length=32",
-        "--set", "vocab_size=128", "--set", "hidden_size=16", "--set", "warmup_steps=2"]
+TINY = ["train.max_steps=4", "train.eval_interval=2", "train.log_interval=2",
+        "train.eval_iters=1", "train.global_batch_size=4", "train.micro_batch_size=2",
+        "train.seq_length=32", "model.vocab_size=128", "model.hidden_size=16",
+        "optimizer.lr_warmup_steps=2", "data.induction.max_val=128"]
 
 
-def check_outputs(run_dir: Path, arms: list[str], steps=(0, 2, 4)) -> None:
-    with open(run_dir / "results.csv", newline="") as f:
-        reader = csv.DictReader(f)
-        rows = list(reader)
-    assert reader.fieldnames[:4] == ["arm", "step", "accuracy", "accuracy_all"]
-    assert {"arm", "step", "accuracy", "loss"} <= set(reader.fieldnames)
-    assert [r["arm"] for r in rows] == [a for a in arms for _ in steps]
-    for arm in arms:
-        assert [int(r["step"]) for r in rows if r["arm"] == arm] == list(steps)
-    for r in rows:
-        assert 0.0 <= float(r["accuracy"]) <= 1.0 and 0.0 <= float(r["accuracy_all"]) <= 1.0
-        assert 0.0 < float(r["loss"]) < 20.0
-    for png in ("accuracy.png", "loss.png"):
-        data = (run_dir / png).read_bytes()
-        assert data[:8] == PNG and len(data) > 1000
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert list(summary["arms"]) == arms
-    for a in summary["arms"].values():
-        assert a["final_step"] == steps[-1] and "steps_to_95" in a and a["wall_s"] >= 0
-    for arm in arms:
-        assert (run_dir / "arms" / arm / "curve.csv").exists()
+def without_arm_keys(cfg) -> dict:
+    d = to_dict(cfg)
+    d.pop("name")
+    d["model"].pop("attention")
+    d["model"].pop("num_layers")
+    return d
 
 
-def test_fig1a_tiny_in_process(mp1, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    run_dir = tmp_path / "fig1a"
-    rc = main(["experiment", "induction", "--preset", "fig1a", "--run-dir", str(run_dir),
-               "--set", "task.max_val=128", *TINY])
-    assert rc == 0
-    arms = ["kv_shift-1L", "vanilla-1L", "vanilla-2L", "vanilla-4L"]
-    check_outputs(run_dir, arms)
-    out = capsys.readouterr().out
-    assert "steps->95%" in out and "vanilla-4L" in out
-    spec = json.loads((run_dir / "spec.json").read_text())
-    assert spec["settings"]["steps"] == 4 and spec["preset"] == "fig1a"
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        return
-    runs = list((run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == len(arms)  # one wandb run per arm
+@pytest.mark.parametrize("preset", ["fig1a", "fig1b", "ngram"])
+@pytest.mark.parametrize("scale", ["cpu", "paper"])
+def test_every_arm_is_a_validated_run_config_differing_only_in_its_keys(preset, scale):
+    configs = arm_configs(preset, scale)
+    assert [a.name for a, _ in configs] == [a.name for a in preset_arms(preset)]
+    shared = without_arm_keys(configs[0][1])
+    for arm, cfg in configs:
+        assert (cfg.model.attention, cfg.model.num_layers, cfg.name) == \
+            (arm.attention, arm.num_layers, arm.name)
+        assert without_arm_keys(cfg) == shared  # same seed, data, optimizer, width
+    assert shared["checkpoint"]["resume"] == "none"
+    assert shared["data"]["type"] == ("ngram" if preset == "ngram" else "induction")
 
 
-def test_same_initial_weights_and_data_for_every_arm(mp1, tmp_path, monkeypatch):
-    """KV shift 1L and vanilla 1L start from the same weights (KV-shift
-    coefficients aside) and see the same data: with the shift set to the
-    identity they would be the same model, so their step-0 evaluations differ
-    only through the shift."""
-    monkeypatch.setenv("KVTRAIN_NO_WANDB", "1")
-    from kvtrain.experiments.standalone import datasets, model_config
+def test_preset_values():
+    paper = arm_configs("fig1a", "paper")[0][1]
+    assert (paper.model.hidden_size, paper.model.vocab_size, paper.train.seq_length) == \
+        (1024, 8000, 512)
+    assert (paper.optimizer.lr, paper.optimizer.lr_warmup_steps) == (2e-4, 1000)
+    assert paper.train.global_batch_size == 4096 and paper.optimizer.lr_schedule == "constant"
+    cpu = arm_configs("fig1a", "cpu")[0][1]
+    assert (cpu.model.hidden_size, cpu.train.max_steps, cpu.optimizer.lr) == (64, 1200, 3e-3)
+    assert cpu.train.eval_iters * cpu.train.global_batch_size == 256
+    fig1b = arm_configs("fig1b", "cpu")[0][1]
+    assert fig1b.model.hidden_size == 8 and fig1b.data.induction.variant == "strict"
+    ngram = arm_configs("ngram", "cpu")[0][1]
+    assert (ngram.data.ngram.num_pairs, ngram.train.seq_length) == (200, 96)
 
-    settings, arms = experiment_spec("fig1a", "cpu", steps=2, eval_samples=4, seq_length=32,
-                                     vocab_size=128, hidden_size=16, **{"task.max_val": 128})
-    a, b = datasets(settings), datasets(settings)
-    assert (a[0].batch(range(4))["tokens"] == b[0].batch(range(4))["tokens"]).all()
+
+def test_set_is_kvtrain_trains_grammar_and_applies_to_every_arm():
+    configs = arm_configs("fig1a", "cpu", ["model.hidden_size=32", "data.induction.length=256",
+                                           "train.max_steps=100", "optimizer.lr=1e-3"],
+                          arms=["kv_shift-1L", "vanilla-2L"])
+    assert [a.name for a, _ in configs] == ["kv_shift-1L", "vanilla-2L"]
+    for _, cfg in configs:
+        assert cfg.model.hidden_size == 32 and cfg.data.induction.length == 256
+        assert cfg.train.max_steps == 100 and cfg.optimizer.lr == 1e-3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "train.max_step=3"], "unknown key 'train.max_step' (did you mean 'train.max_steps'?)"),
+    (["--set", "model.num_layers=3"], "--set model.num_layers: model.num_layers is set by each arm"),
+    (["--set", "model={}"], "--set model: model.attention is set by each arm"),
+    (["--set", "data.induction.max_val=99999"],
+     "data.induction.max_val (99999) exceeds model.vocab_size (1024)"),
+    (["--arms", "nope"], "--arms: unknown arm(s) ['nope']"),
+])
+def test_bad_options_are_one_line_errors(args, message, capsys, tmp_path):
+    run_dir = tmp_path / "x"
+    assert main(["experiment", "induction", "--preset", "fig1a", "--run-dir", str(run_dir),
+                 *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not run_dir.exists()  # refused before anything is written
+
+
+def test_a_folder_with_runs_is_refused(tmp_path):
+    configs = arm_configs("fig1b", "cpu")
+    (tmp_path / "arms" / "vanilla-2L" / "run").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="already holds runs of this experiment"):
+        arm_jobs(configs, tmp_path)
+
+
+def test_curve_from_metrics(tmp_path):
+    records = [
+        {"kind": "train", "iteration": 2, "lm_loss": 5.0, "lr": 0.1, "time": 101.0},
+        {"kind": "valid", "iteration": 2, "val_loss": 4.5, "val_acc_induction_first": 0.25,
+         "val_acc_induction_all": 0.5, "time": 102.0},
+        {"kind": "kv_shift", "iteration": 2, "time": 102.5},
+        {"kind": "train", "iteration": 4, "lm_loss": 4.0, "lr": 0.2, "time": 103.0},
+        {"kind": "valid", "iteration": 4, "val_loss": 3.5, "val_acc_induction_first": 1.0,
+         "val_acc_induction_all": 0.75, "time": 104.0},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = curve_from_metrics(path, "arm", "induction", start_time=100.0)
+    assert [(r["step"], r["accuracy"], r["accuracy_all"], r["loss"], r["train_loss"], r["lr"],
+             r["elapsed_s"]) for r in rows] == [(2, 0.25, 0.5, 4.5, 5.0, 0.1, 2.0),
+                                                 (4, 1.0, 0.75, 3.5, 4.0, 0.2, 4.0)]
+
+
+def test_arms_of_one_shape_start_from_the_same_weights(mp1):
+    """KV shift 1L and vanilla 1L built from their run configs as the trainer
+    builds them (seed train.seed): identical weights, KV-shift coefficients aside."""
     from kvtrain.backend import set_seed
     from kvtrain.model.builder import build_gpt, transformer_config
 
     weights = []
-    for arm in arms[:2]:
-        set_seed(settings.seed)
-        cfg = model_config(settings, arm)
-        model = build_gpt(cfg, transformer_config(cfg), seed=settings.seed)
+    for _, cfg in arm_configs("fig1a", "cpu", TINY, arms=["kv_shift-1L", "vanilla-1L"]):
+        set_seed(cfg.train.seed)
+        model = build_gpt(cfg.model, transformer_config(cfg.model), seed=cfg.train.seed)
         weights.append({k: v for k, v in model.state_dict().items()
                         if "shift" not in k and "_extra_state" not in k})
     assert weights[0].keys() == weights[1].keys()
@@ -91,43 +131,47 @@ def test_same_initial_weights_and_data_for_every_arm(mp1, tmp_path, monkeypatch)
         assert (weights[0][k] == weights[1][k]).all(), k
 
 
-def test_presets_and_scales():
-    for preset in ("fig1a", "fig1b", "ngram"):
-        for scale in ("cpu", "paper"):
-            s = preset_settings(preset, scale)
-            assert s.vocab_size >= 128 and s.batch_size % s.micro_batch_size == 0
-    paper = preset_settings("fig1a", "paper")
-    assert (paper.hidden_size, paper.vocab_size, paper.seq_length) == (1024, 8000, 512)
-    assert (paper.lr, paper.warmup_steps) == (2e-4, 1000)
-    assert preset_settings("fig1b", "cpu").hidden_size == 8
-    assert [a.name for a in _arms("fig1b")] == ["kv_shift-1L", "vanilla-2L"]
-    assert {a.attention for a in _arms("ngram")} == {"vanilla", "kv_shift"}
-    assert len({a.num_layers for a in _arms("ngram")}) == 1
-
-
-def test_bad_options_are_one_line_errors(capsys):
-    assert main(["experiment", "induction", "--preset", "fig1a", "--set", "lr_typo=1"]) == 2
-    assert "unknown experiment setting 'lr_typo'" in capsys.readouterr().err
-    assert main(["experiment", "induction", "--preset", "fig1b", "--arms", "nope"]) == 2
-    assert "unknown arm" in capsys.readouterr().err
+def check_outputs(run_dir: Path, arms: list[str], steps=(2, 4)) -> None:
+    with open(run_dir / "results.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames[:4] == ["arm", "step", "accuracy", "accuracy_all"]
+    assert [(r["arm"], int(r["step"])) for r in rows] == [(a, s) for a in arms for s in steps]
+    for r in rows:
+        assert 0.0 <= float(r["accuracy"]) <= 1.0 and 0.0 <= float(r["accuracy_all"]) <= 1.0
+        assert 0.0 < float(r["loss"]) < 20.0 and 0.0 < float(r["train_loss"]) < 20.0
+    for png in ("accuracy.png", "loss.png"):
+        data = (run_dir / png).read_bytes()
+        assert data[:8] == PNG and len(data) > 1000
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["arms"]) == arms
+    for a in summary["arms"].values():
+        assert a["final_step"] == steps[-1] and a["exit_code"] == 0 and a["wall_s"] > 0
+        assert "steps_to_95" in a and a["non_embedding_params"] > 0
 
 
 @pytest.mark.slow
-def test_ngram_tiny_two_workers_subprocess(tmp_path):
-    """The command line itself, arms side by side in two processes."""
-    run_dir = tmp_path / "ngram"
-    env = {**os.environ, "WANDB_MODE": "disabled"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvtrain.cli", "experiment", "induction", "--preset", "ngram",
-         "--run-dir", str(run_dir), "--workers", "2", *TINY, "--set", "seq_length=30"],
-        capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    check_outputs(run_dir, ["kv_shift-2L", "vanilla-2L"])
-
-
-def test_set_values_are_typed():
-    from kvtrain.commands.experiment import _parse_value
-
-    assert _parse_value("1e-2") == 0.01 and _parse_value("3") == 3
-    assert _parse_value("true") is True and _parse_value("null") is None
-    assert _parse_value("strict") == "strict"
+def test_tiny_grid_through_kvtrain_train(tmp_path, capsys):
+    """Two fig1a arms side by side, each a `kvtrain train` process; the curve
+    is the trainer's validation records."""
+    run_dir = tmp_path / "fig1a"
+    arms = ["kv_shift-1L", "vanilla-2L"]
+    sets = [x for kv in TINY for x in ("--set", kv)]
+    rc = main(["experiment", "induction", "--preset", "fig1a", "--run-dir", str(run_dir),
+               "--arms", ",".join(arms), "--workers", "2", "--threads", "1", "--no-wandb",
+               *sets])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "steps->95%" in out and "vanilla-2L" in out
+    check_outputs(run_dir, arms)
+    spec = json.loads((run_dir / "spec.json").read_text())
+    assert spec["preset"] == "fig1a" and "wandb.enabled=false" in spec["overrides"]
+    for arm, layers, attention in (("kv_shift-1L", 1, "kv_shift"), ("vanilla-2L", 2, "vanilla")):
+        saved = (run_dir / "arms" / arm / "run" / "config.yaml").read_text()
+        assert f"num_layers: {layers}" in saved and f"attention: {attention}" in saved
+        records = [json.loads(x) for x in
+                   (run_dir / "arms" / arm / "run" / "metrics.jsonl").read_text().splitlines()]
+        valid = [r for r in records if r["kind"] == "valid"]
+        assert [r["iteration"] for r in valid] == [2, 4]
+        assert all("val_acc_induction_first" in r for r in valid)
+        assert not (run_dir / "arms" / arm / "run" / "wandb").exists()

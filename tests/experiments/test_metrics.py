@@ -7,12 +7,8 @@ import math
 import pytest
 import torch
 
-from kvtrain.experiments.metrics import (
-    masked_accuracy,
-    masked_correct,
-    predictions,
-    steps_to_threshold,
-)
+from kvtrain.experiments.results import steps_to_threshold
+from kvtrain.tasks.accuracy import masked_accuracy, masked_correct, predictions
 
 
 def one_hot_logits(ids: torch.Tensor, vocab: int) -> torch.Tensor:

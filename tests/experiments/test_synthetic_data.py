@@ -5,16 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtrain.data.induction import (
+from kvtrain.data.induction import SyntheticDataset, train_and_eval
+from kvtrain.tasks.sequences import (
     PAD,
     InductionTask,
     NgramTask,
-    SyntheticDataset,
     appk_sequence,
     build_task,
     ngram_table,
     sample_rng,
-    train_and_eval,
 )
 
 SMALL = InductionTask(seq_length=64, max_val=200)

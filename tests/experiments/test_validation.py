@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtrain.experiments.validation import accuracy_loss_func, vocab_parallel_argmax
+from kvtrain.tasks.accuracy import accuracy_loss_func, vocab_parallel_argmax
 from kvtrain.testing import run_distributed
 
 VOCAB, PADDED = 10, 12

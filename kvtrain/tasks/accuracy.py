@@ -1,9 +1,16 @@
-"""Induction / 3-gram accuracy inside ``kvtrain train``'s validation.
+"""Masked next-token accuracy of the toy tasks, on its own and inside the
+trainer's validation.
 
-For a run with ``data.type: induction | ngram``, the validator uses
-:class:`AccuracyForwardStep` instead of the trainer's loss-only forward step:
-the model is run without labels (logits ``[b, s, V/TP]`` on the last pipeline
-stage), the LM loss is computed from the logits with megatron's
+Conventions (as in ``kvtrain.tasks.sequences``): ``mask[b, p]`` marks an
+*input* position ``p`` whose label ``labels[b, p]`` (the next token) is
+scored; the prediction at ``p`` is ``argmax(logits[b, p])``. The masks of each
+task are ``kvtrain.tasks.config.MASKS`` (``induction_first`` /
+``induction_all``, ``ngram_first`` / ``ngram_all``).
+
+Inside ``kvtrain train`` (``data.type: induction | ngram``) the validator
+uses :class:`AccuracyForwardStep` instead of the trainer's loss-only forward
+step: the model is run without labels (logits ``[b, s, V/TP]`` on the last
+pipeline stage), the LM loss is computed from the logits with megatron's
 vocab-parallel cross entropy (the same number the trainer reports as val loss)
 and the prediction is the argmax over the whole vocabulary (across TP ranks,
 padded rows excluded). The per-micro-batch ``[correct, count]`` of each mask
@@ -14,18 +21,50 @@ sums them over micro batches and data-parallel replicas like the loss.
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-
-from .metrics import MASKS
-
-
-def accuracy_masks(data_type: str) -> tuple[str, ...]:
-    """The masks scored for ``data.type`` (none for text data)."""
-    return MASKS.get(data_type, ())
+from torch import Tensor
 
 
+def predictions(logits_or_preds: Tensor, vocab_size: Optional[int] = None) -> Tensor:
+    """``[b, s]`` predicted ids from logits ``[b, s, V]`` (argmax over the first
+    ``vocab_size`` entries, so padded vocabulary rows never win) or from ids ``[b, s]``."""
+    if logits_or_preds.dim() == 3:
+        logits = logits_or_preds if vocab_size is None else logits_or_preds[..., :vocab_size]
+        return logits.argmax(dim=-1)
+    if logits_or_preds.dim() != 2:
+        raise ValueError(f"expected logits [b, s, V] or predictions [b, s], "
+                         f"got shape {tuple(logits_or_preds.shape)}")
+    return logits_or_preds
+
+
+def masked_correct(logits_or_preds: Tensor, labels: Tensor, mask: Tensor,
+                   vocab_size: Optional[int] = None) -> tuple[int, int]:
+    """(correct, counted) next-token predictions at the ``mask`` positions; sum
+    these over batches (and ranks) and divide for an exact accuracy."""
+    pred = predictions(logits_or_preds, vocab_size)
+    if pred.shape != labels.shape or mask.shape != labels.shape:
+        raise ValueError(f"shapes differ: predictions {tuple(pred.shape)}, labels "
+                         f"{tuple(labels.shape)}, mask {tuple(mask.shape)}")
+    m = mask.bool()
+    return int((pred.eq(labels) & m).sum()), int(m.sum())
+
+
+def masked_accuracy(logits_or_preds: Tensor, labels: Tensor, mask: Tensor,
+                    vocab_size: Optional[int] = None) -> float:
+    """Next-token accuracy at the ``mask`` positions (NaN when the mask is empty).
+
+    ``logits_or_preds``: logits ``[b, s, V]`` or predicted ids ``[b, s]``;
+    ``labels``: ``[b, s]`` next tokens; ``mask``: ``[b, s]`` bool (e.g.
+    ``induction_first``, ``induction_all``, ``ngram_first``, ``ngram_all``).
+    """
+    correct, total = masked_correct(logits_or_preds, labels, mask, vocab_size)
+    return correct / total if total else float("nan")
+
+
+# ----------------------------------------------------------------------------- in the trainer's validation
 def vocab_parallel_argmax(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Global argmax ids ``[...]`` of vocab-parallel logits ``[..., V/TP]``
     (rows >= ``vocab_size``, the padding, never win)."""

@@ -1,0 +1,156 @@
+"""An experiment's results: the curve of each arm (read from its run's
+``metrics.jsonl``), ``results.csv``, ``accuracy.png``, ``loss.png`` and the
+summary (final accuracies, steps to 95 %, wall time, parameters per arm).
+
+Curve fields: ``arm, step, accuracy, accuracy_all, loss, train_loss, lr,
+elapsed_s``; ``accuracy`` is the paper's first-prediction-position accuracy
+(``val_acc_induction_first`` / ``val_acc_ngram_first``), ``accuracy_all`` at
+every prediction position, ``loss`` the LM loss on the fixed evaluation set
+(``val_loss``), ``train_loss`` the trainer's logged ``lm_loss`` at that step.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from kvtrain.tasks.config import MASKS
+
+CURVE_FIELDS = ["arm", "step", "accuracy", "accuracy_all", "loss", "train_loss", "lr",
+                "elapsed_s"]
+THRESHOLD = 0.95
+
+
+def curve_from_metrics(path: str | Path, arm: str, task: str,
+                       start_time: Optional[float] = None) -> list[dict]:
+    """The curve rows of one arm from its run's ``metrics.jsonl``: one per
+    ``valid`` record, with the latest ``train`` record's loss and lr;
+    ``elapsed_s`` counts from ``start_time`` (default: the first record)."""
+    first, every = MASKS[task]
+    rows, train_loss, lr = [], math.nan, math.nan
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        start_time = rec.get("time", 0.0) if start_time is None else start_time
+        if rec.get("kind") == "train":
+            loss = rec.get("lm_loss")
+            train_loss = float(loss) if isinstance(loss, (int, float)) else math.nan
+            lr = float(rec.get("lr") or math.nan)
+        elif rec.get("kind") == "valid":
+            rows.append({
+                "arm": arm, "step": int(rec["iteration"]),
+                "accuracy": float(rec.get(f"val_acc_{first}", math.nan)),
+                "accuracy_all": float(rec.get(f"val_acc_{every}", math.nan)),
+                "loss": float(rec["val_loss"]), "train_loss": train_loss, "lr": lr,
+                "elapsed_s": round(float(rec.get("time", math.nan)) - start_time, 2),
+            })
+    return rows
+
+
+def steps_to_threshold(steps: list[int], accuracies: list[float],
+                       threshold: float = THRESHOLD) -> Optional[int]:
+    """The first evaluated step whose accuracy is >= ``threshold`` (None if never)."""
+    for step, acc in zip(steps, accuracies):
+        if acc == acc and acc >= threshold:
+            return step
+    return None
+
+
+def write_results(rows: list[dict], path: str | Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, CURVE_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def read_results(path: str | Path) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["step"] = int(r["step"])
+        for k in CURVE_FIELDS[2:]:
+            r[k] = float(r[k])
+    return rows
+
+
+@dataclass
+class ArmResult:
+    """What one arm's run gave: its curve, wall time, exit code and size."""
+
+    arm: str
+    rows: list[dict]
+    wall_s: float
+    exit_code: int
+    params: dict = field(default_factory=dict)  # total, non_embedding
+
+
+def _arm_summary(r: ArmResult) -> dict:
+    rows = r.rows or [dict.fromkeys(CURVE_FIELDS, math.nan)]
+    steps = [x["step"] for x in rows]
+    last = rows[-1]
+    return {
+        "final_step": last["step"],
+        "final_accuracy": last["accuracy"],
+        "final_accuracy_all": last["accuracy_all"],
+        "max_accuracy": max(x["accuracy"] for x in rows),
+        "final_loss": last["loss"],
+        "steps_to_95": steps_to_threshold(steps, [x["accuracy"] for x in rows]),
+        "steps_to_95_all": steps_to_threshold(steps, [x["accuracy_all"] for x in rows]),
+        "wall_s": round(r.wall_s, 1),
+        "exit_code": r.exit_code,
+        "non_embedding_params": r.params.get("non_embedding"),
+        "total_params": r.params.get("total"),
+    }
+
+
+def summarize(results: list[ArmResult], wall_s: float) -> dict:
+    return {"arms": {r.arm: _arm_summary(r) for r in results}, "wall_s": round(wall_s, 1)}
+
+
+def plot_curves(rows: list[dict], path: str | Path, metric: str = "accuracy", title: str = "",
+                arms: Optional[list[str]] = None) -> None:
+    """``metric`` against step, one line per arm (``accuracy`` also draws
+    ``accuracy_all`` dotted and the 95% line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = arms or list(dict.fromkeys(r["arm"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, arm in enumerate(arms):
+        pts = [r for r in rows if r["arm"] == arm]
+        color = f"C{i}"
+        ax.plot([r["step"] for r in pts], [r[metric] for r in pts], "-o", ms=2.5, color=color,
+                label=arm)
+        if metric == "accuracy":
+            ax.plot([r["step"] for r in pts], [r["accuracy_all"] for r in pts], ":", color=color,
+                    lw=1, label=f"{arm} (all positions)")
+    if metric == "accuracy":
+        ax.axhline(THRESHOLD, color="grey", lw=0.8, ls="--")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_ylabel("accuracy (solid: first prediction position)")
+    else:
+        ax.set_ylabel(f"eval {metric}")
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"{'arm':<14} {'final acc':>9} {'acc all':>8} {'max acc':>8} {'steps->95%':>11} "
+             f"{'loss':>7} {'wall s':>7}"]
+    for arm, a in summary["arms"].items():
+        s95 = a["steps_to_95"] if a["steps_to_95"] is not None else "never"
+        lines.append(f"{arm:<14} {a['final_accuracy']:>9.4f} {a['final_accuracy_all']:>8.4f} "
+                     f"{a['max_accuracy']:>8.4f} {str(s95):>11} {a['final_loss']:>7.4f} "
+                     f"{a['wall_s']:>7.0f}")
+    lines.append(f"total wall time: {summary['wall_s']:.0f} s")
+    return "\n".join(lines)
