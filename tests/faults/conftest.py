@@ -1,0 +1,1 @@
+from tests.train.conftest import corpus, cache_dir  # noqa: F401
