@@ -42,13 +42,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(timeout_minutes: float = 10.0) -> DistEnv:
+def init_process_group(timeout_minutes: float = 10.0, device: str = "auto") -> DistEnv:
     """Initialises torch.distributed from the environment (idempotent).
 
-    Turns on the CPU backend first when there is no GPU. Without ``WORLD_SIZE``
-    this is a one-process group, so the same code path runs everywhere.
+    Turns on the CPU backend first when there is no GPU (``device`` is
+    ``train.device``: a process given GPUs torch cannot see is refused there).
+    Without ``WORLD_SIZE`` this is a one-process group, so the same code path
+    runs everywhere.
     """
-    enable_cpu_backend()
+    enable_cpu_backend(device=device)
     backend = default_backend()
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", "0"))
@@ -105,9 +107,9 @@ def set_seed(seed: int) -> None:
 
 def init_distributed(tensor: int = 1, pipeline: int = 1, virtual_pipeline: Optional[int] = None,
                      context: int = 1, seed: int = 1234,
-                     timeout_minutes: float = 10.0) -> DistEnv:
+                     timeout_minutes: float = 10.0, device: str = "auto") -> DistEnv:
     """Process group + megatron parallel state + seeds, in that order."""
-    env = init_process_group(timeout_minutes)
+    env = init_process_group(timeout_minutes, device)
     init_model_parallel(tensor, pipeline, virtual_pipeline, context)
     set_seed(seed)
     return env

@@ -73,6 +73,13 @@ class ModelConfig:
     """The attention variant: the one key that differs between a vanilla run and a KV-shift run."""
     kv_shift: KVShiftConfig = field(default_factory=KVShiftConfig)
     """KV shifting options (ignored by vanilla attention)."""
+    backend: Literal["auto", "te", "local"] = "auto"
+    """Layer implementation: ``te`` (Transformer Engine: fused attention, TE linears),
+    ``local`` (megatron's own modules; the CPU path), or ``auto``: ``te`` on a GPU where
+    Transformer Engine imports, else ``local``. Resolved once at start, printed, and
+    recorded (metrics.jsonl event, config.yaml comment, checkpoint, wandb config);
+    ``te`` that cannot be used stops the run in one line, and an installed TE that
+    fails to import is shown even under ``auto``."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.0
@@ -131,7 +138,8 @@ class ParallelConfig:
     virtual_pipeline: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved schedule); null for none."""
     context: int = 1
-    """Context-parallel size (needs Transformer Engine attention)."""
+    """Context-parallel size: only 1 for now (CP > 1 is refused until the issue
+    "Context parallelism with the KV-shift halo" implements it)."""
     sequence_parallel: bool = False
     """Sequence parallelism in the TP group (norms/dropout on sequence shards)."""
     distributed_optimizer: bool = True
@@ -179,6 +187,12 @@ class TrainConfig:
     """Peak dense bf16 TFLOP/s of one device, for MFU (null: guessed from the device name)."""
     dist_timeout_minutes: float = 10.0
     """Timeout of collective operations (a hung rank fails the job after this)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """``auto``: the GPU when torch sees one, else the CPU - but a process the launcher
+    gave GPUs (CUDA_VISIBLE_DEVICES, SLURM's GPU variables, /dev/nvidiaN) that torch
+    cannot see stops in one line instead of training on the CPU; ``cuda``: a GPU is
+    required; ``cpu``: train on the CPU on purpose, even on a GPU node (the GPUs must
+    be hidden from torch, e.g. CUDA_VISIBLE_DEVICES=)."""
 
 
 @dataclass
@@ -362,6 +376,14 @@ class RunConfig:
         m.validate()
         if p.tensor < 1 or p.pipeline < 1 or p.context < 1:
             raise ConfigError("parallel.tensor, parallel.pipeline and parallel.context must be >= 1")
+        if p.context > 1:
+            # megatron's local attention refuses CP, and with TE the batch would not be
+            # split per CP rank (no get_batch_on_this_cp_rank): refuse rather than
+            # train unsplit sequences with the loss counted per CP rank.
+            raise ConfigError(
+                f"parallel.context ({p.context}): context parallelism is not implemented yet "
+                "(issue 'Context parallelism with the KV-shift halo'); set parallel.context: 1"
+            )
         if m.num_attention_heads % p.tensor:
             raise ConfigError(
                 f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "

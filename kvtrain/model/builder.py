@@ -6,7 +6,6 @@ megatron; ``build_gpt`` builds the model chunk of one pipeline (virtual) stage.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from kvtrain.config.schema import ModelConfig, ParallelConfig
 
 from .kv_shift import KVShiftOptions
-from .specs import Backend, block_spec, layer_spec, resolve_backend
+from .specs import Backend, block_spec, fused_softmax_available, layer_spec, resolve_backend
 
 
 @dataclass(frozen=True)
@@ -45,19 +44,6 @@ class Numerics:
 def kv_shift_options(model: ModelConfig, seed: int) -> KVShiftOptions:
     ks = model.kv_shift
     return KVShiftOptions(shift=tuple(ks.shift), window=ks.window, mode=ks.mode, seed=seed)
-
-
-# megatron's fused softmax kernels come compiled with apex (NVIDIA's container), not
-# with megatron-core; FusedScaleMaskSoftmax imports them at the first fp16/bf16
-# forward of the local spec and fails there when they are missing.
-_SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
-                    "scaled_softmax_cuda")
-
-
-def fused_softmax_available() -> bool:
-    """Whether megatron's fused masked-softmax kernels can be used (GPU + apex's build)."""
-    return torch.cuda.is_available() and all(
-        importlib.util.find_spec(name) is not None for name in _SOFTMAX_KERNELS)
 
 
 def transformer_config(

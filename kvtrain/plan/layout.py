@@ -14,9 +14,10 @@ import math
 from dataclasses import dataclass, field
 
 from kvtrain.config import ConfigError, RunConfig
+from kvtrain.config.backend import BackendChoice, check_document_masks
 
 from .flops import GPU, GPUS, StepFlops, step_flops, step_seconds
-from .memory import GiB, MemoryEstimate, estimate_memory
+from .memory import GiB, MemoryEstimate, attention_backend, estimate_memory
 from .params import ParamCounts, count_params
 
 WARN_MEMORY_FRACTION = 0.9
@@ -87,6 +88,7 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
         raise PlanError(f"unknown GPU {gpu!r}; one of {', '.join(GPUS)}")
     card = GPUS[gpu]
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    _check_config(cfg)  # what no layout can fix (CP > 1), before the layout's arithmetic
     world = nodes * gpus_per_node
     model_parallel = p.tensor * p.pipeline * p.context
     if world % model_parallel:
@@ -105,9 +107,6 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
         cfg.validate(world_size=world)
     except ConfigError as e:
         raise PlanError(str(e)) from None
-    if m.attention == "kv_shift" and p.context > 1:
-        raise PlanError("KV shifting with context parallelism (parallel.context > 1) is not "
-                        "supported by the model yet")
     num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
 
     warnings = []
@@ -122,6 +121,10 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
                         "the pipeline bubble dominates (want micro batches >= 4 x PP)")
     if t.precision == "fp32":
         warnings.append("train.precision fp32 on GPU: bf16 is the paper's setting and ~2x faster")
+    if cfg.data.reset_attention_mask and attention_backend(m) == "local":
+        warnings.append("data.reset_attention_mask on the local backend: refused at start where "
+                        "apex's fused softmax is installed (NVIDIA's container) and 16 < "
+                        "train.seq_length <= 4096, since its kernel ignores the mask")
 
     memory = estimate_memory(m, p, t, dp, num_microbatches)
     flops = step_flops(m, t.seq_length, t.global_batch_size, p.tensor, p.recompute)
@@ -142,6 +145,20 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
         warnings.append(f"estimated memory is {memory.total / capacity:.0%} of the card: "
                         "little headroom for fragmentation")
     return plan
+
+
+def _check_config(cfg: RunConfig) -> None:
+    """The config's own checks, and the backend refusals for the assumed backend."""
+    try:
+        cfg.validate()
+        assumed = attention_backend(cfg.model)
+        why = "model.backend auto, planned as te" if cfg.model.backend == "auto" else \
+            f"model.backend {cfg.model.backend}"
+        # the GPU-side answer: unknown apex kernels count as absent (a warning says so)
+        check_document_masks(cfg, BackendChoice(assumed, cfg.model.backend, why, False),
+                             half=cfg.train.precision != "fp32")
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
 
 
 def _suggest(plan: Plan) -> str:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from kvtrain.config import RunConfig, to_dict
+from kvtrain.config import RunConfig
 from kvtrain.experiments.validation import accuracy_masks
 
 from .checkpoint import Checkpointer, TrainState, resolve_resume
@@ -24,7 +24,7 @@ from .evaluation import Validator, gather_shift_coefficients, shift_statistics
 from .hooks import RunHooks
 from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
-from .setup import Run, build_run, write_run_config
+from .setup import Run, backend_event, build_run, run_record, write_run_config
 from .signals import StopRequests
 from .step import ForwardStep, StepResult, sync_params, train_step
 from .wandb_logger import WandbLogger
@@ -213,13 +213,16 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     run = build_run(cfg, Path(run_dir))
     rank0 = run.rank == 0
     if rank0:
-        text = write_run_config(cfg, run.run_dir)
+        text = write_run_config(cfg, run.run_dir, run.resolved)
         say(f"kvtrain: run folder {run.run_dir.resolve()}\n--- resolved config ---\n{text}"
             f"--- layout: world {run.world_size} = TP {cfg.parallel.tensor} x PP "
             f"{cfg.parallel.pipeline} x DP {run.dp_size}; {run.num_microbatches} micro batches "
             f"per step; {run.total_steps} steps")
+        say(f"kvtrain: {run.backend.describe()}, device {run.device}")
+        if run.backend.warning:
+            say(f"kvtrain: warning: {run.backend.warning}")
     ckpt = Checkpointer(run.checkpoint_dir, run.model, run.optimizer, run.scheduler,
-                        to_dict(cfg), keep_last=cfg.checkpoint.keep_last,
+                        run_record(cfg, run.resolved), keep_last=cfg.checkpoint.keep_last,
                         async_save=cfg.checkpoint.async_save, hooks=hooks)
     state = TrainState()
     resume_from = resolve_resume(cfg.checkpoint.resume, run.checkpoint_dir)
@@ -227,9 +230,11 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         state = ckpt.load(resume_from, cfg.checkpoint.load_optimizer, cfg.checkpoint.load_rng)
         note = "" if state.extra.get("rng_restored") else " (RNG states not restored: layout changed)"
         say(f"kvtrain: resumed from {resume_from} at iteration {state.iteration}{note}")
-    wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, to_dict(cfg), active=rank0)
+    wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, run_record(cfg, run.resolved),
+                        active=rank0)
     metrics = MetricsLogger(run.run_dir, wandb, active=rank0)
     metrics.resume_at(state.iteration)
+    metrics.write(backend_event(run, state.iteration), echo=False)
     _record_config_changes(state, metrics)
     t = cfg.train
     validator = Validator(run.datasets.valid, run.forward_backward, run.model, t.eval_iters,

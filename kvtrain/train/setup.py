@@ -4,7 +4,9 @@ checkpointer and the loggers.
 
 The parallel layout comes from the config: TP and PP (with optional virtual
 stages) from ``parallel``, DP from the world size, sequence parallelism and the
-distributed optimizer from their switches.
+distributed optimizer from their switches. The device (``train.device``) and the
+backend (``model.backend``) are resolved here, once per start; ``Run.resolved``
+is what they became, printed and recorded by the trainer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from kvtrain.config import ConfigError, RunConfig, to_dict
+from kvtrain.config.backend import BackendChoice
 
 from .flops import guess_peak_tflops, training_flops_per_step
 
@@ -61,10 +64,29 @@ class Run:
     peak_tflops: Optional[float]
     padded_vocab: int
     checkpoint_dir: Path
+    backend: BackendChoice
+    device: str  # "cuda" | "cpu"
     start_time: float = field(default_factory=time.monotonic)
 
+    @property
+    def resolved(self) -> dict:
+        """What this start's ``auto`` settings became (plain data, for every record)."""
+        return {"backend": self.backend.as_dict(), "device": self.device}
 
-def _build_model(cfg: RunConfig, tconfig, numerics) -> list:
+
+def run_record(cfg: RunConfig, resolved: dict) -> dict:
+    """The config saved with checkpoints and given to wandb: ``to_dict(cfg)`` plus
+    a ``resolved`` section (not a config key: drop it before ``from_dict``)."""
+    return {**to_dict(cfg), "resolved": resolved}
+
+
+def backend_event(run: Run, iteration: int) -> dict:
+    """The metrics.jsonl record of the resolved backend and device (one per start)."""
+    return {"kind": "event", "iteration": iteration,
+            "message": f"{run.backend.describe()}, device {run.device}", **run.resolved}
+
+
+def _build_model(cfg: RunConfig, tconfig, numerics, backend: str) -> list:
     """GPTModel chunks of this rank (one per virtual stage), wrapped for mixed
     precision and in megatron's DistributedDataParallel."""
     from megatron.core import tensor_parallel
@@ -76,7 +98,7 @@ def _build_model(cfg: RunConfig, tconfig, numerics) -> list:
     p = cfg.parallel
     chunks = []
     for vp_stage in range(p.virtual_pipeline or 1):
-        chunk = build_gpt(cfg.model, tconfig, seed=cfg.train.seed,
+        chunk = build_gpt(cfg.model, tconfig, seed=cfg.train.seed, backend=backend,
                           vp_stage=vp_stage if p.virtual_pipeline else None)
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -110,18 +132,22 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from kvtrain.backend import init_distributed
+    from kvtrain.config.backend import check_document_masks
     from kvtrain.data import build_datasets
     from kvtrain.model.builder import Numerics, transformer_config
+    from kvtrain.model.specs import backend_choice
 
     from .optimizer import build_optimizer, build_scheduler
 
     p, t = cfg.parallel, cfg.train
     env = init_distributed(p.tensor, p.pipeline, p.virtual_pipeline, p.context, seed=t.seed,
-                           timeout_minutes=t.dist_timeout_minutes)
+                           timeout_minutes=t.dist_timeout_minutes, device=t.device)
     cfg.validate(world_size=env.world_size)
     numerics = Numerics.from_precision(t.precision)
     if numerics.fp16 and not torch.cuda.is_available():
         raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
+    backend = backend_choice(cfg.model.backend)  # once per run: every chunk uses it
+    check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
 
     tconfig = transformer_config(cfg.model, p, numerics)
     # Set before DDP is built (DDP reads it): gradients are divided by the token
@@ -130,7 +156,7 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     # Without this, data-parallel gradients are never all-reduced (notes: DDP's
     # hooks only accumulate when overlap is off).
     tconfig.finalize_model_grads_func = finalize_model_grads
-    model = _build_model(cfg, tconfig, numerics)
+    model = _build_model(cfg, tconfig, numerics, backend.name)
     if p.overlap_grad_reduce:
         # as Megatron-LM: no grad sync inside the micro-batch loop, and with PP the
         # stages launch their reduce-scatters in step (its align_grad_reduce default)
@@ -163,15 +189,23 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
         peak_tflops=t.peak_tflops_per_device or guess_peak_tflops(),
         padded_vocab=padded,
         checkpoint_dir=Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints",
+        backend=backend, device="cuda" if torch.cuda.is_available() else "cpu",
     )
 
 
-def write_run_config(cfg: RunConfig, run_dir: Path) -> str:
+def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = None) -> str:
     """Saves the resolved config as ``<run_dir>/config.yaml``; returns the YAML
-    (block style, one key a line: it is read by people as much as by programs)."""
+    (block style, one key a line: it is read by people as much as by programs).
+    ``resolved`` (``Run.resolved``) goes in as a comment header, so the file
+    still loads as a config; programs read it from metrics.jsonl's event."""
     import yaml
 
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    if resolved:
+        b = resolved["backend"]
+        text = (f"# resolved at the last start: device {resolved['device']}\n"
+                f"# backend: {b['name']} ({b['reason']}; fused softmax: "
+                f"{'yes' if b['fused_softmax'] else 'no'})\n{text}")
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / ".config.yaml.tmp"
     tmp.write_text(text)
@@ -179,4 +213,5 @@ def write_run_config(cfg: RunConfig, run_dir: Path) -> str:
     return text
 
 
-__all__ = ["Run", "build_run", "resolve_run_dir", "total_steps", "write_run_config"]
+__all__ = ["Run", "backend_event", "build_run", "resolve_run_dir", "run_record", "total_steps",
+           "write_run_config"]
