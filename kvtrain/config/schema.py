@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from .compat import check_allowed_keys
+from .layout import derive_layout, padded_vocab_size
 from .loader import ConfigError
 
 
@@ -96,10 +97,8 @@ class ModelConfig:
         return ((8 * self.hidden_size // 3) + 255) // 256 * 256
 
     def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
-        """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``
-        (megatron's rule, so that every TP rank holds an equal, aligned slice)."""
-        multiple = self.make_vocab_size_divisible_by * tensor_parallel
-        return -(-self.vocab_size // multiple) * multiple
+        """Vocabulary padded for ``tensor_parallel`` ranks (``layout.padded_vocab_size``)."""
+        return padded_vocab_size(self, tensor_parallel)
 
     def validate(self) -> None:
         """Checks of the model alone (parallel checks are in RunConfig.validate)."""
@@ -423,25 +422,7 @@ class RunConfig:
         if t.max_steps is None and t.train_tokens is None:
             raise ConfigError("set train.max_steps or train.train_tokens")
         if world_size is not None:
-            model_parallel = p.tensor * p.pipeline * p.context
-            if world_size % model_parallel:
-                raise ConfigError(
-                    f"world size {world_size} is not divisible by parallel.tensor x pipeline x "
-                    f"context ({model_parallel})"
-                )
-            dp = world_size // model_parallel
-            if t.global_batch_size % (t.micro_batch_size * dp):
-                raise ConfigError(
-                    f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                    f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})"
-                )
-            microbatches = t.global_batch_size // (t.micro_batch_size * dp)
-            if p.virtual_pipeline is not None and microbatches % p.pipeline:
-                raise ConfigError(
-                    f"the interleaved schedule needs the micro batches per step ({microbatches} = "
-                    f"train.global_batch_size / (train.micro_batch_size x DP {dp})) to be a "
-                    f"multiple of parallel.pipeline ({p.pipeline})"
-                )
+            derive_layout(self, world_size)  # DP, micro batches: one rule (config/layout.py)
         self._validate_train()
         self._validate_optimizer()
         self._validate_data()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kvtrain.config import ConfigError, RunConfig
 from kvtrain.config.backend import BackendChoice, check_document_masks
+from kvtrain.config.layout import derive_layout
 
 from .flops import GPU, GPUS, StepFlops, step_flops, step_seconds
 from .memory import GiB, MemoryEstimate, attention_backend, estimate_memory
@@ -68,15 +69,6 @@ class Plan:
         return self.memory.total <= self.gpu.memory_gib * GiB
 
 
-def _steps(cfg: RunConfig, tokens_per_step: int) -> tuple[int, str]:
-    t = cfg.train
-    by_tokens = math.ceil(t.train_tokens / tokens_per_step) if t.train_tokens else None
-    if by_tokens is not None and (t.max_steps is None or by_tokens <= t.max_steps):
-        return by_tokens, "train.train_tokens"
-    assert t.max_steps is not None  # validate() requires one of the two
-    return t.max_steps, "train.max_steps"
-
-
 def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str = "a100",
               mfu: float = 0.4) -> Plan:
     """Checks ``cfg`` on ``nodes × gpus_per_node`` GPUs of kind ``gpu`` (a key of GPUS)."""
@@ -90,24 +82,12 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _check_config(cfg)  # what no layout can fix (CP > 1), before the layout's arithmetic
     world = nodes * gpus_per_node
-    model_parallel = p.tensor * p.pipeline * p.context
-    if world % model_parallel:
-        raise PlanError(
-            f"{world} GPUs ({nodes} nodes x {gpus_per_node}) do not divide into "
-            f"TP {p.tensor} x PP {p.pipeline} x CP {p.context} = {model_parallel}"
-        )
-    dp = world // model_parallel
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise PlanError(
-            f"{world} GPUs give DP {dp} (= {world} / TP {p.tensor} x PP {p.pipeline} x CP "
-            f"{p.context}): train.global_batch_size {t.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size {t.micro_batch_size} x DP {dp}"
-        )
-    try:
+    try:  # the trainer's own rule for DP, micro batches and steps (config/layout.py)
+        layout = derive_layout(cfg, world, world=f"{world} GPUs ({nodes} nodes x {gpus_per_node})")
         cfg.validate(world_size=world)
     except ConfigError as e:
         raise PlanError(str(e)) from None
-    num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    dp, num_microbatches = layout.data_parallel, layout.num_microbatches
 
     warnings = []
     if p.tensor > gpus_per_node:
@@ -128,7 +108,7 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
 
     memory = estimate_memory(m, p, t, dp, num_microbatches)
     flops = step_flops(m, t.seq_length, t.global_batch_size, p.tensor, p.recompute)
-    steps, steps_from = _steps(cfg, t.global_batch_size * t.seq_length)
+    steps, steps_from = layout.total_steps, layout.steps_from
     plan = Plan(
         cfg=cfg, gpu=card, nodes=nodes, gpus_per_node=gpus_per_node, mfu=mfu, dp=dp,
         num_microbatches=num_microbatches, params=count_params(m, p.tensor), memory=memory,

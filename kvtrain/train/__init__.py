@@ -27,7 +27,7 @@ import importlib
 
 _EXPORTS = {
     "train": "loop", "EXIT_OK": "loop", "EXIT_NONFINITE": "loop",
-    "resolve_run_dir": "setup", "total_steps": "setup",
+    "resolve_run_dir": "setup",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -11,10 +11,8 @@ is what they became, printed and recorded by the trainer.
 
 from __future__ import annotations
 
-import math
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,6 +20,7 @@ import torch
 
 from kvtrain.config import ConfigError, RunConfig, to_dict
 from kvtrain.config.backend import BackendChoice
+from kvtrain.config.layout import Layout, derive_layout
 
 from .flops import guess_peak_tflops, training_flops_per_step
 
@@ -29,18 +28,6 @@ from .flops import guess_peak_tflops, training_flops_per_step
 def resolve_run_dir(cfg: RunConfig, override: Optional[str] = None) -> Path:
     """``--run-dir``, else ``run_dir`` from the config, else ``runs/<name>``."""
     return Path(override or cfg.run_dir or Path("runs") / cfg.name).expanduser()
-
-
-def total_steps(cfg: RunConfig) -> int:
-    """Optimizer steps of the whole run: ``max_steps``, or the steps that cover
-    ``train_tokens``, whichever comes first."""
-    t = cfg.train
-    steps = []
-    if t.max_steps is not None:
-        steps.append(t.max_steps)
-    if t.train_tokens is not None:
-        steps.append(math.ceil(t.train_tokens / (t.global_batch_size * t.seq_length)))
-    return min(steps)
 
 
 @dataclass
@@ -52,9 +39,7 @@ class Run:
     rank: int
     world_size: int
     dp_rank: int
-    dp_size: int
-    num_microbatches: int
-    total_steps: int
+    layout: Layout  # DP size, micro batches, steps, padded vocabulary (config/layout.py)
     model: list  # DDP-wrapped chunks (one per virtual pipeline stage)
     optimizer: Any
     scheduler: Any
@@ -62,11 +47,21 @@ class Run:
     datasets: Any
     flops_per_step: float
     peak_tflops: Optional[float]
-    padded_vocab: int
     checkpoint_dir: Path
     backend: BackendChoice
     device: str  # "cuda" | "cpu"
-    start_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.data_parallel
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.layout.num_microbatches
+
+    @property
+    def total_steps(self) -> int:
+        return self.layout.total_steps
 
     @property
     def resolved(self) -> dict:
@@ -166,28 +161,29 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
             grad_sync = [m.start_grad_sync for m in model]
             tconfig.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
 
-    steps = total_steps(cfg)
+    layout = derive_layout(cfg, env.world_size)
+    megatron_dp = parallel_state.get_data_parallel_world_size()
+    if layout.data_parallel != megatron_dp:  # one rule: megatron's groups must agree with it
+        raise RuntimeError(f"megatron's data-parallel size {megatron_dp} differs from the "
+                           f"layout's {layout.data_parallel}")
+    steps = layout.total_steps
     optimizer = build_optimizer(cfg, numerics, model)
     tconfig.grad_scale_func = optimizer.scale_loss  # fp16 loss scaling (1.0 otherwise)
     scheduler = build_scheduler(cfg, optimizer, steps)
 
-    dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
     valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
     datasets = build_datasets(cfg, cache_dir, steps * t.global_batch_size, valid_samples)
 
-    padded = cfg.model.padded_vocab_size(p.tensor)
     return Run(
         cfg=cfg, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
-        dp_rank=dp_rank, dp_size=dp_size,
-        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp_size),
-        total_steps=steps, model=model, optimizer=optimizer, scheduler=scheduler,
+        dp_rank=dp_rank, layout=layout, model=model, optimizer=optimizer, scheduler=scheduler,
         forward_backward=get_forward_backward_func(),
         datasets=datasets,
-        flops_per_step=training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size, padded),
+        flops_per_step=training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size,
+                                               layout.padded_vocab_size),
         peak_tflops=t.peak_tflops_per_device or guess_peak_tflops(),
-        padded_vocab=padded,
         checkpoint_dir=Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints",
         backend=backend, device="cuda" if torch.cuda.is_available() else "cpu",
     )
@@ -213,5 +209,5 @@ def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = N
     return text
 
 
-__all__ = ["Run", "backend_event", "build_run", "resolve_run_dir", "run_record", "total_steps",
+__all__ = ["Run", "backend_event", "build_run", "resolve_run_dir", "run_record",
            "write_run_config"]
