@@ -293,7 +293,8 @@ class CheckpointConfig:
     keep_last: Optional[int] = 3
     """Keep the newest K checkpoints; null keeps all."""
     resume: str = "auto"
-    """``auto``: newest complete checkpoint if any; ``none``; or a checkpoint path."""
+    """``auto``: the checkpoint ``latest`` names, else (damaged, missing) the newest intact
+    one; ``none`` (refused where checkpoints exist); or a checkpoint path (no fallback)."""
     async_save: bool = False
     """Write checkpoints in the background (GPU runs)."""
     save_on_exit: bool = True
@@ -302,6 +303,11 @@ class CheckpointConfig:
     """Restore optimizer and scheduler state on resume (false: weights only, fresh optimizer)."""
     load_rng: bool = True
     """Restore every rank's RNG states on resume (skipped when the TP/PP/DP layout changed)."""
+    verify: Literal["full", "sizes", "none"] = "full"
+    """Check a checkpoint against the file list of its marker before loading it: ``full``
+    sizes and CRC-32 checksums (split over ranks), ``sizes`` only sizes (O(files): catches
+    truncated and deleted files, not bit rot), ``none`` nothing. A damaged checkpoint is
+    skipped for the previous one under resume ``auto``, an error under an explicit path."""
 
 
 @dataclass
