@@ -247,16 +247,17 @@ def plan_resume(resume: str, root: Path) -> ResumePlan:
 
 
 def _explicit_checkpoint(path: Path) -> Path:
+    """The checkpoint an explicit path names (a value that names none is a config error)."""
     if (path / TRACKER).exists():
         found, problem = read_tracker(path)
         if found is None:
-            raise CheckpointError(f"checkpoint.resume: {problem}")
+            raise ConfigError(f"checkpoint.resume: {problem}")
         return found
     if not path.exists():
-        raise CheckpointError(f"checkpoint.resume: no such checkpoint {path}")
+        raise ConfigError(f"checkpoint.resume: no such checkpoint {path}")
     if path.name.endswith(INCOMPLETE) or not (path / MARKER).exists():
-        raise CheckpointError(f"checkpoint.resume: {path} is not a complete kvtrain checkpoint "
-                              f"(no {MARKER})")
+        raise ConfigError(f"checkpoint.resume: {path} is not a complete kvtrain checkpoint "
+                          f"(no {MARKER})")
     return path
 
 
