@@ -307,7 +307,8 @@ class CheckpointConfig:
     keep_last: Optional[int] = 3
     """Keep the newest K checkpoints; null keeps all."""
     resume: str = "auto"
-    """``auto``: newest complete checkpoint if any; ``none``; or a checkpoint path."""
+    """``auto``: the checkpoint ``latest`` names, else (damaged, missing) the newest intact
+    one; ``none`` (refused where checkpoints exist); or a checkpoint path (no fallback)."""
     async_save: bool = False
     """Write checkpoints in the background (GPU runs)."""
     save_on_exit: bool = True
@@ -322,6 +323,11 @@ class CheckpointConfig:
     train.seq_length and the data (type, paths, split, tokenizer, seed, toy tasks);
     any other difference stops the run with one line. Allowed changes are printed
     and recorded as an event in metrics.jsonl."""
+    verify: Literal["full", "sizes", "none"] = "full"
+    """Check a checkpoint against the file list of its marker before loading it: ``full``
+    sizes and CRC-32 checksums (split over ranks), ``sizes`` only sizes (O(files): catches
+    truncated and deleted files, not bit rot), ``none`` nothing. A damaged checkpoint is
+    skipped for the previous one under resume ``auto``, an error under an explicit path."""
 
 
 @dataclass

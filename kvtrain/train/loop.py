@@ -19,11 +19,12 @@ import torch.distributed as dist
 from kvtrain.config import RunConfig
 from kvtrain.experiments.validation import accuracy_masks
 
-from .checkpoint import Checkpointer, TrainState, resolve_resume
+from .checkpoint import Checkpointer, TrainState, plan_resume
 from .evaluation import Validator, gather_shift_coefficients, shift_statistics
 from .hooks import RunHooks
 from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
+from .resume import resume
 from .setup import Run, backend_event, build_run, run_record, write_run_config
 from .signals import StopRequests
 from .step import ForwardStep, StepResult, sync_params, train_step
@@ -224,17 +225,20 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     ckpt = Checkpointer(run.checkpoint_dir, run.model, run.optimizer, run.scheduler,
                         run_record(cfg, run.resolved), keep_last=cfg.checkpoint.keep_last,
                         async_save=cfg.checkpoint.async_save, hooks=hooks)
-    state = TrainState()
-    resume_from = resolve_resume(cfg.checkpoint.resume, run.checkpoint_dir)
-    if resume_from is not None:
-        state = ckpt.load(resume_from, cfg.checkpoint.load_optimizer, cfg.checkpoint.load_rng)
+    c = cfg.checkpoint  # a damaged candidate is skipped with a warning (checkpoint.resume)
+    resumed = resume(ckpt, plan_resume(c.resume, run.checkpoint_dir), c.verify,
+                     c.load_optimizer, c.load_rng)
+    state = resumed.state
+    if resumed.path is not None:
         note = "" if state.extra.get("rng_restored") else " (RNG states not restored: layout changed)"
-        say(f"kvtrain: resumed from {resume_from} at iteration {state.iteration}{note}")
+        say(f"kvtrain: resumed from {resumed.path} at iteration {state.iteration}{note}")
     wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, run_record(cfg, run.resolved),
                         active=rank0)
     metrics = MetricsLogger(run.run_dir, wandb, active=rank0)
-    metrics.resume_at(state.iteration)
+    metrics.resume_at(state.iteration, keep_copy=resumed.fell_back)
     metrics.write(backend_event(run, state.iteration), echo=False)
+    for note in resumed.notes:
+        metrics.write({"kind": "event", "iteration": state.iteration, "message": note}, echo=False)
     _record_config_changes(state, metrics)
     t = cfg.train
     validator = Validator(run.datasets.valid, run.forward_backward, run.model, t.eval_iters,

@@ -109,7 +109,11 @@ def test_metrics_after_the_checkpoint_are_dropped_on_resume(tmp_path):
 
 
 def test_resume_resolution_and_tracker(tmp_path):
-    from kvtrain.train.checkpoint import MARKER, read_tracker, resolve_resume, write_atomic
+    from kvtrain.train.checkpoint import MARKER, plan_resume, read_tracker, write_atomic
+
+    def resolve_resume(resume, root):
+        plan = plan_resume(resume, root)
+        return plan.candidates[0] if plan.candidates else None
 
     root = tmp_path / "checkpoints"
     root.mkdir()
@@ -123,16 +127,16 @@ def test_resume_resolution_and_tracker(tmp_path):
     (partial / "metadata.json").write_text("{}")
     (partial / MARKER).write_text("{}")  # even with every file: its name says unfinished
     write_atomic(root / "latest", "iter_0000004\n")
-    assert read_tracker(root) == done == resolve_resume("auto", root) == resolve_resume(
+    assert read_tracker(root)[0] == done == resolve_resume("auto", root) == resolve_resume(
         str(root), root) == resolve_resume(str(done), root)
     with pytest.raises(ConfigError, match="not a complete kvtrain checkpoint"):
         resolve_resume(str(partial), root)
     with pytest.raises(ConfigError, match="no such checkpoint"):
         resolve_resume(str(tmp_path / "nope"), root)
     assert not [p for p in root.iterdir() if ".tmp." in p.name]  # no temp files left
-    write_atomic(root / "latest", "iter_0000008\n")  # a tracker naming no checkpoint
-    with pytest.raises(ConfigError, match="not a complete checkpoint"):
-        resolve_resume("auto", root)
+    write_atomic(root / "latest", "iter_0000008\n")  # a tracker naming no checkpoint:
+    plan = plan_resume("auto", root)  # a warning, and the checkpoints in the folder
+    assert plan.candidates == [done] and "not a checkpoint folder" in plan.warnings[0]
 
 
 # ----------------------------------------------------------------------------- KV-shift stats
