@@ -186,3 +186,39 @@ def test_wandb_mode_resolution(monkeypatch, tmp_path):
     assert wandb_logger.resolve_mode(WandbConfig()) == "disabled"
     first = wandb_logger.run_id_for(tmp_path)
     assert first == wandb_logger.run_id_for(tmp_path) and len(first) == 8
+
+
+def test_metrics_logger_sends_every_record_kind_to_wandb(tmp_path):
+    """metrics.jsonl and wandb get the same numbers: train/, valid/ and kv_shift/
+    names against the ``iteration`` step; strings stay out of wandb, and a
+    non-finite value goes to wandb as a float but to metrics.jsonl as text (JSON
+    has no inf)."""
+    import json
+
+    from kvtrain.train.metrics import MetricsLogger
+
+    class Recorder:
+        def __init__(self):
+            self.rows = []
+
+        def log(self, row):
+            self.rows.append(row)
+
+    wandb = Recorder()
+    logger = MetricsLogger(tmp_path, wandb, active=True)
+    logger.write({"kind": "train", "iteration": 5, "lm_loss": 2.5, "lr": 1e-3,
+                  "grad_norm": float("inf"), "memory_kind": "cpu_rss"}, echo=False)
+    logger.write({"kind": "valid", "iteration": 5, "val_loss": 2.25, "val_ppl": 9.49},
+                 echo=False)
+    logger.write({"kind": "kv_shift", "iteration": 5, "kv_shift/layer_01/alpha1": 0.7},
+                 echo=False)
+    logger.write({"kind": "event", "iteration": 5, "message": "stopped"}, echo=False)
+    logger.close()
+    assert wandb.rows == [
+        {"iteration": 5, "train/lm_loss": 2.5, "train/lr": 1e-3, "train/grad_norm": float("inf")},
+        {"iteration": 5, "valid/val_loss": 2.25, "valid/val_ppl": 9.49},
+        {"iteration": 5, "kv_shift/layer_01/alpha1": 0.7},
+        {"iteration": 5},
+    ]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["grad_norm"] == "inf" and lines[3]["message"] == "stopped"
