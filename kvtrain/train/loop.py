@@ -8,6 +8,7 @@ evaluates on the same all-reduced flags so all ranks leave at the same step.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,19 +144,27 @@ def _validate(validator: Validator, state: TrainState, metrics: MetricsLogger) -
 
 @dataclass
 class Window:
-    """Steps since the last log line: losses, step times, the last grad norm."""
+    """Steps since the last log line: losses, step times, the last grad norm.
+
+    The record tells what the window's steps did, skipped ones included: the
+    loss is the mean over the steps whose loss was finite (a step skipped for a
+    non-finite gradient or an fp16 overflow still measured a true loss), the
+    grad norm is the last step's own (non-finite or None when that step was
+    skipped), and ``skipped_in_window`` says how many updates were dropped."""
 
     steps: int = 0
     losses: list = field(default_factory=list)
     seconds: float = 0.0
     grad_norm: Optional[float] = None
+    skipped: int = 0
 
     def add(self, result: StepResult, seconds: float) -> None:
         self.steps += 1
         self.seconds += seconds
-        if result.outcome.skipped is None:
+        if math.isfinite(result.loss):
             self.losses.append(result.loss)
-            self.grad_norm = result.outcome.grad_norm
+        self.grad_norm = result.outcome.grad_norm
+        self.skipped += result.outcome.skipped is not None
 
     def flush(self, run: Run, state: TrainState) -> dict:
         """The train record of the window (collective: peak memory is a max over ranks)."""
@@ -183,10 +192,11 @@ class Window:
             "memory_kind": memory_kind,
             "skipped_steps": state.skipped_steps,
             "steps_in_window": self.steps,
+            "skipped_in_window": self.skipped,
         }
         if run.cfg.train.precision == "fp16" or getattr(run.optimizer, "grad_scaler", None):
             record["loss_scale"] = float(run.optimizer.get_loss_scale().item())
-        self.steps, self.losses, self.seconds = 0, [], 0.0
+        self.steps, self.losses, self.seconds, self.skipped = 0, [], 0.0, 0
         return record
 
 

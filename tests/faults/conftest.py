@@ -1,0 +1,1 @@
+from tests.train.conftest import cache_dir, corpus  # noqa: F401
