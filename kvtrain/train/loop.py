@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from kvtrain.backend import init_process_group
 from kvtrain.config import RunConfig, to_dict
 from kvtrain.experiments.validation import accuracy_masks
 
@@ -25,6 +26,8 @@ from .evaluation import Validator, gather_shift_coefficients, shift_statistics
 from .hooks import RunHooks
 from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
+from .processes import bind_to_launcher
+from .runlock import hold_run_folder
 from .setup import Run, build_run, write_run_config
 from .signals import StopRequests
 from .step import ForwardStep, StepResult, train_step
@@ -206,7 +209,10 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     exit code (0: finished or stopped on request; 3: too many non-finite steps).
     ``hooks`` observe or steer the run at fixed points (``hooks.RunHooks``)."""
     hooks = hooks or RunHooks()
+    bind_to_launcher()  # this rank dies with its launcher, its helpers with it
     stop = StopRequests(cfg.train.exit_duration_minutes).install()
+    init_process_group(cfg.train.dist_timeout_minutes)
+    lock = hold_run_folder(Path(run_dir))  # one writer per run folder (collective)
     run = build_run(cfg, Path(run_dir))
     rank0 = run.rank == 0
     if rank0:
@@ -242,4 +248,6 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         metrics.close()
         wandb.finish(exit_code=code)
         stop.restore()
+        if lock is not None:
+            lock.release()
     return code
