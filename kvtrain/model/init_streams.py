@@ -20,6 +20,8 @@ come from the tensor-parallel tracker (seed + 2718 + TP rank).
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 from contextlib import contextmanager
 from typing import Iterator
@@ -28,6 +30,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.utils import get_pg_rank
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     get_transformer_layer_offset,
@@ -71,13 +74,19 @@ def own_streams(seed: int, key: str) -> Iterator[None]:
         get_cuda_rng_tracker().set_states(tracker)
 
 
-class SeededTransformerLayer(TransformerLayer):
-    """megatron's ``TransformerLayer``, initialised from the stream of its global
-    layer number; the modules built after it draw from the stream after it."""
+class _SeededLayer:
+    """Mixin of a megatron ``TransformerLayer`` (sub)class: the layer is initialised
+    from the stream of its global number; what is built after it, from the stream
+    after it."""
 
     def __init__(self, config, submodules, layer_number: int = 1, *args, init_seed: int,
                  **kwargs):
-        pp_rank = (None if parallel_state.model_parallel_is_initialized() else 0)
+        # the global number, as TransformerLayer computes it
+        groups = kwargs.get("pg_collection")
+        if groups is not None:
+            pp_rank = get_pg_rank(groups.pp)
+        else:
+            pp_rank = None if parallel_state.model_parallel_is_initialized() else 0
         number = layer_number + get_transformer_layer_offset(config, kwargs.get("vp_stage"),
                                                              pp_rank)
         with own_streams(init_seed, f"layer/{number}"):
@@ -85,13 +94,16 @@ class SeededTransformerLayer(TransformerLayer):
         seed_stream(init_seed, f"after/{number}")
 
 
+@functools.lru_cache(maxsize=None)
+def _seeded(layer_class: type) -> type:
+    return type(f"Seeded{layer_class.__name__}", (_SeededLayer, layer_class), {})
+
+
 def seeded_layer_spec(spec, seed: int):
     """``spec`` (a TransformerLayer spec) with its layers drawn from their own streams."""
-    import copy
-
-    if spec.module is not TransformerLayer:
+    if not (isinstance(spec.module, type) and issubclass(spec.module, TransformerLayer)):
         raise ValueError(f"seeded_layer_spec expects a TransformerLayer spec, got {spec.module}")
     seeded = copy.copy(spec)
-    seeded.module = SeededTransformerLayer
+    seeded.module = _seeded(spec.module)
     seeded.params = {**(spec.params or {}), "init_seed": seed}
     return seeded

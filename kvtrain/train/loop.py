@@ -210,9 +210,9 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     ``hooks`` observe or steer the run at fixed points (``hooks.RunHooks``)."""
     hooks = hooks or RunHooks()
     bind_to_launcher()  # this rank dies with its launcher, its helpers with it
-    stop = StopRequests(cfg.train.exit_duration_minutes).install()
     init_process_group(cfg.train.dist_timeout_minutes)
     lock = hold_run_folder(Path(run_dir))  # one writer per run folder (collective)
+    stop = StopRequests(cfg.train.exit_duration_minutes).install()
     run = build_run(cfg, Path(run_dir))
     rank0 = run.rank == 0
     if rank0:

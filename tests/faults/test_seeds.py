@@ -23,29 +23,30 @@ def _model_config() -> ModelConfig:
                        attention="kv_shift")
 
 
-def _build(pipeline: int, seed: int) -> dict:
-    """This rank's model, state by global parameter name."""
-    from megatron.core import parallel_state
-
+def _build(pipeline: int, seed: int, virtual: int | None = None) -> dict:
+    """This rank's model (all its virtual chunks), state by global parameter name."""
     from kvtrain.backend import init_model_parallel, set_seed
     from kvtrain.model.builder import build_gpt, transformer_config
 
-    init_model_parallel(pipeline=pipeline)
+    init_model_parallel(pipeline=pipeline, virtual_pipeline=virtual)
     set_seed(seed)
     cfg = _model_config()
-    model = build_gpt(cfg, transformer_config(cfg, ParallelConfig(pipeline=pipeline)), seed=seed)
-    offset = parallel_state.get_pipeline_model_parallel_rank() * LAYERS // pipeline
+    tconfig = transformer_config(cfg, ParallelConfig(pipeline=pipeline, virtual_pipeline=virtual))
     out = {}
-    for name, p in model.named_parameters():
-        parts = name.split(".")
-        if parts[:2] == ["decoder", "layers"]:
-            parts[2] = str(int(parts[2]) + offset)
-        out[".".join(parts)] = p.detach().clone()
+    for vp_stage in range(virtual or 1):
+        model = build_gpt(cfg, tconfig, seed=seed, vp_stage=vp_stage if virtual else None)
+        numbers = [layer.layer_number - 1 for layer in model.decoder.layers]  # global
+        for name, p in model.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(numbers[int(parts[2])])
+            out[".".join(parts)] = p.detach().clone()
     return out
 
 
 def _worker(rank: int, world: int) -> dict:
-    built = {"pp1": _build(1, 1234), "pp2": _build(2, 1234), "pp2_again": _build(2, 1234)}
+    built = {"pp1": _build(1, 1234), "vpp": _build(2, 1234, virtual=2),
+             "pp2": _build(2, 1234), "pp2_again": _build(2, 1234)}
     return {**built, "rng_after": torch.rand(4)}  # the PP=2 stages' runtime streams
 
 
@@ -67,6 +68,8 @@ def test_pipeline_stages_draw_their_own_weights():
         for name, value in stage["pp2"].items():
             assert torch.equal(value, stage["pp2_again"][name]), name
             # ... and the PP=2 stages are the PP=1 model cut in two
+            assert torch.equal(value, stage["pp1"][name]), name
+        for name, value in stage["vpp"].items():  # interleaved stages too
             assert torch.equal(value, stage["pp1"][name]), name
     assert {n for s in (stage0, stage1) for n in s["pp2"]} == set(stage0["pp1"])
     # the stages' runtime streams (dropout) differ too
