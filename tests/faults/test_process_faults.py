@@ -6,8 +6,8 @@ writer's processes exist; wandb offline, so wandb-core runs) has its torchrun
 SIGKILLed - torchrun alone, not its process group, as when a node agent or an
 OOM killer takes the launcher: every process that descended from torchrun
 must be gone within seconds. While it runs, a second ``kvtrain train`` on the
-same run folder is refused in one line naming the holder's host and pid; once
-the holder is dead, a third start takes the folder over.
+same run folder is refused in one line naming the holder's host and pid; a
+dead holder's lock is taken over (the second test, with a plain process).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_launcher_kill_takes_ranks_and_helpers_and_the_folder_has_one_writer(
     holder = start(args, nproc=2, log=tmp_path / "holder.log")
     seen: set[tuple[int, float]] = set()
     try:
-        wait_for(lambda: len(metrics(run_dir)) >= 3 or holder.poll() is not None, 180,
+        wait_for(lambda: len(metrics(run_dir)) >= 2 or holder.poll() is not None, 180,
                  "the holder's first steps")
         assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
 
@@ -70,7 +70,7 @@ def test_launcher_kill_takes_ranks_and_helpers_and_the_folder_has_one_writer(
         assert len(lines) == 1 and "in use" in lines[0], second.stderr[-2000:]
         assert socket.gethostname() in lines[0] and "pid" in lines[0], lines[0]
 
-        deadline = time.monotonic() + 3  # catch the writer's short-lived processes too
+        deadline = time.monotonic() + 1.5  # catch the writer's short-lived processes too
         while time.monotonic() < deadline:
             seen |= _descendants(holder.pid)
             time.sleep(0.05)
@@ -93,11 +93,6 @@ def test_launcher_kill_takes_ranks_and_helpers_and_the_folder_has_one_writer(
             os.killpg(holder.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-    # the holder is dead: its lock is free, a new start takes the folder over
-    third = run(args + ["--set", "train.max_steps=1", "--set", "wandb.enabled=false"],
-                timeout=120)
-    assert third.returncode == 0, third.stdout[-1000:] + third.stderr[-2000:]
 
 
 def test_run_lock_names_its_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
