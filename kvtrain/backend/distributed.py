@@ -94,11 +94,16 @@ def init_model_parallel(tensor: int = 1, pipeline: int = 1, virtual_pipeline: Op
 def set_seed(seed: int) -> None:
     """Seeds Python, NumPy, torch and megatron's model-parallel RNG tracker.
 
-    The same seed on every rank: TP-sharded weights and TP-region dropout still
-    differ per TP rank through megatron's tracker (seed + 2718 + tp_rank).
+    As Megatron-LM: each pipeline stage runs on seed + 100 * pp_rank, so the
+    stages' dropout differs; TP-region dropout also differs per TP rank through
+    megatron's tracker (seed + 2718 + tp_rank). The initial weights do not come
+    from these streams (``kvtrain.model.init_streams``).
     """
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    if parallel_state.model_parallel_is_initialized():
+        seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
