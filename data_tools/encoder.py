@@ -12,14 +12,13 @@ C; older versions fall back to id lists flattened with ``np.fromiter``.
 from __future__ import annotations
 
 import itertools
-import os
 import signal
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from data_tools import readers
+from data_tools.lifeline import die_with_parent
 
 
 @dataclass
@@ -102,28 +101,12 @@ def init_worker(model_path: str, dtype: type, json_key: str, keep_samples: int,
     # Ctrl-C goes to the whole process group; the main process alone handles
     # it (terminating the pool) so workers do not print tracebacks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
+    # If the main process is SIGKILLed, its pool workers would wait on their task
+    # pipe forever. (Under forkserver the parent is the server, which exits with
+    # the main process: parent_pid is None then.)
+    die_with_parent(parent_pid)
     _encoder = ChunkEncoder(model_path, dtype, json_key, keep_samples)
 
 
 def encode_item(item):
     return _encoder(item)
-
-
-def _die_with_parent(parent_pid: int | None) -> None:
-    """If the main process is SIGKILLed, its pool workers would wait on their
-    task pipe forever; Linux can kill them along with it. (Under forkserver
-    the parent is the server, which exits with the main process.)"""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if parent_pid is not None and os.getppid() != parent_pid:
-            # the parent died before prctl took effect
-            os._exit(1)
-    except (OSError, AttributeError):
-        pass

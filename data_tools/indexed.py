@@ -217,6 +217,74 @@ def _copy_file(src, dst, nbytes: int | None) -> None:
         raise IOError(f"{getattr(src, 'name', src)}: {remaining} bytes short")
 
 
+def read_header(head: bytes, idx_file: str) -> tuple[int, int, int]:
+    """(dtype code, sequences S, document indices D) of an .idx header; ValueError
+    naming ``idx_file`` when the header is short or not one we can read."""
+    if len(head) < HEADER_SIZE:
+        raise ValueError(f"{idx_file}: {len(head)} bytes, shorter than the "
+                         f"{HEADER_SIZE}-byte index header (truncated)")
+    if head[:9] != INDEX_MAGIC:
+        raise ValueError(f"{idx_file}: not a Megatron index (bad magic)")
+    (version,) = struct.unpack_from("<Q", head, 9)
+    if version != INDEX_VERSION:
+        raise ValueError(f"{idx_file}: unsupported index version {version}")
+    (code,) = struct.unpack_from("<B", head, 17)
+    if code not in CODE_DTYPES:
+        raise ValueError(f"{idx_file}: unknown dtype code {code}")
+    sequences, documents = struct.unpack_from("<QQ", head, 18)
+    return code, sequences, documents
+
+
+def _multimodal(idx_bytes: int, S: int, D: int, idx_file: str) -> bool:
+    """Whether sequence modes follow the arrays (the header does not say; the size
+    does); ValueError when the size fits neither layout (a truncated index)."""
+    expected = HEADER_SIZE + 4 * S + 8 * S + 8 * D
+    if idx_bytes == expected + S and S > 0:
+        return True
+    if idx_bytes == expected:
+        return False
+    raise ValueError(f"{idx_file}: {idx_bytes} bytes, expected {expected} "
+                     f"for {S} sequences and {D} document indices (truncated or damaged)")
+
+
+def _read_at(f, offset: int, fmt: str) -> int:
+    f.seek(offset)
+    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+
+def check_shard(prefix: str | os.PathLike) -> str | None:
+    """What is wrong with the dataset ``prefix`` (None when sound), in one line
+    naming the file: a missing file, a bad header (magic, version, dtype code),
+    an .idx whose size does not match the counts its header declares, a last
+    document index that is not the sequence count, or a .bin whose size is not
+    what the index describes. O(1) reads: the header and three array entries."""
+    idx, bin_ = idx_path(prefix), bin_path(prefix)
+    for path in (idx, bin_):
+        if not os.path.isfile(path):
+            return f"{path} does not exist"
+    try:
+        with open(idx, "rb") as f:
+            code, S, D = read_header(f.read(HEADER_SIZE), idx)
+            _multimodal(os.fstat(f.fileno()).st_size, S, D, idx)
+            last_doc = _read_at(f, HEADER_SIZE + 12 * S + 8 * (D - 1), "<q") if D else None
+            end = 0
+            if S:  # the byte where the last sequence ends in .bin
+                end = (_read_at(f, HEADER_SIZE + 4 * S + 8 * (S - 1), "<q")
+                       + _read_at(f, HEADER_SIZE + 4 * (S - 1), "<i")
+                       * np.dtype(CODE_DTYPES[code]).itemsize)
+        if last_doc != S:
+            return f"{idx}: last document index {last_doc} is not the sequence count {S}"
+        size = os.path.getsize(bin_)
+    except ValueError as e:
+        return str(e)
+    except OSError as e:
+        return f"{e.filename or idx}: {e.strerror}"
+    if size != end:
+        why = "truncated" if size < end else "longer than its index"
+        return f"{bin_} has {size} bytes, its index {idx} describes {end} ({why})"
+    return None
+
+
 class IndexedReader:
     """Read-only view of an IndexedDataset via numpy memmaps (no torch)."""
 
@@ -226,29 +294,12 @@ class IndexedReader:
         self.bin_file = bin_path(self.prefix)
         with open(self.idx_file, "rb") as f:
             head = f.read(HEADER_SIZE)
-        if len(head) < HEADER_SIZE or head[:9] != INDEX_MAGIC:
-            raise ValueError(f"{self.idx_file}: not a Megatron index (bad magic)")
-        (self.version,) = struct.unpack_from("<Q", head, 9)
-        if self.version != INDEX_VERSION:
-            raise ValueError(f"{self.idx_file}: unsupported index version {self.version}")
-        (self.dtype_code,) = struct.unpack_from("<B", head, 17)
-        if self.dtype_code not in CODE_DTYPES:
-            raise ValueError(f"{self.idx_file}: unknown dtype code {self.dtype_code}")
+        self.dtype_code, S, D = read_header(head, self.idx_file)
+        self.version = INDEX_VERSION
         self.dtype = CODE_DTYPES[self.dtype_code]
-        self.sequence_count, self.document_count = struct.unpack_from("<QQ", head, 18)
-        S, D = self.sequence_count, self.document_count
+        self.sequence_count, self.document_count = S, D
         self.idx_bytes = os.path.getsize(self.idx_file)
-        expected = HEADER_SIZE + 4 * S + 8 * S + 8 * D
-        # The header does not say whether sequence modes follow; the size does.
-        if self.idx_bytes == expected + S and S > 0:
-            self.multimodal = True
-        elif self.idx_bytes == expected:
-            self.multimodal = False
-        else:
-            raise ValueError(
-                f"{self.idx_file}: {self.idx_bytes} bytes, expected {expected} "
-                f"for {S} sequences and {D} document indices"
-            )
+        self.multimodal = _multimodal(self.idx_bytes, S, D, self.idx_file)
         mm = np.memmap(self.idx_file, mode="r", dtype=np.uint8)
         self.sequence_lengths = np.frombuffer(mm, np.int32, S, HEADER_SIZE)
         self.sequence_pointers = np.frombuffer(mm, np.int64, S, HEADER_SIZE + 4 * S)

@@ -50,6 +50,30 @@ class StrictError(Exception):
     """``--strict`` met a bad record; the message names file:line."""
 
 
+class NoDocumentsError(ValueError):
+    """The inputs hold no document at all: an empty shard would only fail later,
+    in the trainer; nothing is written."""
+
+
+def no_documents_message(inputs: list[readers.InputFile], counts: Counts) -> str:
+    names = ", ".join(i.path for i in inputs[:3])
+    if len(inputs) > 3:
+        names += f" and {len(inputs) - 3} more"
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts.skipped.items()))
+    skipped = f"{counts.skipped_total} records skipped ({reasons})" if reasons else "no records"
+    return f"no documents in {names}: {skipped}; no shard written"
+
+
+def _remove_outputs(plan: list["Shard"]) -> None:
+    """Deletes the (empty) shards of ``plan`` and their meta files."""
+    for shard in plan:
+        for path in (bin_path(shard.prefix), idx_path(shard.prefix), shard.meta_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
 @dataclass
 class Shard:
     index: int
@@ -211,7 +235,8 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
     """Run the pipeline. Returns a dict: counts (all shards, resumed ones
     included), outputs (shard prefixes), resumed, dtype, elapsed, first_bad.
 
-    Raises StrictError (strict mode), readers.InputError (unreadable input)."""
+    Raises StrictError (strict mode), readers.InputError (unreadable input),
+    NoDocumentsError (no input holds a document; its empty shards are removed)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     if text_mode == "file" and any(i.format != "text" for i in inputs):
         raise ValueError("--text-mode file reads text files whole; some inputs are not text")
@@ -279,6 +304,9 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
         pool.close()
         pool.join()
     total.merge(run_counts)
+    if total.documents == 0:
+        _remove_outputs(plan)
+        raise NoDocumentsError(no_documents_message(inputs, total))
     return {"counts": total, "outputs": [s.prefix for s in plan],
             "resumed": len(plan) - len(todo), "dtype": np.dtype(dtype).name,
             "elapsed": bar.elapsed(), "first_bad": first_bad}

@@ -42,13 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(e: ConfigError) -> str:
+    """The one line a bad input or a fault is reported with (no traceback); a
+    subclass names its kind in ``kind`` (e.g. "checkpoint error")."""
+    return f"kvtrain: {getattr(e, 'kind', 'config error')}: {e}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        print(f"kvtrain: config error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

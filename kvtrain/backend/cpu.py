@@ -7,7 +7,8 @@ for tensor-parallel regions, and asserts on ``Tensor.type()`` names. Redirecting
 those calls (and nothing else) lets GPTModel, the tensor/sequence/pipeline
 parallel layers, the pipeline schedules, DDP, the distributed optimizer and
 dist_checkpointing run unchanged on a CPU machine. Tests and ``make demo`` use
-this; on a machine with CUDA, :func:`enable_cpu_backend` does nothing.
+this; on a machine with CUDA, :func:`enable_cpu_backend` does nothing, and a
+process that was given GPUs torch cannot see is refused (``device.py``).
 
 What is patched, and why:
 
@@ -44,6 +45,8 @@ import os
 import types
 
 import torch
+
+from .device import probe_device
 
 _ENABLED = False
 
@@ -238,18 +241,22 @@ def _patch_megatron_rng() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
-def enable_cpu_backend(force: bool = False) -> bool:
+def enable_cpu_backend(force: bool = False, device: str = "auto") -> bool:
     """Redirects megatron's CUDA-only calls to the CPU. Returns True if active.
 
-    A no-op (returns False) when CUDA is available, unless ``force``; safe to
-    call more than once. ``KVTRAIN_CPU_BACKEND=0`` disables it.
+    A no-op (returns False) when torch sees a GPU, unless ``force``; safe to call
+    more than once. Unless ``force``, ``device`` (``train.device``) is checked
+    first (``device.select_device``): a process the launcher gave GPUs that torch
+    cannot see raises ConfigError instead of falling back to the CPU.
+    ``KVTRAIN_CPU_BACKEND=0`` leaves megatron unpatched (to see its own errors on a
+    CPU machine); the GPU check still runs.
     """
     global _ENABLED
     if _ENABLED:
         return True
-    if os.environ.get("KVTRAIN_CPU_BACKEND") == "0":
+    if not force and probe_device(device) == "cuda":
         return False
-    if torch.cuda.is_available() and not force:
+    if os.environ.get("KVTRAIN_CPU_BACKEND") == "0":
         return False
     _patch_cuda_module()
     _patch_tensor_methods()

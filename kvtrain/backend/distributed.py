@@ -42,13 +42,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(timeout_minutes: float = 10.0) -> DistEnv:
+def init_process_group(timeout_minutes: float = 10.0, device: str = "auto") -> DistEnv:
     """Initialises torch.distributed from the environment (idempotent).
 
-    Turns on the CPU backend first when there is no GPU. Without ``WORLD_SIZE``
-    this is a one-process group, so the same code path runs everywhere.
+    Turns on the CPU backend first when there is no GPU (``device`` is
+    ``train.device``: a process given GPUs torch cannot see is refused there).
+    Without ``WORLD_SIZE`` this is a one-process group, so the same code path
+    runs everywhere.
     """
-    enable_cpu_backend()
+    enable_cpu_backend(device=device)
     backend = default_backend()
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", "0"))
@@ -92,11 +94,16 @@ def init_model_parallel(tensor: int = 1, pipeline: int = 1, virtual_pipeline: Op
 def set_seed(seed: int) -> None:
     """Seeds Python, NumPy, torch and megatron's model-parallel RNG tracker.
 
-    The same seed on every rank: TP-sharded weights and TP-region dropout still
-    differ per TP rank through megatron's tracker (seed + 2718 + tp_rank).
+    As Megatron-LM: each pipeline stage runs on seed + 100 * pp_rank, so the
+    stages' dropout differs; TP-region dropout also differs per TP rank through
+    megatron's tracker (seed + 2718 + tp_rank). The initial weights do not come
+    from these streams (``kvtrain.model.init_streams``).
     """
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    if parallel_state.model_parallel_is_initialized():
+        seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
@@ -105,9 +112,9 @@ def set_seed(seed: int) -> None:
 
 def init_distributed(tensor: int = 1, pipeline: int = 1, virtual_pipeline: Optional[int] = None,
                      context: int = 1, seed: int = 1234,
-                     timeout_minutes: float = 10.0) -> DistEnv:
+                     timeout_minutes: float = 10.0, device: str = "auto") -> DistEnv:
     """Process group + megatron parallel state + seeds, in that order."""
-    env = init_process_group(timeout_minutes)
+    env = init_process_group(timeout_minutes, device)
     init_model_parallel(tensor, pipeline, virtual_pipeline, context)
     set_seed(seed)
     return env

@@ -16,6 +16,7 @@ from typing import Literal, Optional
 from kvtrain.tasks.config import TASK_TYPES, InductionDataConfig, NgramDataConfig
 
 from .compat import check_allowed_keys
+from .layout import derive_layout, padded_vocab_size
 from .loader import ConfigError
 
 
@@ -75,6 +76,13 @@ class ModelConfig:
     """The attention variant: the one key that differs between a vanilla run and a KV-shift run."""
     kv_shift: KVShiftConfig = field(default_factory=KVShiftConfig)
     """KV shifting options (ignored by vanilla attention)."""
+    backend: Literal["auto", "te", "local"] = "auto"
+    """Layer implementation: ``te`` (Transformer Engine: fused attention, TE linears),
+    ``local`` (megatron's own modules; the CPU path), or ``auto``: ``te`` on a GPU where
+    Transformer Engine imports, else ``local``. Resolved once at start, printed, and
+    recorded (metrics.jsonl event, config.yaml comment, checkpoint, wandb config);
+    ``te`` that cannot be used stops the run in one line, and an installed TE that
+    fails to import is shown even under ``auto``."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.0
@@ -91,10 +99,8 @@ class ModelConfig:
         return ((8 * self.hidden_size // 3) + 255) // 256 * 256
 
     def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
-        """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``
-        (megatron's rule, so that every TP rank holds an equal, aligned slice)."""
-        multiple = self.make_vocab_size_divisible_by * tensor_parallel
-        return -(-self.vocab_size // multiple) * multiple
+        """Vocabulary padded for ``tensor_parallel`` ranks (``layout.padded_vocab_size``)."""
+        return padded_vocab_size(self, tensor_parallel)
 
     def validate(self) -> None:
         """Checks of the model alone (parallel checks are in RunConfig.validate)."""
@@ -133,7 +139,8 @@ class ParallelConfig:
     virtual_pipeline: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved schedule); null for none."""
     context: int = 1
-    """Context-parallel size (needs Transformer Engine attention)."""
+    """Context-parallel size: only 1 for now (CP > 1 is refused until the issue
+    "Context parallelism with the KV-shift halo" implements it)."""
     sequence_parallel: bool = False
     """Sequence parallelism in the TP group (norms/dropout on sequence shards)."""
     distributed_optimizer: bool = True
@@ -181,6 +188,12 @@ class TrainConfig:
     """Peak dense bf16 TFLOP/s of one device, for MFU (null: guessed from the device name)."""
     dist_timeout_minutes: float = 10.0
     """Timeout of collective operations (a hung rank fails the job after this)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """``auto``: the GPU when torch sees one, else the CPU - but a process the launcher
+    gave GPUs (CUDA_VISIBLE_DEVICES, SLURM's GPU variables, /dev/nvidiaN) that torch
+    cannot see stops in one line instead of training on the CPU; ``cuda``: a GPU is
+    required; ``cpu``: train on the CPU on purpose, even on a GPU node (the GPUs must
+    be hidden from torch, e.g. CUDA_VISIBLE_DEVICES=)."""
 
 
 @dataclass
@@ -265,7 +278,8 @@ class CheckpointConfig:
     keep_last: Optional[int] = 3
     """Keep the newest K checkpoints; null keeps all."""
     resume: str = "auto"
-    """``auto``: newest complete checkpoint if any; ``none``; or a checkpoint path."""
+    """``auto``: the checkpoint ``latest`` names, else (damaged, missing) the newest intact
+    one; ``none`` (refused where checkpoints exist); or a checkpoint path (no fallback)."""
     async_save: bool = False
     """Write checkpoints in the background (GPU runs)."""
     save_on_exit: bool = True
@@ -280,6 +294,11 @@ class CheckpointConfig:
     train.seq_length and the data (type, paths, split, tokenizer, seed, toy tasks);
     any other difference stops the run with one line. Allowed changes are printed
     and recorded as an event in metrics.jsonl."""
+    verify: Literal["full", "sizes", "none"] = "full"
+    """Check a checkpoint against the file list of its marker before loading it: ``full``
+    sizes and CRC-32 checksums (split over ranks), ``sizes`` only sizes (O(files): catches
+    truncated and deleted files, not bit rot), ``none`` nothing. A damaged checkpoint is
+    skipped for the previous one under resume ``auto``, an error under an explicit path."""
 
 
 @dataclass
@@ -333,6 +352,14 @@ class RunConfig:
         m.validate()
         if p.tensor < 1 or p.pipeline < 1 or p.context < 1:
             raise ConfigError("parallel.tensor, parallel.pipeline and parallel.context must be >= 1")
+        if p.context > 1:
+            # megatron's local attention refuses CP, and with TE the batch would not be
+            # split per CP rank (no get_batch_on_this_cp_rank): refuse rather than
+            # train unsplit sequences with the loss counted per CP rank.
+            raise ConfigError(
+                f"parallel.context ({p.context}): context parallelism is not implemented yet "
+                "(issue 'Context parallelism with the KV-shift halo'); set parallel.context: 1"
+            )
         if m.num_attention_heads % p.tensor:
             raise ConfigError(
                 f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
@@ -372,25 +399,7 @@ class RunConfig:
         if t.max_steps is None and t.train_tokens is None:
             raise ConfigError("set train.max_steps or train.train_tokens")
         if world_size is not None:
-            model_parallel = p.tensor * p.pipeline * p.context
-            if world_size % model_parallel:
-                raise ConfigError(
-                    f"world size {world_size} is not divisible by parallel.tensor x pipeline x "
-                    f"context ({model_parallel})"
-                )
-            dp = world_size // model_parallel
-            if t.global_batch_size % (t.micro_batch_size * dp):
-                raise ConfigError(
-                    f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                    f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})"
-                )
-            microbatches = t.global_batch_size // (t.micro_batch_size * dp)
-            if p.virtual_pipeline is not None and microbatches % p.pipeline:
-                raise ConfigError(
-                    f"the interleaved schedule needs the micro batches per step ({microbatches} = "
-                    f"train.global_batch_size / (train.micro_batch_size x DP {dp})) to be a "
-                    f"multiple of parallel.pipeline ({p.pipeline})"
-                )
+            derive_layout(self, world_size)  # DP, micro batches: one rule (config/layout.py)
         self._validate_train()
         self._validate_optimizer()
         self._validate_data()

@@ -9,6 +9,10 @@ Index caches (document/sample/shuffle indices) go to ``data.cache_dir``
 (default ``<run_dir>/data_cache``); the builder makes rank 0 build them while
 the other ranks wait at a barrier, then every rank loads them.
 
+Shards are checked against their index before megatron opens them
+(``data_tools.indexed.check_shard``): a missing, truncated or foreign file is
+one line naming it, not a traceback at the first batch read.
+
 One trap is checked here rather than inside megatron: a split part that gets
 0 documents of a shard but is asked for samples makes ``GPTDataset`` loop
 forever (``_get_num_epochs``). Parts we need (train; valid when evaluating)
@@ -18,7 +22,6 @@ without moving the boundaries of the others.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -52,9 +55,13 @@ def _sequence_count(prefix: str) -> int:
     """Sequences (megatron's split unit) in a shard, read from its .idx only."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    for ext in (".bin", ".idx"):
-        if not os.path.exists(prefix + ext):
-            raise ConfigError(f"data.paths: shard {prefix}{ext} does not exist")
+    from data_tools.indexed import check_shard
+
+    # megatron finds a damaged shard as an assertion, or a short .bin only at the
+    # first batch that reads past its end: check the files against their index.
+    problem = check_shard(prefix)
+    if problem is not None:
+        raise ConfigError(f"data.paths: shard {problem}")
     ds = IndexedDataset(prefix, multimodal=False, mmap=True)
     return int(ds.sequence_lengths.shape[0])
 

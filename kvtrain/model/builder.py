@@ -6,7 +6,6 @@ megatron; ``build_gpt`` builds the model chunk of one pipeline (virtual) stage.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,8 +18,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from kvtrain.config.schema import ModelConfig, ParallelConfig
 
+from .init_streams import own_streams, seeded_layer_spec
 from .kv_shift import KVShiftOptions
-from .specs import Backend, block_spec, layer_spec, resolve_backend
+from .specs import Backend, block_spec, fused_softmax_available, layer_spec, resolve_backend
 
 
 @dataclass(frozen=True)
@@ -45,19 +45,6 @@ class Numerics:
 def kv_shift_options(model: ModelConfig, seed: int) -> KVShiftOptions:
     ks = model.kv_shift
     return KVShiftOptions(shift=tuple(ks.shift), window=ks.window, mode=ks.mode, seed=seed)
-
-
-# megatron's fused softmax kernels come compiled with apex (NVIDIA's container), not
-# with megatron-core; FusedScaleMaskSoftmax imports them at the first fp16/bf16
-# forward of the local spec and fails there when they are missing.
-_SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
-                    "scaled_softmax_cuda")
-
-
-def fused_softmax_available() -> bool:
-    """Whether megatron's fused masked-softmax kernels can be used (GPU + apex's build)."""
-    return torch.cuda.is_available() and all(
-        importlib.util.find_spec(name) is not None for name in _SOFTMAX_KERNELS)
 
 
 def transformer_config(
@@ -133,8 +120,10 @@ def build_gpt(
 ) -> GPTModel:
     """The GPTModel chunk of this rank's pipeline stage (``vp_stage`` for interleaving).
 
-    ``seed`` sets the KV-shift coefficient init (the same values whatever the
-    TP/PP layout); the rest of the weights follow megatron's RNG setup.
+    ``seed`` sets the initial weights: the KV-shift coefficients (the same values
+    whatever the TP/PP layout) and every other weight, drawn from streams of
+    (seed, position in the model) so that they do not depend on the pipeline
+    layout (``init_streams``); the caller's random streams are left as they were.
     """
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(
@@ -145,20 +134,22 @@ def build_gpt(
             ignore_virtual=False, vp_stage=vp_stage
         ) if parallel_state.model_parallel_is_initialized() else True
     backend = resolve_backend(backend)
-    spec = layer_spec(model.attention, kv_shift_options(model, seed), backend)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=block_spec(spec, config, vp_stage=vp_stage),
-        vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
-        max_sequence_length=model.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=parallel_output,
-        share_embeddings_and_output_weights=not model.untie_embeddings,
-        position_embedding_type=model.position_embedding,
-        rotary_base=model.rotary_base,
-        vp_stage=vp_stage,
-    )
+    spec = seeded_layer_spec(layer_spec(model.attention, kv_shift_options(model, seed), backend),
+                             seed)
+    with own_streams(seed, "model"):  # the weights do not depend on the PP layout
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(spec, config, vp_stage=vp_stage),
+            vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=parallel_output,
+            share_embeddings_and_output_weights=not model.untie_embeddings,
+            position_embedding_type=model.position_embedding,
+            rotary_base=model.rotary_base,
+            vp_stage=vp_stage,
+        )
 
 
 def count_parameters(module: torch.nn.Module) -> dict[str, int]:

@@ -32,6 +32,8 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from kvtrain.config.layout import coefficients_per_tensor
+
 # Names of the coefficient parameters, by shifted tensor.
 PARAM_NAMES = {"q": "shift_q", "k": "shift_k", "v": "shift_v"}
 
@@ -47,8 +49,7 @@ class KVShiftOptions:
 
     def num_params(self) -> int:
         """Learnable scalars per KV head (4 for the paper's default)."""
-        per_tensor = self.window if self.mode == "gate" else self.window + 1
-        return per_tensor * len(self.shift)
+        return coefficients_per_tensor(self) * len(self.shift)
 
 
 # ----------------------------------------------------------------------------- the math

@@ -1,15 +1,20 @@
 """GPT layer specs: vanilla or KV-shift attention, local or Transformer Engine backend.
 
-The backend is chosen automatically: Transformer Engine when it imports and a
-GPU is present, otherwise megatron's local modules (with kvtrain's SP-capable
-RMSNorm), which is what runs on the CPU. The attention variant is a table
-lookup: each entry turns the backend's vanilla layer spec into the variant's.
+``model.backend`` picks the backend: ``te`` (Transformer Engine), ``local``
+(megatron's local modules with kvtrain's SP-capable RMSNorm, what runs on the
+CPU) or ``auto``. :func:`backend_choice` probes this machine (a GPU, TE's
+import, apex's fused softmax) once and returns a ``BackendChoice`` saying which
+and why (``kvtrain.config.backend.decide_backend``); the trainer prints and
+records it. The attention variant is a table lookup: each entry turns the
+backend's vanilla layer spec into the variant's.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib
+import importlib.util
 from typing import Callable, Literal, Optional
 
 import torch
@@ -21,30 +26,63 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from kvtrain.config.backend import TE_NOT_INSTALLED, BackendChoice, decide_backend
+
 from .kv_shift import KVShiftOptions, kv_shift_layer_spec
 from .norm import RMSNorm
 
 Backend = Literal["auto", "local", "te"]
 
 
+# megatron's fused softmax kernels come compiled with apex (NVIDIA's container), not
+# with megatron-core; FusedScaleMaskSoftmax imports them at the first fp16/bf16
+# forward of the local spec and fails there when they are missing.
+_SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
+                    "scaled_softmax_cuda")
+
+
+def fused_softmax_available() -> bool:
+    """Whether megatron's fused masked-softmax kernels can be used (GPU + apex's build)."""
+    return torch.cuda.is_available() and all(
+        importlib.util.find_spec(name) is not None for name in _SOFTMAX_KERNELS)
+
+
+def describe_import_failure(error: BaseException) -> str:
+    """``TE_NOT_INSTALLED`` when the exception says Transformer Engine is absent,
+    else ``"<Type>: <first line>"`` (a broken install: missing CUDA libraries, ABI)."""
+    if isinstance(error, ModuleNotFoundError) and error.name == "transformer_engine":
+        return TE_NOT_INSTALLED
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}"
+
+
 @functools.lru_cache(maxsize=None)
+def te_import_error() -> Optional[str]:
+    """None when ``transformer_engine.pytorch`` imports; else why not (see above)."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as e:  # ImportError, or a broken install (OSError from missing libs)
+        return describe_import_failure(e)
+    return None
+
+
 def transformer_engine_available() -> bool:
     """True when Transformer Engine imports and a CUDA device is present."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # ImportError, or a broken install (missing CUDA libs)
-        return False
-    return True
+    return torch.cuda.is_available() and te_import_error() is None
+
+
+def backend_choice(requested: Backend = "auto") -> BackendChoice:
+    """Resolves ``model.backend`` on this machine (ConfigError when ``te`` cannot be used)."""
+    cuda = torch.cuda.is_available()
+    # TE is imported only where it could be used: on a GPU, for auto or te
+    te_error = te_import_error() if cuda and requested != "local" else None
+    return decide_backend(requested, cuda=cuda, te_error=te_error,
+                          fused_softmax=fused_softmax_available())
 
 
 def resolve_backend(backend: Backend = "auto") -> str:
-    if backend == "auto":
-        return "te" if transformer_engine_available() else "local"
-    if backend == "te" and not transformer_engine_available():
-        raise RuntimeError("backend 'te' requested but Transformer Engine is not importable")
-    return backend
+    """The backend name (``te`` | ``local``) ``backend`` resolves to on this machine."""
+    return backend_choice(backend).name
 
 
 def vanilla_layer_spec(backend: Backend = "auto") -> ModuleSpec:

@@ -14,9 +14,11 @@ import math
 from dataclasses import dataclass, field
 
 from kvtrain.config import ConfigError, RunConfig
+from kvtrain.config.backend import BackendChoice, check_document_masks
+from kvtrain.config.layout import derive_layout
 
 from .flops import GPU, GPUS, StepFlops, step_flops, step_seconds
-from .memory import GiB, MemoryEstimate, estimate_memory
+from .memory import GiB, MemoryEstimate, attention_backend, estimate_memory
 from .params import ParamCounts, count_params
 
 WARN_MEMORY_FRACTION = 0.9
@@ -67,15 +69,6 @@ class Plan:
         return self.memory.total <= self.gpu.memory_gib * GiB
 
 
-def _steps(cfg: RunConfig, tokens_per_step: int) -> tuple[int, str]:
-    t = cfg.train
-    by_tokens = math.ceil(t.train_tokens / tokens_per_step) if t.train_tokens else None
-    if by_tokens is not None and (t.max_steps is None or by_tokens <= t.max_steps):
-        return by_tokens, "train.train_tokens"
-    assert t.max_steps is not None  # validate() requires one of the two
-    return t.max_steps, "train.max_steps"
-
-
 def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str = "a100",
               mfu: float = 0.4) -> Plan:
     """Checks ``cfg`` on ``nodes × gpus_per_node`` GPUs of kind ``gpu`` (a key of GPUS)."""
@@ -87,28 +80,14 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
         raise PlanError(f"unknown GPU {gpu!r}; one of {', '.join(GPUS)}")
     card = GPUS[gpu]
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    _check_config(cfg)  # what no layout can fix (CP > 1), before the layout's arithmetic
     world = nodes * gpus_per_node
-    model_parallel = p.tensor * p.pipeline * p.context
-    if world % model_parallel:
-        raise PlanError(
-            f"{world} GPUs ({nodes} nodes x {gpus_per_node}) do not divide into "
-            f"TP {p.tensor} x PP {p.pipeline} x CP {p.context} = {model_parallel}"
-        )
-    dp = world // model_parallel
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise PlanError(
-            f"{world} GPUs give DP {dp} (= {world} / TP {p.tensor} x PP {p.pipeline} x CP "
-            f"{p.context}): train.global_batch_size {t.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size {t.micro_batch_size} x DP {dp}"
-        )
-    try:
+    try:  # the trainer's own rule for DP, micro batches and steps (config/layout.py)
+        layout = derive_layout(cfg, world, world=f"{world} GPUs ({nodes} nodes x {gpus_per_node})")
         cfg.validate(world_size=world)
     except ConfigError as e:
         raise PlanError(str(e)) from None
-    if m.attention == "kv_shift" and p.context > 1:
-        raise PlanError("KV shifting with context parallelism (parallel.context > 1) is not "
-                        "supported by the model yet")
-    num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    dp, num_microbatches = layout.data_parallel, layout.num_microbatches
 
     warnings = []
     if p.tensor > gpus_per_node:
@@ -122,10 +101,14 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
                         "the pipeline bubble dominates (want micro batches >= 4 x PP)")
     if t.precision == "fp32":
         warnings.append("train.precision fp32 on GPU: bf16 is the paper's setting and ~2x faster")
+    if cfg.data.reset_attention_mask and attention_backend(m) == "local":
+        warnings.append("data.reset_attention_mask on the local backend: refused at start where "
+                        "apex's fused softmax is installed (NVIDIA's container) and 16 < "
+                        "train.seq_length <= 4096, since its kernel ignores the mask")
 
     memory = estimate_memory(m, p, t, dp, num_microbatches)
     flops = step_flops(m, t.seq_length, t.global_batch_size, p.tensor, p.recompute)
-    steps, steps_from = _steps(cfg, t.global_batch_size * t.seq_length)
+    steps, steps_from = layout.total_steps, layout.steps_from
     plan = Plan(
         cfg=cfg, gpu=card, nodes=nodes, gpus_per_node=gpus_per_node, mfu=mfu, dp=dp,
         num_microbatches=num_microbatches, params=count_params(m, p.tensor), memory=memory,
@@ -142,6 +125,20 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
         warnings.append(f"estimated memory is {memory.total / capacity:.0%} of the card: "
                         "little headroom for fragmentation")
     return plan
+
+
+def _check_config(cfg: RunConfig) -> None:
+    """The config's own checks, and the backend refusals for the assumed backend."""
+    try:
+        cfg.validate()
+        assumed = attention_backend(cfg.model)
+        why = "model.backend auto, planned as te" if cfg.model.backend == "auto" else \
+            f"model.backend {cfg.model.backend}"
+        # the GPU-side answer: unknown apex kernels count as absent (a warning says so)
+        check_document_masks(cfg, BackendChoice(assumed, cfg.model.backend, why, False),
+                             half=cfg.train.precision != "fp32")
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
 
 
 def _suggest(plan: Plan) -> str:

@@ -37,6 +37,21 @@ more than vanilla). Flash attention stores no
 nothing here). With TP ``t``: the norm tensors (``4h``) are split only with
 sequence parallel (Korthikanti eq. 4 vs 5); the rest is always split by ``t``.
 
+The ``local`` backend (megatron's own ``DotProductAttention``, no flash)
+materialises the ``[b, a/t, s, s]`` scores: a buffer of them in the activation
+dtype (megatron's global memory buffer, one per GPU, reused by every layer), and
+per layer what the backward pass keeps: the softmax's fp32 output (scores are
+upcast, ``attention_softmax_in_fp32``), the probabilities in the activation dtype
+that the ``A·V`` matmul saves (in fp32 that is the softmax output itself):
+4 and 4 + 2 bytes per score, as measured with ``saved_tensors_hooks``
+(tests/faults/test_backend_faults.py). With ``attention_dropout``, CUDA's fused
+dropout adds a 1-byte mask and the matmul saves the dropped copy; there is no
+log-sum-exp. This assumes megatron's torch softmax (no apex kernels;
+apex's fused kernel would keep 2 bytes instead of 4 + 2, so it is an upper
+bound there). ``selective`` recompute re-runs core attention, so it keeps no
+scores: one layer's are rebuilt at a time. ``kvtrain plan`` assumes ``te``
+for ``model.backend: auto`` (a GPU cluster with Transformer Engine).
+
 Full recomputation (megatron ``uniform``, one layer per checkpoint) keeps only
 each layer's input, ``2·sbh`` bytes (``/t`` with SP), plus one layer's full
 activations while that layer is recomputed in the backward pass.
@@ -90,9 +105,31 @@ def activation_dtype_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def score_elements(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
+                   micro_batch: int) -> float:
+    """Elements of one layer's ``[b, a/t, s/cp, s]`` attention scores on one GPU."""
+    queries = seq_length / parallel.context
+    return micro_batch * model.num_attention_heads / parallel.tensor * queries * seq_length
+
+
+def score_bytes_kept(model: ModelConfig, precision: str) -> float:
+    """Bytes per score element the local spec keeps for backward (module doc)."""
+    e = activation_dtype_bytes(precision)
+    dropout = model.attention_dropout > 0
+    separate_probs = e if (precision != "fp32" or dropout) else 0
+    return 4 + separate_probs + (1 if dropout else 0)
+
+
+def attention_backend(model: ModelConfig) -> str:
+    """The backend the plan assumes: ``auto`` is ``te`` on a GPU cluster."""
+    return "local" if model.backend == "local" else "te"
+
+
 def layer_activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
-                           micro_batch: int, precision: str = "bf16") -> float:
-    """Bytes one layer keeps for backward per micro batch, per GPU, without recompute."""
+                           micro_batch: int, precision: str = "bf16", backend: str = "te",
+                           keep_scores: bool = True) -> float:
+    """Bytes one layer keeps for backward per micro batch, per GPU, without recompute
+    (``keep_scores`` False: core attention recomputed, local backend)."""
     t = parallel.tensor
     sb = seq_length * micro_batch / parallel.context
     h = model.hidden_size
@@ -106,8 +143,12 @@ def layer_activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_len
     elements = norms + split / t
     dropout_masks = sb * h * 2 / (t if parallel.sequence_parallel else 1) \
         if model.hidden_dropout > 0 else 0.0
-    lse = 4.0 * model.num_attention_heads / t * sb
-    return e * sb * elements + lse + dropout_masks
+    if backend == "local":
+        attention = score_bytes_kept(model, precision) * score_elements(
+            model, parallel, seq_length, micro_batch) if keep_scores else 0.0
+    else:  # flash attention: the fp32 log-sum-exp per query and head
+        attention = 4.0 * model.num_attention_heads / t * sb
+    return e * sb * elements + attention + dropout_masks
 
 
 def layer_input_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
@@ -120,8 +161,9 @@ def layer_input_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: 
 
 def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
                      micro_batch: int, num_microbatches: int, recompute: str, stage: int = 0,
-                     precision: str = "bf16") -> dict[str, float]:
-    """Activation bytes of one GPU of pipeline ``stage`` under ``recompute``.
+                     precision: str = "bf16", backend: str = "te") -> dict[str, float]:
+    """Activation bytes of one GPU of pipeline ``stage`` under ``recompute`` on
+    ``backend`` (``te``: flash attention; ``local``: s x s scores).
 
     Returns ``total`` and its parts: ``layers`` (kept layer activations),
     ``working`` (one recomputed layer, full recompute only), ``logits`` (last
@@ -132,13 +174,20 @@ def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: i
     in_flight = float(min(num_microbatches, p - stage))  # 1F1B: stage s keeps p - s
     if parallel.virtual_pipeline and p > 1:
         in_flight *= 1 + (p - 1) / (p * parallel.virtual_pipeline)
-    full = layer_activation_bytes(model, parallel, seq_length, micro_batch, precision)
+    full = layer_activation_bytes(model, parallel, seq_length, micro_batch, precision, backend)
+    working = 0.0
+    if backend == "local":  # the score buffer (global memory buffer, activation dtype)
+        working = activation_dtype_bytes(precision) * score_elements(
+            model, parallel, seq_length, micro_batch)
     if recompute == "full":
         per_layer = layer_input_bytes(model, parallel, seq_length, micro_batch, precision)
-        working = full  # one layer is recomputed at a time in the backward pass
+        working += full  # one layer is recomputed at a time in the backward pass
+    elif recompute == "selective" and backend == "local":  # core attention recomputed
+        per_layer = layer_activation_bytes(model, parallel, seq_length, micro_batch, precision,
+                                           backend, keep_scores=False)
+        working += full - per_layer  # one layer's scores, rebuilt in the backward pass
     else:  # none / selective (the same with flash attention, see the module doc)
         per_layer = full
-        working = 0.0
     logits = 0.0
     if stage == p - 1:  # bf16 logits and the fp32 softmax of the cross entropy
         t = parallel.tensor
@@ -164,6 +213,7 @@ class MemoryEstimate:
     overhead: float
     recompute: str
     distributed_optimizer: bool
+    attention: str = "te"  # the backend assumed: te (flash) or local (s x s scores)
     # Totals of the alternatives, for the report.
     alternatives: dict[str, float] = field(default_factory=dict)
 
@@ -181,11 +231,14 @@ def _estimate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
     precision = train.precision
     sb = state_bytes(precision)
     stages = stage_params(model, parallel)
+    backend = attention_backend(model)
+    # megatron's distributed optimizer shards its state over DP x CP
+    shards = dp * parallel.context if distributed_optimizer else 1
     best: Optional[MemoryEstimate] = None
     for st in stages:
         acts = activation_bytes(model, parallel, train.seq_length, train.micro_batch_size,
-                                num_microbatches, recompute, st.stage, precision)
-        opt = sb.optimizer * st.params / (dp if distributed_optimizer else 1)
+                                num_microbatches, recompute, st.stage, precision, backend)
+        opt = sb.optimizer * st.params / shards
         weights = sb.weights * st.params
         grads = sb.grads * st.params
         rest = weights + grads + opt + acts["total"]
@@ -195,6 +248,7 @@ def _estimate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
             in_flight=acts["in_flight"],
             overhead=OVERHEAD_FIXED + OVERHEAD_FRACTION * rest,
             recompute=recompute, distributed_optimizer=distributed_optimizer,
+            attention=backend,
         )
         if best is None or est.total > best.total:
             best = est

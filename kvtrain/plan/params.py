@@ -26,16 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtrain.config.layout import shift_coefficients
 from kvtrain.config.schema import ModelConfig, ParallelConfig
-
-
-def kv_shift_coefficients_per_kv_head(model: ModelConfig) -> int:
-    """Learnable KV-shift scalars per KV head (4 for the paper's K and V, window 1)."""
-    if model.attention != "kv_shift":
-        return 0
-    ks = model.kv_shift
-    per_tensor = ks.window if ks.mode == "gate" else ks.window + 1
-    return per_tensor * len(ks.shift)
 
 
 @dataclass(frozen=True)
@@ -67,7 +59,7 @@ def layer_params(model: ModelConfig) -> LayerParams:
         proj=h * h,
         mlp=h * 2 * f + f * h,
         norms=2 * h,
-        kv_shift=g * kv_shift_coefficients_per_kv_head(model),
+        kv_shift=g * shift_coefficients(model),
     )
 
 

@@ -14,6 +14,17 @@ def _gib(x: float) -> str:
     return f"{x / GiB:6.1f} GiB"
 
 
+def _attention_memory(plan: Plan) -> str:
+    """Which backend the activation estimate assumed (kvtrain/plan/memory.py)."""
+    backend = plan.cfg.model.backend
+    if plan.memory.attention == "local":
+        return (f"attention memory: local spec (model.backend {backend}): s x s scores "
+                "materialised (torch softmax: fp32 scores + probabilities per layer)")
+    assumed = "assumed (model.backend auto: a GPU cluster with Transformer Engine)" \
+        if backend == "auto" else f"(model.backend {backend})"
+    return f"attention memory: te spec {assumed}: flash attention, no s x s scores"
+
+
 def render(plan: Plan, source: str = "") -> str:
     cfg = plan.cfg
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -70,6 +81,7 @@ def render(plan: Plan, source: str = "") -> str:
         f"({mem.total / (plan.gpu.memory_gib * GiB):.0%})",
         "  alternatives   " + ", ".join(f"{k}: {v / GiB:.1f} GiB"
                                         for k, v in mem.alternatives.items()),
+        f"  {_attention_memory(plan)}",
         "",
         f"compute      {plan.flops.model:.3e} model FLOPs per step "
         f"({plan.flops.model / plan.tokens_per_step / 1e9:.2f} GFLOP per token: attention "
@@ -114,6 +126,7 @@ def as_dict(plan: Plan) -> dict[str, Any]:
                        "optimizer": mem.optimizer / GiB, "activations": mem.activations / GiB,
                        "overhead": mem.overhead / GiB, "total": mem.total / GiB,
                        "stage": mem.stage, "card": plan.gpu.memory_gib,
+                       "attention_backend": mem.attention,
                        "alternatives": {k: v / GiB for k, v in mem.alternatives.items()}},
         "flops_per_step": plan.flops.model,
         "hardware_flops_per_step": plan.flops.hardware,

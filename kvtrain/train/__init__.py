@@ -8,7 +8,9 @@ scheduler, datasets and dist checkpoints, put together for one run.
 * ``loop``         - the training loop and ``train``
 * ``step``         - one step: pipeline schedule, loss reduction, guarded update
 * ``optimizer``    - AdamW param groups, LR schedules, the non-finite guard
-* ``checkpoint``   - dist_checkpointing save/load, ``latest`` tracker, RNG states
+* ``checkpoint``   - dist_checkpointing save/load, RNG states
+* ``integrity``    - checkpoint manifests, verification, ``latest``, resume candidates
+* ``resume``       - the collective resume: verify, load or fall back, set aside
 * ``evaluation``   - validation loss/perplexity and KV-shift statistics
 * ``metrics``      - metrics.jsonl, stdout, memory
 * ``flops``        - model FLOPs and MFU
@@ -27,7 +29,7 @@ import importlib
 
 _EXPORTS = {
     "train": "loop", "EXIT_OK": "loop", "EXIT_NONFINITE": "loop",
-    "resolve_run_dir": "setup", "total_steps": "setup",
+    "resolve_run_dir": "setup",
 }
 
 __all__ = sorted(_EXPORTS)

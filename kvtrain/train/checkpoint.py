@@ -4,8 +4,10 @@ Layout of ``checkpoint.dir`` (default ``<run_dir>/checkpoints``)::
 
     iter_0000100/          one checkpoint: torch_dist shards + common.pt + metadata.json
         kvtrain_checkpoint.json   written last, by rank 0: marks the checkpoint complete
+                                  and lists its files (size, CRC-32: the manifest)
     iter_0000200.incomplete/      a checkpoint being written (renamed when complete)
     latest                 "iter_0000100": the newest *complete* checkpoint
+    abandoned-<time>/      checkpoints of a history a resume did not continue
 
 A checkpoint holds the model, the optimizer (distributed optimizer state in the
 ``fully_reshardable`` format), the LR scheduler, every rank's RNG states, the
@@ -16,6 +18,21 @@ only then rewrites ``latest``, through a fsync'd temporary file and an atomic
 rename. A process killed in the middle of a save therefore leaves ``latest``
 naming the previous complete checkpoint; the half-written folder is removed
 by the next save.
+
+A save that fails (a full disk, a quota, a read-only filesystem) stops the
+run: its ``.incomplete`` folder is removed, ``latest`` still names the
+previous checkpoint, and ``CheckpointError`` says why in one line (the OS
+error, e.g. "No space left on device", which megatron often buries or loses).
+Training on would fail every later save just the same, and a stop on a signal
+must not exit 0 without its checkpoint; Megatron-LM stops too.
+
+Resuming (``resume.resume``): the candidates of ``integrity.plan_resume``
+are verified against their manifest (``checkpoint.verify``) and loaded in
+order; one that is damaged or that megatron cannot load is skipped with one
+warning (under ``resume: auto``; an explicit path fails), and the checkpoints
+at or after the loaded iteration that were not loaded are set aside, never
+deleted. The manifest, the verification levels and the choice of candidates
+are described in ``integrity``.
 
 The traps of megatron-core 0.16.1 measured in the project notes, and where
 each is handled:
@@ -63,21 +80,22 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from torch.distributed.checkpoint.api import CheckpointException
 
 from data_tools.fileio import atomic_write_bytes, fsync_dir
 from kvtrain.config import ConfigError
 from kvtrain.config.compat import check_resume_config
 
 from .hooks import RunHooks
+from .integrity import (  # noqa: F401 (plan_resume, read_marker/tracker: this module's API too)
+    INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, build_manifest, own_shards,
+    plan_resume, read_marker, read_tracker, save_failure_reason, set_aside,
+)
 from .optimizer import inner_optimizers
 from .step import sync_params
 
 log = logging.getLogger(__name__)
 
-PREFIX = "iter_"
-TRACKER = "latest"
-MARKER = "kvtrain_checkpoint.json"
-INCOMPLETE = ".incomplete"  # suffix of a checkpoint folder while it is written
 FORMAT_VERSION = 1
 SHARDING_METADATA = {
     # trap 1: the only optimizer format that loads into another TP/PP/DP layout
@@ -106,21 +124,6 @@ def write_atomic(path: Path, text: str) -> None:
     atomic_write_bytes(os.fspath(path), text.encode())
 
 
-def read_tracker(root: Path) -> Optional[Path]:
-    """The checkpoint named by ``root/latest`` (None if there is no tracker)."""
-    tracker = Path(root) / TRACKER
-    try:
-        name = tracker.read_text().strip()
-    except OSError:
-        return None
-    if not name:
-        return None
-    path = Path(root) / name
-    if not is_complete(path):
-        raise ConfigError(f"{tracker} names {name}, which is not a complete checkpoint")
-    return path
-
-
 def is_complete(path: Path) -> bool:
     path = Path(path)
     return (not path.name.endswith(INCOMPLETE) and (path / MARKER).exists()
@@ -136,32 +139,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     except OSError as e:
         log.warning("could not remove old checkpoint %s: %s", path, e)
-
-
-def resolve_resume(resume: str, root: Path) -> Optional[Path]:
-    """``auto``: the checkpoint in ``root/latest`` (None when there is none);
-    ``none``: None; otherwise a checkpoint folder, or a folder with a ``latest``."""
-    value = resume.strip()
-    if value.lower() == "none":
-        return None
-    if value.lower() == "auto":
-        return read_tracker(root)
-    path = Path(value).expanduser()
-    if (path / TRACKER).exists():
-        found = read_tracker(path)
-        if found is None:
-            raise ConfigError(f"checkpoint.resume: {path}/latest names no checkpoint")
-        return found
-    if not path.exists():
-        raise ConfigError(f"checkpoint.resume: no such checkpoint {path}")
-    if not is_complete(path):
-        raise ConfigError(f"checkpoint.resume: {path} is not a complete kvtrain checkpoint "
-                          f"(no {MARKER})")
-    return path
-
-
-def read_marker(path: Path) -> dict:
-    return json.loads((Path(path) / MARKER).read_text())
 
 
 def ensure_writer_queue(async_save: bool) -> None:
@@ -296,6 +273,7 @@ class Checkpointer:
         self.hooks = hooks or RunHooks()
         self.rank = dist.get_rank()
         self._async_queue = None
+        self._pending: tuple[Path, int] = (self.root, 0)  # the save in flight: folder, iteration
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -378,32 +356,55 @@ class Checkpointer:
         dist.barrier()
         t0 = time.monotonic()
         sd = self._sharded_state(state, loading=False, optimizer=True, rng=True)
-        request = dist_checkpointing.save(
-            sd, str(work), async_sharded_save=self._async_queue is not None,
-            content_metadata={"kvtrain_format": FORMAT_VERSION},
-        )
-        finalize = lambda: self._mark_complete(work, state, time.monotonic() - t0)  # noqa: E731
-        if request is None:
-            finalize()
-        else:
-            request.add_finalize_fn(finalize)
-            self._async_queue.schedule_async_request(request)
+        self._pending = (work, state.iteration)
+        with self._save_failure():
+            request = dist_checkpointing.save(
+                sd, str(work), async_sharded_save=self._async_queue is not None,
+                content_metadata={"kvtrain_format": FORMAT_VERSION},
+            )
+            finalize = lambda: self._mark_complete(work, state, time.monotonic() - t0)  # noqa: E731
+            if request is None:
+                finalize()
+            else:
+                request.add_finalize_fn(finalize)
+                self._async_queue.schedule_async_request(request)
         return self.root / checkpoint_name(state.iteration)
+
+    @contextmanager
+    def _save_failure(self):
+        """A failed save (``self._pending``) becomes one line: why (the OS error),
+        which checkpoint; its ``.incomplete`` folder is removed and ``latest``
+        keeps naming the previous checkpoint (it only moves after a complete save)."""
+        try:
+            yield
+        except (Exception, CheckpointException) as e:  # torch's is a BaseException
+            work, iteration = self._pending
+            reason = save_failure_reason(e, self.root)  # before the removal frees space
+            shutil.rmtree(work, ignore_errors=True)
+            raise CheckpointError(
+                f"saving the checkpoint of iteration {iteration} ({work.name}) failed: {reason}; "
+                f"the incomplete folder was removed and {self.root / TRACKER} is unchanged"
+            ) from e
 
     def _mark_complete(self, work: Path, state: TrainState, seconds: float) -> None:
         """Runs on every rank once all shards are written (megatron's finalize, which
         writes metadata.json, has gathered every rank's results before this)."""
         dist.barrier()
         self.hooks.shards_written(work, state.iteration)
+        # Each rank checksums the shards it wrote (still in its page cache).
+        checksums = [None] * dist.get_world_size()
+        dist.all_gather_object(checksums, own_shards(work, self.rank))
         if self.rank == 0:
+            known = {k: v for part in checksums for k, v in part.items()}
             info = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
                     "layout": current_layout(), "format": "torch_dist",
                     "version": FORMAT_VERSION, "saved_at": time.time(),
-                    "save_seconds": round(seconds, 3)}
+                    "save_seconds": round(seconds, 3),
+                    "manifest": build_manifest(work, known)}
             write_atomic(work / MARKER, json.dumps(info, indent=1) + "\n")
             final = self.root / checkpoint_name(state.iteration)
-            if final.exists():  # same iteration from an abandoned history (a rollback)
-                _remove(final)
+            if final.exists():  # same iteration from a history not loaded: kept aside
+                set_aside(self.root, [final])
             os.replace(work, final)
             fsync_dir(os.fspath(self.root))
             write_atomic(self.root / TRACKER, final.name + "\n")
@@ -425,7 +426,8 @@ class Checkpointer:
     def finalize(self, blocking: bool = False) -> None:
         """Completes finished async saves (collective: call on every rank)."""
         if self._async_queue is not None and self._async_queue.get_num_unfinalized_calls():
-            self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+            with self._save_failure():
+                self._async_queue.maybe_finalize_async_calls(blocking=blocking)
 
     def close(self) -> None:
         self.finalize(blocking=True)
@@ -472,3 +474,4 @@ class Checkpointer:
         state.extra = {"same_layout": same_layout, "rng_restored": rng,
                        "saved_layout": saved_layout, "config_changes": changes}
         return state
+

@@ -23,6 +23,11 @@ class RunHooks:
         (1-based), before the backward pass; returns what the step uses."""
         return loss_sum
 
+    def gradients(self, iteration: int, model: list) -> None:
+        """The model chunks of training step ``iteration`` after the backward pass
+        and the gradient reduction, before the update; may alter the gradients
+        (``param.main_grad``), e.g. to make them non-finite with a finite loss."""
+
     def stop_requested(self, iteration: int) -> bool:
         """Whether step ``iteration`` carries a stop request, as if a SIGTERM had
         arrived during it (the run then saves and exits 0 like on a signal)."""

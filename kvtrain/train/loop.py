@@ -8,6 +8,7 @@ evaluates on the same all-reduced flags so all ranks leave at the same step.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,15 +17,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from kvtrain.config import RunConfig, to_dict
+from kvtrain.backend import init_process_group
+from kvtrain.config import RunConfig
 from kvtrain.tasks.config import accuracy_masks
 
-from .checkpoint import Checkpointer, TrainState, resolve_resume
+from .checkpoint import Checkpointer, TrainState, plan_resume
 from .evaluation import Validator, gather_shift_coefficients, shift_statistics
 from .hooks import RunHooks
 from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
-from .setup import Run, build_run, write_run_config
+from .processes import bind_to_launcher
+from .resume import resume
+from .runlock import hold_run_folder
+from .setup import Run, backend_event, build_run, run_record, write_run_config
 from .signals import StopRequests
 from .step import ForwardStep, StepResult, sync_params, train_step
 from .wandb_logger import WandbLogger
@@ -156,19 +161,27 @@ def _record_config_changes(state: TrainState, metrics: MetricsLogger) -> None:
 
 @dataclass
 class Window:
-    """Steps since the last log line: losses, step times, the last grad norm."""
+    """Steps since the last log line: losses, step times, the last grad norm.
+
+    The record tells what the window's steps did, skipped ones included: the
+    loss is the mean over the steps whose loss was finite (a step skipped for a
+    non-finite gradient or an fp16 overflow still measured a true loss), the
+    grad norm is the last step's own (non-finite or None when that step was
+    skipped), and ``skipped_in_window`` says how many updates were dropped."""
 
     steps: int = 0
     losses: list = field(default_factory=list)
     seconds: float = 0.0
     grad_norm: Optional[float] = None
+    skipped: int = 0
 
     def add(self, result: StepResult, seconds: float) -> None:
         self.steps += 1
         self.seconds += seconds
-        if result.outcome.skipped is None:
+        if math.isfinite(result.loss):
             self.losses.append(result.loss)
-            self.grad_norm = result.outcome.grad_norm
+        self.grad_norm = result.outcome.grad_norm
+        self.skipped += result.outcome.skipped is not None
 
     def flush(self, run: Run, state: TrainState) -> dict:
         """The train record of the window (collective: peak memory is a max over ranks)."""
@@ -196,10 +209,11 @@ class Window:
             "memory_kind": memory_kind,
             "skipped_steps": state.skipped_steps,
             "steps_in_window": self.steps,
+            "skipped_in_window": self.skipped,
         }
         if run.cfg.train.precision == "fp16" or getattr(run.optimizer, "grad_scaler", None):
             record["loss_scale"] = float(run.optimizer.get_loss_scale().item())
-        self.steps, self.losses, self.seconds = 0, [], 0.0
+        self.steps, self.losses, self.seconds, self.skipped = 0, [], 0.0, 0
         return record
 
 
@@ -209,27 +223,38 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     exit code (0: finished or stopped on request; 3: too many non-finite steps).
     ``hooks`` observe or steer the run at fixed points (``hooks.RunHooks``)."""
     hooks = hooks or RunHooks()
+    bind_to_launcher()  # this rank dies with its launcher, its helpers with it
+    init_process_group(cfg.train.dist_timeout_minutes, device=cfg.train.device)
+    lock = hold_run_folder(Path(run_dir))  # one writer per run folder (collective)
     stop = StopRequests(cfg.train.exit_duration_minutes).install()
     run = build_run(cfg, Path(run_dir))
     rank0 = run.rank == 0
     if rank0:
-        text = write_run_config(cfg, run.run_dir)
+        text = write_run_config(cfg, run.run_dir, run.resolved)
         say(f"kvtrain: run folder {run.run_dir.resolve()}\n--- resolved config ---\n{text}"
             f"--- layout: world {run.world_size} = TP {cfg.parallel.tensor} x PP "
             f"{cfg.parallel.pipeline} x DP {run.dp_size}; {run.num_microbatches} micro batches "
             f"per step; {run.total_steps} steps")
+        say(f"kvtrain: {run.backend.describe()}, device {run.device}")
+        if run.backend.warning:
+            say(f"kvtrain: warning: {run.backend.warning}")
     ckpt = Checkpointer(run.checkpoint_dir, run.model, run.optimizer, run.scheduler,
-                        to_dict(cfg), keep_last=cfg.checkpoint.keep_last,
+                        run_record(cfg, run.resolved), keep_last=cfg.checkpoint.keep_last,
                         async_save=cfg.checkpoint.async_save, hooks=hooks)
-    state = TrainState()
-    resume_from = resolve_resume(cfg.checkpoint.resume, run.checkpoint_dir)
-    if resume_from is not None:
-        state = ckpt.load(resume_from, cfg.checkpoint.load_optimizer, cfg.checkpoint.load_rng)
+    c = cfg.checkpoint  # a damaged candidate is skipped with a warning (checkpoint.resume)
+    resumed = resume(ckpt, plan_resume(c.resume, run.checkpoint_dir), c.verify,
+                     c.load_optimizer, c.load_rng)
+    state = resumed.state
+    if resumed.path is not None:
         note = "" if state.extra.get("rng_restored") else " (RNG states not restored: layout changed)"
-        say(f"kvtrain: resumed from {resume_from} at iteration {state.iteration}{note}")
-    wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, to_dict(cfg), active=rank0)
+        say(f"kvtrain: resumed from {resumed.path} at iteration {state.iteration}{note}")
+    wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, run_record(cfg, run.resolved),
+                        active=rank0)
     metrics = MetricsLogger(run.run_dir, wandb, active=rank0)
-    metrics.resume_at(state.iteration)
+    metrics.resume_at(state.iteration, keep_copy=resumed.fell_back)
+    metrics.write(backend_event(run, state.iteration), echo=False)
+    for note in resumed.notes:
+        metrics.write({"kind": "event", "iteration": state.iteration, "message": note}, echo=False)
     _record_config_changes(state, metrics)
     t = cfg.train
     validator = Validator(run.datasets.valid, run.forward_backward, run.model, t.eval_iters,
@@ -246,4 +271,6 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         metrics.close()
         wandb.finish(exit_code=code)
         stop.restore()
+        if lock is not None:
+            lock.release()
     return code

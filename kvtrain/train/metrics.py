@@ -8,7 +8,10 @@ device, MFU and peak memory. The same numbers go to wandb under
 
 On a resume the records past the checkpoint's iteration (steps a crashed run
 did after its last save) are dropped from ``metrics.jsonl``: the file then
-reads as one consistent history, the one the resumed run continues.
+reads as one consistent history, the one the resumed run continues. When the
+resume passed over something (a damaged checkpoint, a history set aside), the
+dropped records may be a history of their own: the file is first copied to
+``metrics.jsonl.before-<iteration>-<UTC time>``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -36,8 +41,9 @@ def peak_memory_gib() -> tuple[float, str]:
     return rss_kib / 2**20, "cpu_rss"
 
 
-def truncate_after(path: Path, iteration: int) -> int:
-    """Drops records with ``iteration`` > ``iteration`` (atomically); returns how many."""
+def truncate_after(path: Path, iteration: int, backup: Optional[Path] = None) -> int:
+    """Drops records with ``iteration`` > ``iteration`` (atomically); returns how many.
+    ``backup``: where the original goes first, if anything is dropped."""
     if not path.exists():
         return 0
     keep, dropped = [], 0
@@ -52,6 +58,8 @@ def truncate_after(path: Path, iteration: int) -> int:
         else:
             keep.append(line)
     if dropped:
+        if backup is not None:
+            shutil.copy2(path, backup)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, path)
@@ -79,15 +87,19 @@ class MetricsLogger:
         if active:
             self._file = open(self.path, "a", buffering=1)  # line-buffered
 
-    def resume_at(self, iteration: int) -> None:
-        """Forget records a crashed run wrote after the checkpoint we resume from."""
+    def resume_at(self, iteration: int, keep_copy: bool = False) -> None:
+        """Forget records a crashed run wrote after the checkpoint we resume from
+        (``keep_copy``: in a copy of the file, kept)."""
         if not self.active:
             return
         self._file.close()
-        dropped = truncate_after(self.path, iteration)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        backup = self.path.with_name(f"{self.path.name}.before-{iteration}-{stamp}")
+        dropped = truncate_after(self.path, iteration, backup if keep_copy else None)
         if dropped:
+            kept = f"; the file before is kept as {backup.name}" if keep_copy else ""
             print(f"metrics: dropped {dropped} records after iteration {iteration} "
-                  "(written by the interrupted run after its last checkpoint)", flush=True)
+                  f"(written by the interrupted run after its last checkpoint){kept}", flush=True)
         self._file = open(self.path, "a", buffering=1)
 
     def write(self, record: dict, echo: bool = True) -> None:

@@ -4,21 +4,23 @@ checkpointer and the loggers.
 
 The parallel layout comes from the config: TP and PP (with optional virtual
 stages) from ``parallel``, DP from the world size, sequence parallelism and the
-distributed optimizer from their switches.
+distributed optimizer from their switches. The device (``train.device``) and the
+backend (``model.backend``) are resolved here, once per start; ``Run.resolved``
+is what they became, printed and recorded by the trainer.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from kvtrain.config import ConfigError, RunConfig, to_dict
+from kvtrain.config.backend import BackendChoice
+from kvtrain.config.layout import Layout, derive_layout
 
 from .flops import guess_peak_tflops, training_flops_per_step
 
@@ -26,18 +28,6 @@ from .flops import guess_peak_tflops, training_flops_per_step
 def resolve_run_dir(cfg: RunConfig, override: Optional[str] = None) -> Path:
     """``--run-dir``, else ``run_dir`` from the config, else ``runs/<name>``."""
     return Path(override or cfg.run_dir or Path("runs") / cfg.name).expanduser()
-
-
-def total_steps(cfg: RunConfig) -> int:
-    """Optimizer steps of the whole run: ``max_steps``, or the steps that cover
-    ``train_tokens``, whichever comes first."""
-    t = cfg.train
-    steps = []
-    if t.max_steps is not None:
-        steps.append(t.max_steps)
-    if t.train_tokens is not None:
-        steps.append(math.ceil(t.train_tokens / (t.global_batch_size * t.seq_length)))
-    return min(steps)
 
 
 @dataclass
@@ -49,9 +39,7 @@ class Run:
     rank: int
     world_size: int
     dp_rank: int
-    dp_size: int
-    num_microbatches: int
-    total_steps: int
+    layout: Layout  # DP size, micro batches, steps, padded vocabulary (config/layout.py)
     model: list  # DDP-wrapped chunks (one per virtual pipeline stage)
     optimizer: Any
     scheduler: Any
@@ -59,12 +47,41 @@ class Run:
     datasets: Any
     flops_per_step: float
     peak_tflops: Optional[float]
-    padded_vocab: int
     checkpoint_dir: Path
-    start_time: float = field(default_factory=time.monotonic)
+    backend: BackendChoice
+    device: str  # "cuda" | "cpu"
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.data_parallel
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.layout.num_microbatches
+
+    @property
+    def total_steps(self) -> int:
+        return self.layout.total_steps
+
+    @property
+    def resolved(self) -> dict:
+        """What this start's ``auto`` settings became (plain data, for every record)."""
+        return {"backend": self.backend.as_dict(), "device": self.device}
 
 
-def _build_model(cfg: RunConfig, tconfig, numerics) -> list:
+def run_record(cfg: RunConfig, resolved: dict) -> dict:
+    """The config saved with checkpoints and given to wandb: ``to_dict(cfg)`` plus
+    a ``resolved`` section (not a config key: drop it before ``from_dict``)."""
+    return {**to_dict(cfg), "resolved": resolved}
+
+
+def backend_event(run: Run, iteration: int) -> dict:
+    """The metrics.jsonl record of the resolved backend and device (one per start)."""
+    return {"kind": "event", "iteration": iteration,
+            "message": f"{run.backend.describe()}, device {run.device}", **run.resolved}
+
+
+def _build_model(cfg: RunConfig, tconfig, numerics, backend: str) -> list:
     """GPTModel chunks of this rank (one per virtual stage), wrapped for mixed
     precision and in megatron's DistributedDataParallel."""
     from megatron.core import tensor_parallel
@@ -76,7 +93,7 @@ def _build_model(cfg: RunConfig, tconfig, numerics) -> list:
     p = cfg.parallel
     chunks = []
     for vp_stage in range(p.virtual_pipeline or 1):
-        chunk = build_gpt(cfg.model, tconfig, seed=cfg.train.seed,
+        chunk = build_gpt(cfg.model, tconfig, seed=cfg.train.seed, backend=backend,
                           vp_stage=vp_stage if p.virtual_pipeline else None)
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -110,18 +127,22 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from kvtrain.backend import init_distributed
+    from kvtrain.config.backend import check_document_masks
     from kvtrain.data import build_datasets
     from kvtrain.model.builder import Numerics, transformer_config
+    from kvtrain.model.specs import backend_choice
 
     from .optimizer import build_optimizer, build_scheduler
 
     p, t = cfg.parallel, cfg.train
     env = init_distributed(p.tensor, p.pipeline, p.virtual_pipeline, p.context, seed=t.seed,
-                           timeout_minutes=t.dist_timeout_minutes)
+                           timeout_minutes=t.dist_timeout_minutes, device=t.device)
     cfg.validate(world_size=env.world_size)
     numerics = Numerics.from_precision(t.precision)
     if numerics.fp16 and not torch.cuda.is_available():
         raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
+    backend = backend_choice(cfg.model.backend)  # once per run: every chunk uses it
+    check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
 
     tconfig = transformer_config(cfg.model, p, numerics)
     # Set before DDP is built (DDP reads it): gradients are divided by the token
@@ -130,7 +151,7 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     # Without this, data-parallel gradients are never all-reduced (notes: DDP's
     # hooks only accumulate when overlap is off).
     tconfig.finalize_model_grads_func = finalize_model_grads
-    model = _build_model(cfg, tconfig, numerics)
+    model = _build_model(cfg, tconfig, numerics, backend.name)
     if p.overlap_grad_reduce:
         # as Megatron-LM: no grad sync inside the micro-batch loop, and with PP the
         # stages launch their reduce-scatters in step (its align_grad_reduce default)
@@ -140,38 +161,47 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
             grad_sync = [m.start_grad_sync for m in model]
             tconfig.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
 
-    steps = total_steps(cfg)
+    layout = derive_layout(cfg, env.world_size)
+    megatron_dp = parallel_state.get_data_parallel_world_size()
+    if layout.data_parallel != megatron_dp:  # one rule: megatron's groups must agree with it
+        raise RuntimeError(f"megatron's data-parallel size {megatron_dp} differs from the "
+                           f"layout's {layout.data_parallel}")
+    steps = layout.total_steps
     optimizer = build_optimizer(cfg, numerics, model)
     tconfig.grad_scale_func = optimizer.scale_loss  # fp16 loss scaling (1.0 otherwise)
     scheduler = build_scheduler(cfg, optimizer, steps)
 
-    dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
     valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
     datasets = build_datasets(cfg, cache_dir, steps * t.global_batch_size, valid_samples)
 
-    padded = cfg.model.padded_vocab_size(p.tensor)
     return Run(
         cfg=cfg, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
-        dp_rank=dp_rank, dp_size=dp_size,
-        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp_size),
-        total_steps=steps, model=model, optimizer=optimizer, scheduler=scheduler,
+        dp_rank=dp_rank, layout=layout, model=model, optimizer=optimizer, scheduler=scheduler,
         forward_backward=get_forward_backward_func(),
         datasets=datasets,
-        flops_per_step=training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size, padded),
+        flops_per_step=training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size,
+                                               layout.padded_vocab_size),
         peak_tflops=t.peak_tflops_per_device or guess_peak_tflops(),
-        padded_vocab=padded,
         checkpoint_dir=Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints",
+        backend=backend, device="cuda" if torch.cuda.is_available() else "cpu",
     )
 
 
-def write_run_config(cfg: RunConfig, run_dir: Path) -> str:
+def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = None) -> str:
     """Saves the resolved config as ``<run_dir>/config.yaml``; returns the YAML
-    (block style, one key a line: it is read by people as much as by programs)."""
+    (block style, one key a line: it is read by people as much as by programs).
+    ``resolved`` (``Run.resolved``) goes in as a comment header, so the file
+    still loads as a config; programs read it from metrics.jsonl's event."""
     import yaml
 
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    if resolved:
+        b = resolved["backend"]
+        text = (f"# resolved at the last start: device {resolved['device']}\n"
+                f"# backend: {b['name']} ({b['reason']}; fused softmax: "
+                f"{'yes' if b['fused_softmax'] else 'no'})\n{text}")
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / ".config.yaml.tmp"
     tmp.write_text(text)
@@ -179,4 +209,5 @@ def write_run_config(cfg: RunConfig, run_dir: Path) -> str:
     return text
 
 
-__all__ = ["Run", "build_run", "resolve_run_dir", "total_steps", "write_run_config"]
+__all__ = ["Run", "backend_event", "build_run", "resolve_run_dir", "run_record",
+           "write_run_config"]

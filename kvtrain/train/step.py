@@ -129,6 +129,8 @@ def train_step(forward_backward: Callable, forward_step: ForwardStep, data_itera
     dist.all_reduce(packed)
     loss_sum, tokens, signal_flag, time_flag = packed.cpu().tolist()
     loss = loss_sum / max(tokens, 1.0)
+    if forward_step.hooks is not None:
+        forward_step.hooks.gradients(forward_step.iteration, model)
     outcome = guarded_step(optimizer, scheduler, loss_is_finite=math.isfinite(loss))
     return StepResult(loss=loss, tokens=int(tokens), outcome=outcome,
                       stop_signal=signal_flag > 0, time_up=time_flag > 0)

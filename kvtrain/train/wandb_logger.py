@@ -14,13 +14,11 @@ block for minutes). Only global rank 0 talks to wandb.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import socket
-import struct
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from kvtrain.config.schema import WandbConfig
 
@@ -126,60 +124,3 @@ class WandbLogger:
         if self.run is not None:
             self.run.finish(exit_code=exit_code)
             self.run = None
-
-
-# ----------------------------------------------------------------------------- offline files
-def offline_run_files(run_dir: str | Path) -> list[Path]:
-    """The ``.wandb`` transaction logs under ``run_dir`` (one per process start)."""
-    return sorted(Path(run_dir).glob("**/wandb/offline-run-*/run-*.wandb"))
-
-
-def _records(path: Path) -> Iterator[bytes]:
-    """Records of a .wandb file (LevelDB log format: 7-byte header, 32 KiB blocks of
-    ``crc32c(4) length(2) type(1) payload`` chunks; type 1 full, 2/3/4 first/middle/last)."""
-    data = path.read_bytes()
-    block = 32768
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0:  # zero padding at the end of a block
-            pos += left
-            continue
-        payload = data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind == 1:
-            yield payload
-        elif kind == 2:
-            pending = payload
-        elif kind == 3:
-            pending += payload
-        elif kind == 4:
-            yield pending + payload
-            pending = b""
-
-
-def read_offline_run(path: str | Path) -> dict:
-    """``{"run_id": ..., "history": [{key: value, ...}, ...]}`` of one .wandb file."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    run_id, history = None, []
-    for payload in _records(Path(path)):
-        record = pb.Record()
-        record.ParseFromString(payload)
-        kind = record.WhichOneof("record_type")
-        if kind == "run" and record.run.run_id:
-            run_id = record.run.run_id
-        elif kind == "history":
-            row = {}
-            for item in record.history.item:
-                key = item.key or "/".join(item.nested_key)
-                try:
-                    row[key] = json.loads(item.value_json)
-                except (ValueError, TypeError):
-                    row[key] = item.value_json
-            history.append(row)
-    return {"run_id": run_id, "history": history}

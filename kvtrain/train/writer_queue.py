@@ -18,7 +18,8 @@ so ``results_queue(async_save=False)`` is a plain in-process queue: no extra
 process at all. Asynchronous saves (the writer runs in a forked process) do
 need a cross-process queue: the manager is then started with ``__main__``
 hidden (so the child imports nothing of ours), asks the kernel for SIGKILL
-when its parent dies (Linux ``PR_SET_PDEATHSIG``; a polling thread otherwise),
+when its parent dies (``data_tools.lifeline``: Linux ``PR_SET_PDEATHSIG``, a
+polling thread elsewhere),
 and imports torch's checkpoint classes in the background right away.
 
 Only the standard library is imported at module level: this module is what
@@ -28,10 +29,8 @@ the manager process unpickles as its initializer.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
-import time
 from contextlib import contextmanager
 
 _MANAGER = None  # keeps the manager (and its process) alive with this process
@@ -40,7 +39,9 @@ _MANAGER = None  # keeps the manager (and its process) alive with this process
 def _init_manager(parent_pid: int) -> None:
     """Initializer of the manager process: die with ``parent_pid``, and import what
     unpickling the write results needs before the first save arrives."""
-    _die_with_parent(parent_pid)
+    from data_tools.lifeline import die_with_parent  # standard library only
+
+    die_with_parent(parent_pid, poll=True)
 
     def warm() -> None:
         try:
@@ -49,28 +50,6 @@ def _init_manager(parent_pid: int) -> None:
             pass
 
     threading.Thread(target=warm, daemon=True, name="kvtrain-import-warmup").start()
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit as soon as ``parent_pid`` is gone."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except Exception:  # noqa: BLE001 - the polling thread below still works
-            pass
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(0)
-            time.sleep(1.0)
-
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-    threading.Thread(target=watch, daemon=True, name="kvtrain-parent-watch").start()
 
 
 @contextmanager

@@ -5,6 +5,7 @@
                                before the checkpoint is marked complete
     {"kill_after_save": 3}     SIGKILL right after the checkpoint of 3 is complete
     {"nonfinite_steps": [3]}   the loss of step 3 becomes NaN
+    {"nonfinite_grad_steps": [5]}  the gradients of step 5 become inf (finite loss)
     {"stop_after": 3}          step 3 carries a stop request (like SIGTERM)
     {"kill_at_step": 4}        SIGKILL at the start of step 4 (nothing saved for it)
 """
@@ -26,17 +27,28 @@ def _die() -> None:
 class Faults(RunHooks):
     def __init__(self, kill_in_save: Optional[int] = None, kill_after_save: Optional[int] = None,
                  nonfinite_steps: Iterable[int] = (), stop_after: Optional[int] = None,
-                 kill_at_step: Optional[int] = None):
+                 kill_at_step: Optional[int] = None, nonfinite_grad_steps: Iterable[int] = ()):
         self.kill_in_save = kill_in_save
         self.kill_after_save = kill_after_save
         self.nonfinite_steps = frozenset(nonfinite_steps)
         self.stop_after = stop_after
         self.kill_at_step = kill_at_step
+        self.nonfinite_grad_steps = frozenset(nonfinite_grad_steps)
 
     def loss(self, iteration, loss_sum):
         if iteration in self.nonfinite_steps:
             return loss_sum * float("nan")
         return loss_sum
+
+    def gradients(self, iteration, model):
+        if iteration not in self.nonfinite_grad_steps:
+            return
+        for chunk in model:
+            for param in chunk.parameters():
+                grad = getattr(param, "main_grad", None)
+                grad = param.grad if grad is None else grad
+                if grad is not None:
+                    grad.view(-1)[0] = float("inf")
 
     def stop_requested(self, iteration: int) -> bool:
         if iteration == self.kill_at_step:

@@ -223,7 +223,7 @@ def test_plan_memory_is_monotone_in_the_obvious_knobs():
 def test_plan_flops_and_steps_are_the_trainers(path):
     from kvtrain.plan.flops import step_flops
     from kvtrain.train.flops import training_flops_per_step
-    from kvtrain.train.setup import total_steps
+    from kvtrain.config.layout import derive_layout
 
     cfg = load_config(path)
     t = cfg.train
@@ -233,7 +233,7 @@ def test_plan_flops_and_steps_are_the_trainers(path):
     assert ours.model == pytest.approx(theirs, rel=1e-12)
     nodes = {"1.5b": 8, "2.9b": 64, "6.7b": 8, "13b": 16, "19b": 30}.get(size_of(path), 1)
     plan = make_plan(cfg, nodes=nodes, gpu="a800")
-    assert plan.steps == total_steps(cfg)
+    assert plan.steps == derive_layout(cfg, plan.world).total_steps
 
 
 def test_plan_runs_without_torch():

@@ -16,7 +16,9 @@ object handed to ``train`` (``{"stop_after": N}``: step N carries a stop
 request, as if a signal had arrived during it). ``env`` is set in the child
 only. Exit status: 0 when every job's child exited as expected (its
 ``expect`` code, 0 by default; -9 for a SIGKILLed one), 1 otherwise; each
-job's code is printed as ``driver: job <run_dir> exit <code>``.
+job's code is printed as ``driver: job <run_dir> exit <code>``. A job with
+``"log": PATH`` writes its stdout and stderr to PATH only, and a config or
+checkpoint error ends it as ``kvtrain train`` does: one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.faults
+
+from kvtrain.cli import error_line  # noqa: E402 (light: no torch)
+from kvtrain.config import ConfigError  # noqa: E402
 
 
 def _child(job: dict, port: int) -> int:
@@ -70,6 +75,15 @@ def _job_port(store, index: int) -> int:
     return int(store.get(key))
 
 
+def _redirect(log) -> None:
+    """The job's own output file (its stdout and stderr), when it names one."""
+    if log:
+        sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(sink, 1)
+        os.dup2(sink, 2)
+        os.close(sink)
+
+
 def main(plan_path: str) -> int:
     from kvtrain.commands.train import _quiet_imports
 
@@ -87,9 +101,10 @@ def main(plan_path: str) -> int:
         if pid == 0:
             code = 1
             try:
+                _redirect(job.get("log"))
                 code = _child(job, port)
-            except ConfigError as e:  # as the command line reports it (kvtrain/cli.py)
-                print(f"kvtrain: config error: {e}", file=sys.stderr)
+            except ConfigError as e:  # as the CLI reports it
+                print(error_line(e), file=sys.stderr)
                 code = 2
             except BaseException:  # noqa: BLE001 - report and exit the child
                 traceback.print_exc()

@@ -109,7 +109,11 @@ def test_metrics_after_the_checkpoint_are_dropped_on_resume(tmp_path):
 
 
 def test_resume_resolution_and_tracker(tmp_path):
-    from kvtrain.train.checkpoint import MARKER, read_tracker, resolve_resume, write_atomic
+    from kvtrain.train.checkpoint import MARKER, plan_resume, read_tracker, write_atomic
+
+    def resolve_resume(resume, root):
+        plan = plan_resume(resume, root)
+        return plan.candidates[0] if plan.candidates else None
 
     root = tmp_path / "checkpoints"
     root.mkdir()
@@ -123,16 +127,16 @@ def test_resume_resolution_and_tracker(tmp_path):
     (partial / "metadata.json").write_text("{}")
     (partial / MARKER).write_text("{}")  # even with every file: its name says unfinished
     write_atomic(root / "latest", "iter_0000004\n")
-    assert read_tracker(root) == done == resolve_resume("auto", root) == resolve_resume(
+    assert read_tracker(root)[0] == done == resolve_resume("auto", root) == resolve_resume(
         str(root), root) == resolve_resume(str(done), root)
     with pytest.raises(ConfigError, match="not a complete kvtrain checkpoint"):
         resolve_resume(str(partial), root)
     with pytest.raises(ConfigError, match="no such checkpoint"):
         resolve_resume(str(tmp_path / "nope"), root)
     assert not [p for p in root.iterdir() if ".tmp." in p.name]  # no temp files left
-    write_atomic(root / "latest", "iter_0000008\n")  # a tracker naming no checkpoint
-    with pytest.raises(ConfigError, match="not a complete checkpoint"):
-        resolve_resume("auto", root)
+    write_atomic(root / "latest", "iter_0000008\n")  # a tracker naming no checkpoint:
+    plan = plan_resume("auto", root)  # a warning, and the checkpoints in the folder
+    assert plan.candidates == [done] and "not a checkpoint folder" in plan.warnings[0]
 
 
 # ----------------------------------------------------------------------------- KV-shift stats
@@ -182,3 +186,39 @@ def test_wandb_mode_resolution(monkeypatch, tmp_path):
     assert wandb_logger.resolve_mode(WandbConfig()) == "disabled"
     first = wandb_logger.run_id_for(tmp_path)
     assert first == wandb_logger.run_id_for(tmp_path) and len(first) == 8
+
+
+def test_metrics_logger_sends_every_record_kind_to_wandb(tmp_path):
+    """metrics.jsonl and wandb get the same numbers: train/, valid/ and kv_shift/
+    names against the ``iteration`` step; strings stay out of wandb, and a
+    non-finite value goes to wandb as a float but to metrics.jsonl as text (JSON
+    has no inf)."""
+    import json
+
+    from kvtrain.train.metrics import MetricsLogger
+
+    class Recorder:
+        def __init__(self):
+            self.rows = []
+
+        def log(self, row):
+            self.rows.append(row)
+
+    wandb = Recorder()
+    logger = MetricsLogger(tmp_path, wandb, active=True)
+    logger.write({"kind": "train", "iteration": 5, "lm_loss": 2.5, "lr": 1e-3,
+                  "grad_norm": float("inf"), "memory_kind": "cpu_rss"}, echo=False)
+    logger.write({"kind": "valid", "iteration": 5, "val_loss": 2.25, "val_ppl": 9.49},
+                 echo=False)
+    logger.write({"kind": "kv_shift", "iteration": 5, "kv_shift/layer_01/alpha1": 0.7},
+                 echo=False)
+    logger.write({"kind": "event", "iteration": 5, "message": "stopped"}, echo=False)
+    logger.close()
+    assert wandb.rows == [
+        {"iteration": 5, "train/lm_loss": 2.5, "train/lr": 1e-3, "train/grad_norm": float("inf")},
+        {"iteration": 5, "valid/val_loss": 2.25, "valid/val_ppl": 9.49},
+        {"iteration": 5, "kv_shift/layer_01/alpha1": 0.7},
+        {"iteration": 5},
+    ]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["grad_norm"] == "inf" and lines[3]["message"] == "stopped"

@@ -1,0 +1,131 @@
+"""Which attention backend a run uses, and what that backend cannot do.
+
+``model.backend`` asks for ``auto``, ``te`` (Transformer Engine) or ``local``
+(megatron's own modules; what runs on the CPU). The answer is decided once per
+run from what the machine offers - a GPU, an importable Transformer Engine,
+apex's fused softmax kernels - by :func:`decide_backend`, a pure function: the
+trainer probes the machine (``kvtrain.model.specs.backend_choice``) and the
+planner, which has no GPU, assumes the cluster's answer. Both then apply the
+same refusals (:func:`check_document_masks`).
+
+This module imports neither torch nor megatron, so ``kvtrain plan`` and config
+validation stay light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .loader import ConfigError
+
+TE_NOT_INSTALLED = "not installed"
+"""``te_error`` when Transformer Engine is simply absent (not an error worth showing)."""
+
+# megatron's FusedScaleMaskSoftmax takes apex's upper-triangular (causal) kernel,
+# which ignores the attention mask, for 16-bit scores with 16 < s <= 4096.
+FUSED_SOFTMAX_MAX_SEQ = 4096
+FUSED_SOFTMAX_MIN_SEQ = 16
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The resolved backend of a run: what it is, why, and which kernels it has."""
+
+    name: str
+    """``te`` or ``local``."""
+    requested: str
+    """The ``model.backend`` value it was resolved from."""
+    reason: str
+    """Why: ``auto: no GPU``, ``auto: Transformer Engine not installed``, ..."""
+    fused_softmax: bool
+    """apex's fused masked-softmax kernels are importable (used by the local spec)."""
+    te_error: Optional[str] = None
+    """First line of Transformer Engine's import error when it is installed but broken."""
+
+    def describe(self) -> str:
+        """One line for stdout: ``backend local (auto: no GPU; fused softmax: no)``."""
+        fused = "yes" if self.fused_softmax else "no"
+        return f"backend {self.name} ({self.reason}; fused softmax: {fused})"
+
+    @property
+    def warning(self) -> Optional[str]:
+        """A broken Transformer Engine install, shown even when ``auto`` falls back."""
+        if self.te_error in (None, TE_NOT_INSTALLED) or self.name == "te":
+            return None
+        return (f"Transformer Engine is installed but does not import ({self.te_error}); "
+                f"using the local backend (model.backend: te would stop here)")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def decide_backend(requested: str, cuda: bool, te_error: Optional[str],
+                   fused_softmax: bool) -> BackendChoice:
+    """The backend for ``model.backend: requested`` on a machine where torch does
+    (``cuda``) or does not see a GPU, Transformer Engine imports (``te_error`` None)
+    or fails (``TE_NOT_INSTALLED`` or the error's first line), and apex's fused
+    softmax is (``fused_softmax``) or is not available."""
+    fused = fused_softmax and cuda
+    if requested == "local":
+        return BackendChoice("local", requested, "model.backend: local", fused, te_error)
+    if requested == "te":
+        if not cuda:
+            raise ConfigError("model.backend: te needs a GPU, but torch sees no GPU "
+                              "(use model.backend: auto or local on the CPU)")
+        if te_error == TE_NOT_INSTALLED:
+            raise ConfigError("model.backend: te, but Transformer Engine is not installed "
+                              "(pip install transformer_engine[pytorch], or model.backend: local)")
+        if te_error is not None:
+            raise ConfigError(f"model.backend: te, but Transformer Engine does not import: "
+                              f"{te_error}")
+        return BackendChoice("te", requested, "model.backend: te", fused)
+    if requested != "auto":
+        raise ConfigError(f"model.backend must be auto, te or local, got {requested!r}")
+    if not cuda:
+        return BackendChoice("local", requested, "auto: no GPU", fused, te_error)
+    if te_error == TE_NOT_INSTALLED:
+        return BackendChoice("local", requested, "auto: Transformer Engine not installed",
+                             fused, te_error)
+    if te_error is not None:
+        return BackendChoice("local", requested,
+                             f"auto: transformer_engine import failed: {te_error}", fused,
+                             te_error)
+    return BackendChoice("te", requested, "auto: Transformer Engine on a GPU", fused)
+
+
+def document_mask_problem(backend: str, fused_softmax: bool, half: bool,
+                          seq_length: int) -> Optional[str]:
+    """Why ``backend`` would ignore a document mask at ``seq_length`` (None: it applies it).
+
+    TE's attention with the causal mask type ignores ``attention_mask``; the local
+    spec's ``FusedScaleMaskSoftmax`` drops it when it takes apex's causal kernel
+    (16-bit scores, 16 < s <= 4096). The torch softmax path applies it.
+    """
+    if backend == "te":
+        return "Transformer Engine's causal attention ignores the mask (backend te)"
+    if fused_softmax and half and FUSED_SOFTMAX_MIN_SEQ < seq_length <= FUSED_SOFTMAX_MAX_SEQ:
+        return (f"apex's fused softmax kernel ignores the mask for 16-bit sequences of "
+                f"{FUSED_SOFTMAX_MIN_SEQ + 1}..{FUSED_SOFTMAX_MAX_SEQ} tokens (backend local, "
+                f"train.seq_length {seq_length})")
+    return None
+
+
+def check_document_masks(cfg, choice: BackendChoice, half: bool) -> None:
+    """Refuses ``data.reset_attention_mask`` where ``choice`` would silently ignore
+    the mask (attention would cross documents while the KV shift resets at them)."""
+    if not cfg.data.reset_attention_mask:
+        return
+    problem = document_mask_problem(choice.name, choice.fused_softmax, half,
+                                    cfg.train.seq_length)
+    if problem:
+        raise ConfigError(
+            f"data.reset_attention_mask: true is refused: {problem}, so attention would cross "
+            f"documents; use model.backend: local on a GPU without apex's fused softmax (or "
+            f"train.precision fp32), or set data.reset_attention_mask: false until packed "
+            f"documents are supported on every backend"
+        )
+
+
+__all__ = ["BackendChoice", "TE_NOT_INSTALLED", "check_document_masks", "decide_backend",
+           "document_mask_problem"]

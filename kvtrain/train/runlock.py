@@ -1,0 +1,99 @@
+"""One writer per run folder: ``<run_dir>/.kvtrain.lock``.
+
+Global rank 0 takes an exclusive ``flock`` on the lock file before any rank
+touches the folder and writes its host, pid and start time into it; every
+rank learns the verdict through a broadcast, so all of them stop with the
+same line when the folder is in use. The kernel drops the lock when the
+holder dies, however it dies: a dead holder's lock is taken over without
+anyone deleting anything. The lock is held until the process exits (or
+``release``); processes forked by the holder (the asynchronous checkpoint
+writer) share it, so the folder stays locked while one of them still writes.
+
+Limitation: on a shared filesystem ``flock`` is only as coherent as the
+filesystem makes it (NFSv4 and Lustre with ``flock`` mounts are; a mount
+with ``localflock`` locks per node). The recorded host and pid are what the
+refusal reports.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+from kvtrain.config import ConfigError
+
+LOCK_FILE = ".kvtrain.lock"
+_held: dict[str, "RunLock"] = {}  # one lock per folder and process (re-entrant)
+
+
+class RunLock:
+    """The lock of one run folder, held by this process."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            _held.pop(str(self.path), None)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    started = info.get("started")
+    since = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}" \
+        if isinstance(started, (int, float)) else ""
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}{since}"
+
+
+def try_lock(run_dir: Path) -> tuple[Optional[RunLock], str]:
+    """(the lock, "") or (None, who holds it)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = (run_dir / LOCK_FILE).resolve()
+    if str(path) in _held:
+        return _held[str(path)], ""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        return None, holder
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    lock = _held[str(path)] = RunLock(path, fd)
+    return lock, ""
+
+
+def hold_run_folder(run_dir: Path) -> Optional[RunLock]:
+    """Rank 0 locks ``run_dir``; every rank raises the same ``ConfigError`` when
+    another process holds it (collective when a process group exists)."""
+    import torch.distributed as dist
+
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    lock, verdict = None, [""]
+    if not distributed or dist.get_rank() == 0:
+        lock, holder = try_lock(Path(run_dir))
+        if lock is None:
+            verdict[0] = (f"run folder {Path(run_dir).resolve()} is in use by kvtrain {holder} "
+                          f"(lock {Path(run_dir).resolve() / LOCK_FILE}); one run writes to a "
+                          "folder at a time")
+    if distributed:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise ConfigError(verdict[0])
+    return lock
+
+
+__all__ = ["LOCK_FILE", "RunLock", "hold_run_folder", "try_lock"]

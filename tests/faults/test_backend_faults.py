@@ -1,0 +1,337 @@
+"""Backends: chosen once, printed and recorded, refused where they would be wrong.
+
+Issue 10 items 8 (silent fallbacks: ``model.backend``, the CPU backend on a GPU
+job), 7 (document masks the GPU kernels ignore), 6 (context parallelism
+accepted but not implemented) and 11 (the plan's memory model follows the
+backend). The decisions are pure functions, called here with fake inputs (what
+the environment, the device files, torch and Transformer Engine would say); two
+subprocess launches check what a user sees from ``kvtrain train``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtrain.config import ConfigError, load_config
+from kvtrain.plan import PlanError, make_plan, render
+from kvtrain.plan.memory import activation_bytes, estimate_memory, layer_activation_bytes
+from tests.train.conftest import metrics, run, tiny_config, write_config
+
+PAPER_6_7B = "configs/paper/6.7b_kv_shift.yaml"
+TE_NOT_INSTALLED = "not installed"  # kvtrain.config.backend.TE_NOT_INSTALLED
+
+
+def one_line_error(result) -> str:
+    """The stderr of a refused launch: exactly one line, no traceback."""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------- item 8: model.backend
+def test_backend_key_is_typed_and_defaults_to_auto():
+    assert load_config(None).model.backend == "auto"
+    assert load_config(None, ["model.backend=local"]).model.backend == "local"
+    with pytest.raises(ConfigError, match="model.backend: expected one of 'auto', 'te', 'local'"):
+        load_config(None, ["model.backend=flash"])
+
+
+@pytest.mark.parametrize("requested, cuda, te_error, name, reason", [
+    ("auto", False, TE_NOT_INSTALLED, "local", "auto: no GPU"),
+    ("auto", True, TE_NOT_INSTALLED, "local", "auto: Transformer Engine not installed"),
+    ("auto", True, "OSError: libcudnn.so.9: cannot open shared object file", "local",
+     "auto: transformer_engine import failed: OSError: libcudnn.so.9: cannot open shared "
+     "object file"),
+    ("auto", True, None, "te", "auto: Transformer Engine on a GPU"),
+    ("local", True, None, "local", "model.backend: local"),
+    ("te", True, None, "te", "model.backend: te"),
+])
+def test_auto_resolution_says_why(requested, cuda, te_error, name, reason):
+    from kvtrain.config.backend import decide_backend
+
+    choice = decide_backend(requested, cuda=cuda, te_error=te_error, fused_softmax=False)
+    assert (choice.name, choice.reason) == (name, reason)
+    assert choice.describe().startswith(f"backend {name} ({reason}")
+    # a broken install is shown even when auto falls back; "not installed" is not
+    broken = te_error not in (None, TE_NOT_INSTALLED) and cuda and requested == "auto"
+    assert (choice.warning is not None) == broken
+    if broken:
+        assert te_error in choice.warning and "\n" not in choice.warning
+
+
+@pytest.mark.parametrize("cuda, te_error, found", [
+    (True, TE_NOT_INSTALLED, "Transformer Engine is not installed"),
+    (True, "ImportError: undefined symbol: cudnnGetVersion", "undefined symbol: cudnnGetVersion"),
+    (False, None, "torch sees no GPU"),
+])
+def test_te_requested_but_unusable_is_one_line_naming_the_key(cuda, te_error, found):
+    from kvtrain.config.backend import decide_backend
+
+    with pytest.raises(ConfigError) as e:
+        decide_backend("te", cuda=cuda, te_error=te_error, fused_softmax=False)
+    message = str(e.value)
+    assert message.startswith("model.backend: te") and found in message and "\n" not in message
+
+
+def test_te_import_error_is_classified():
+    from kvtrain.config.backend import TE_NOT_INSTALLED as NOT_INSTALLED
+    from kvtrain.model.specs import describe_import_failure
+
+    assert NOT_INSTALLED == TE_NOT_INSTALLED
+    missing = ModuleNotFoundError("No module named 'transformer_engine'", name="transformer_engine")
+    assert describe_import_failure(missing) == TE_NOT_INSTALLED
+    partial = ModuleNotFoundError("No module named 'transformer_engine_torch'",
+                                  name="transformer_engine_torch")
+    assert describe_import_failure(partial) == \
+        "ModuleNotFoundError: No module named 'transformer_engine_torch'"
+    broken = OSError("libcudart.so.12: cannot open shared object file\nmore detail")
+    assert describe_import_failure(broken) == \
+        "OSError: libcudart.so.12: cannot open shared object file"
+
+
+def test_build_time_choice_uses_the_probes(monkeypatch):
+    """The trainer's one call: probes torch, TE and apex, then decides (here: faked)."""
+    from kvtrain.model import specs
+
+    monkeypatch.setattr(specs.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(specs, "te_import_error", lambda: "OSError: libnvrtc.so: not found")
+    monkeypatch.setattr(specs, "fused_softmax_available", lambda: True)
+    choice = specs.backend_choice("auto")
+    assert (choice.name, choice.fused_softmax) == ("local", True)
+    assert "libnvrtc.so" in choice.reason and choice.warning
+
+
+# ----------------------------------------------------------------------------- item 8: the device
+def fake_devices(*paths: str):
+    return lambda pattern: [p for p in paths if Path(p).match(pattern)]
+
+
+@pytest.mark.parametrize("environ, devices, evidence", [
+    ({}, (), []),
+    ({"CUDA_VISIBLE_DEVICES": ""}, (), []),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, (), []),
+    ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, (), []),
+    ({"SLURM_GPUS_PER_NODE": "0", "SLURM_JOB_ID": "7"}, (), []),
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, (), ["CUDA_VISIBLE_DEVICES=0,1"]),
+    ({"SLURM_JOB_GPUS": "2"}, (), ["SLURM_JOB_GPUS=2"]),
+    ({"SLURM_GPUS_ON_NODE": "8"}, (), ["SLURM_GPUS_ON_NODE=8"]),
+    ({"SLURM_GPUS_PER_NODE": "a100:4"}, (), ["SLURM_GPUS_PER_NODE=a100:4"]),
+    ({"GPU_DEVICE_ORDINAL": "0"}, (), ["GPU_DEVICE_ORDINAL=0"]),
+    ({}, ("/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia1"), ["/dev/nvidia0", "/dev/nvidia1"]),
+])
+def test_gpus_given_reads_environment_and_device_files(environ, devices, evidence):
+    from kvtrain.backend.device import gpus_given
+
+    assert gpus_given(environ, fake_devices(*devices)) == evidence
+
+
+def test_cpu_backend_refused_when_the_launcher_gave_gpus():
+    from kvtrain.backend.device import select_device
+
+    cpu_build = {"cuda_available": False, "torch_cuda": None}
+    given = {"CUDA_VISIBLE_DEVICES": "0"}
+    with pytest.raises(ConfigError) as e:
+        select_device("auto", given, fake_devices("/dev/nvidia0"), **cpu_build)
+    message = str(e.value)
+    for needle in ("CUDA_VISIBLE_DEVICES=0", "/dev/nvidia0", "torch sees no GPU",
+                   "CPU-only build", "train.device: cpu"):
+        assert needle in message, needle
+    assert "\n" not in message
+    broken_cuda = {"cuda_available": False, "torch_cuda": "12.8"}
+    with pytest.raises(ConfigError, match="built for CUDA 12.8"):
+        select_device("auto", given, fake_devices(), **broken_cuda)
+    # the opt-out, and the plain CPU machine
+    assert select_device("cpu", given, fake_devices("/dev/nvidia0"), **cpu_build) == "cpu"
+    assert select_device("auto", {}, fake_devices(), **cpu_build) == "cpu"
+    with pytest.raises(ConfigError, match="train.device: cuda"):
+        select_device("cuda", {}, fake_devices(), **cpu_build)
+    gpu = {"cuda_available": True, "torch_cuda": "12.8"}
+    assert select_device("auto", given, fake_devices(), **gpu) == "cuda"
+    with pytest.raises(ConfigError, match="train.device: cpu"):
+        select_device("cpu", given, fake_devices(), **gpu)
+
+
+# --------------------------------------------------------------------------- item 7: document masks
+def masked(seq_length: int = 1024, **model) -> "object":
+    sets = ["data.reset_attention_mask=true", "data.eod_id=0", f"train.seq_length={seq_length}",
+            f"model.max_position_embeddings={max(seq_length, 2048)}"]
+    return load_config(None, sets + [f"model.{k}={v}" for k, v in model.items()])
+
+
+def choice(name: str, fused: bool):
+    from kvtrain.config.backend import BackendChoice
+
+    return BackendChoice(name=name, requested="auto", reason="test", fused_softmax=fused)
+
+
+def test_document_masks_refused_where_the_kernel_ignores_them():
+    from kvtrain.config.backend import check_document_masks
+
+    with pytest.raises(ConfigError) as e:
+        check_document_masks(masked(), choice("te", False), half=True)
+    message = str(e.value)
+    assert message.startswith("data.reset_attention_mask") and "backend te" in message
+    assert "model.backend: local" in message and "\n" not in message
+    # local with apex's fused upper-triangular softmax, 16 < s <= 4096, 16-bit
+    with pytest.raises(ConfigError, match="fused softmax"):
+        check_document_masks(masked(4096), choice("local", True), half=True)
+    # where the mask is applied: the torch softmax (no apex, fp32, or s > 4096), the CPU
+    check_document_masks(masked(1024), choice("local", False), half=True)
+    check_document_masks(masked(1024), choice("local", True), half=False)
+    check_document_masks(masked(8192), choice("local", True), half=True)
+    check_document_masks(load_config(None), choice("te", True), half=True)  # no mask asked
+
+
+def test_plan_refuses_document_masks_on_te_and_warns_on_local():
+    cfg = load_config(PAPER_6_7B, ["data.reset_attention_mask=true", "data.eod_id=2"])
+    with pytest.raises(PlanError, match="data.reset_attention_mask"):
+        make_plan(cfg, nodes=8, gpu="a100")
+    cfg = load_config(PAPER_6_7B, ["data.reset_attention_mask=true", "data.eod_id=2",
+                                   "model.backend=local", "parallel.recompute=full"])
+    plan = make_plan(cfg, nodes=8, gpu="a100")
+    assert any("data.reset_attention_mask" in w for w in plan.warnings)
+
+
+# ------------------------------------------------------------------------- item 6: context parallel
+def test_context_parallel_refused_in_validate():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["parallel.context=2"])
+    message = str(e.value)
+    assert "parallel.context" in message and "not implemented" in message
+    assert "Context parallelism with the KV-shift halo" in message and "\n" not in message
+
+
+def test_context_parallel_refused_by_kvtrain_plan(capsys):
+    from kvtrain.cli import main
+
+    code = main(["plan", PAPER_6_7B, "--nodes", "8", "--set", "parallel.context=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "parallel.context" in err[0], err
+    assert "not implemented" in err[0]
+
+
+def test_plan_shards_optimizer_state_over_dp_times_cp():
+    """When CP lands: megatron's distributed optimizer shards over DP x CP."""
+    cfg = load_config(PAPER_6_7B)
+    p, t = cfg.parallel, cfg.train
+    cp = replace(p, context=2)
+    one = estimate_memory(cfg.model, p, t, dp=4, num_microbatches=4)
+    two = estimate_memory(cfg.model, cp, t, dp=4, num_microbatches=4)
+    assert two.optimizer == pytest.approx(one.optimizer / 2)
+
+
+# ----------------------------------------------------------------------------- item 11: plan memory
+def test_local_memory_adds_exactly_the_score_matrices():
+    """Per layer on one GPU, bf16, no dropout: the local spec keeps softmax's fp32
+    output and the bf16 probabilities the A·V matmul saves, [b, a/t, s, s] each,
+    and no flash log-sum-exp; plus one [b, a/t, s, s] bf16 score buffer per GPU
+    (megatron's global memory buffer, reused by every layer)."""
+    cfg = load_config(PAPER_6_7B, ["parallel.recompute=none"])
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    b, s, heads = t.micro_batch_size, t.seq_length, m.num_attention_heads // p.tensor
+    scores = b * heads * s * s
+    lse = 4 * heads * s * b
+
+    def extra(model, precision):
+        return (layer_activation_bytes(model, p, s, b, precision, backend="local")
+                - layer_activation_bytes(model, p, s, b, precision, backend="te"))
+
+    assert extra(m, "bf16") == scores * (4 + 2) - lse
+    # dropout: a 1-byte mask, and the matmul saves the dropped copy
+    assert extra(replace(m, attention_dropout=0.1), "bf16") == scores * (4 + 1 + 2) - lse
+    # fp32: the matmul saves softmax's own output
+    assert extra(m, "fp32") == scores * 4 - lse
+    # a whole stage: layers x in-flight micro batches, plus the score buffer
+    a_te = activation_bytes(m, p, s, b, 4, "none", precision="bf16", backend="te")
+    a_local = activation_bytes(m, p, s, b, 4, "none", precision="bf16", backend="local")
+    layers_in_flight = m.num_layers // p.pipeline * a_te["in_flight"]
+    assert a_local["total"] - a_te["total"] == \
+        layers_in_flight * (scores * 6 - lse) + 2 * scores
+    # selective recompute (megatron's core-attention recompute) keeps no scores:
+    # one layer's are rebuilt at a time in the backward pass
+    sel = activation_bytes(m, p, s, b, 4, "selective", precision="bf16", backend="local")
+    assert sel["total"] == a_te["total"] - layers_in_flight * lse + scores * 6 + 2 * scores
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_local_score_bytes_are_what_autograd_saves(mp1, precision):
+    """The per-element bytes of the plan's local-spec term, measured: what megatron's
+    local DotProductAttention hands autograd in tensors of [.., s, s] (no dropout;
+    dropout's mask differs between the CPU and CUDA's fused kernel)."""
+    import torch
+
+    from kvtrain.config import ModelConfig
+    from kvtrain.model.builder import Numerics, build_gpt, transformer_config
+    from kvtrain.plan.memory import score_bytes_kept
+
+    s, b, heads = 32, 2, 4
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=heads, vocab_size=128,
+                      make_vocab_size_divisible_by=64, max_position_embeddings=s)
+    numerics = Numerics.from_precision(precision)
+    model = build_gpt(cfg, transformer_config(cfg, numerics=numerics), backend="local")
+    core = model.decoder.layers[0].self_attention.core_attention
+    saved = {}
+
+    def pack(t):
+        if t.dim() >= 2 and t.shape[-2:] == (s, s) and t.numel() >= b * heads * s * s:
+            saved[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+
+    q, k, v = (torch.randn(s, b, heads, 16, dtype=numerics.params_dtype, requires_grad=True)
+               for _ in range(3))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        core(q, k, v, None)
+    assert sum(saved.values()) / (b * heads * s * s) == score_bytes_kept(cfg, precision)
+
+
+def test_plan_memory_follows_the_backend_and_says_which():
+    sel = ["parallel.recompute=selective"]
+    auto = make_plan(load_config(PAPER_6_7B, sel), nodes=8, gpu="a100")
+    local = make_plan(load_config(PAPER_6_7B, sel + ["model.backend=local"]), nodes=8, gpu="a100")
+    assert local.memory.activations > auto.memory.activations
+    # without recompute the local spec's scores do not fit where flash attention does
+    with pytest.raises(PlanError, match="exceeds the 80 GiB"):
+        make_plan(load_config(PAPER_6_7B, ["model.backend=local"]), nodes=8, gpu="a100")
+    assert auto.memory.attention == "te" and local.memory.attention == "local"
+    assert "attention memory: te spec assumed (model.backend auto" in render(auto)
+    assert "attention memory: local spec (model.backend local): s x s scores" in render(local)
+
+
+# ----------------------------------------------------------------------------- what a user sees
+def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, cache_dir):
+    import torch
+
+    from kvtrain.model.specs import backend_choice
+
+    expected, device = backend_choice("auto"), "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = tiny_config(None, cache_dir, train={"max_steps": 2}, checkpoint={"save_interval": 2})
+    path = write_config(tmp_path / "cfg.yaml", cfg)
+    ok = run(["train", str(path), "--run-dir", str(tmp_path / "run")])
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert f"kvtrain: {expected.describe()}, device {device}" in ok.stdout
+    if device == "cpu":
+        assert "kvtrain: backend local (auto: no GPU; fused softmax: no), device cpu" in ok.stdout
+    events = [r for r in metrics(tmp_path / "run", kind="event") if "backend" in r]
+    assert [(e["iteration"], e["backend"], e["device"]) for e in events] == \
+        [(0, expected.as_dict(), device)]
+    saved = tmp_path / "run" / "config.yaml"
+    assert f"# backend: {expected.name} ({expected.reason}" in saved.read_text()
+    assert load_config(saved).model.backend == "auto"  # still a config kvtrain train reads
+    assert yaml.safe_load(saved.read_text())["model"]["backend"] == "auto"
+    (common,) = (tmp_path / "run" / "checkpoints").glob("*/common.pt")
+    resolved = torch.load(common, weights_only=False)["kvtrain"]["config"]["resolved"]
+    assert resolved == {"backend": expected.as_dict(), "device": device}
+
+    # a job given a GPU that torch cannot see (on a GPU machine: hidden from torch)
+    lost_gpu = {"CUDA_VISIBLE_DEVICES": "0"} if device == "cpu" else \
+        {"CUDA_VISIBLE_DEVICES": "-1", "SLURM_JOB_GPUS": "0"}
+    lost = run(["train", str(path), "--run-dir", str(tmp_path / "lost")], env=lost_gpu)
+    assert lost.returncode == 2, lost.stdout[-3000:]
+    line = one_line_error(lost)
+    assert "the launcher gave this process GPUs" in line and "torch sees no GPU" in line
+    assert list(lost_gpu.items())[-1][0] in line
+    assert not (tmp_path / "lost" / "checkpoints").exists()

@@ -1,0 +1,118 @@
+"""Item 10: damaged data shards are named in one line when the datasets are
+built (before training), never found as a traceback at the first batch read;
+``kvtrain data preprocess`` of an input without documents is an error."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from kvtrain.config import ConfigError, load_config
+from tests.train.conftest import run, tiny_config, write_config
+
+
+def _copy_shard(prefix: str, dest: Path) -> str:
+    dest.mkdir(parents=True, exist_ok=True)
+    for ext in (".bin", ".idx"):
+        shutil.copy(prefix + ext, dest / ("shard" + ext))
+    return str(dest / "shard")
+
+
+def _truncate(path: str, keep: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+
+
+def _damage(kind: str, prefix: str) -> str:
+    """Damages the shard ``prefix``; returns the file the message must name."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    if kind == "idx_truncated":
+        _truncate(idx, Path(idx).stat().st_size - 20)
+        return idx
+    if kind == "idx_header_truncated":
+        _truncate(idx, 20)
+        return idx
+    if kind == "bin_short":
+        _truncate(bin_, Path(bin_).stat().st_size - 2)
+        return bin_
+    if kind == "bin_missing":
+        Path(bin_).unlink()
+        return bin_
+    if kind == "idx_missing":
+        Path(idx).unlink()
+        return idx
+    if kind == "bad_magic":
+        with open(idx, "r+b") as f:
+            f.write(b"NOTANIDX\x00")
+        return idx
+    if kind == "bad_version":
+        with open(idx, "r+b") as f:
+            f.seek(9)
+            f.write(struct.pack("<Q", 7))
+        return idx
+    if kind == "bad_dtype":
+        with open(idx, "r+b") as f:
+            f.seek(17)
+            f.write(b"\x63")
+        return idx
+    raise ValueError(kind)
+
+
+KINDS = ["idx_truncated", "idx_header_truncated", "bin_short", "bin_missing", "idx_missing",
+         "bad_magic", "bad_version", "bad_dtype"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_damaged_shard_is_named_when_datasets_are_built(tmp_path, corpus, cache_dir, kind):
+    from kvtrain.data import build_datasets
+
+    prefix = _copy_shard(corpus.prefix, tmp_path / "data")
+    named = _damage(kind, prefix)
+    cfg = tiny_config(corpus, tmp_path / "cache")
+    cfg["data"]["paths"] = [prefix]
+    cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    with pytest.raises(ConfigError) as err:
+        build_datasets(cfg, str(tmp_path / "cache"), 8, 0)
+    message = str(err.value)
+    assert named in message and "\n" not in message, message
+
+
+def test_trainer_refuses_a_short_bin_in_one_line(tmp_path, corpus, cache_dir):
+    prefix = _copy_shard(corpus.prefix, tmp_path / "data")
+    _damage("bin_short", prefix)
+    cfg = tiny_config(corpus, cache_dir)
+    cfg["data"]["paths"] = [prefix]
+    result = run(["train", str(write_config(tmp_path / "c.yaml", cfg)),
+                  "--run-dir", str(tmp_path / "run")], timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [lines[0]] and prefix + ".bin" in lines[0], result.stderr
+
+
+def test_check_shard_accepts_a_sound_shard(corpus):
+    from data_tools.indexed import check_shard
+
+    assert check_shard(corpus.prefix) is None
+
+
+def test_preprocess_without_documents_is_an_error(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data_tools"))
+    import dt_helpers as h
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n{"text": "   "}\n')
+    out = tmp_path / "out" / "x"
+    proc = h.kvtrain("data", "preprocess", "--input", str(empty), "--tokenizer", h.tokenizer(),
+                     "--output-prefix", str(out), "--quiet", "--workers", "0", check=False)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    # the skipped records are reported as they are met; then one error line
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and str(empty) in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert not list((tmp_path / "out").glob("*")), list((tmp_path / "out").glob("*"))

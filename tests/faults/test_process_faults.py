@@ -1,0 +1,124 @@
+"""Item 4: the ranks and their helpers die with the launcher, and a run folder
+has one writer.
+
+A 2-rank torchrun training (asynchronous saves every step, so the checkpoint
+writer's processes exist; wandb offline, so wandb-core runs) has its torchrun
+SIGKILLed - torchrun alone, not its process group, as when a node agent or an
+OOM killer takes the launcher: every process that descended from torchrun
+must be gone within seconds. While it runs, a second ``kvtrain train`` on the
+same run folder is refused in one line naming the holder's host and pid; a
+dead holder's lock is taken over (the second test, with a plain process).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import psutil
+
+from tests.train.conftest import metrics, run, start, tiny_config, wait_for, write_config
+
+
+def _descendants(pid: int) -> set[tuple[int, float]]:
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return set()
+    out = set()
+    for p in procs:
+        try:
+            out.add((p.pid, p.create_time()))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _alive(procs: set[tuple[int, float]]) -> list[str]:
+    left = []
+    for pid, created in procs:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def test_launcher_kill_takes_ranks_and_helpers_and_the_folder_has_one_writer(
+        tmp_path, corpus, cache_dir):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(corpus, cache_dir, train={"max_steps": 100000, "log_interval": 1},
+                      checkpoint={"save_interval": 1, "keep_last": 2, "async_save": True},
+                      wandb={"enabled": True, "mode": "offline"})
+    config = write_config(tmp_path / "c.yaml", cfg)
+    args = ["train", str(config), "--run-dir", str(run_dir)]
+    holder = start(args, nproc=2, log=tmp_path / "holder.log")
+    seen: set[tuple[int, float]] = set()
+    try:
+        wait_for(lambda: len(metrics(run_dir)) >= 2 or holder.poll() is not None, 180,
+                 "the holder's first steps")
+        assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
+
+        # a second writer is refused, in one line naming the holder
+        second = run(args + ["--set", "train.max_steps=1"], timeout=120)
+        assert second.returncode == 2, second.stdout[-1000:] + second.stderr[-2000:]
+        lines = [line for line in second.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "in use" in lines[0], second.stderr[-2000:]
+        assert socket.gethostname() in lines[0] and "pid" in lines[0], lines[0]
+
+        deadline = time.monotonic() + 1.5  # catch the writer's short-lived processes too
+        while time.monotonic() < deadline:
+            seen |= _descendants(holder.pid)
+            time.sleep(0.05)
+        names = {psutil.Process(p).name() for p, _ in seen if _alive({(p, _)})}
+        assert len(seen) >= 3, names  # two ranks and their helpers
+        os.kill(holder.pid, signal.SIGKILL)  # torchrun only, not its process group
+        holder.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(seen) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(seen), f"left running after torchrun was killed: {_alive(seen)}"
+    finally:
+        seen |= _descendants(holder.pid)
+        for pid, _ in seen:  # never leave them behind, even when the test fails
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.killpg(holder.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def test_run_lock_names_its_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    import subprocess
+    import sys
+
+    from kvtrain.config import ConfigError
+    from kvtrain.train.runlock import hold_run_folder
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from kvtrain.train.runlock import try_lock; "
+         "assert try_lock(Path(sys.argv[1]))[0]; print('locked', flush=True); time.sleep(600)",
+         str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        try:
+            hold_run_folder(tmp_path)
+            raise AssertionError("a folder in use was not refused")
+        except ConfigError as e:
+            message = str(e)
+        assert f"pid {holder.pid} on host {socket.gethostname()}" in message, message
+        assert "\n" not in message
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = hold_run_folder(tmp_path)  # the holder died: its lock is free
+    assert lock is not None
+    lock.release()

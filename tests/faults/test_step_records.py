@@ -1,0 +1,35 @@
+"""Item 12: the train record of a window holding a skipped step tells the truth.
+
+A step can be skipped with a finite loss (a non-finite gradient norm, an fp16
+overflow) or with a non-finite loss. The record's ``lm_loss`` is the mean over
+the window's steps whose loss was finite (skipped or not), its ``grad_norm``
+is the last step's own (``"nan"``/``"inf"`` when non-finite), and
+``skipped_in_window`` counts the window's skipped steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tests.train.conftest import by_iteration, metrics, run_driver, tiny_config, write_config
+
+
+def test_skipped_steps_records(tmp_path, corpus, cache_dir):
+    cfg = tiny_config(corpus, cache_dir, train={"max_steps": 6, "log_interval": 1},
+                      checkpoint={"save_interval": None, "save_on_exit": False})
+    config = write_config(tmp_path / "c.yaml", cfg)
+    run_dir = tmp_path / "run"
+    jobs = [{"config": str(config), "run_dir": str(run_dir),
+             "faults": {"nonfinite_steps": [3], "nonfinite_grad_steps": [5]}}]
+    result = run_driver(jobs, tmp_path / "plan.json")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    train = by_iteration(metrics(run_dir))
+    # step 3: NaN loss, hence NaN gradients; its own grad norm, not step 2's
+    assert train[3]["lm_loss"] == "nan"
+    assert train[3]["grad_norm"] in ("nan", "inf") and train[3]["skipped_in_window"] == 1
+    # step 5: a finite loss whose gradients are non-finite: the loss is reported
+    assert math.isfinite(train[5]["lm_loss"]), train[5]
+    assert train[5]["grad_norm"] in ("nan", "inf") and train[5]["skipped_in_window"] == 1
+    for it in (1, 2, 4, 6):
+        assert math.isfinite(train[it]["grad_norm"]) and train[it]["skipped_in_window"] == 0
+    assert train[6]["skipped_steps"] == 2
