@@ -32,6 +32,8 @@ import re
 import sys
 import warnings
 
+from data_tools.fileio import atomic_open
+
 # Never imported: side effects on import, GUI/test suites, other platforms.
 SKIP = {
     "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test",
@@ -206,22 +208,15 @@ def write(output: str, max_bytes: int | None = None) -> dict:
     """Write the corpus as JSON lines ({"id": ..., "text": ...}); atomic."""
     folder = os.path.dirname(os.path.abspath(output))
     os.makedirs(folder, exist_ok=True)
-    tmp = f"{output}.tmp.{os.getpid()}"
     docs = size = 0
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            for doc_id, text in iter_documents():
-                line = json.dumps({"id": f"stdlib:{doc_id}", "text": text}, ensure_ascii=False)
-                f.write(line + "\n")
-                docs += 1
-                size += len(line.encode()) + 1
-                if max_bytes and size >= max_bytes:
-                    break
-        os.replace(tmp, output)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_open(output, "w", encoding="utf-8", newline="\n") as f:
+        for doc_id, text in iter_documents():
+            line = json.dumps({"id": f"stdlib:{doc_id}", "text": text}, ensure_ascii=False)
+            f.write(line + "\n")
+            docs += 1
+            size += len(line.encode()) + 1
+            if max_bytes and size >= max_bytes:
+                break
     return {"documents": docs, "bytes": size, "python": sys.version.split()[0]}
 
 

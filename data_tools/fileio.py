@@ -5,7 +5,9 @@ imports nothing of ``kvtrain``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import IO, Iterator
 
 
 def tmp_name(final: str) -> str:
@@ -61,11 +63,31 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[IO]:
+    """Opens a temporary file next to ``path`` for writing; on success it is
+    fsync'd and renamed over ``path`` (and the folder synced), on an exception
+    it is removed: ``path`` is either its old self or the whole new file."""
+    path = os.fspath(path)
     tmp = tmp_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     fsync_dir(os.path.dirname(path))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text)

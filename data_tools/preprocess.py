@@ -227,6 +227,30 @@ class _ShardSink:
             self.writer = None
 
 
+def _kept_counts(plan: list, todo: list) -> Counts:
+    """The counts of the shards a resume keeps (read from their meta files)."""
+    total, todo_ids = Counts(), {s.index for s in todo}
+    for s in plan:
+        if s.index not in todo_ids:
+            with open(s.meta_path) as f:
+                total.merge(Counts.from_dict(json.load(f)["counts"]))
+    return total
+
+
+def _encode(items, workers: int, model_path: str, dtype, json_key: str, keep: int):
+    """Encoded chunks of ``items`` in order: from a pool of ``workers`` processes
+    (with its bounded feed), or in this process when ``workers`` is 0."""
+    if workers <= 0:
+        return map(ChunkEncoder(model_path, dtype, json_key, keep), items), None, None
+    ctx = multiprocessing.get_context()
+    # Workers are children of this process, except under forkserver.
+    parent = None if ctx.get_start_method() == "forkserver" else os.getpid()
+    pool = ctx.Pool(workers, initializer=init_worker,
+                    initargs=(model_path, dtype, json_key, keep, parent))
+    feed = _BoundedFeed(items, 4 * workers)
+    return pool.imap(encode_item, feed, chunksize=1), pool, feed
+
+
 def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_prefix: str, *,
                json_key: str = "text", text_mode: str = "line", workers: int | None = None,
                shards: int | None = None, resume: bool = False, strict: bool = False,
@@ -247,12 +271,7 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
                "eod": tok.eod}
     fps = {s.index: fingerprint(s, tok.sha256, options) for s in plan}
     todo = [s for s in plan if not (resume and is_complete(s, fps[s.index]))]
-    total = Counts()
-    todo_ids = {s.index for s in todo}
-    for s in plan:
-        if s.index not in todo_ids:
-            with open(s.meta_path) as f:
-                total.merge(Counts.from_dict(json.load(f)["counts"]))
+    total = _kept_counts(plan, todo)
     if resume:
         log(f"preprocess: resume: {len(plan) - len(todo)} of {len(plan)} shard(s) complete, "
             f"{len(todo)} to do")
@@ -263,17 +282,8 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
     run_counts, done_bytes, first_bad = Counts(), 0, []
 
     items = _work_items(todo, json_key, text_mode, chunk_bytes)
-    pool = feed = None
-    if workers > 0 and todo:
-        ctx = multiprocessing.get_context()
-        # Workers are children of this process, except under forkserver.
-        parent = None if ctx.get_start_method() == "forkserver" else os.getpid()
-        pool = ctx.Pool(workers, initializer=init_worker,
-                        initargs=(tok.model_path, dtype, json_key, keep, parent))
-        feed = _BoundedFeed(items, 4 * workers)
-        results = pool.imap(encode_item, feed, chunksize=1)
-    else:
-        results = map(ChunkEncoder(tok.model_path, dtype, json_key, keep), items)
+    results, pool, feed = _encode(items, workers if todo else 0, tok.model_path, dtype,
+                                  json_key, keep)
     try:
         for res in results:
             if feed is not None:

@@ -3,7 +3,10 @@
 The progress line goes to stderr: redrawn in place (``\\r``) a few times a
 second on a terminal, one plain line every ``log_interval`` seconds otherwise
 (logs of batch jobs). Rates are averages since the start, which for a long
-streaming job are steadier and more useful than instantaneous ones.
+streaming job are steadier and more useful than instantaneous ones. Written
+here rather than with tqdm or rich because neither serves the log-file case:
+tqdm keeps rewriting one ``\\r`` line into the file, rich's live display
+prints nothing until it stops.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from data_tools.readers import REASONS
+from data_tools.units import human
 
 
 @dataclass
@@ -49,14 +53,6 @@ class Counts:
     def from_dict(cls, d: dict) -> "Counts":
         return cls(d.get("documents", 0), d.get("tokens", 0), d.get("text_bytes", 0),
                    d.get("disk_bytes", 0), dict(d.get("skipped", {})))
-
-
-def human(n: float, unit: str = "") -> str:
-    """1234567 -> '1.23M'."""
-    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{suffix}{unit}"
-    return f"{n:.0f}{unit}"
 
 
 def skipped_text(skipped: dict[str, int]) -> str:

@@ -159,12 +159,3 @@ class SentencePieceTokenizer:
             "pad_id": self.pad,
             "eod_id": self.eod,
         }
-
-
-def read_sidecar(path: str | os.PathLike) -> dict:
-    """The sidecar of a tokenizer given as PREFIX, PREFIX.model or PREFIX.json."""
-    path = os.fspath(path)
-    side = path if path.endswith(".json") else sidecar_path(
-        path if path.endswith(".model") else path + ".model")
-    with open(side) as f:
-        return json.load(f)

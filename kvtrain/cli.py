@@ -31,14 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain Llama-style LMs with KV shifting attention on Megatron-Core.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module in SUBCOMMANDS.items():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and module.startswith(e.name):
-                continue  # not built yet
-            raise
-        mod.register(sub)
+    for module in SUBCOMMANDS.values():
+        importlib.import_module(module).register(sub)
     return parser
 
 

@@ -122,7 +122,9 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         split=d.split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
-        reset_position_ids=d.reset_position_ids,
+        # RoPE takes no position ids, so restarting them per document would change
+        # nothing: kvtrain has no such key
+        reset_position_ids=False,
         reset_attention_mask=d.reset_attention_mask,
         eod_mask_loss=d.eod_mask_loss,
         # The causal mask is implied by the attention's mask type; a per-sample

@@ -66,16 +66,6 @@ def write_results(rows: list[dict], path: str | Path) -> None:
         w.writerows(rows)
 
 
-def read_results(path: str | Path) -> list[dict]:
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    for r in rows:
-        r["step"] = int(r["step"])
-        for k in CURVE_FIELDS[2:]:
-            r[k] = float(r[k])
-    return rows
-
-
 @dataclass
 class ArmResult:
     """What one arm's run gave: its curve, wall time, exit code and size."""

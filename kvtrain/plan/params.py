@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from data_tools import units
 from kvtrain.config.layout import shift_coefficients
 from kvtrain.config.schema import ModelConfig, ParallelConfig
 
@@ -151,8 +152,5 @@ def stage_params(model: ModelConfig, parallel: ParallelConfig) -> list[StagePara
 
 
 def human(n: float, unit: str = "") -> str:
-    """1234567 -> '1.23 M'."""
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= scale:
-            return f"{n / scale:.3f} {suffix}{unit}"
-    return f"{n:.0f} {unit}".rstrip()
+    """Parameter counts and token totals: 1234567 -> '1.235 M'."""
+    return units.human(n, unit, digits=3, sep=" ")

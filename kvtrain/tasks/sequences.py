@@ -317,9 +317,9 @@ def validate_config(cfg) -> None:
     Raises ``ValueError`` with one line naming the keys (``RunConfig.validate``
     reports it as a config error; this package imports no config module)."""
     d = cfg.data
-    if d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss:
+    if d.reset_attention_mask or d.eod_mask_loss:
         raise ValueError(f"data.type {d.type} has one sequence per sample: "
-                         "data.reset_position_ids/reset_attention_mask/eod_mask_loss must be false")
+                         "data.reset_attention_mask/eod_mask_loss must be false")
     task = task_from_config(cfg)
     if task.vocab_size > cfg.model.vocab_size:
         key = "data.induction.max_val" if d.type == "induction" else \

@@ -34,7 +34,7 @@ at or after the loaded iteration that were not loaded are set aside, never
 deleted. The manifest, the verification levels and the choice of candidates
 are described in ``integrity``.
 
-The traps of megatron-core 0.16.1 measured in the project notes, and where
+The traps of megatron-core 0.16.1 (each measured, and each with a test), and where
 each is handled:
 
 1. ``fully_reshardable`` (``SHARDING_METADATA``): the default
@@ -87,9 +87,9 @@ from kvtrain.config import ConfigError
 from kvtrain.config.compat import check_resume_config
 
 from .hooks import RunHooks
-from .integrity import (  # noqa: F401 (plan_resume, read_marker/tracker: this module's API too)
+from .integrity import (
     INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, build_manifest, own_shards,
-    plan_resume, read_marker, read_tracker, save_failure_reason, set_aside,
+    save_failure_reason, set_aside,
 )
 from .optimizer import inner_optimizers
 from .step import sync_params

@@ -21,9 +21,10 @@ from kvtrain.backend import init_process_group
 from kvtrain.config import RunConfig
 from kvtrain.tasks.config import accuracy_masks
 
-from .checkpoint import Checkpointer, TrainState, plan_resume
+from .checkpoint import Checkpointer, TrainState
 from .evaluation import Validator, gather_shift_coefficients, shift_statistics
 from .hooks import RunHooks
+from .integrity import plan_resume
 from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
 from .processes import bind_to_launcher

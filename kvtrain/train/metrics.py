@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import shutil
 import sys
@@ -27,6 +26,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from data_tools.fileio import atomic_write_text
+from data_tools.units import human
 
 from .wandb_logger import WandbLogger
 
@@ -60,9 +62,7 @@ def truncate_after(path: Path, iteration: int, backup: Optional[Path] = None) ->
     if dropped:
         if backup is not None:
             shutil.copy2(path, backup)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
+        atomic_write_text(path, "".join(line + "\n" for line in keep))
     return dropped
 
 
@@ -70,7 +70,9 @@ def _fmt(value) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+        if abs(value) >= 1e5:
+            return human(value)
+        if value != 0 and abs(value) < 1e-3:
             return f"{value:.3e}"
         return f"{value:.4f}"
     return str(value)
@@ -151,9 +153,9 @@ class MetricsLogger:
             self._file = None
 
 
-def say(message: str, rank0: bool = True) -> None:
-    """Prints a line from global rank 0."""
+def say(message: str) -> None:
+    """Prints a line from global rank 0 (every process before distributed init)."""
     import torch.distributed as dist
 
-    if not rank0 or not dist.is_initialized() or dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, file=sys.stdout, flush=True)

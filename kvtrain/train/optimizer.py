@@ -6,7 +6,7 @@ parameters (norm weights) and biases. The KV-shift coefficients are 2-D
 (``[kv_heads_local, w+1]``) and would be decayed by that rule, pulling α and β
 towards zero; they join the no-decay group unless ``model.kv_shift.weight_decay``
 is true. The per-group ``wd_mult`` is applied by ``OptimizerParamScheduler.step``
-(the notes' trap: without a scheduler every group decays), and a scheduler is
+(megatron applies wd_mult only there: without a scheduler every group decays), and a scheduler is
 always built here.
 """
 

@@ -11,13 +11,13 @@ is what they became, printed and recorded by the trainer.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from data_tools.fileio import atomic_write_text
 from kvtrain.config import ConfigError, RunConfig, to_dict
 from kvtrain.config.backend import BackendChoice
 from kvtrain.config.layout import Layout, derive_layout
@@ -148,7 +148,7 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     # Set before DDP is built (DDP reads it): gradients are divided by the token
     # count of the global batch in finalize_model_grads, not by DP size.
     tconfig.calculate_per_token_loss = True
-    # Without this, data-parallel gradients are never all-reduced (notes: DDP's
+    # Without this, data-parallel gradients are never all-reduced (megatron's DDP
     # hooks only accumulate when overlap is off).
     tconfig.finalize_model_grads_func = finalize_model_grads
     model = _build_model(cfg, tconfig, numerics, backend.name)
@@ -203,9 +203,7 @@ def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = N
                 f"# backend: {b['name']} ({b['reason']}; fused softmax: "
                 f"{'yes' if b['fused_softmax'] else 'no'})\n{text}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / ".config.yaml.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, run_dir / "config.yaml")
+    atomic_write_text(run_dir / "config.yaml", text)
     return text
 
 

@@ -20,6 +20,7 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
+from data_tools.fileio import atomic_write_text
 from kvtrain.config.schema import WandbConfig
 
 RUN_ID_FILE = "wandb_run_id"
@@ -69,9 +70,7 @@ def run_id_for(run_dir: Path) -> str:
     # wandb's own id format (8 of [a-z0-9]); its generator moved between releases
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
     run_id = "".join(secrets.choice(alphabet) for _ in range(8))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(run_id + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, run_id + "\n")
     return run_id
 
 

@@ -7,7 +7,7 @@ synchronous saves included. That costs, and risks, more than it needs to:
 
 * spawn re-imports the main module in the manager process: an entry script
   without an ``if __name__ == "__main__":`` guard runs the training again in
-  that child and the save hangs (the notes' "spawn guard" trap);
+  that child and the save hangs (a spawn-context trap);
 * the manager unpickles the write results, so it imports torch: the first
   save of every process waits seconds for that import;
 * nothing stops the manager process when its parent is SIGKILLed (pre-emption,

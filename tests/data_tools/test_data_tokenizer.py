@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import dt_helpers as h  # noqa: E402
 
 from data_tools import readers  # noqa: E402
-from data_tools.tokenizer import SentencePieceTokenizer, read_sidecar  # noqa: E402
+from data_tools.tokenizer import SentencePieceTokenizer, sidecar_path  # noqa: E402
 from data_tools.train_tokenizer import train  # noqa: E402
 
 
@@ -25,8 +25,9 @@ def tok():
 def test_outputs_and_sidecar(tok):
     prefix = tok.model_path[: -len(".model")]
     assert os.path.exists(prefix + ".vocab")
-    side = read_sidecar(prefix)
-    assert side == read_sidecar(prefix + ".model") == read_sidecar(prefix + ".json")
+    assert sidecar_path(tok.model_path) == prefix + ".json"
+    with open(prefix + ".json") as f:
+        side = json.load(f)
     assert side["vocab_size"] == tok.vocab_size == 800
     assert (side["unk_id"], side["bos_id"], side["eos_id"], side["pad_id"]) == (0, 1, 2, 3)
     assert side["eod_id"] == side["eos_id"] == tok.eod

@@ -89,7 +89,6 @@ def main(plan_path: str) -> int:
 
     _quiet_imports()
     import kvtrain.train.loop  # noqa: F401 (the imports every child shares)
-    from kvtrain.config import ConfigError
 
     store = _launcher_store()
     ok = True

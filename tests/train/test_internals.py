@@ -1,4 +1,4 @@
-"""The trainer's pieces in-process: the checkpoint traps of the notes, weight
+"""The trainer's pieces in-process: the checkpoint traps of megatron-core 0.16.1, weight
 decay groups, and data-parallel gradient synchronisation.
 
 Each trap test fails without its fix:
@@ -105,7 +105,7 @@ def _flat(run) -> torch.Tensor:
 
 def _dp_worker(rank: int, world: int, cfgs: list, run_dir: str):
     """For each config: two steps at DP=2, then one more without megatron's
-    finalize_model_grads (the notes' trap); this replica's weights after each."""
+    finalize_model_grads (without it DDP never reduces); this replica's weights after each."""
     from megatron.core.utils import get_model_config
 
     out = []

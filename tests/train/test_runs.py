@@ -232,7 +232,7 @@ def test_time_limit_stops_and_token_budget_sets_length(short_runs):
 
 
 def test_async_save_from_an_unguarded_entry_script(tmp_path, cache_dir):
-    """An entry script without ``if __name__ == "__main__":`` (the notes' spawn
+    """An entry script without ``if __name__ == "__main__":`` (the spawn
     trap: megatron's writer starts a spawn-context Manager that re-imports the
     main module) saves asynchronously and finishes."""
     config = write_config(tmp_path / "c.yaml", tiny_config(
