@@ -151,11 +151,11 @@ def run(args) -> int:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         code = subprocess.run(cmd, env=env).returncode
     else:
-        from kvtrain.commands.train import _quiet_imports
+        from kvtrain.commands.train import quiet_imports
         from kvtrain.config import load_config
 
         cfg = load_config(config, overrides, world_size=1)
-        _quiet_imports()
+        quiet_imports()
         from kvtrain.train import train
 
         code = train(cfg, run_dir)

@@ -24,7 +24,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _quiet_imports() -> None:
+def quiet_imports() -> None:
     # megatron warns at import about optional GPU libraries (TE/apex); on a CPU
     # these are expected, and a screen of them hides the run's own output.
     for pattern in (".*Transformer Engine and Apex are not installed.*",
@@ -45,7 +45,7 @@ def run(args) -> int:
     # Checked here in full (with the world size) so that a bad config fails in
     # one line before torch/megatron are imported.
     cfg = load_config(args.config, args.overrides, world_size=world)
-    _quiet_imports()
+    quiet_imports()
     from kvtrain.train import resolve_run_dir, train
 
     return train(cfg, resolve_run_dir(cfg, args.run_dir))

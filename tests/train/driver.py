@@ -85,9 +85,9 @@ def _redirect(log) -> None:
 
 
 def main(plan_path: str) -> int:
-    from kvtrain.commands.train import _quiet_imports
+    from kvtrain.commands.train import quiet_imports
 
-    _quiet_imports()
+    quiet_imports()
     import kvtrain.train.loop  # noqa: F401 (the imports every child shares)
 
     store = _launcher_store()
