@@ -33,6 +33,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from kvtrain.config.layout import coefficients_per_tensor
+from kvtrain.model.shift_kernels import fused_shift
 
 # Names of the coefficient parameters, by shifted tensor.
 PARAM_NAMES = {"q": "shift_q", "k": "shift_k", "v": "shift_v"}
@@ -241,7 +242,7 @@ class KVShiftSelfAttention(SelfAttention):
             if self._decoding():
                 tensors[name] = self._shift_with_cache(name, tensors[name], coef)
             else:
-                tensors[name] = shift_tokens(tensors[name], coef, doc_ids)
+                tensors[name] = fused_shift(tensors[name], coef, doc_ids)
         return (tensors["q"], tensors["k"], tensors["v"], *out[3:])
 
     # -- incremental decoding ------------------------------------------------------

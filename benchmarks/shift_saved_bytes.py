@@ -1,0 +1,74 @@
+"""Bytes that autograd keeps for backward after one attention layer's forward
+(megatron's local spec, fp32, CPU): vanilla attention, KV shift through the
+reference ``shift_tokens`` (ordinary ops), and KV shift through the fused
+Function. Counted per storage (views of one tensor count once), parameters
+excluded; also the number of tensors saved.
+
+    .venv/bin/python benchmarks/shift_saved_bytes.py [--seq 256 --batch 2 --hidden 256 --heads 8 --groups 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import kvtrain.model.kv_shift as kv_shift_module
+from kvtrain.backend import init_distributed, init_model_parallel, set_seed
+from kvtrain.config import ModelConfig
+from kvtrain.model.builder import build_gpt, transformer_config
+from kvtrain.model.kv_shift import shift_tokens
+from kvtrain.model.shift_kernels import fused_shift
+
+
+def saved(attn: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
+    """(bytes of the distinct storages saved, number of tensors saved) by one forward."""
+    storages: dict[int, int] = {}
+    count = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal count
+        count += 1
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attn(hidden, mask)
+    params = {p.untyped_storage().data_ptr() for p in attn.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in params), count
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in (("seq", 256), ("batch", 2), ("hidden", 256), ("heads", 8), ("groups", 4)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    args = p.parse_args()
+    init_distributed(seed=1)
+    init_model_parallel(1, 1)
+    set_seed(1)
+    s = args.seq
+    causal = ~torch.ones(s, s, dtype=torch.bool).tril()[None, None]  # True = masked
+    packed = causal.clone()
+    for start in (s // 3, 2 * s // 3):  # three documents
+        packed[..., start:, :start] = True
+    d = args.hidden // args.heads
+    print(f"one attention layer, local spec, fp32: s={s} b={args.batch} hidden={args.hidden} "
+          f"heads={args.heads} kv_groups={args.groups}; one K or V = {s * args.batch * args.groups * d * 4} B, "
+          f"QKV output = {s * args.batch * (args.heads + 2 * args.groups) * d * 4} B")
+    for attention, shifts in (("vanilla", {"-": fused_shift}),
+                              ("kv_shift", {"shift_tokens": shift_tokens, "fused": fused_shift})):
+        cfg = ModelConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads,
+                          num_query_groups=args.groups, vocab_size=128, max_position_embeddings=s,
+                          attention=attention, backend="local")
+        attn = build_gpt(cfg, transformer_config(cfg)).decoder.layers[0].self_attention
+        hidden = torch.randn(s, args.batch, args.hidden, requires_grad=True)
+        for impl, fn in shifts.items():
+            kv_shift_module.fused_shift = fn  # the module's one call site
+            for mask_name, mask in (("causal", causal), ("3 docs", packed)):
+                nbytes, count = saved(attn, hidden, mask)
+                print(f"  {attention:8s} {impl:12s} {mask_name:6s} {nbytes:>10d} B in {count:3d} tensors")
+    kv_shift_module.fused_shift = fused_shift
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The fused KV shift: :func:`kvtrain.model.kv_shift.shift_tokens` as one autograd node.
+
+``y_t = Σ_i c_i · x_{t-i}`` (i = 0..w, per head), with the tokens before the
+sequence start and before each document start taken as zero.
+
+Built from ordinary ops (``shift_tokens``), autograd keeps the rolled copies,
+the document-masked products and one node per op, and reduces the coefficient
+gradient in w+1 separate full-size passes. :class:`FusedShift` instead
+
+* saves only its input ``x`` (the raw K/V: a view of the QKV projection's
+  output, never a copy), the coefficients and the ``[s, b]`` document ids, and
+  recomputes in backward. Attention that saves its V input (SDPA, flash and TE
+  kernels) keeps that output anyway, so the shift adds only the shifted V it
+  hands to attention; megatron's local attention copies V for GQA, and there
+  the view keeps the QKV output alive (tests/model/test_fused_shift.py);
+* accumulates in place (forward and ``dx``): no full-size temporaries beyond
+  its output;
+* reduces ``dcoef[h, i] = Σ_{t,b,d} dy_t · x_{t-i}`` for all lags in one masked
+  reduction over a ``[w+1, s, b, h]`` tensor of per-token products (on the GPU,
+  in the same Triton pass that computes ``dx``).
+
+On CUDA tensors with Triton importable, the forward and backward are Triton
+kernels (one program per block of tokens of one (batch, head) pair, fp32
+accumulation); elsewhere the torch implementation below runs. Both mirror
+``shift_tokens``, the reference that tests compare them with.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:  # Triton ships with CUDA builds of PyTorch; the CPU build runs the torch path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+IMPLS = ("torch", "triton")
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def fused_shift(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor] = None,
+                impl: Optional[str] = None) -> Tensor:
+    """The KV shift of ``x`` ``[s, b, h, d]`` with coefficients ``coef`` ``[h, w+1]``.
+
+    Same contract as ``shift_tokens`` (``coef`` are the *effective*
+    coefficients; ``doc_ids`` ``[s, b]`` or None). ``impl`` forces ``torch`` or
+    ``triton``; by default Triton runs on CUDA tensors when it is importable.
+    """
+    if impl is None:
+        impl = "triton" if x.is_cuda and triton_available() else "torch"
+    if impl not in IMPLS:
+        raise ValueError(f"unknown shift implementation {impl!r}; expected one of {IMPLS}")
+    if impl == "triton" and not triton_available():
+        raise RuntimeError("the Triton shift needs the triton package")
+    return FusedShift.apply(x, coef, doc_ids, impl)
+
+
+class FusedShift(torch.autograd.Function):
+    """``y = shift(x, coef, doc_ids)`` saving only ``x``, ``coef`` and ``doc_ids``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, coef: Tensor, doc_ids: Optional[Tensor], impl: str) -> Tensor:
+        ctx.impl = impl
+        # The input tensor itself (no copy): a view into the QKV output.
+        ctx.save_for_backward(x, coef, doc_ids)
+        if impl == "triton":
+            return _triton_forward(x, coef, doc_ids)
+        return _torch_forward(x, coef, doc_ids)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, coef, doc_ids = ctx.saved_tensors
+        need_x, need_coef = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.impl == "triton":
+            dx, dcoef = _triton_backward(x, coef, doc_ids, dy)
+        else:
+            dx = _torch_input_grad(coef, doc_ids, dy) if need_x else None
+            dcoef = _torch_coef_grad(x, doc_ids, dy, coef.shape[1] - 1) if need_coef else None
+        if dcoef is not None:
+            dcoef = dcoef.to(coef.dtype)
+        return (dx if need_x else None), (dcoef if need_coef else None), None, None
+
+
+# ----------------------------------------------------------------------------- torch path
+def _lags(s: int, coef: Tensor) -> range:
+    """Lags 1..w that reach a token inside a length-``s`` sequence."""
+    return range(1, min(coef.shape[1] - 1, s - 1) + 1)
+
+
+def _lag_scale(c: Tensor, i: int, doc_ids: Optional[Tensor], rows: slice,
+               ref_rows: slice) -> Tensor:
+    """``c[:, i]`` as a broadcastable factor, zero where the two rows' documents differ."""
+    scale = c[:, i, None]  # [h, 1]
+    if doc_ids is None:
+        return scale
+    same = (doc_ids[rows] == doc_ids[ref_rows]).to(c.dtype)  # [s-i, b]
+    return same[:, :, None, None] * scale  # [s-i, b, h, 1]
+
+
+def _torch_forward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]) -> Tensor:
+    c = coef.to(x.dtype)
+    out = x * c[:, 0, None]  # [s, b, h, d]
+    for i in _lags(x.shape[0], coef):
+        # y_t += c_i · x_{t-i} for t >= i, in place (no rolled or padded copy).
+        out[i:].addcmul_(x[:-i], _lag_scale(c, i, doc_ids, slice(i, None), slice(None, -i)))
+    return out
+
+
+def _torch_input_grad(coef: Tensor, doc_ids: Optional[Tensor], dy: Tensor) -> Tensor:
+    """``dx_t = Σ_i c_i · dy_{t+i}`` (same document): the shift run backwards."""
+    c = coef.to(dy.dtype)
+    dx = dy * c[:, 0, None]
+    for i in _lags(dy.shape[0], coef):
+        dx[:-i].addcmul_(dy[i:], _lag_scale(c, i, doc_ids, slice(i, None), slice(None, -i)))
+    return dx
+
+
+def _torch_coef_grad(x: Tensor, doc_ids: Optional[Tensor], dy: Tensor, window: int) -> Tensor:
+    """``dcoef[h, i] = Σ_{t,b,d} dy_t · x_{t-i}`` over same-document pairs, ``[h, w+1]``.
+
+    Per lag, one contraction over d gives ``[s-i, b, h]`` products (1/d of the
+    activation; zero-padded to ``[s, b, h]``); the lags are then reduced over
+    tokens and batch, masked by document, in one reduction. Accumulates in fp32.
+    """
+    s = x.shape[0]
+    prods = x.new_zeros((window + 1, *x.shape[:3]), dtype=torch.float32)  # [w+1, s, b, h]
+    for i in range(min(window, s - 1) + 1):
+        # (An einsum here is as fast in fp32 but ~40x slower in bf16 on the CPU.)
+        prods[i, i:] = (dy[i:] * x[: s - i]).sum(dim=-1, dtype=torch.float32)
+    if doc_ids is None:
+        return prods.sum(dim=(1, 2)).transpose(0, 1)  # [h, w+1]
+    same = x.new_zeros((window + 1, *doc_ids.shape), dtype=torch.float32)  # [w+1, s, b]
+    for i in range(min(window, s - 1) + 1):
+        same[i, i:] = (doc_ids[i:] == doc_ids[: s - i]).float()
+    return torch.einsum("itbh,itb->hi", prods, same)
+
+
+# ----------------------------------------------------------------------------- Triton path
+def _rows(t: Tensor) -> Tensor:
+    """``t`` with a unit stride in d (the kernels index s, b, h by stride, d by 1)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch_args(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]):
+    """Grid, block sizes, coefficients and document ids common to both kernels."""
+    s, b, h, d = x.shape
+    block_d = triton.next_power_of_2(d)
+    block_t = max(16, 4096 // block_d)  # ~4k fp32 accumulators per program
+    grid = (triton.cdiv(s, block_t), b, h)
+    # Rounded to x's dtype first, as shift_tokens does, then accumulated in fp32.
+    c = coef.to(x.dtype).float().contiguous()  # [h, w+1]
+    docs = doc_ids if doc_ids is not None else c  # a valid pointer, never read
+    doc_strides = (doc_ids.stride(0), doc_ids.stride(1)) if doc_ids is not None else (0, 0)
+    return grid, block_t, block_d, c, docs, doc_strides
+
+
+def _triton_forward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]) -> Tensor:
+    x = _rows(x)
+    s, b, h, d = x.shape
+    y = torch.empty((s, b, h, d), dtype=x.dtype, device=x.device)
+    grid, block_t, block_d, c, docs, doc_strides = _launch_args(x, coef, doc_ids)
+    _shift_fwd_kernel[grid](
+        x, c, docs, y, s, d, *x.stride()[:3], *y.stride()[:3], *doc_strides,
+        W=coef.shape[1] - 1, HAS_DOC=doc_ids is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+    )
+    return y
+
+
+def _triton_backward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor],
+                     dy: Tensor) -> tuple[Tensor, Tensor]:
+    x, dy = _rows(x), _rows(dy)
+    s, b, h, d = x.shape
+    n = coef.shape[1]
+    dx = torch.empty((s, b, h, d), dtype=dy.dtype, device=dy.device)
+    grid, block_t, block_d, c, docs, doc_strides = _launch_args(x, coef, doc_ids)
+    # One fp32 partial of every lag per program, summed below: deterministic, no atomics.
+    partial = torch.empty((grid[0], b, h, n), dtype=torch.float32, device=x.device)
+    _shift_bwd_kernel[grid](
+        x, dy, c, docs, dx, partial, s, d,
+        *x.stride()[:3], *dy.stride()[:3], *dx.stride()[:3], *doc_strides,
+        W=n - 1, HAS_DOC=doc_ids is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+    )
+    return dx, partial.sum(dim=(0, 1))  # [h, w+1]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _shift_fwd_kernel(x_ptr, c_ptr, doc_ptr, y_ptr, S, D,
+                          sx_s, sx_b, sx_h, sy_s, sy_b, sy_h, sd_s, sd_b,
+                          W: tl.constexpr, HAS_DOC: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """y_t = Σ_i c_i · x_{t-i} for one block of tokens of one (batch, head)."""
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT]
+        dd = tl.arange(0, BLOCK_D)
+        in_seq = t < S
+        d_ok = dd < D
+        if HAS_DOC:
+            doc_t = tl.load(doc_ptr + t * sd_s + b * sd_b, mask=in_seq, other=0)
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for i in tl.static_range(W + 1):
+            src = t - i
+            ok = in_seq & (src >= 0)
+            if HAS_DOC:
+                ok = ok & (tl.load(doc_ptr + src * sd_s + b * sd_b, mask=ok, other=0) == doc_t)
+            xv = tl.load(x_ptr + src[:, None] * sx_s + b * sx_b + h * sx_h + dd[None, :],
+                         mask=ok[:, None] & d_ok[None, :], other=0.0)
+            acc += tl.load(c_ptr + h * (W + 1) + i) * xv.to(tl.float32)
+        tl.store(y_ptr + t[:, None] * sy_s + b * sy_b + h * sy_h + dd[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=in_seq[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _shift_bwd_kernel(x_ptr, dy_ptr, c_ptr, doc_ptr, dx_ptr, part_ptr, S, D,
+                          sx_s, sx_b, sx_h, sg_s, sg_b, sg_h, so_s, so_b, so_h, sd_s, sd_b,
+                          W: tl.constexpr, HAS_DOC: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """dx_t = Σ_i c_i · dy_{t+i}; partial dcoef_i = Σ_{block} dy_t · x_{t-i}."""
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT]
+        dd = tl.arange(0, BLOCK_D)
+        in_seq = t < S
+        d_ok = dd < D
+        if HAS_DOC:
+            doc_t = tl.load(doc_ptr + t * sd_s + b * sd_b, mask=in_seq, other=0)
+        g_t = tl.load(dy_ptr + t[:, None] * sg_s + b * sg_b + h * sg_h + dd[None, :],
+                      mask=in_seq[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        dx = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        part = part_ptr + ((tl.program_id(0) * tl.num_programs(1) + b) * tl.num_programs(2) + h) * (W + 1)
+        for i in tl.static_range(W + 1):
+            # dx: the token i steps ahead, if it is in the same document.
+            dst = t + i
+            ahead = in_seq & (dst < S)
+            if HAS_DOC:
+                ahead = ahead & (tl.load(doc_ptr + dst * sd_s + b * sd_b, mask=ahead, other=0) == doc_t)
+            g = tl.load(dy_ptr + dst[:, None] * sg_s + b * sg_b + h * sg_h + dd[None, :],
+                        mask=ahead[:, None] & d_ok[None, :], other=0.0)
+            dx += tl.load(c_ptr + h * (W + 1) + i) * g.to(tl.float32)
+            # dcoef: the token i steps back, if it is in the same document.
+            src = t - i
+            back = in_seq & (src >= 0)
+            if HAS_DOC:
+                back = back & (tl.load(doc_ptr + src * sd_s + b * sd_b, mask=back, other=0) == doc_t)
+            xv = tl.load(x_ptr + src[:, None] * sx_s + b * sx_b + h * sx_h + dd[None, :],
+                         mask=back[:, None] & d_ok[None, :], other=0.0)
+            tl.store(part + i, tl.sum(tl.sum(g_t * xv.to(tl.float32), axis=1), axis=0))
+        tl.store(dx_ptr + t[:, None] * so_s + b * so_b + h * so_h + dd[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=in_seq[:, None] & d_ok[None, :])

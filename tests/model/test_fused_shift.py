@@ -1,0 +1,274 @@
+"""The fused shift (kvtrain.model.shift_kernels) against the reference ``shift_tokens``:
+values and gradients for every variant, and what it keeps for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvtrain.model.kv_shift as kv_shift_module
+from kvtrain.config import ModelConfig
+from kvtrain.config.schema import KVShiftConfig
+from kvtrain.model.builder import build_gpt, transformer_config
+from kvtrain.model.kv_shift import effective_coefficients, shift_tokens
+from kvtrain.model.shift_kernels import FusedShift, fused_shift
+
+FP32 = dict(atol=1e-6, rtol=1e-6)
+
+
+def documents(s: int, b: int, kind: str):
+    """``[s, b]`` document ids; ``starts`` puts a one-token document at position 0,
+    consecutive one-token documents, and a different layout in each batch row."""
+    if kind == "none":
+        return None
+    ids = torch.zeros(s, b, dtype=torch.int64)
+    starts = {0: [1, 2, 3, 7], 1: [4, 5, s - 1]}  # batch row -> token positions starting a document
+    for row in range(b):
+        for t in starts[row % 2]:
+            ids[t:, row] += 1
+    return ids
+
+
+def values_and_grads(fn, x, coef, doc_ids, seed=0):
+    x = x.detach().requires_grad_()
+    coef = coef.detach().requires_grad_()
+    y = fn(x, coef, doc_ids)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.dtype)
+    dx, dcoef = torch.autograd.grad(y, (x, coef), dy)
+    return y, dx, dcoef
+
+
+@pytest.mark.parametrize("docs", ["none", "starts"])
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_matches_shift_tokens_fp32(window, docs):
+    s, b, h, d = 11, 2, 3, 8
+    x = torch.randn(s, b, h, d)
+    coef = torch.randn(h, window + 1)
+    doc_ids = documents(s, b, docs)
+    y, dx, dcoef = values_and_grads(fused_shift, x, coef, doc_ids)
+    y_ref, dx_ref, _ = values_and_grads(shift_tokens, x, coef, doc_ids)
+    torch.testing.assert_close(y, y_ref, **FP32)
+    torch.testing.assert_close(dx, dx_ref, **FP32)
+    # dcoef sums s·b·d products: fp32 summation order differs from autograd's, so
+    # it is held against the float64 reference.
+    dcoef_64 = values_and_grads(shift_tokens, x.double(), coef.double(), doc_ids)[2]
+    torch.testing.assert_close(dcoef.double(), dcoef_64, atol=1e-5, rtol=1e-6)
+
+
+def test_window_longer_than_sequence_and_non_contiguous_input():
+    """A strided view (as K/V are, inside the QKV output) and w >= s."""
+    mixed = torch.randn(2, 3, 2, 24)  # [s, b, groups, (q|k|v) * d]
+    k = mixed[..., 8:16]
+    coef = torch.randn(2, 4)
+    doc_ids = torch.tensor([[0], [1]]).expand(2, 3)  # stride 0 on batch
+    for ids in (None, doc_ids):
+        for got, want in zip(values_and_grads(fused_shift, k, coef, ids),
+                             values_and_grads(shift_tokens, k, coef, ids)):
+            torch.testing.assert_close(got, want, **FP32)
+
+
+@pytest.mark.parametrize("mode", ["free", "gate", "clamp"])
+def test_coefficient_modes_through_effective_coefficients(mode):
+    """The Function takes effective coefficients; gradients reach the stored parameter."""
+    x = torch.randn(9, 2, 2, 4)
+    doc_ids = documents(9, 2, "starts")
+    n = 2 if mode == "gate" else 3  # window 2
+    param = torch.rand(2, n) * 1.4 - 0.2  # clamp mode: some outside [0, 1]
+    grads = []
+    for fn in (fused_shift, shift_tokens):
+        p = param.clone().requires_grad_()
+        xx = x.clone().requires_grad_()
+        y = fn(xx, effective_coefficients(p, mode), doc_ids)
+        y.square().sum().backward()
+        grads.append((y, xx.grad, p.grad))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, **FP32)
+
+
+def test_gradcheck_float64():
+    x = torch.randn(6, 2, 2, 3, dtype=torch.float64, requires_grad=True)
+    coef = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    doc_ids = documents(6, 2, "starts")
+    assert torch.autograd.gradcheck(lambda a, c: fused_shift(a, c, doc_ids), (x, coef))
+    assert torch.autograd.gradcheck(lambda a, c: fused_shift(a, c), (x, coef))
+
+
+@pytest.mark.parametrize("docs", ["none", "starts"])
+def test_bf16_within_bf16_tolerance(docs):
+    """bf16 inputs: fused and reference agree within bf16 rounding of the fp32 truth."""
+    s, b, h, d = 64, 2, 2, 16
+    x = torch.randn(s, b, h, d).bfloat16()
+    coef = torch.randn(h, 3).bfloat16()
+    doc_ids = documents(s, b, docs)
+    truth = values_and_grads(shift_tokens, x.float(), coef.float(), doc_ids)
+    got = values_and_grads(fused_shift, x, coef, doc_ids)
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    for g, t in zip(got, truth):
+        scale = t.abs().max().item()
+        torch.testing.assert_close(g.float(), t, atol=2e-2 * scale, rtol=2e-2)
+
+
+def test_coefficients_without_grad_and_inputs_without_grad():
+    x = torch.randn(5, 1, 2, 3, requires_grad=True)
+    coef = torch.randn(2, 2)
+    (dx,) = torch.autograd.grad(fused_shift(x, coef).sum(), (x,))
+    (dx_ref,) = torch.autograd.grad(shift_tokens(x, coef).sum(), (x,))
+    torch.testing.assert_close(dx, dx_ref, **FP32)
+    coef.requires_grad_()
+    (dc,) = torch.autograd.grad(fused_shift(x.detach(), coef).sum(), (coef,))
+    (dc_ref,) = torch.autograd.grad(shift_tokens(x.detach(), coef).sum(), (coef,))
+    torch.testing.assert_close(dc, dc_ref, **FP32)
+
+
+def test_unknown_implementation_is_refused():
+    with pytest.raises(ValueError, match="unknown shift implementation"):
+        fused_shift(torch.zeros(2, 1, 1, 1), torch.ones(1, 2), impl="cuda")
+
+
+# ----------------------------------------------------------------------------- what is saved
+def saved_storages(fn):
+    """Storages (data pointer -> bytes) that autograd saves while ``fn()`` runs, and
+    how many tensors it saves."""
+    seen: dict[int, int] = {}
+    packed = []
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        packed.append(1)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, seen, len(packed)
+
+
+def test_saves_only_its_input_coefficients_and_doc_ids():
+    mixed = torch.randn(16, 2, 2, 24, requires_grad=True)  # [s, b, groups, (q|k|v) * d]
+    v = mixed[..., 16:]  # a view: the raw V inside the QKV output
+    coef = torch.randn(2, 3, requires_grad=True)
+    doc_ids = documents(16, 2, "starts")
+    y, seen, packed = saved_storages(lambda: fused_shift(v, coef, doc_ids))
+    assert isinstance(y.grad_fn, FusedShift._backward_cls)
+    assert set(seen) == {p.untyped_storage().data_ptr() for p in (mixed, coef, doc_ids)}
+    assert packed == 3
+    # The reference saves per op: x and the coefficients again and again, and masks.
+    assert saved_storages(lambda: shift_tokens(v, coef, doc_ids))[2] > 3
+
+
+def sdpa_layer(mixed: torch.Tensor, shift) -> torch.Tensor:
+    """The attention of a flash-style backend: split Q/K/V views, (shift), rotate, SDPA."""
+    q, k, v = mixed.split([16, 8, 8], dim=-1)  # [s, b, groups, .]
+    q = q.reshape(*q.shape[:2], -1, 8)  # [s, b, heads, d]
+    if shift is not None:
+        k, v = shift(k, torch.full((2, 2), 0.5)), shift(v, torch.full((2, 2), 0.5))
+    q, k = q * 1.5, k * 1.5  # stands for RoPE: new tensors that attention saves
+    return F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+                                          is_causal=True, enable_gqa=True)
+
+
+def test_flash_style_layer_keeps_only_the_shifted_v_beyond_vanilla():
+    """Where attention saves its V input (SDPA, flash kernels), vanilla already keeps
+    the QKV output; the shift then adds the shifted V alone (and the coefficients)."""
+    mixed = torch.randn(32, 2, 2, 32, requires_grad=True)
+    vanilla = saved_storages(lambda: sdpa_layer(mixed, None))[1]
+    shifted = saved_storages(lambda: sdpa_layer(mixed, fused_shift))[1]
+    v_bytes = 32 * 2 * 2 * 8 * 4
+    coef_bytes = 2 * 2 * 4 * 2
+    assert sum(shifted.values()) - sum(vanilla.values()) == v_bytes + coef_bytes
+
+
+def one_layer(attention: str, mask: torch.Tensor, s: int, b: int) -> dict[int, int]:
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=64, max_position_embeddings=s, attention=attention,
+                      backend="local")
+    attn = build_gpt(cfg, transformer_config(cfg)).decoder.layers[0].self_attention
+    hidden = torch.randn(s, b, 64, requires_grad=True)
+    seen = saved_storages(lambda: attn(hidden, mask))[1]
+    params = {p.untyped_storage().data_ptr() for p in attn.parameters()}
+    return {ptr: n for ptr, n in seen.items() if ptr not in params}
+
+
+def test_local_layer_saves_at_most_the_qkv_output_more(mp1):
+    """megatron's local attention copies V (GQA expansion), so the raw K/V views the
+    shift saves keep the QKV output alive: that, and nothing more, is the extra."""
+    s, b = 32, 2
+    mask = ~torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    mask[..., 20:, :20] = True  # two documents
+    vanilla = sum(one_layer("vanilla", mask, s, b).values())
+    shifted = sum(one_layer("kv_shift", mask, s, b).values())
+    qkv_bytes = s * b * (4 + 2 * 2) * 16 * 4  # [s, b, (heads + 2 groups) * d] fp32
+    assert 0 < shifted - vanilla <= qkv_bytes + 1024  # + coefficients and doc ids
+
+
+# ----------------------------------------------------------------------------- through the model
+@pytest.mark.parametrize("shift,window,mode", [
+    (["k", "v"], 1, "free"), (["q", "k", "v"], 2, "gate"), (["v"], 3, "clamp"),
+])
+def test_model_with_fused_shift_equals_reference(mp1, monkeypatch, shift, window, mode):
+    """Logits and every gradient (incl. the coefficients) of a packed two-document
+    batch: the module's fused shift against the reference shift_tokens."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=64, max_position_embeddings=32, attention="kv_shift",
+                      kv_shift=KVShiftConfig(shift=shift, window=window, mode=mode))
+    model = build_gpt(cfg, transformer_config(cfg))
+    tokens = torch.randint(0, 64, (2, 24))
+    pos = torch.arange(24)[None].expand_as(tokens)
+    mask = ~torch.ones(24, 24, dtype=torch.bool).tril()[None, None]
+    mask[..., 9:, :9] = True
+
+    def run():
+        model.zero_grad()
+        out = model(tokens, pos, mask)
+        out.float().pow(2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    fused_out, fused_grads = run()
+    monkeypatch.setattr(kv_shift_module, "fused_shift", shift_tokens)
+    ref_out, ref_grads = run()
+    torch.testing.assert_close(fused_out, ref_out, atol=1e-5, rtol=1e-5)
+    assert any(n.endswith(f"shift_{shift[0]}") for n in fused_grads)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+# ----------------------------------------------------------------------------- GPU: the Triton kernels
+@pytest.fixture
+def triton_kernels():
+    from kvtrain.model.shift_kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not importable: the Triton shift is unchecked here")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("docs", ["none", "starts"])
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_triton_matches_shift_tokens_fp32(triton_kernels, window, docs):
+    s, b, h, d = 300, 2, 3, 40  # several token blocks, d not a power of two
+    mixed = torch.randn(s, b, h, 3 * d, device="cuda")
+    x = mixed[..., d:2 * d]  # a strided view, as K/V inside the QKV output
+    coef = torch.randn(h, window + 1, device="cuda")
+    doc_ids = documents(s, b, docs)
+    doc_ids = doc_ids.cuda() if doc_ids is not None else None
+    y, dx, dcoef = values_and_grads(lambda *a: fused_shift(*a, impl="triton"), x, coef, doc_ids)
+    y_ref, dx_ref, _ = values_and_grads(shift_tokens, x, coef, doc_ids)
+    torch.testing.assert_close(y, y_ref, **FP32)
+    torch.testing.assert_close(dx, dx_ref, **FP32)
+    dcoef_64 = values_and_grads(shift_tokens, x.double(), coef.double(), doc_ids)[2]
+    torch.testing.assert_close(dcoef.double(), dcoef_64, atol=1e-4, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("docs", ["none", "starts"])
+def test_triton_bf16_within_bf16_tolerance(triton_kernels, docs):
+    s, b, h, d = 512, 2, 4, 64
+    x = torch.randn(s, b, h, d, device="cuda").bfloat16()
+    coef = torch.randn(h, 3, device="cuda").bfloat16()
+    doc_ids = documents(s, b, docs)
+    doc_ids = doc_ids.cuda() if doc_ids is not None else None
+    truth = values_and_grads(shift_tokens, x.float(), coef.float(), doc_ids)
+    got = values_and_grads(fused_shift, x, coef, doc_ids)  # Triton is the default on CUDA
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    for g, t in zip(got, truth):
+        torch.testing.assert_close(g.float(), t, atol=2e-2 * t.abs().max().item(), rtol=2e-2)
