@@ -28,7 +28,8 @@ class Validator:
 
     def __init__(self, dataset, forward_backward: Callable, model: list, eval_iters: int,
                  global_batch_size: int, micro_batch_size: int, num_microbatches: int,
-                 seq_length: int, accuracy_masks: tuple = (), vocab_size: int = 0):
+                 seq_length: int, accuracy_masks: tuple = (), vocab_size: int = 0,
+                 documents: Optional[Callable] = None):
         self.dataset = dataset
         self.forward_backward = forward_backward
         self.model = model
@@ -39,7 +40,7 @@ class Validator:
         if self.accuracy_masks:  # induction / 3-gram data: accuracy from the logits
             self.forward_step = AccuracyForwardStep(self.accuracy_masks, vocab_size)
         else:
-            self.forward_step = ForwardStep()
+            self.forward_step = ForwardStep(documents=documents)
 
     def run(self, iteration: int) -> Optional[dict]:
         """``{"val_loss", "val_ppl", ...}`` (the same on every rank), or None."""
