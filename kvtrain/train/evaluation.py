@@ -20,7 +20,7 @@ from kvtrain.data import fixed_batches
 from kvtrain.tasks.accuracy import AccuracyForwardStep, reduce_accuracies
 from kvtrain.model.kv_shift import collect_shift_coefficients
 
-from .step import ForwardStep, global_mean_loss
+from .step import ForwardStep, global_mean_loss, schedule_shape
 
 
 class Validator:
@@ -41,6 +41,7 @@ class Validator:
             self.forward_step = AccuracyForwardStep(self.accuracy_masks, vocab_size)
         else:
             self.forward_step = ForwardStep(documents=documents)
+        self.documents = documents
 
     def run(self, iteration: int) -> Optional[dict]:
         """``{"val_loss", "val_ppl", ...}`` (the same on every rank), or None."""
@@ -53,6 +54,7 @@ class Validator:
         for chunk in self.model:
             chunk.eval()
         losses = []
+        seq_length, micro_batch_size = schedule_shape(self.documents, self.seq_length, self.mbs)
         with torch.no_grad():
             for _ in range(self.iters):
                 losses += self.forward_backward(
@@ -60,9 +62,9 @@ class Validator:
                     data_iterator=iterators if len(iterators) > 1 else iterators[0],
                     model=self.model if len(self.model) > 1 else self.model[0],
                     num_microbatches=self.m,
-                    seq_length=self.seq_length,
-                    micro_batch_size=self.mbs,
-                    decoder_seq_length=self.seq_length,
+                    seq_length=seq_length,
+                    micro_batch_size=micro_batch_size,
+                    decoder_seq_length=seq_length,
                     forward_only=True,
                 )
         for chunk in self.model:

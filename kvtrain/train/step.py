@@ -72,6 +72,15 @@ class ForwardStep:
         return output, partial(loss_func, batch["loss_mask"], alter)
 
 
+def schedule_shape(documents: Optional[Callable], seq_length: int,
+                   micro_batch_size: int) -> tuple[int, int]:
+    """(sequence, batch) of the activations megatron's schedule sizes its pipeline
+    messages by: THD packing (``te``) makes a micro batch one row of ``b*s`` tokens."""
+    if getattr(documents, "thd", False):
+        return seq_length * micro_batch_size, 1
+    return seq_length, micro_batch_size
+
+
 def sync_params(model: list) -> None:
     """Brings every DP rank's copy of the weights up to date (collective).
 
@@ -119,6 +128,8 @@ def train_step(forward_backward: Callable, forward_step: ForwardStep, data_itera
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    seq_length, micro_batch_size = schedule_shape(forward_step.documents, seq_length,
+                                                  micro_batch_size)
     losses = forward_backward(
         forward_step_func=forward_step,
         data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],

@@ -28,8 +28,8 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def model_config(attention: str = "kv_shift", groups: int = 2, layers: int = 2,
-                 **kv_shift) -> ModelConfig:
-    return ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4,
+                 hidden: int = 32, **kv_shift) -> ModelConfig:
+    return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4,
                        num_query_groups=groups, ffn_hidden_size=64, vocab_size=VOCAB,
                        make_vocab_size_divisible_by=64, max_position_embeddings=64,
                        attention=attention, kv_shift=KVShiftConfig(**kv_shift))
@@ -233,6 +233,30 @@ def test_tp2_sp_and_pp2_torch_equal_local_tp1(mp1):
     assert ranks[1]["pp"] == pytest.approx(pp_ref, abs=1e-5)
 
 
+# ----------------------------------------------------------------------------- FlexAttention
+def test_flex_block_mask_equals_explicit_mask():
+    """The GPU path's document-causal block mask, run by eager FlexAttention on the CPU."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from kvtrain.model.attention import document_block_mask
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 256, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 256, 16, generator=gen) for _ in range(2))
+    tokens = torch.randint(1, 50, (2, 256), generator=gen)
+    tokens[0, 100] = tokens[1, 17] = tokens[1, 200] = 0
+    packed = DocumentParams.from_ids(document_ids(tokens, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention warns that it is slow
+        flex = flex_attention(q, k, v, block_mask=document_block_mask(packed.doc_ids),
+                              scale=0.25, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=~packed.mask(), scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -270,3 +294,25 @@ def test_bf16_torch_close_to_local(mp1):
         b = torch_model(tokens, pos, None, labels=labels)
     assert a.dtype == b.dtype == torch.float32  # megatron's loss is fp32
     torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["vanilla", "kv_shift"])
+def test_torch_equals_local_on_gpu_with_documents(mp1, attention):
+    """On a GPU: SDPA's flash kernels and the compiled FlexAttention path (documents)."""
+    cfg = model_config(attention, hidden=128)  # head dim 32: Triton's flex kernels want >= 16
+    tc = transformer_config(cfg)
+    local = build_gpt(cfg, tc, backend="local").cuda()
+    torch_model = build_gpt(cfg, tc, seed=77, backend="torch").cuda()
+    torch_model.load_state_dict(local.state_dict())
+    assert torch_model.decoder.layers[0].self_attention.core_attention.documents_kernel == "flex"
+    tokens, labels = (t.cuda() for t in batch(5))
+    tokens[0, 5] = tokens[1, 3] = 0
+    ids = document_ids(tokens, 0)
+    for packed in (None, "documents"):
+        ref = run(local, tokens, labels, packed and DocumentParams.from_ids(ids))
+        got = run(torch_model, tokens, labels, packed and DocumentParams.from_ids(ids))
+        torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
+        for name in ref[2]:
+            torch.testing.assert_close(got[2][name], ref[2][name], atol=1e-4, rtol=1e-4,
+                                       msg=name)

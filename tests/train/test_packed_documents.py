@@ -17,6 +17,7 @@ from kvtrain.config import ConfigError, RunConfig
 from kvtrain.config.backend import BackendChoice, check_document_masks, decide_backend
 from kvtrain.config.loader import from_dict
 from kvtrain.model.documents import Documents, cu_seqlens, document_ids, pack_thd
+from kvtrain.train.step import schedule_shape
 
 from .conftest import tiny_config
 
@@ -28,7 +29,7 @@ def packed_run(corpus, cache_dir, tmp_path, backend: str, attention: str):
 
     cfg = tiny_config(corpus, cache_dir, model={"backend": backend, "attention": attention},
                       data={"reset_attention_mask": True},
-                      train={"seq_length": SEQ, "global_batch_size": 2})
+                      train={"seq_length": SEQ, "global_batch_size": 2, "max_steps": 20})
     return build_run(from_dict(RunConfig, cfg), tmp_path)
 
 
@@ -96,6 +97,9 @@ def test_document_ids_and_thd_offsets():
     assert params.qkv_format == "thd" and params.max_seqlen_q == 6
     assert params.cu_seqlens_q.dtype == torch.int32
     assert torch.equal(pack_thd(batch, ids)[1].cu_seqlens_kv, params.cu_seqlens_q)
+    # pipeline messages are sized for one row of b*s tokens
+    assert schedule_shape(Documents(eod, thd=True), 6, 2) == (12, 1)
+    assert schedule_shape(Documents(eod, thd=False), 6, 2) == schedule_shape(None, 6, 2) == (6, 2)
     same, docs = Documents(eod=eod, thd=False)(batch)
     assert same is batch and torch.equal(docs.doc_ids, ids) and docs.qkv_format == "sbhd"
     mask = docs.mask()  # [b, 1, s, s], True = masked; built once and cached
