@@ -171,7 +171,8 @@ def parallel_worker(rank: int, world: int, states: dict, tokens, labels):
 
     init_model_parallel(tensor=world)
     set_seed(0)
-    out = {a: tp_sp_case(rank, world, a, states[a], tokens, labels) for a in states}
+    out = {a: tp_sp_case(rank, world, a, states[a], tokens, labels)
+           for a in ("vanilla", "kv_shift")}
     init_model_parallel(pipeline=world)
     set_seed(0)
     cfg = model_config("kv_shift", layers=4)
@@ -216,7 +217,7 @@ def test_tp2_sp_and_pp2_torch_equal_local_tp1(mp1):
                     if "_extra_state" not in k}
     pos = torch.arange(SEQ)[None].expand_as(tokens)
     pp_ref = pipeline_loss(local, tokens, labels, pos)
-    ranks = run_distributed(parallel_worker, 2, {**states}, tokens, labels)
+    ranks = run_distributed(parallel_worker, 2, states, tokens, labels)
     for rank, out in enumerate(ranks):
         for attention in ("vanilla", "kv_shift"):
             logits, loss, grads, dims = out[attention]
