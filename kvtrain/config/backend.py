@@ -1,12 +1,16 @@
 """Which attention backend a run uses, and what that backend cannot do.
 
-``model.backend`` asks for ``auto``, ``te`` (Transformer Engine) or ``local``
-(megatron's own modules; what runs on the CPU). The answer is decided once per
-run from what the machine offers - a GPU, an importable Transformer Engine,
-apex's fused softmax kernels - by :func:`decide_backend`, a pure function: the
-trainer probes the machine (``kvtrain.model.specs.backend_choice``) and the
-planner, which has no GPU, assumes the cluster's answer. Both then apply the
-same refusals (:func:`check_document_masks`).
+``model.backend`` asks for ``auto``, ``te`` (Transformer Engine), ``torch``
+(megatron's local linears and norms with PyTorch's fused attention: SDPA, and
+FlexAttention for separated documents on a GPU; what ``auto`` gives on the CPU
+and on GPUs without TE) or ``local`` (megatron's own modules with the s x s
+score matrix: the reference). The answer is decided once per run from what the
+machine offers - a GPU, an importable Transformer Engine, apex's fused softmax
+kernels - by :func:`decide_backend`, a pure function: the trainer probes the
+machine (``kvtrain.model.specs.backend_choice``) and the planner, which has no
+GPU, assumes the cluster's answer. Both then apply the same refusals
+(:func:`check_document_masks`); :func:`document_attention` names the kernel that
+separates documents on each backend.
 
 This module imports neither torch nor megatron, so ``kvtrain plan`` and config
 validation stay light.
@@ -33,7 +37,7 @@ class BackendChoice:
     """The resolved backend of a run: what it is, why, and which kernels it has."""
 
     name: str
-    """``te`` or ``local``."""
+    """``te``, ``torch`` or ``local``."""
     requested: str
     """The ``model.backend`` value it was resolved from."""
     reason: str
@@ -42,11 +46,16 @@ class BackendChoice:
     """apex's fused masked-softmax kernels are importable (used by the local spec)."""
     te_error: Optional[str] = None
     """First line of Transformer Engine's import error when it is installed but broken."""
+    documents: Optional[str] = None
+    """How documents are kept apart when ``data.reset_attention_mask`` is on (else None):
+    see :func:`document_attention`."""
 
     def describe(self) -> str:
-        """One line for stdout: ``backend local (auto: no GPU; fused softmax: no)``."""
+        """One line for stdout: ``backend torch (auto: no GPU; fused softmax: no)``,
+        plus ``; documents: <kernel>`` when documents are separated."""
         fused = "yes" if self.fused_softmax else "no"
-        return f"backend {self.name} ({self.reason}; fused softmax: {fused})"
+        docs = f"; documents: {self.documents}" if self.documents else ""
+        return f"backend {self.name} ({self.reason}; fused softmax: {fused}{docs})"
 
     @property
     def warning(self) -> Optional[str]:
@@ -54,7 +63,7 @@ class BackendChoice:
         if self.te_error in (None, TE_NOT_INSTALLED) or self.name == "te":
             return None
         return (f"Transformer Engine is installed but does not import ({self.te_error}); "
-                f"using the local backend (model.backend: te would stop here)")
+                f"using the {self.name} backend (model.backend: te would stop here)")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -67,43 +76,59 @@ def decide_backend(requested: str, cuda: bool, te_error: Optional[str],
     or fails (``TE_NOT_INSTALLED`` or the error's first line), and apex's fused
     softmax is (``fused_softmax``) or is not available."""
     fused = fused_softmax and cuda
-    if requested == "local":
-        return BackendChoice("local", requested, "model.backend: local", fused, te_error)
+    if requested in ("local", "torch"):
+        return BackendChoice(requested, requested, f"model.backend: {requested}", fused, te_error)
     if requested == "te":
         if not cuda:
             raise ConfigError("model.backend: te needs a GPU, but torch sees no GPU "
-                              "(use model.backend: auto or local on the CPU)")
+                              "(use model.backend: auto, torch or local on the CPU)")
         if te_error == TE_NOT_INSTALLED:
             raise ConfigError("model.backend: te, but Transformer Engine is not installed "
-                              "(pip install transformer_engine[pytorch], or model.backend: local)")
+                              "(pip install transformer_engine[pytorch], or model.backend: torch)")
         if te_error is not None:
             raise ConfigError(f"model.backend: te, but Transformer Engine does not import: "
                               f"{te_error}")
         return BackendChoice("te", requested, "model.backend: te", fused)
     if requested != "auto":
-        raise ConfigError(f"model.backend must be auto, te or local, got {requested!r}")
+        raise ConfigError(f"model.backend must be auto, te, torch or local, got {requested!r}")
     if not cuda:
-        return BackendChoice("local", requested, "auto: no GPU", fused, te_error)
+        return BackendChoice("torch", requested, "auto: no GPU", fused, te_error)
     if te_error == TE_NOT_INSTALLED:
-        return BackendChoice("local", requested, "auto: Transformer Engine not installed",
+        return BackendChoice("torch", requested, "auto: Transformer Engine not installed",
                              fused, te_error)
     if te_error is not None:
-        return BackendChoice("local", requested,
+        return BackendChoice("torch", requested,
                              f"auto: transformer_engine import failed: {te_error}", fused,
                              te_error)
     return BackendChoice("te", requested, "auto: Transformer Engine on a GPU", fused)
+
+
+def document_attention(backend: str, cuda: bool, attention_dropout: float) -> str:
+    """The kernel that keeps packed documents apart on ``backend``.
+
+    ``te``: THD packing (``PackedSeqParams`` with ``cu_seqlens`` from the EOD
+    positions); ``local``: megatron's softmax with an explicit ``[b, 1, s, s]``
+    mask; ``torch``: FlexAttention with a document-causal block mask on a GPU
+    (compiled; it has no dropout, so ``attention_dropout > 0`` falls back), else
+    SDPA with an explicit boolean mask (the CPU: compiling is too slow for tests).
+    """
+    if backend == "te":
+        return "thd"
+    if backend == "local":
+        return "mask"
+    return "flex" if cuda and attention_dropout == 0 else "sdpa+mask"
 
 
 def document_mask_problem(backend: str, fused_softmax: bool, half: bool,
                           seq_length: int) -> Optional[str]:
     """Why ``backend`` would ignore a document mask at ``seq_length`` (None: it applies it).
 
-    TE's attention with the causal mask type ignores ``attention_mask``; the local
-    spec's ``FusedScaleMaskSoftmax`` drops it when it takes apex's causal kernel
-    (16-bit scores, 16 < s <= 4096). The torch softmax path applies it.
+    ``te`` separates documents by THD packing and ``torch`` by its own masks; the
+    local spec's ``FusedScaleMaskSoftmax`` drops the mask when it takes apex's
+    causal kernel (16-bit scores, 16 < s <= 4096). The torch softmax path applies it.
     """
-    if backend == "te":
-        return "Transformer Engine's causal attention ignores the mask (backend te)"
+    if backend != "local":
+        return None
     if fused_softmax and half and FUSED_SOFTMAX_MIN_SEQ < seq_length <= FUSED_SOFTMAX_MAX_SEQ:
         return (f"apex's fused softmax kernel ignores the mask for 16-bit sequences of "
                 f"{FUSED_SOFTMAX_MIN_SEQ + 1}..{FUSED_SOFTMAX_MAX_SEQ} tokens (backend local, "
@@ -121,11 +146,10 @@ def check_document_masks(cfg, choice: BackendChoice, half: bool) -> None:
     if problem:
         raise ConfigError(
             f"data.reset_attention_mask: true is refused: {problem}, so attention would cross "
-            f"documents; use model.backend: local on a GPU without apex's fused softmax (or "
-            f"train.precision fp32), or set data.reset_attention_mask: false until packed "
-            f"documents are supported on every backend"
+            f"documents; use model.backend: torch or te (or local without apex's fused "
+            f"softmax, or train.precision fp32)"
         )
 
 
 __all__ = ["BackendChoice", "TE_NOT_INSTALLED", "check_document_masks", "decide_backend",
-           "document_mask_problem"]
+           "document_attention", "document_mask_problem"]

@@ -66,13 +66,15 @@ class ModelConfig:
     """The attention variant: the one key that differs between a vanilla run and a KV-shift run."""
     kv_shift: KVShiftConfig = field(default_factory=KVShiftConfig)
     """KV shifting options (ignored by vanilla attention)."""
-    backend: Literal["auto", "te", "local"] = "auto"
+    backend: Literal["auto", "te", "torch", "local"] = "auto"
     """Layer implementation: ``te`` (Transformer Engine: fused attention, TE linears),
-    ``local`` (megatron's own modules; the CPU path), or ``auto``: ``te`` on a GPU where
-    Transformer Engine imports, else ``local``. Resolved once at start, printed, and
+    ``torch`` (megatron's local linears and norms with PyTorch's fused attention: SDPA,
+    FlexAttention for separated documents on a GPU), ``local`` (megatron's own modules,
+    s x s scores: the reference), or ``auto``: ``te`` on a GPU where Transformer Engine
+    imports, else ``torch`` (the CPU included). Resolved once at start, printed, and
     recorded (metrics.jsonl event, config.yaml comment, checkpoint, wandb config);
     ``te`` that cannot be used stops the run in one line, and an installed TE that
-    fails to import is shown even under ``auto``."""
+    fails to import is shown even under ``auto``. Checkpoints load across backends."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.0

@@ -140,7 +140,10 @@ class DataConfig:
     cache_dir: Optional[str] = None
     """Folder for index caches (default: <run_dir>/data_cache)."""
     reset_attention_mask: bool = False
-    """Stop attention (and the KV shift) across documents in a sequence."""
+    """Packed documents: attention and the KV shift stop at every end-of-document
+    token (Megatron-LM's name). Document ids are computed once per micro batch from
+    the tokens and the EOD id and handed to the layers: THD packing on ``te``,
+    FlexAttention / SDPA masks on ``torch``, an explicit mask on ``local``."""
     eod_mask_loss: bool = False
     """Mask the loss on end-of-document tokens."""
     num_workers: int = 1

@@ -114,7 +114,6 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
     tokenizer = load_tokenizer(d, cfg.model)
     blend = parse_blend(d.paths) if d.type == "gpt" else None
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    needs_mask = d.reset_attention_mask
     ds_config = GPTDatasetConfig(
         random_seed=d.seed if d.seed is not None else cfg.train.seed,
         sequence_length=cfg.train.seq_length,
@@ -125,11 +124,12 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         # RoPE takes no position ids, so restarting them per document would change
         # nothing: kvtrain has no such key
         reset_position_ids=False,
-        reset_attention_mask=d.reset_attention_mask,
+        # Documents are separated from the tokens in the forward step (document
+        # ids once per micro batch, kvtrain.model.documents), never by a
+        # [b, 1, s, s] mask built here: that would cost s^2 per sample.
+        reset_attention_mask=False,
         eod_mask_loss=d.eod_mask_loss,
-        # The causal mask is implied by the attention's mask type; a per-sample
-        # mask is only needed to stop attention (and the shift) at documents.
-        create_attention_mask=needs_mask,
+        create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
     needed = (True, valid_samples > 0, False)

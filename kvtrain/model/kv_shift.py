@@ -35,6 +35,8 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from kvtrain.config.layout import coefficients_per_tensor
 from kvtrain.model.shift_kernels import fused_shift
 
+from .documents import DocumentParams
+
 # Names of the coefficient parameters, by shifted tensor.
 PARAM_NAMES = {"q": "shift_q", "k": "shift_k", "v": "shift_v"}
 
@@ -135,7 +137,9 @@ def doc_ids_from_attention_mask(mask: Tensor, s: int, b: int) -> Optional[Tensor
 
     A token whose immediate predecessor is masked starts a new document (this is
     how megatron's ``reset_attention_mask`` separates documents). Returns None
-    when no token in the batch starts a document after position 0.
+    when no token in the batch starts a document after position 0. Only for
+    callers that pass their own mask: the trainer hands the layers document ids
+    (``DocumentParams``), which need neither this per-layer pass nor its host sync.
     """
     if mask is None or mask.dim() != 4 or mask.shape[-1] != s or mask.shape[-2] != s:
         return None
@@ -202,12 +206,14 @@ class KVShiftSelfAttention(SelfAttention):
         if len(args) >= 2 and args[1] is not None:  # (key_value_states, inference_context, ...)
             self._inference = args[1]
         self._doc_ids = None
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        if isinstance(packed_seq_params, DocumentParams):  # the trainer's packed documents
+            self._doc_ids = ("ids", packed_seq_params.doc_ids)
+        elif packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q_padded
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
             self._doc_ids = ("thd", cu)
-        elif attention_mask is not None:
+        elif attention_mask is not None:  # a caller's own mask (megatron's inference wrappers)
             self._doc_ids = ("mask", attention_mask)
         try:
             return super().forward(hidden_states, attention_mask, *args,
@@ -217,9 +223,12 @@ class KVShiftSelfAttention(SelfAttention):
             self._inference = None
 
     def _resolve_doc_ids(self, s: int, b: int) -> Optional[Tensor]:
+        """``[s, b]`` document ids of the tokens being shifted (None: one document)."""
         if self._doc_ids is None:
             return None
         kind, value = self._doc_ids
+        if kind == "ids":
+            return value.transpose(0, 1)  # [b, s] -> [s, b]
         if kind == "thd":
             return doc_ids_from_cu_seqlens(value, s).expand(s, b)
         return doc_ids_from_attention_mask(value, s, b)
@@ -322,7 +331,7 @@ def kv_shift_layer_spec(base: ModuleSpec, options: KVShiftOptions) -> ModuleSpec
 
     Only ``submodules.self_attention.module`` changes (plus its options); the
     projections, core attention and norms of ``base`` are kept, so the same
-    builder serves the local and the Transformer Engine backends.
+    builder serves every backend (te, torch, local).
     """
     spec = copy.deepcopy(base)
     attn = spec.submodules.self_attention

@@ -1,8 +1,10 @@
-"""GPT layer specs: vanilla or KV-shift attention, local or Transformer Engine backend.
+"""GPT layer specs: vanilla or KV-shift attention on the te, torch or local backend.
 
-``model.backend`` picks the backend: ``te`` (Transformer Engine), ``local``
-(megatron's local modules with kvtrain's SP-capable RMSNorm, what runs on the
-CPU) or ``auto``. :func:`backend_choice` probes this machine (a GPU, TE's
+``model.backend`` picks the backend: ``te`` (Transformer Engine), ``torch``
+(megatron's local linears with kvtrain's SP-capable RMSNorm and PyTorch's fused
+attention, ``kvtrain.model.attention.TorchAttention``), ``local`` (the same
+linears and norms with megatron's s x s ``DotProductAttention``: the reference)
+or ``auto`` (``te`` on a GPU with TE, else ``torch``). :func:`backend_choice` probes this machine (a GPU, TE's
 import, apex's fused softmax) once and returns a ``BackendChoice`` saying which
 and why (``kvtrain.config.backend.decide_backend``); the trainer prints and
 records it. The attention variant is a table lookup: each entry turns the
@@ -28,10 +30,14 @@ from megatron.core.transformer.transformer_block import (
 
 from kvtrain.config.backend import TE_NOT_INSTALLED, BackendChoice, decide_backend
 
+from .attention import LocalDotProductAttention, TorchAttention
 from .kv_shift import KVShiftOptions, kv_shift_layer_spec
 from .norm import RMSNorm
 
-Backend = Literal["auto", "local", "te"]
+Backend = Literal["auto", "local", "te", "torch"]
+
+# the core attention of the backends built on megatron's local modules
+CORE_ATTENTION = {"local": LocalDotProductAttention, "torch": TorchAttention}
 
 
 # megatron's fused softmax kernels come compiled with apex (NVIDIA's container), not
@@ -81,13 +87,18 @@ def backend_choice(requested: Backend = "auto") -> BackendChoice:
 
 
 def resolve_backend(backend: Backend = "auto") -> str:
-    """The backend name (``te`` | ``local``) ``backend`` resolves to on this machine."""
+    """The backend name (``te`` | ``torch`` | ``local``) ``backend`` resolves to here."""
     return backend_choice(backend).name
 
 
 def vanilla_layer_spec(backend: Backend = "auto") -> ModuleSpec:
-    """The Llama-style GPT layer spec (RMSNorm, SwiGLU MLP) for ``backend``."""
-    if resolve_backend(backend) == "te":
+    """The Llama-style GPT layer spec (RMSNorm, SwiGLU MLP) for ``backend``.
+
+    ``torch`` and ``local`` share every module but the core attention, which
+    has no parameters: their state dicts (and checkpoints) are the same.
+    """
+    name = resolve_backend(backend)
+    if name == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
@@ -96,6 +107,7 @@ def vanilla_layer_spec(backend: Backend = "auto") -> ModuleSpec:
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    spec.submodules.self_attention.submodules.core_attention = CORE_ATTENTION[name]
     return spec
 
 
@@ -118,7 +130,7 @@ def block_spec(layer: ModuleSpec, config, vp_stage: Optional[int] = None,
                pp_rank: Optional[int] = None) -> TransformerBlockSubmodules | ModuleSpec:
     """The decoder block for one pipeline stage.
 
-    With the local backend the final norm must be kvtrain's RMSNorm too (the
+    With the torch and local backends the final norm must be kvtrain's RMSNorm too (the
     default would be megatron's WrappedTorchNorm, which refuses SP), so the block
     is spelled out; TE layer specs carry SP-capable norms already.
     """

@@ -52,6 +52,14 @@ bound there). ``selective`` recompute re-runs core attention, so it keeps no
 scores: one layer's are rebuilt at a time. ``kvtrain plan`` assumes ``te``
 for ``model.backend: auto`` (a GPU cluster with Transformer Engine).
 
+The ``torch`` backend (PyTorch's SDPA: flash / cuDNN kernels on a GPU) keeps
+what flash attention keeps, like ``te``: no ``s×s`` scores. Separated documents
+(``data.reset_attention_mask``) use FlexAttention's block mask there, a few
+bytes per 128×128 block. Two cases hold an explicit ``[b, 1, s, s]`` boolean
+mask instead, one per micro batch shared by the layers (``b·s²`` bytes, not
+counted: a GPU plan with ``attention_dropout > 0``, which FlexAttention lacks,
+and the CPU path, which the plan does not cover); the report says so.
+
 Full recomputation (megatron ``uniform``, one layer per checkpoint) keeps only
 each layer's input, ``2·sbh`` bytes (``/t`` with SP), plus one layer's full
 activations while that layer is recomputed in the backward pass.
@@ -122,7 +130,7 @@ def score_bytes_kept(model: ModelConfig, precision: str) -> float:
 
 def attention_backend(model: ModelConfig) -> str:
     """The backend the plan assumes: ``auto`` is ``te`` on a GPU cluster."""
-    return "local" if model.backend == "local" else "te"
+    return "te" if model.backend == "auto" else model.backend
 
 
 def layer_activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
@@ -213,7 +221,7 @@ class MemoryEstimate:
     overhead: float
     recompute: str
     distributed_optimizer: bool
-    attention: str = "te"  # the backend assumed: te (flash) or local (s x s scores)
+    attention: str = "te"  # the backend assumed: te / torch (flash) or local (s x s scores)
     # Totals of the alternatives, for the report.
     alternatives: dict[str, float] = field(default_factory=dict)
 

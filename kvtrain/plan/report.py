@@ -22,6 +22,14 @@ def _attention_memory(plan: Plan) -> str:
                 "materialised (torch softmax: fp32 scores + probabilities per layer)")
     assumed = "assumed (model.backend auto: a GPU cluster with Transformer Engine)" \
         if backend == "auto" else f"(model.backend {backend})"
+    if plan.memory.attention == "torch":
+        docs = ""
+        if plan.cfg.data.reset_attention_mask:
+            docs = ("; documents: SDPA with a [b, 1, s, s] mask per micro batch (not counted: "
+                    "attention_dropout > 0)" if plan.cfg.model.attention_dropout > 0
+                    else "; documents: FlexAttention block mask")
+        return (f"attention memory: torch spec {assumed}: SDPA flash kernels, "
+                f"no s x s scores{docs}")
     return f"attention memory: te spec {assumed}: flash attention, no s x s scores"
 
 

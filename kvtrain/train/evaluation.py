@@ -20,7 +20,7 @@ from kvtrain.data import fixed_batches
 from kvtrain.tasks.accuracy import AccuracyForwardStep, reduce_accuracies
 from kvtrain.model.kv_shift import collect_shift_coefficients
 
-from .step import ForwardStep, global_mean_loss
+from .step import ForwardStep, global_mean_loss, schedule_shape
 
 
 class Validator:
@@ -28,7 +28,8 @@ class Validator:
 
     def __init__(self, dataset, forward_backward: Callable, model: list, eval_iters: int,
                  global_batch_size: int, micro_batch_size: int, num_microbatches: int,
-                 seq_length: int, accuracy_masks: tuple = (), vocab_size: int = 0):
+                 seq_length: int, accuracy_masks: tuple = (), vocab_size: int = 0,
+                 documents: Optional[Callable] = None):
         self.dataset = dataset
         self.forward_backward = forward_backward
         self.model = model
@@ -39,7 +40,8 @@ class Validator:
         if self.accuracy_masks:  # induction / 3-gram data: accuracy from the logits
             self.forward_step = AccuracyForwardStep(self.accuracy_masks, vocab_size)
         else:
-            self.forward_step = ForwardStep()
+            self.forward_step = ForwardStep(documents=documents)
+        self.documents = documents
 
     def run(self, iteration: int) -> Optional[dict]:
         """``{"val_loss", "val_ppl", ...}`` (the same on every rank), or None."""
@@ -52,6 +54,7 @@ class Validator:
         for chunk in self.model:
             chunk.eval()
         losses = []
+        seq_length, micro_batch_size = schedule_shape(self.documents, self.seq_length, self.mbs)
         with torch.no_grad():
             for _ in range(self.iters):
                 losses += self.forward_backward(
@@ -59,9 +62,9 @@ class Validator:
                     data_iterator=iterators if len(iterators) > 1 else iterators[0],
                     model=self.model if len(self.model) > 1 else self.model[0],
                     num_microbatches=self.m,
-                    seq_length=self.seq_length,
-                    micro_batch_size=self.mbs,
-                    decoder_seq_length=self.seq_length,
+                    seq_length=seq_length,
+                    micro_batch_size=micro_batch_size,
+                    decoder_seq_length=seq_length,
                     forward_only=True,
                 )
         for chunk in self.model:

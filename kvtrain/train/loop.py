@@ -48,7 +48,7 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
     """Trains from ``state`` to the end of the run (or a stop); returns the exit code."""
     cfg, t = run.cfg, run.cfg.train
     iterators = _data_iterators(run, state.consumed_samples)
-    forward_step, window = ForwardStep(hooks), Window()
+    forward_step, window = ForwardStep(hooks, run.documents), Window()
     last_saved = state.iteration if state.iteration > 0 else None
     exit_code, why = EXIT_OK, None
     while state.iteration < run.total_steps:
@@ -260,7 +260,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     t = cfg.train
     validator = Validator(run.datasets.valid, run.forward_backward, run.model, t.eval_iters,
                           t.global_batch_size, t.micro_batch_size, run.num_microbatches,
-                          t.seq_length, accuracy_masks(cfg.data.type), cfg.model.vocab_size)
+                          t.seq_length, accuracy_masks(cfg.data.type), cfg.model.vocab_size,
+                          documents=run.documents)
     code = 1
     try:
         if state.iteration >= run.total_steps:

@@ -11,9 +11,10 @@ is what they became, printed and recorded by the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -50,6 +51,7 @@ class Run:
     checkpoint_dir: Path
     backend: BackendChoice
     device: str  # "cuda" | "cpu"
+    documents: Optional[Callable] = None  # model.documents.Documents, with reset_attention_mask
 
     @property
     def dp_size(self) -> int:
@@ -127,7 +129,7 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from kvtrain.backend import init_distributed
-    from kvtrain.config.backend import check_document_masks
+    from kvtrain.config.backend import check_document_masks, document_attention
     from kvtrain.data import build_datasets
     from kvtrain.model.builder import Numerics, transformer_config
     from kvtrain.model.specs import backend_choice
@@ -143,6 +145,9 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
         raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
     backend = backend_choice(cfg.model.backend)  # once per run: every chunk uses it
     check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
+    if cfg.data.reset_attention_mask:
+        backend = dataclasses.replace(backend, documents=document_attention(
+            backend.name, torch.cuda.is_available(), cfg.model.attention_dropout))
 
     tconfig = transformer_config(cfg.model, p, numerics)
     # Set before DDP is built (DDP reads it): gradients are divided by the token
@@ -186,7 +191,17 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
         peak_tflops=t.peak_tflops_per_device or guess_peak_tflops(),
         checkpoint_dir=Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints",
         backend=backend, device="cuda" if torch.cuda.is_available() else "cpu",
+        documents=_documents(cfg, datasets, backend.name),
     )
+
+
+def _documents(cfg: RunConfig, datasets, backend: str) -> Optional[Callable]:
+    """What the forward step needs to separate documents (None: not asked for)."""
+    if not cfg.data.reset_attention_mask:
+        return None
+    from kvtrain.model.documents import Documents
+
+    return Documents(eod=int(datasets.tokenizer.eod), thd=backend == "te")
 
 
 def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = None) -> str:
@@ -201,7 +216,8 @@ def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = N
         b = resolved["backend"]
         text = (f"# resolved at the last start: device {resolved['device']}\n"
                 f"# backend: {b['name']} ({b['reason']}; fused softmax: "
-                f"{'yes' if b['fused_softmax'] else 'no'})\n{text}")
+                f"{'yes' if b['fused_softmax'] else 'no'}"
+                f"{'; documents: ' + b['documents'] if b.get('documents') else ''})\n{text}")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", text)
     return text

@@ -2,9 +2,11 @@
 loss reduction every rank agrees on, and the guarded optimizer update.
 
 Shapes: a micro batch is ``tokens/labels/loss_mask/position_ids [b, s]`` (b the
-micro batch size, s the sequence length) plus ``attention_mask [b, 1, s, s]``
-when documents are separated; the model's output on the last pipeline stage
-is the per-token loss ``[b, s]``.
+micro batch size, s the sequence length); the model's output on the last
+pipeline stage is the per-token loss ``[b, s]`` (``[1, b*s]`` when documents
+are THD-packed for Transformer Engine). When documents are separated, their
+ids are computed here once per micro batch (``kvtrain.model.documents``) and
+reach the layers as ``packed_seq_params``.
 """
 
 from __future__ import annotations
@@ -41,27 +43,42 @@ def loss_func(loss_mask: torch.Tensor, alter: Optional[Callable], output_tensor:
     return loss_sum, tokens, {"lm loss": report}
 
 
-class ForwardStep:
-    """megatron's ``forward_step_func``: pulls a micro batch and runs the model."""
+BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask")
 
-    def __init__(self, hooks: Optional[RunHooks] = None):
+
+class ForwardStep:
+    """megatron's ``forward_step_func``: pulls a micro batch and runs the model.
+
+    ``documents`` (``Run.documents``; None when documents are not separated)
+    turns the micro batch's tokens into the document ids the layers read.
+    """
+
+    def __init__(self, hooks: Optional[RunHooks] = None,
+                 documents: Optional[Callable[[dict], tuple]] = None):
         self.iteration = 0  # the training step being run (1-based); 0 in evaluation
         self.hooks = hooks
+        self.documents = documents
 
     def __call__(self, data_iterator, model):
-        batch = next(data_iterator)
-        tokens = batch["tokens"]
-        position_ids = batch["position_ids"]
-        labels = batch["labels"]
-        loss_mask = batch["loss_mask"]
-        mask = batch.get("attention_mask")  # [b, 1, s, s] bool, True = masked
+        batch = {k: v for k, v in next(data_iterator).items() if k in BATCH_KEYS}
         if torch.cuda.is_available():
-            tokens, position_ids, labels, loss_mask = (
-                t.cuda(non_blocking=True) for t in (tokens, position_ids, labels, loss_mask))
-            mask = mask.cuda(non_blocking=True) if mask is not None else None
-        output = model(tokens, position_ids, mask, labels=labels)  # [b, s] loss (last stage)
+            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+        packed = None
+        if self.documents is not None:
+            batch, packed = self.documents(batch)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       packed_seq_params=packed)  # [b, s] loss (last stage)
         alter = partial(self.hooks.loss, self.iteration) if self.hooks is not None else None
-        return output, partial(loss_func, loss_mask, alter)
+        return output, partial(loss_func, batch["loss_mask"], alter)
+
+
+def schedule_shape(documents: Optional[Callable], seq_length: int,
+                   micro_batch_size: int) -> tuple[int, int]:
+    """(sequence, batch) of the activations megatron's schedule sizes its pipeline
+    messages by: THD packing (``te``) makes a micro batch one row of ``b*s`` tokens."""
+    if getattr(documents, "thd", False):
+        return seq_length * micro_batch_size, 1
+    return seq_length, micro_batch_size
 
 
 def sync_params(model: list) -> None:
@@ -111,6 +128,8 @@ def train_step(forward_backward: Callable, forward_step: ForwardStep, data_itera
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    seq_length, micro_batch_size = schedule_shape(forward_step.documents, seq_length,
+                                                  micro_batch_size)
     losses = forward_backward(
         forward_step_func=forward_step,
         data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],

@@ -36,18 +36,22 @@ def one_line_error(result) -> str:
 def test_backend_key_is_typed_and_defaults_to_auto():
     assert load_config(None).model.backend == "auto"
     assert load_config(None, ["model.backend=local"]).model.backend == "local"
-    with pytest.raises(ConfigError, match="model.backend: expected one of 'auto', 'te', 'local'"):
+    assert load_config(None, ["model.backend=torch"]).model.backend == "torch"
+    with pytest.raises(ConfigError,
+                       match="model.backend: expected one of 'auto', 'te', 'torch', 'local'"):
         load_config(None, ["model.backend=flash"])
 
 
 @pytest.mark.parametrize("requested, cuda, te_error, name, reason", [
-    ("auto", False, TE_NOT_INSTALLED, "local", "auto: no GPU"),
-    ("auto", True, TE_NOT_INSTALLED, "local", "auto: Transformer Engine not installed"),
-    ("auto", True, "OSError: libcudnn.so.9: cannot open shared object file", "local",
+    ("auto", False, TE_NOT_INSTALLED, "torch", "auto: no GPU"),
+    ("auto", True, TE_NOT_INSTALLED, "torch", "auto: Transformer Engine not installed"),
+    ("auto", True, "OSError: libcudnn.so.9: cannot open shared object file", "torch",
      "auto: transformer_engine import failed: OSError: libcudnn.so.9: cannot open shared "
      "object file"),
     ("auto", True, None, "te", "auto: Transformer Engine on a GPU"),
     ("local", True, None, "local", "model.backend: local"),
+    ("torch", True, None, "torch", "model.backend: torch"),
+    ("torch", False, None, "torch", "model.backend: torch"),
     ("te", True, None, "te", "model.backend: te"),
 ])
 def test_auto_resolution_says_why(requested, cuda, te_error, name, reason):
@@ -101,7 +105,7 @@ def test_build_time_choice_uses_the_probes(monkeypatch):
     monkeypatch.setattr(specs, "te_import_error", lambda: "OSError: libnvrtc.so: not found")
     monkeypatch.setattr(specs, "fused_softmax_available", lambda: True)
     choice = specs.backend_choice("auto")
-    assert (choice.name, choice.fused_softmax) == ("local", True)
+    assert (choice.name, choice.fused_softmax) == ("torch", True)
     assert "libnvrtc.so" in choice.reason and choice.warning
 
 
@@ -171,14 +175,15 @@ def choice(name: str, fused: bool):
 def test_document_masks_refused_where_the_kernel_ignores_them():
     from kvtrain.config.backend import check_document_masks
 
-    with pytest.raises(ConfigError) as e:
-        check_document_masks(masked(), choice("te", False), half=True)
-    message = str(e.value)
-    assert message.startswith("data.reset_attention_mask") and "backend te" in message
-    assert "model.backend: local" in message and "\n" not in message
     # local with apex's fused upper-triangular softmax, 16 < s <= 4096, 16-bit
-    with pytest.raises(ConfigError, match="fused softmax"):
+    with pytest.raises(ConfigError) as e:
         check_document_masks(masked(4096), choice("local", True), half=True)
+    message = str(e.value)
+    assert message.startswith("data.reset_attention_mask") and "fused softmax" in message
+    assert "model.backend: torch" in message and "\n" not in message
+    # te separates documents by THD packing, torch by its own masks
+    check_document_masks(masked(), choice("te", False), half=True)
+    check_document_masks(masked(), choice("torch", True), half=True)
     # where the mask is applied: the torch softmax (no apex, fp32, or s > 4096), the CPU
     check_document_masks(masked(1024), choice("local", False), half=True)
     check_document_masks(masked(1024), choice("local", True), half=False)
@@ -186,10 +191,12 @@ def test_document_masks_refused_where_the_kernel_ignores_them():
     check_document_masks(load_config(None), choice("te", True), half=True)  # no mask asked
 
 
-def test_plan_refuses_document_masks_on_te_and_warns_on_local():
+def test_plan_takes_document_masks_on_te_and_torch_and_warns_on_local():
     cfg = load_config(PAPER_6_7B, ["data.reset_attention_mask=true", "data.eod_id=2"])
-    with pytest.raises(PlanError, match="data.reset_attention_mask"):
-        make_plan(cfg, nodes=8, gpu="a100")
+    assert make_plan(cfg, nodes=8, gpu="a100").memory.attention == "te"  # THD packing
+    cfg = load_config(PAPER_6_7B, ["data.reset_attention_mask=true", "data.eod_id=2",
+                                   "model.backend=torch"])
+    assert "documents: FlexAttention block mask" in render(make_plan(cfg, nodes=8, gpu="a100"))
     cfg = load_config(PAPER_6_7B, ["data.reset_attention_mask=true", "data.eod_id=2",
                                    "model.backend=local", "parallel.recompute=full"])
     plan = make_plan(cfg, nodes=8, gpu="a100")
@@ -299,6 +306,13 @@ def test_plan_memory_follows_the_backend_and_says_which():
     assert auto.memory.attention == "te" and local.memory.attention == "local"
     assert "attention memory: te spec assumed (model.backend auto" in render(auto)
     assert "attention memory: local spec (model.backend local): s x s scores" in render(local)
+    # torch keeps what flash attention keeps, like te
+    torch_plan = make_plan(load_config(PAPER_6_7B, sel + ["model.backend=torch"]), nodes=8,
+                           gpu="a100")
+    assert torch_plan.memory.attention == "torch"
+    assert torch_plan.memory.activations == auto.memory.activations
+    assert "attention memory: torch spec (model.backend torch): SDPA flash kernels, no s x s " \
+        "scores" in render(torch_plan)
 
 
 # ----------------------------------------------------------------------------- what a user sees
@@ -314,7 +328,7 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert f"kvtrain: {expected.describe()}, device {device}" in ok.stdout
     if device == "cpu":
-        assert "kvtrain: backend local (auto: no GPU; fused softmax: no), device cpu" in ok.stdout
+        assert "kvtrain: backend torch (auto: no GPU; fused softmax: no), device cpu" in ok.stdout
     events = [r for r in metrics(tmp_path / "run", kind="event") if "backend" in r]
     assert [(e["iteration"], e["backend"], e["device"]) for e in events] == \
         [(0, expected.as_dict(), device)]

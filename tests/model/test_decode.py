@@ -18,12 +18,13 @@ from kvtrain.model.builder import build_gpt, transformer_config
 VOCAB, SEQ, PROMPT = 96, 10, 4
 
 
+@pytest.mark.parametrize("backend", ["torch", "local"])
 @pytest.mark.parametrize("shift,window", [(["k", "v"], 1), (["q", "k", "v"], 2)])
-def test_prefill_then_decode_equals_full_forward(mp1, shift, window):
+def test_prefill_then_decode_equals_full_forward(mp1, shift, window, backend):
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                       vocab_size=VOCAB, max_position_embeddings=64, attention="kv_shift",
                       kv_shift=KVShiftConfig(shift=shift, window=window))
-    model = build_gpt(cfg, transformer_config(cfg)).eval()
+    model = build_gpt(cfg, transformer_config(cfg), backend=backend).eval()
     tokens = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(SEQ)[None].expand_as(tokens)
     with torch.no_grad():

@@ -1,0 +1,319 @@
+"""The ``torch`` backend (SDPA core attention) equals the ``local`` reference.
+
+Same weights on both backends (their state dicts have the same keys: the core
+attention has no parameters): logits and every gradient, the KV-shift
+coefficients included, agree to 1e-5 in fp32 - MHA and GQA, vanilla and KV
+shift, packed documents, TP=2 with SP and PP=2 (one spawn of 2 gloo ranks),
+and a checkpoint saved on ``local`` loads on ``torch`` with the same logits.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kvtrain.config import ModelConfig, ParallelConfig
+from kvtrain.config.schema import KVShiftConfig
+from kvtrain.model.attention import LocalDotProductAttention, TorchAttention, sdpa_has_gqa
+from kvtrain.model.builder import build_gpt, transformer_config
+from kvtrain.model.documents import DocumentParams, document_ids
+from kvtrain.testing import run_distributed
+from tests.model.test_parallel import shard
+
+SEQ, BATCH, VOCAB = 16, 2, 128
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def model_config(attention: str = "kv_shift", groups: int = 2, layers: int = 2,
+                 hidden: int = 32, **kv_shift) -> ModelConfig:
+    return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4,
+                       num_query_groups=groups, ffn_hidden_size=64, vocab_size=VOCAB,
+                       make_vocab_size_divisible_by=64, max_position_embeddings=64,
+                       attention=attention, kv_shift=KVShiftConfig(**kv_shift))
+
+
+def batch(seed: int = 11):
+    tokens = torch.randint(1, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def run(model, tokens, labels, packed=None):
+    """(logits [b, s, V], loss, {name: grad}) of one forward and backward."""
+    model.zero_grad()
+    pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+    logits = model(tokens, pos, None, packed_seq_params=packed, runtime_gather_output=True)
+    loss = model(tokens, pos, None, labels=labels, packed_seq_params=packed).mean()
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def both(cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig()):
+    """A ``local`` model and a ``torch`` model holding the local one's weights."""
+    tc = transformer_config(cfg, parallel)
+    local = build_gpt(cfg, tc, backend="local")
+    torch_model = build_gpt(cfg, tc, seed=77, backend="torch")  # other init: weights are loaded
+    torch_model.load_state_dict(local.state_dict())
+    return local, torch_model
+
+
+def assert_same(a, b):
+    (la, lossa, ga), (lb, lossb, gb) = a, b
+    torch.testing.assert_close(lb, la, **TOL)
+    torch.testing.assert_close(lossb, lossa, **TOL)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], **TOL, msg=name)
+
+
+def test_specs_differ_only_in_core_attention(mp1):
+    local, torch_model = both(model_config())
+    assert list(local.state_dict()) == list(torch_model.state_dict())
+    assert isinstance(local.decoder.layers[0].self_attention.core_attention,
+                      LocalDotProductAttention)
+    assert isinstance(torch_model.decoder.layers[0].self_attention.core_attention, TorchAttention)
+    assert sdpa_has_gqa()  # torch >= 2.5: GQA without repeated K/V
+
+
+@pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("attention,kv_shift", [
+    ("vanilla", {}), ("kv_shift", {}),
+    ("kv_shift", dict(shift=["q", "k", "v"], window=2, mode="gate")),
+], ids=["vanilla", "kv_shift", "qkv-w2-gate"])
+def test_torch_equals_local(mp1, groups, attention, kv_shift):
+    local, torch_model = both(model_config(attention, groups, **kv_shift))
+    tokens, labels = batch()
+    ref = run(local, tokens, labels)
+    assert_same(ref, run(torch_model, tokens, labels))
+    if attention == "kv_shift":
+        assert any("shift" in n and g.abs().sum() > 0 for n, g in ref[2].items())
+
+
+@pytest.mark.parametrize("attention", ["vanilla", "kv_shift"])
+def test_documents_torch_equals_local(mp1, attention):
+    """DocumentParams (document ids of a packed batch) on both backends."""
+    local, torch_model = both(model_config(attention))
+    tokens, labels = batch(5)
+    tokens[0, 5] = tokens[0, 11] = tokens[1, 3] = 0  # EOD = 0: 3, 2 documents
+    packed = DocumentParams.from_ids(document_ids(tokens, 0))
+    ref = run(local, tokens, labels, packed)
+    assert_same(ref, run(torch_model, tokens, labels, DocumentParams.from_ids(packed.doc_ids)))
+    # and the documents are separated: unpacked logits differ after the first EOD
+    assert not torch.allclose(run(torch_model, tokens, labels)[0][0, 6:], ref[0][0, 6:], atol=1e-3)
+
+
+def test_dropout_matches_megatron_in_expectation(mp1):
+    """attention_dropout is applied in training only (SDPA's dropout_p), off in eval."""
+    cfg = model_config("vanilla")
+    cfg.attention_dropout = 0.5
+    model = build_gpt(cfg, transformer_config(cfg), backend="torch")
+    tokens, _ = batch()
+    pos = torch.arange(SEQ)[None].expand_as(tokens)
+    with torch.no_grad():
+        a, b = model(tokens, pos, None), model(tokens, pos, None)
+        model.eval()
+        c, d = model(tokens, pos, None), model(tokens, pos, None)
+    assert not torch.allclose(a, b)
+    torch.testing.assert_close(c, d)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_local_checkpoint_loads_on_torch(mp1, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    cfg = model_config("kv_shift")
+    tc = transformer_config(cfg)
+    local = build_gpt(cfg, tc, seed=3, backend="local")
+    with torch.no_grad():  # coefficients away from their init
+        for name, p in local.named_parameters():
+            if "shift" in name:
+                p.copy_(torch.randn_like(p))
+    dist_checkpointing.save(local.sharded_state_dict(), str(tmp_path))
+    torch_model = build_gpt(cfg, tc, seed=4, backend="torch")
+    torch_model.load_state_dict(dist_checkpointing.load(torch_model.sharded_state_dict(),
+                                                        str(tmp_path)))
+    tokens, _ = batch()
+    pos = torch.arange(SEQ)[None].expand_as(tokens)
+    with torch.no_grad():
+        expected = local(tokens, pos, None, runtime_gather_output=True)
+        torch.testing.assert_close(torch_model(tokens, pos, None, runtime_gather_output=True),
+                                   expected, **TOL)
+
+
+# ----------------------------------------------------------------------------- TP + SP, PP
+def tp_sp_case(rank: int, world: int, attention: str, state: dict, tokens, labels):
+    """(logits, loss, this rank's grads, their partition dims) of a torch model at
+    TP=2 with SP."""
+    from tests.model.test_parallel import load_full
+
+    cfg = model_config(attention)
+    model = build_gpt(cfg, transformer_config(cfg, ParallelConfig(tensor=world,
+                                                                  sequence_parallel=True)),
+                      backend="torch")
+    load_full(model, state, rank, world)
+    logits, loss, grads = run(model, tokens, labels)
+    dims = {}
+    for name, p in model.named_parameters():
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(grads[name])  # what finalize_model_grads does for SP norms
+        dims[name] = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+    return logits, loss, grads, dims
+
+
+def parallel_worker(rank: int, world: int, states: dict, tokens, labels):
+    """Every multi-rank case in one launch: TP=2 + SP per attention, then a PP=2 loss."""
+    from megatron.core import parallel_state
+
+    from kvtrain.backend import init_model_parallel, set_seed
+    from tests.model.test_parallel import load_full
+
+    init_model_parallel(tensor=world)
+    set_seed(0)
+    out = {a: tp_sp_case(rank, world, a, states[a], tokens, labels)
+           for a in ("vanilla", "kv_shift")}
+    init_model_parallel(pipeline=world)
+    set_seed(0)
+    cfg = model_config("kv_shift", layers=4)
+    model = build_gpt(cfg, transformer_config(cfg, ParallelConfig(pipeline=world)),
+                      backend="torch")
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    load_full(model, states["pp"], 0, 1, layer_offset=stage * cfg.num_layers // world)
+    pos = torch.arange(SEQ)[None].expand_as(tokens)
+    out["pp"] = pipeline_loss(model, tokens, labels, pos)
+    return out
+
+
+def pipeline_loss(model, tokens, labels, pos):
+    """Mean loss over 2 micro batches through megatron's 1F1B schedule (last stage only)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    data = iter(zip(tokens.chunk(2), labels.chunk(2), pos.chunk(2)))
+
+    def forward_step(data_iterator, chunk):
+        tok, lab, p = next(data_iterator)
+        return chunk(tok, p, None, labels=lab), lambda out: (out.mean(), {"loss": out.mean()})
+
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=2,
+        seq_length=SEQ, micro_batch_size=BATCH // 2, forward_only=False)
+    return torch.stack([r["loss"] for r in results]).mean().item() if results else None
+
+
+@pytest.mark.slow
+def test_tp2_sp_and_pp2_torch_equal_local_tp1(mp1):
+    tokens, labels = batch()
+    refs, states = {}, {}
+    for attention in ("vanilla", "kv_shift"):
+        local = build_gpt(model_config(attention), transformer_config(model_config(attention)),
+                          backend="local")
+        states[attention] = {k: v.detach().clone() for k, v in local.state_dict().items()
+                             if "_extra_state" not in k}
+        refs[attention] = run(local, tokens, labels)
+    deep = model_config("kv_shift", layers=4)
+    local = build_gpt(deep, transformer_config(deep), backend="local")
+    states["pp"] = {k: v.detach().clone() for k, v in local.state_dict().items()
+                    if "_extra_state" not in k}
+    pos = torch.arange(SEQ)[None].expand_as(tokens)
+    pp_ref = pipeline_loss(local, tokens, labels, pos)
+    ranks = run_distributed(parallel_worker, 2, states, tokens, labels)
+    for rank, out in enumerate(ranks):
+        for attention in ("vanilla", "kv_shift"):
+            logits, loss, grads, dims = out[attention]
+            ref_logits, ref_loss, ref_grads = refs[attention]
+            torch.testing.assert_close(logits, ref_logits, **TOL)
+            torch.testing.assert_close(loss, ref_loss, **TOL)
+            assert (attention == "kv_shift") == any("shift" in n for n in grads)
+            for name, g in grads.items():
+                param = SimpleNamespace(tensor_model_parallel=dims[name] is not None,
+                                        partition_dim=dims[name])
+                expected = shard(name, ref_grads[name], param, rank, 2)
+                torch.testing.assert_close(g, expected, **TOL, msg=name)
+    assert ranks[0]["pp"] is None
+    assert ranks[1]["pp"] == pytest.approx(pp_ref, abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- FlexAttention
+def test_flex_block_mask_equals_explicit_mask():
+    """The GPU path's document-causal block mask, run by eager FlexAttention on the CPU."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from kvtrain.model.attention import document_block_mask
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 256, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 256, 16, generator=gen) for _ in range(2))
+    tokens = torch.randint(1, 50, (2, 256), generator=gen)
+    tokens[0, 100] = tokens[1, 17] = tokens[1, 200] = 0
+    packed = DocumentParams.from_ids(document_ids(tokens, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention warns that it is slow
+        flex = flex_attention(q, k, v, block_mask=document_block_mask(packed.doc_ids),
+                              scale=0.25, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=~packed.mask(), scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_documents_equal_sdpa_mask_on_gpu(dtype):
+    """FlexAttention's block mask (compiled) gives SDPA-with-mask's output."""
+    from kvtrain.model.attention import compiled_flex_attention, document_block_mask
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 256, 64, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(2, 2, 256, 64, device="cuda", dtype=dtype, generator=gen)
+            for _ in range(2))
+    tokens = torch.randint(1, 50, (2, 256), device="cuda", generator=gen)
+    tokens[0, 100] = tokens[1, 17] = tokens[1, 200] = 0
+    packed = DocumentParams.from_ids(document_ids(tokens, 0))
+    flex = compiled_flex_attention()(q, k, v, block_mask=document_block_mask(packed.doc_ids),
+                                     scale=0.125, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=~packed.mask(), scale=0.125, enable_gqa=True)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(flex, ref, **tol)
+
+
+def test_bf16_torch_close_to_local(mp1):
+    from kvtrain.model.builder import Numerics
+
+    cfg = model_config("kv_shift")
+    tc = transformer_config(cfg, numerics=Numerics.from_precision("bf16"))
+    local = build_gpt(cfg, tc, backend="local")
+    torch_model = build_gpt(cfg, tc, seed=9, backend="torch")
+    torch_model.load_state_dict(local.state_dict())
+    tokens, labels = batch()
+    pos = torch.arange(SEQ)[None].expand_as(tokens)
+    with torch.no_grad():
+        a = local(tokens, pos, None, labels=labels)
+        b = torch_model(tokens, pos, None, labels=labels)
+    assert a.dtype == b.dtype == torch.float32  # megatron's loss is fp32
+    torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["vanilla", "kv_shift"])
+def test_torch_equals_local_on_gpu_with_documents(mp1, attention):
+    """On a GPU: SDPA's flash kernels and the compiled FlexAttention path (documents)."""
+    cfg = model_config(attention, hidden=128)  # head dim 32: Triton's flex kernels want >= 16
+    tc = transformer_config(cfg)
+    local = build_gpt(cfg, tc, backend="local").cuda()
+    torch_model = build_gpt(cfg, tc, seed=77, backend="torch").cuda()
+    torch_model.load_state_dict(local.state_dict())
+    assert torch_model.decoder.layers[0].self_attention.core_attention.documents_kernel == "flex"
+    tokens, labels = (t.cuda() for t in batch(5))
+    tokens[0, 5] = tokens[1, 3] = 0
+    ids = document_ids(tokens, 0)
+    for packed in (None, "documents"):
+        ref = run(local, tokens, labels, packed and DocumentParams.from_ids(ids))
+        got = run(torch_model, tokens, labels, packed and DocumentParams.from_ids(ids))
+        torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
+        for name in ref[2]:
+            torch.testing.assert_close(got[2][name], ref[2][name], atol=1e-4, rtol=1e-4,
+                                       msg=name)
