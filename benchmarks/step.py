@@ -15,7 +15,8 @@ loading included) and the optimizer update.
 
 Printed and written to the JSON (``--json``, default
 ``runs/bench/step-<name>-<backend>.json``): the step time of each arm (median
-and mean over the timed steps) and the ratios kv_shift / vanilla of both,
+and mean over the timed steps) and the ratios kv_shift / vanilla of both and
+the median of the per-round ratios (a round's two steps are adjacent in time),
 tokens/s, TFLOP/s per device and MFU (the trainer's model-FLOP count,
 ``kvtrain/train/flops.py``; the peak from ``train.peak_tflops_per_device`` or
 the device name, none on a CPU unless given), and each arm's peak memory and
@@ -246,7 +247,6 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 def arm_record(arm: Arm) -> dict:
     run, t = arm.run, arm.run.cfg.train
     times = _max_over_ranks(arm.times)
-    peak = _max_over_ranks([float(arm.peak_bytes if arm.peak_bytes is not None else -1)])[0]
     median = statistics.median(times)
     tflops = run.flops_per_step / median / run.world_size / 1e12
     return {
@@ -257,7 +257,7 @@ def arm_record(arm: Arm) -> dict:
         "flops_per_step": run.flops_per_step,
         "tflops_per_device": tflops,
         "mfu": tflops / run.peak_tflops if run.peak_tflops else None,
-        "peak_memory_bytes": int(peak) if peak >= 0 else None,
+        "peak_memory_bytes": arm.peak_bytes,  # measured with one rank only
     }
 
 
@@ -294,6 +294,10 @@ def report(args: argparse.Namespace, arms: list[Arm], load_before: tuple) -> dic
         "ratio": {  # kv_shift / vanilla
             "step_time_median": k["step_time_median_s"] / v["step_time_median_s"],
             "step_time_mean": k["step_time_mean_s"] / v["step_time_mean_s"],
+            # the median over rounds of the ratio of each round's two adjacent
+            # steps: what machine drift (other users' load) disturbs least
+            "step_time_paired_median": statistics.median(
+                a / b for a, b in zip(k["step_times_s"], v["step_times_s"])),
             "peak_memory": _ratio(k["peak_memory_bytes"], v["peak_memory_bytes"]),
         },
     }
@@ -321,7 +325,8 @@ def table(result: dict) -> str:
                      f"{num(peak, '9.1f'):>9s}")
     q = result["ratio"]
     lines.append(f"kv_shift / vanilla: step time {q['step_time_median']:.3f} (median), "
-                 f"{q['step_time_mean']:.3f} (mean); peak memory "
+                 f"{q['step_time_mean']:.3f} (mean), {q['step_time_paired_median']:.3f} "
+                 f"(median of paired steps); peak memory "
                  f"{num(q['peak_memory'], '.3f')} ({result['memory_kind']})")
     return "\n".join(lines)
 
