@@ -36,14 +36,20 @@ def _env() -> dict:
     return env
 
 
-def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
+def _bench(tmp_path: Path, config: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Runs the benchmark for 2 timed steps per arm; its output and JSON."""
     out = tmp_path / "step.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(TINY), "--steps", "2", "--warmup", "1",
-         "--backend", "local", "--set", "train.global_batch_size=4", "--json", str(out)],
+        [sys.executable, str(SCRIPT), str(config), "--steps", "2", "--warmup", "1", *args,
+         "--json", str(out)],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return done, json.loads(out.read_text())
+
+
+def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
+    done, result = _bench(tmp_path, TINY, "--backend", "local",
+                          "--set", "train.global_batch_size=4")
     assert result["backend"]["name"] == "local"
     assert result["device"] in ("cpu", "cuda")
     assert result["world_size"] == 1 and result["steps"] == 2 and result["warmup"] == 1
@@ -90,3 +96,15 @@ def test_a_config_refused_at_build_is_one_line_not_a_probe_traceback(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines == [lines[-1]] and "model.backend: te" in lines[-1], done.stderr[-3000:]
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_memory_mfu_and_bf16_are_measured(tmp_path):
+    _, result = _bench(tmp_path, REPO / "configs" / "bench" / "small.yaml")
+    assert result["device"] == "cuda" and result["param_dtype"] == "bfloat16"
+    assert result["memory_kind"].startswith("cuda_max_memory_allocated")
+    for arm in result["arms"].values():
+        assert arm["peak_memory_bytes"] > 0
+        if result["peak_tflops_per_device"]:  # a GPU the trainer knows the peak of
+            assert 0 < arm["mfu"] < 1
+    assert 0.5 < result["ratio"]["peak_memory"] < 2.0
