@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -24,6 +24,9 @@ from kvtrain.config.backend import BackendChoice
 from kvtrain.config.layout import Layout, derive_layout
 
 from .flops import guess_peak_tflops, training_flops_per_step
+
+if TYPE_CHECKING:
+    from kvtrain.backend import DistEnv
 
 
 def resolve_run_dir(cfg: RunConfig, override: Optional[str] = None) -> Path:
@@ -122,8 +125,14 @@ def _build_model(cfg: RunConfig, tconfig, numerics, backend: str) -> list:
     return model
 
 
-def build_run(cfg: RunConfig, run_dir: Path) -> Run:
-    """Builds the run on this rank (collective: every rank calls it)."""
+def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> Run:
+    """Builds the run on this rank (collective: every rank calls it).
+
+    ``env``: the process group and megatron's parallel state are already set up
+    for this config's layout (``init_distributed``), so they are not rebuilt: a
+    second run in the same process (``benchmarks/step.py`` builds two) must not
+    replace megatron's global groups under the first one's model and optimizer.
+    """
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -137,8 +146,9 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     from .optimizer import build_optimizer, build_scheduler
 
     p, t = cfg.parallel, cfg.train
-    env = init_distributed(p.tensor, p.pipeline, p.virtual_pipeline, p.context, seed=t.seed,
-                           timeout_minutes=t.dist_timeout_minutes, device=t.device)
+    if env is None:
+        env = init_distributed(p.tensor, p.pipeline, p.virtual_pipeline, p.context, seed=t.seed,
+                               timeout_minutes=t.dist_timeout_minutes, device=t.device)
     cfg.validate(world_size=env.world_size)
     numerics = Numerics.from_precision(t.precision)
     if numerics.fp16 and not torch.cuda.is_available():

@@ -1,0 +1,429 @@
+"""Cost of KV shifting attention in the trainer's own step: KV shift against
+vanilla attention on the same config.
+
+    python benchmarks/step.py CONFIG [--backend B] [--set KEY=VALUE ...]
+                              [--steps 20] [--warmup 3] [--json OUT]
+
+The config is built twice in this process with the trainer's setup
+(``kvtrain.train.setup.build_run``): once with ``model.attention: vanilla`` and
+once with ``kv_shift``, nothing else different (the benchmark owns that key and
+the step count). Each arm runs ``--warmup`` steps, then the two alternate for
+``--steps`` timed steps each (vanilla-kv_shift, kv_shift-vanilla, ...), so that
+drifts of the machine hit both. A step is ``kvtrain.train.step.train_step``:
+forward and backward over every micro batch of a global batch (the data
+loading included) and the optimizer update.
+
+Printed and written to the JSON (``--json``, default
+``runs/bench/step-<name>-<backend>.json``): the step time of each arm (median
+and mean over the timed steps) and the ratios kv_shift / vanilla of both and
+the median of the per-round ratios (a round's two steps are adjacent in time),
+tokens/s, TFLOP/s per device and MFU (the trainer's model-FLOP count,
+``kvtrain/train/flops.py``; the peak from ``train.peak_tflops_per_device`` or
+the device name, none on a CPU unless given), and each arm's peak memory and
+their ratio.
+
+Peak memory is what one arm adds to a process, from before its build to the
+end of its warm-up (weights, gradients, optimizer state and the steps'
+activations). Each arm is measured in a process of its own, started before
+this one builds anything (forked on the CPU, spawned on a GPU), so that both
+pay the same one-off costs - lazy imports, cuBLAS workspaces, megatron's
+global buffer of the local spec's attention scores - whichever is built first:
+
+* GPU: the growth of ``torch.cuda.max_memory_allocated`` over the arm;
+* CPU: torch keeps no allocator statistics there, so the growth of the
+  process's resident-set high-water mark (Linux VmHWM, reset through
+  ``/proc/self/clear_refs`` after freed heap is returned to the system).
+
+Under ``torchrun`` (several ranks) memory is not measured.
+
+``--backend B`` is ``--set model.backend=B``; data is mock (``data.type: mock``)
+unless ``--set data.type=...`` says otherwise. Under ``torchrun`` every rank runs
+both arms in lockstep; a step's time is the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import importlib
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from kvtrain.config import ConfigError, RunConfig, load_config  # noqa: E402
+
+ARMS = ("vanilla", "kv_shift")
+OWNED = {  # keys the benchmark sets itself, and what to use instead
+    "model.attention": "the benchmark runs both vanilla and kv_shift",
+    "train.max_steps": "use --steps and --warmup",
+    "train.train_tokens": "use --steps and --warmup",
+}
+
+
+# ----------------------------------------------------------------------------- configs
+def arm_configs(config: str, backend: Optional[str], sets: list[str],
+                steps: int) -> dict[str, RunConfig]:
+    """The two configs: the file with ``sets`` applied, differing in ``model.attention``."""
+    for assignment in sets:
+        key = assignment.split("=", 1)[0].strip()
+        if key in OWNED:
+            raise ConfigError(f"--set {key}: the benchmark sets it ({OWNED[key]})")
+    overrides = ["data.type=mock", *([f"model.backend={backend}"] if backend else []), *sets,
+                 f"train.max_steps={steps}", "train.train_tokens=null",
+                 "train.eval_interval=null"]  # no validation data: nothing is evaluated
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return {arm: load_config(config, [*overrides, f"model.attention={arm}"], world_size=world)
+            for arm in ARMS}
+
+
+# ----------------------------------------------------------------------------- memory
+def _proc_kib(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field_name}:\s+(\d+)", f.read()).group(1))
+
+
+class PeakMemory:
+    """The peak memory an arm adds to this process, in bytes (module docstring)."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        self.base = 0
+
+    def start(self) -> None:
+        """Resets the peak to the present."""
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        self.base = _proc_kib("VmRSS") * 1024
+
+    def peak(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return _proc_kib("VmHWM") * 1024 - self.base
+
+
+def memory_kind(world_size: int) -> str:
+    if world_size > 1:
+        return "not measured (under torchrun)"
+    if torch.cuda.is_available():
+        return "cuda_max_memory_allocated (one spawned process per arm)"
+    return "cpu_rss_high_water_mark (one forked process per arm)"
+
+
+def _probe_child(cfg: RunConfig, warmup: int, pipe) -> None:
+    """A probe process: builds and warms up ``cfg`` alone, sends its peak memory."""
+    try:
+        from kvtrain.commands.train import _quiet_imports
+
+        _quiet_imports()
+        with tempfile.TemporaryDirectory(prefix="kvtrain-step-probe-") as scratch:
+            arm = build_arm(cfg.model.attention, cfg, Path(scratch), _init(cfg), warmup,
+                            measure=True)
+        pipe.send(("ok", arm.peak_bytes))
+    except ConfigError:
+        pipe.send(("refused", None))  # the parent's own build says it, in one line
+    except BaseException:
+        pipe.send(("failed", traceback.format_exc()))
+
+
+def probe_memory(cfgs: dict[str, RunConfig], warmup: int) -> dict[str, Optional[int]]:
+    """Each arm's peak memory, measured in a process of its own (module docstring):
+    both at once, before this process builds or times anything. Forked on the
+    CPU (the children inherit the imports); spawned on a GPU (CUDA does not
+    survive a fork)."""
+    ctx = multiprocessing.get_context("spawn" if torch.cuda.is_available() else "fork")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = {}
+    for arm in ARMS:
+        receive, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_probe_child, args=(cfgs[arm], warmup, send))
+        proc.start()
+        send.close()  # the child's end: recv() sees EOF if the child dies
+        children[arm] = (proc, receive)
+    peaks = {}
+    for arm, (proc, receive) in children.items():
+        try:
+            status, value = receive.recv()
+        except EOFError:
+            status, value = "failed", "it died without an answer"
+        proc.join()
+        if status == "failed":
+            raise RuntimeError(f"the memory probe of {arm} failed:\n{value}")
+        peaks[arm] = value
+    return peaks
+
+
+# ----------------------------------------------------------------------------- arms
+@dataclass
+class Arm:
+    name: str
+    run: Any  # kvtrain.train.setup.Run
+    iterators: list
+    forward_step: Any
+    peak_bytes: Optional[int] = None
+    times: list = field(default_factory=list)
+
+    def step(self) -> float:
+        """One trainer step; its wall time in seconds."""
+        from kvtrain.train.step import train_step
+
+        run, t = self.run, self.run.cfg.train
+        self.forward_step.iteration += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        train_step(run.forward_backward, self.forward_step, self.iterators, run.model,
+                   run.optimizer, run.scheduler, run.num_microbatches, t.seq_length,
+                   t.micro_batch_size, (0.0, 0.0))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+
+def build_arm(name: str, cfg: RunConfig, run_dir: Path, env, warmup: int,
+              measure: bool) -> Arm:
+    """Builds one arm and warms it up, measuring its peak memory if ``measure``."""
+    from kvtrain.backend import set_seed
+    from kvtrain.data import micro_batches
+    from kvtrain.train.setup import build_run
+    from kvtrain.train.step import ForwardStep
+
+    memory = PeakMemory()
+    if measure:
+        memory.start()
+    set_seed(cfg.train.seed)
+    run = build_run(cfg, run_dir, env)
+    t = cfg.train
+    iterators = [micro_batches(run.datasets.train, 0, t.micro_batch_size, run.dp_rank,
+                               run.dp_size, cfg.data.num_workers) for _ in run.model]
+    arm = Arm(name, run, iterators, ForwardStep())
+    for _ in range(warmup):
+        arm.step()
+    arm.peak_bytes = memory.peak() if measure else None
+    return arm
+
+
+def time_arms(arms: list[Arm], steps: int) -> None:
+    """``steps`` timed steps per arm, alternating, the order flipped every round."""
+    for i in range(steps):
+        for arm in (arms if i % 2 == 0 else arms[::-1]):
+            arm.times.append(arm.step())
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    """Elementwise max over ranks (a step takes as long as its slowest rank)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if torch.cuda.is_available():
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.cpu().tolist()
+
+
+# ----------------------------------------------------------------------------- report
+def arm_record(arm: Arm) -> dict:
+    run, t = arm.run, arm.run.cfg.train
+    times = _max_over_ranks(arm.times)
+    median = statistics.median(times)
+    tflops = run.flops_per_step / median / run.world_size / 1e12
+    return {
+        "step_time_median_s": median,
+        "step_time_mean_s": statistics.fmean(times),
+        "step_times_s": times,
+        "tokens_per_s": t.global_batch_size * t.seq_length / median,
+        "flops_per_step": run.flops_per_step,
+        "tflops_per_device": tflops,
+        "mfu": tflops / run.peak_tflops if run.peak_tflops else None,
+        "peak_memory_bytes": arm.peak_bytes,  # measured with one rank only
+    }
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def report(args: argparse.Namespace, arms: list[Arm], load_before: tuple) -> dict:
+    """The result (collective: reduces over ranks)."""
+    records = {arm.name: arm_record(arm) for arm in arms}
+    run, v, k = arms[0].run, records["vanilla"], records["kv_shift"]
+    cfg, p = run.cfg, run.cfg.parallel
+    param = next(run.model[0].parameters())
+    return {
+        "config": args.config, "sets": args.set, "backend": run.backend.as_dict(),
+        "device": run.device,
+        "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "world_size": run.world_size,
+        "layout": {"tensor": p.tensor, "pipeline": p.pipeline, "data": run.dp_size,
+                   "micro_batches": run.num_microbatches},
+        "precision": cfg.train.precision, "param_dtype": str(param.dtype).removeprefix("torch."),
+        "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_length,
+        "steps": args.steps, "warmup": args.warmup,
+        "peak_tflops_per_device": run.peak_tflops,
+        "memory_kind": memory_kind(run.world_size),
+        "model": {"layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size,
+                  "heads": cfg.model.num_attention_heads, "kv_heads": cfg.model.kv_heads,
+                  "ffn": cfg.model.ffn_size, "seq": cfg.train.seq_length,
+                  "micro_batch": cfg.train.micro_batch_size,
+                  "global_batch": cfg.train.global_batch_size},
+        "arms": records,
+        "ratio": {  # kv_shift / vanilla
+            "step_time_median": k["step_time_median_s"] / v["step_time_median_s"],
+            "step_time_mean": k["step_time_mean_s"] / v["step_time_mean_s"],
+            # the median over rounds of the ratio of each round's two adjacent
+            # steps: what machine drift (other users' load) disturbs least
+            "step_time_paired_median": statistics.median(
+                a / b for a, b in zip(k["step_times_s"], v["step_times_s"])),
+            "peak_memory": _ratio(k["peak_memory_bytes"], v["peak_memory_bytes"]),
+        },
+    }
+
+
+def table(result: dict) -> str:
+    def num(x: Optional[float], fmt: str) -> str:
+        return format(x, fmt) if x is not None else "n/a"
+
+    m = result["model"]
+    lines = [
+        f"{result['config']}: {result['backend']['name']} backend ({result['backend']['reason']}), "
+        f"{result['device_name']}, {result['param_dtype']}, world {result['world_size']}; "
+        f"{m['layers']} layers, hidden {m['hidden']}, seq {m['seq']}, "
+        f"{result['tokens_per_step']} tokens/step; {result['steps']} timed steps per arm "
+        f"after {result['warmup']}",
+        f"{'arm':9s} {'median ms':>10s} {'mean ms':>10s} {'tokens/s':>10s} "
+        f"{'TFLOP/s/dev':>11s} {'MFU':>6s} {'peak MiB':>9s}",
+    ]
+    for name, r in result["arms"].items():
+        peak = r["peak_memory_bytes"] / 2**20 if r["peak_memory_bytes"] is not None else None
+        lines.append(f"{name:9s} {r['step_time_median_s'] * 1e3:10.1f} "
+                     f"{r['step_time_mean_s'] * 1e3:10.1f} {r['tokens_per_s']:10.0f} "
+                     f"{r['tflops_per_device']:11.4f} {num(r['mfu'], '6.1%'):>6s} "
+                     f"{num(peak, '9.1f'):>9s}")
+    q = result["ratio"]
+    lines.append(f"kv_shift / vanilla: step time {q['step_time_median']:.3f} (median), "
+                 f"{q['step_time_mean']:.3f} (mean), {q['step_time_paired_median']:.3f} "
+                 f"(median of paired steps); peak memory "
+                 f"{num(q['peak_memory'], '.3f')} ({result['memory_kind']})")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="a run config (YAML)")
+    parser.add_argument("--backend", help="model.backend (e.g. auto, te, local)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override, as for `kvtrain train` (repeatable)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per arm")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm (>= 1)")
+    parser.add_argument("--json", help="where the result goes")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be >= 1")
+    return args
+
+
+def _shared_tempdir() -> Path:
+    """One scratch folder for every rank (the data's index caches)."""
+    name = [tempfile.mkdtemp(prefix="kvtrain-step-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
+def _init(cfg: RunConfig):
+    from kvtrain.backend import init_distributed
+
+    p, t = cfg.parallel, cfg.train
+    return init_distributed(p.tensor, p.pipeline, p.virtual_pipeline, p.context, seed=t.seed,
+                            timeout_minutes=t.dist_timeout_minutes, device=t.device)
+
+
+def _import_builders() -> None:
+    """What building a run imports lazily, imported once before the probes fork
+    (the children inherit it instead of each importing megatron again)."""
+    for module in ("megatron.core.distributed", "megatron.core.models.gpt",
+                   "megatron.core.optimizer", "megatron.core.pipeline_parallel",
+                   "kvtrain.data", "kvtrain.model.builder", "kvtrain.train.setup",
+                   "kvtrain.train.step"):
+        importlib.import_module(module)
+
+
+def benchmark(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> dict:
+    """Both arms: memory, warm-up, the timed steps; the result (on every rank)."""
+    _import_builders()
+    load_before = os.getloadavg()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # both probes at once (each measures its own process), done before anything is timed
+    probed = probe_memory(cfgs, args.warmup) if world == 1 else {}
+    env = _init(cfgs["vanilla"])
+    scratch = _shared_tempdir()
+    try:
+        arms = [build_arm(name, cfgs[name], scratch / name, env, args.warmup, measure=False)
+                for name in ARMS]
+        for arm in arms:
+            arm.peak_bytes = probed.get(arm.name)
+        if env.rank == 0:
+            print(f"step.py: {arms[0].run.backend.describe()}, device {arms[0].run.device}",
+                  flush=True)
+        time_arms(arms, args.steps)
+        return report(args, arms, load_before)
+    finally:
+        dist.barrier()
+        if env.rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def write_result(args: argparse.Namespace, cfg: RunConfig, result: dict) -> None:
+    print(table(result))
+    name = f"step-{cfg.name}-{result['backend']['name']}.json"
+    out = Path(args.json or Path("runs") / "bench" / name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"step.py: wrote {out}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from kvtrain.commands.train import _quiet_imports
+
+    args = parse_args(argv)
+    try:
+        cfgs = arm_configs(args.config, args.backend, args.set, args.warmup + args.steps)
+        _quiet_imports()  # megatron's warnings about missing GPU libraries
+        result = benchmark(args, cfgs)
+        if dist.get_rank() == 0:
+            write_result(args, cfgs["vanilla"], result)
+    except ConfigError as e:
+        print(f"step.py: config error: {e}", file=sys.stderr)
+        return 2
+    from kvtrain.backend import destroy_distributed
+
+    destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

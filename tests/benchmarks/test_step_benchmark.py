@@ -1,0 +1,110 @@
+"""``benchmarks/step.py``: vanilla against KV shift through the trainer's step.
+
+The numbers themselves are measured by hand (docs/performance.md); here the
+benchmark runs for two steps per arm on a tiny config and its JSON is checked
+for the fields and sane values, and the keys it owns are refused in one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "step.py"
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def _step_module():
+    spec = importlib.util.spec_from_file_location("kvtrain_bench_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()  # a one-process run, whatever pytest holds
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return env
+
+
+def _bench(tmp_path: Path, config: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Runs the benchmark for 2 timed steps per arm; its output and JSON."""
+    out = tmp_path / "step.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(config), "--steps", "2", "--warmup", "1", *args,
+         "--json", str(out)],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, json.loads(out.read_text())
+
+
+def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
+    done, result = _bench(tmp_path, TINY, "--backend", "local",
+                          "--set", "train.global_batch_size=4")
+    assert result["backend"]["name"] == "local"
+    assert result["device"] in ("cpu", "cuda")
+    assert result["world_size"] == 1 and result["steps"] == 2 and result["warmup"] == 1
+    assert result["tokens_per_step"] == 4 * 32  # global batch 4 x seq 32 (tiny.yaml)
+    assert result["model"]["layers"] == 2 and result["model"]["seq"] == 32
+    for name in ("vanilla", "kv_shift"):
+        arm = result["arms"][name]
+        assert len(arm["step_times_s"]) == 2 and all(t > 0 for t in arm["step_times_s"])
+        assert arm["step_time_median_s"] > 0 and arm["step_time_mean_s"] > 0
+        assert arm["tokens_per_s"] == pytest.approx(128 / arm["step_time_median_s"])
+        assert arm["tflops_per_device"] > 0 and arm["flops_per_step"] > 0
+        assert arm["peak_memory_bytes"] > 0  # a model, its optimizer and a step's activations
+    # the shift's FLOPs are counted (kvtrain/train/flops.py), so kv_shift's are larger
+    flops = {name: arm["flops_per_step"] for name, arm in result["arms"].items()}
+    assert flops["kv_shift"] > flops["vanilla"]
+    if result["device"] == "cpu":
+        assert result["arms"]["vanilla"]["mfu"] is None  # no CPU peak unless one is given
+    ratio = result["ratio"]
+    assert min(ratio["step_time_median"], ratio["step_time_mean"],
+               ratio["step_time_paired_median"]) > 0
+    assert 0.5 < ratio["peak_memory"] < 2.0  # same model but four scalars per KV head
+    assert "kv_shift / vanilla: step time" in done.stdout
+
+
+@pytest.mark.parametrize("key", ["model.attention", "train.max_steps", "train.train_tokens"])
+def test_the_keys_the_benchmark_owns_are_refused_in_one_line(key, capsys):
+    step = _step_module()
+    code = step.main([str(TINY), "--set", f"{key}=vanilla" if key == "model.attention"
+                      else f"{key}=5"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and key in err and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="te is refused on a CPU")
+def test_a_config_refused_at_build_is_one_line_not_a_probe_traceback(tmp_path):
+    """The arms' memory probes build the config first; their refusal must not
+    turn into a traceback (the benchmark's own build says it in one line)."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(TINY), "--steps", "1", "--warmup", "1",
+         "--backend", "te", "--json", str(tmp_path / "x.json")],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == [lines[-1]] and "model.backend: te" in lines[-1], done.stderr[-3000:]
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_memory_mfu_and_bf16_are_measured(tmp_path):
+    _, result = _bench(tmp_path, REPO / "configs" / "bench" / "small.yaml")
+    assert result["device"] == "cuda" and result["param_dtype"] == "bfloat16"
+    assert result["memory_kind"].startswith("cuda_max_memory_allocated")
+    for arm in result["arms"].values():
+        assert arm["peak_memory_bytes"] > 0
+        if result["peak_tflops_per_device"]:  # a GPU the trainer knows the peak of
+            assert 0 < arm["mfu"] < 1
+    assert 0.5 < result["ratio"]["peak_memory"] < 2.0
