@@ -136,9 +136,9 @@ def memory_kind(world_size: int) -> str:
 def _probe_child(cfg: RunConfig, warmup: int, pipe) -> None:
     """A probe process: builds and warms up ``cfg`` alone, sends its peak memory."""
     try:
-        from kvtrain.commands.train import _quiet_imports
+        from kvtrain.commands.train import quiet_imports
 
-        _quiet_imports()
+        quiet_imports()
         with tempfile.TemporaryDirectory(prefix="kvtrain-step-probe-") as scratch:
             arm = build_arm(cfg.model.attention, cfg, Path(scratch), _init(cfg), warmup,
                             measure=True)
@@ -407,12 +407,12 @@ def write_result(args: argparse.Namespace, cfg: RunConfig, result: dict) -> None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from kvtrain.commands.train import _quiet_imports
+    from kvtrain.commands.train import quiet_imports
 
     args = parse_args(argv)
     try:
         cfgs = arm_configs(args.config, args.backend, args.set, args.warmup + args.steps)
-        _quiet_imports()  # megatron's warnings about missing GPU libraries
+        quiet_imports()  # megatron's warnings about missing GPU libraries
         result = benchmark(args, cfgs)
         if dist.get_rank() == 0:
             write_result(args, cfgs["vanilla"], result)
