@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Optional
 
-from .loader import ConfigError, apply_override, dump_yaml, from_dict, read_yaml, to_dict
+from .loader import (
+    ConfigError, apply_override, dump_yaml, first_line, from_dict, read_yaml, to_dict,
+)
 from .schema import (
     CheckpointConfig,
     DataConfig,
@@ -45,6 +47,7 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "dump_yaml",
+    "first_line",
     "load_config",
     "to_dict",
 ]

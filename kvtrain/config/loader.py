@@ -28,6 +28,12 @@ class ConfigError(ValueError):
     """A config problem, reported as one line without a traceback by the CLI."""
 
 
+def first_line(exc: BaseException) -> str:
+    """``"<Type>: <first line of the message>"``: an exception inside a one-line report."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
 # ----------------------------------------------------------------------------- YAML with lines
 class _LineLoader(yaml.SafeLoader):
     """SafeLoader that records the line of every mapping key (1-based)."""

@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from kvtrain.config import first_line
 from kvtrain.config.backend import TE_NOT_INSTALLED, BackendChoice, decide_backend
 
 from .attention import LocalDotProductAttention, TorchAttention
@@ -58,8 +59,7 @@ def describe_import_failure(error: BaseException) -> str:
     else ``"<Type>: <first line>"`` (a broken install: missing CUDA libraries, ABI)."""
     if isinstance(error, ModuleNotFoundError) and error.name == "transformer_engine":
         return TE_NOT_INSTALLED
-    first = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first}"
+    return first_line(error)
 
 
 @functools.lru_cache(maxsize=None)

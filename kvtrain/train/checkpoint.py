@@ -82,7 +82,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
-from data_tools.fileio import atomic_write_bytes, fsync_dir
+from data_tools.fileio import atomic_write_text, fsync_dir
 from kvtrain.config import ConfigError
 from kvtrain.config.compat import check_resume_config
 
@@ -117,11 +117,6 @@ class TrainState:
 
 def checkpoint_name(iteration: int) -> str:
     return f"{PREFIX}{iteration:07d}"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` via a fsync'd temporary file and an atomic rename."""
-    atomic_write_bytes(os.fspath(path), text.encode())
 
 
 def is_complete(path: Path) -> bool:
@@ -401,13 +396,13 @@ class Checkpointer:
                     "version": FORMAT_VERSION, "saved_at": time.time(),
                     "save_seconds": round(seconds, 3),
                     "manifest": build_manifest(work, known)}
-            write_atomic(work / MARKER, json.dumps(info, indent=1) + "\n")
+            atomic_write_text(work / MARKER, json.dumps(info, indent=1) + "\n")
             final = self.root / checkpoint_name(state.iteration)
             if final.exists():  # same iteration from a history not loaded: kept aside
                 set_aside(self.root, [final])
             os.replace(work, final)
             fsync_dir(os.fspath(self.root))
-            write_atomic(self.root / TRACKER, final.name + "\n")
+            atomic_write_text(self.root / TRACKER, final.name + "\n")
             self._cleanup(keep=final)
         dist.barrier()
         self.hooks.checkpoint_saved(self.root / checkpoint_name(state.iteration), state.iteration)

@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-from kvtrain.config import ConfigError
+from data_tools.fileio import fsync_dir
+from kvtrain.config import ConfigError, first_line
 
 PREFIX = "iter_"
 TRACKER = "latest"
@@ -276,16 +277,8 @@ def set_aside(root: Path, folders: list[Path]) -> Optional[Path]:
     target.mkdir()
     for folder in folders:
         os.replace(folder, target / folder.name)
-    _fsync_dir(root)
+    fsync_dir(os.fspath(root))
     return target
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- failed saves
@@ -344,8 +337,3 @@ def _probe_write(folder: Path, size: int = CHUNK) -> Optional[str]:
         except OSError:
             pass
     return None
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -17,11 +17,11 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kvtrain.config import ConfigError
+from kvtrain.config import ConfigError, first_line
 
 from .checkpoint import Checkpointer, TrainState
 from .integrity import (
-    CheckpointError, ResumePlan, check_checkpoint, checkpoint_folders, first_line, iteration_of,
+    CheckpointError, ResumePlan, check_checkpoint, checkpoint_folders, iteration_of,
     set_aside, warn,
 )
 from .metrics import say

@@ -109,7 +109,8 @@ def test_metrics_after_the_checkpoint_are_dropped_on_resume(tmp_path):
 
 
 def test_resume_resolution_and_tracker(tmp_path):
-    from kvtrain.train.checkpoint import MARKER, write_atomic
+    from data_tools.fileio import atomic_write_text as write_atomic
+    from kvtrain.train.checkpoint import MARKER
     from kvtrain.train.integrity import plan_resume, read_tracker
 
     def resolve_resume(resume, root):
