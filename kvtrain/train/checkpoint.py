@@ -229,7 +229,7 @@ def _step_free_param_state_load(optimizer):
             del opt.load_parameter_state_from_fully_reshardable  # back to the class method
 
 
-def _check_same_parameters(path: Path, in_checkpoint_only: set, in_model_only: set) -> None:
+def check_same_parameters(path: Path, in_checkpoint_only: set, in_model_only: set) -> None:
     """Strict loading: the model's tensors and the checkpoint's are the same set.
 
     megatron's default ignores checkpoint tensors that the model does not ask
@@ -447,7 +447,7 @@ class Checkpointer:
         sd = self._sharded_state(None, loading=True, optimizer=load_optimizer, rng=rng)
         loaded, in_checkpoint_only, in_model_only = dist_checkpointing.load(
             sd, str(path), strict=StrictHandling.RETURN_ALL)
-        _check_same_parameters(path, in_checkpoint_only, in_model_only)
+        check_same_parameters(path, in_checkpoint_only, in_model_only)
         if len(self.modules) == 1:
             self.modules[0].load_state_dict(loaded["model"], strict=True)
         else:

@@ -1,0 +1,140 @@
+"""A kvtrain checkpoint's model, for everything after training: generation,
+export to Hugging Face, evaluation.
+
+``find_checkpoint`` turns what a user names (a run folder, its checkpoints
+folder, or one ``iter_*`` checkpoint) into one complete checkpoint;
+``saved_config`` reads the run config the checkpoint was saved with; and
+``load_model`` builds that model on this process's megatron layout (TP/PP as
+the caller initialised them: megatron's dist_checkpointing reshards from
+whatever layout the run used) and loads its weights strictly, without the
+optimizer. ``inference_process`` sets up the one-process layout a CPU export
+or a single-process generation needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kvtrain.config import ConfigError, RunConfig, first_line, from_dict, read_yaml
+
+CHECKPOINTS = "checkpoints"  # the default checkpoint.dir inside a run folder
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint's model on this rank, in eval mode."""
+
+    model: torch.nn.Module  # megatron GPTModel (this rank's TP/PP shard)
+    config: RunConfig  # the config the checkpoint was saved with
+    checkpoint: Path
+    iteration: int
+    backend: str  # te | torch | local: the backend it was built on
+
+
+def _checkpoint_roots(source: Path) -> list[Path]:
+    """Folders that may hold checkpoint folders: a run folder's checkpoint.dir
+    (its config.yaml may name one elsewhere), ``checkpoints/``, or ``source``."""
+    roots = []
+    config_file = source / "config.yaml"
+    if config_file.is_file():
+        try:
+            named = (read_yaml(config_file).get("checkpoint") or {}).get("dir")
+        except (ConfigError, AttributeError):
+            named = None
+        if named:
+            roots.append(Path(named).expanduser())
+    return roots + [source / CHECKPOINTS, source]
+
+
+def find_checkpoint(source: str | Path) -> Path:
+    """The complete checkpoint ``source`` names: itself when it is one; else
+    the one ``latest`` names, else the newest complete checkpoint folder.
+    ConfigError (one line) when there is none."""
+    from kvtrain.train.checkpoint import is_complete
+    from kvtrain.train.integrity import MARKER, check_checkpoint, checkpoint_folders, read_tracker
+
+    source = Path(source).expanduser()
+    if not source.exists():
+        raise ConfigError(f"{source}: no such run folder or checkpoint")
+    if (source / MARKER).exists():
+        problem = check_checkpoint(source, "sizes").problem
+        if problem:
+            raise ConfigError(f"checkpoint {source} is damaged: {problem}")
+        return source
+    for root in _checkpoint_roots(source):
+        hint, _ = read_tracker(root)
+        for candidate in ([hint] if hint else []) + checkpoint_folders(root):
+            if is_complete(candidate) and not check_checkpoint(candidate, "sizes").problem:
+                return candidate
+    raise ConfigError(f"{source} holds no complete kvtrain checkpoint")
+
+
+def saved_config(checkpoint: str | Path) -> tuple[RunConfig, int]:
+    """(the run config ``checkpoint`` was saved with, its iteration)."""
+    from megatron.core import dist_checkpointing
+
+    checkpoint = Path(checkpoint)
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(checkpoint))
+    except Exception as e:  # a damaged common.pt: name it, in one line
+        raise ConfigError(f"checkpoint {checkpoint}: cannot read its common state "
+                          f"({first_line(e)})") from None
+    meta = common.get("kvtrain") if isinstance(common, dict) else None
+    if not meta or "config" not in meta:
+        raise ConfigError(f"checkpoint {checkpoint} has no kvtrain config (not saved by kvtrain)")
+    data = {k: v for k, v in meta["config"].items() if k != "resolved"}
+    cfg = from_dict(RunConfig, data, source=f"{checkpoint} (saved config)")
+    return cfg, int(meta.get("state", {}).get("iteration", 0))
+
+
+def inference_process(tensor: int = 1, pipeline: int = 1, seed: int = 1234) -> None:
+    """torch.distributed and megatron's parallel state for an inference process
+    (one CPU process when launched without torchrun), at TP ``tensor`` x PP
+    ``pipeline``; idempotent."""
+    from kvtrain.backend import init_distributed
+
+    init_distributed(tensor=tensor, pipeline=pipeline, seed=seed)
+
+
+def load_model(source: str | Path, backend: str = "auto",
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Builds the model of the checkpoint ``source`` names on this rank's layout
+    (megatron's parallel state must be initialised) and loads its weights strictly.
+
+    ``backend``: the layer implementation to build on (checkpoints load across
+    backends); ``dtype``: parameter dtype (fp32 for exact export and parity).
+    """
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from kvtrain.config import ParallelConfig
+    from kvtrain.model.builder import Numerics, build_gpt, transformer_config
+    from kvtrain.model.specs import resolve_backend
+    from kvtrain.train.checkpoint import SHARDING_METADATA, check_same_parameters
+
+    path = find_checkpoint(source)
+    cfg, iteration = saved_config(path)
+    parallel = ParallelConfig(tensor=parallel_state.get_tensor_model_parallel_world_size(),
+                              pipeline=parallel_state.get_pipeline_model_parallel_world_size())
+    numerics = Numerics(params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    name = resolve_backend(backend)
+    model = build_gpt(cfg.model, transformer_config(cfg.model, parallel, numerics),
+                      seed=cfg.train.seed, backend=name)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    request = {"model": model.sharded_state_dict(metadata=dict(SHARDING_METADATA))}
+    loaded, in_checkpoint_only, in_model_only = dist_checkpointing.load(
+        request, str(path), strict=StrictHandling.RETURN_ALL)
+    # a VPP run saved chunks as model0, model1, ...: their tensors' keys are global, so
+    # one unsplit model asks for the same keys; only the top-level names differ
+    check_same_parameters(path, in_checkpoint_only, in_model_only)
+    model.load_state_dict(loaded["model"], strict=True)
+    return LoadedModel(model=model.eval(), config=cfg, checkpoint=path, iteration=iteration,
+                       backend=name)
+
+
+__all__ = ["LoadedModel", "find_checkpoint", "inference_process", "load_model", "saved_config"]
