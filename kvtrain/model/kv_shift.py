@@ -29,11 +29,12 @@ from torch import Tensor
 
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from kvtrain.config.layout import coefficients_per_tensor
-from kvtrain.model.shift_kernels import fused_shift
+from kvtrain.model.shift_kernels import fused_shift, fused_shift_stacked, triton_available
 
 from .documents import DocumentParams
 
@@ -237,6 +238,8 @@ class KVShiftSelfAttention(SelfAttention):
                                     output_gate: bool = False, split_qkv: bool = True):
         if not split_qkv:
             raise ValueError("KV shift needs split Q/K/V tensors (fused QKV RoPE is not supported)")
+        if self._shift_kv_stacked(hidden_states, key_value_states, output_gate):
+            return self._stacked_query_key_value(hidden_states)
         out = super().get_query_key_value_tensors(
             hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
         )
@@ -253,6 +256,30 @@ class KVShiftSelfAttention(SelfAttention):
             else:
                 tensors[name] = fused_shift(tensors[name], coef, doc_ids)
         return (tensors["q"], tensors["k"], tensors["v"], *out[3:])
+
+    def _shift_kv_stacked(self, hidden_states: Tensor, key_value_states, output_gate) -> bool:
+        """Whether K and V are shifted together, in their place in the QKV output:
+        the paper's K+V shift in training or a full forward, on the torch path
+        (the Triton kernels take one tensor; a K norm would sit between the
+        projection and the shift)."""
+        return (sorted(self.kv_shift.shift) == ["k", "v"] and key_value_states is None
+                and not output_gate and _is_identity(self.k_layernorm) and not self._decoding()
+                and not (hidden_states.is_cuda and triton_available()))
+
+    def _stacked_query_key_value(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, and K and V shifted in one node (``fused_shift_stacked``) straight from
+        megatron's QKV layout ``[s, b, ng, (np/ng) * hn | hn (k) | hn (v)]``."""
+        mixed, split = super().get_query_key_value_tensors(hidden_states, split_qkv=False)
+        s, b, groups, _ = mixed.shape  # [s, b, ng, (np/ng + 2) * hn]
+        hn = split[1]
+        query, kv = torch.split(mixed, [split[0], 2 * hn], dim=3)
+        query = query.reshape(s, b, -1, hn)  # [s, b, np, hn]
+        if not _is_identity(self.q_layernorm):
+            query = self.q_layernorm(query)
+        coef = torch.stack([self.coefficients("k"), self.coefficients("v")], dim=1)  # [ng, 2, n]
+        key, value = fused_shift_stacked(kv.view(s, b, groups, 2, hn), coef,
+                                         self._resolve_doc_ids(s, b))
+        return query, key, value  # k, v: [s, b, ng, hn]
 
     # -- incremental decoding ------------------------------------------------------
     def _decoding(self) -> bool:
@@ -312,6 +339,11 @@ class KVShiftSelfAttention(SelfAttention):
 
     def _shift_param_names(self) -> list[str]:
         return [PARAM_NAMES[t] for t in self.kv_shift.shift]
+
+
+def _is_identity(module: Optional[torch.nn.Module]) -> bool:
+    """No module there, or megatron's placeholder (the specs' Q/K norm slots)."""
+    return module is None or isinstance(module, IdentityOp)
 
 
 def _on_meta(module: torch.nn.Module) -> bool:

@@ -81,33 +81,75 @@ class FusedShift(torch.autograd.Function):
         need_x, need_coef = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.impl == "triton":
             dx, dcoef = _triton_backward(x, coef, doc_ids, dy)
-        else:
-            dx = _torch_input_grad(coef, doc_ids, dy) if need_x else None
-            dcoef = _torch_coef_grad(x, doc_ids, dy, coef.shape[1] - 1) if need_coef else None
-        if dcoef is not None:
             dcoef = dcoef.to(coef.dtype)
+        else:
+            dx, dcoef = _torch_grads(x, coef, doc_ids, dy, need_x, need_coef)
         return (dx if need_x else None), (dcoef if need_coef else None), None, None
 
 
+def fused_shift_stacked(x: Tensor, coef: Tensor,
+                        doc_ids: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+    """The shift of ``m`` tensors stored side by side per head, as one autograd node.
+
+    ``x`` is ``[s, b, h, m, d]`` (K and V of each KV head, as megatron's QKV
+    projection lays them out: a view, never copied), ``coef`` ``[h, m, w+1]``;
+    returns the ``m`` shifted tensors ``[s, b, h, d]`` (views into one output).
+    The same math as ``fused_shift`` per tensor, with half the nodes and ops of
+    shifting K and V one by one: on the CPU, where the per-op cost dominates at
+    small widths, that is most of the shift's time. The torch path only (the
+    Triton kernels take one tensor).
+    """
+    return StackedShift.apply(x, coef, doc_ids)
+
+
+class StackedShift(torch.autograd.Function):
+    """``fused_shift_stacked``: saves only ``x``, ``coef`` and ``doc_ids``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]):
+        ctx.save_for_backward(x, coef, doc_ids)
+        return _torch_forward(x, coef, doc_ids).unbind(-2)  # m x [s, b, h, d]
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        x, coef, doc_ids = ctx.saved_tensors
+        dy = torch.stack([g if g is not None else x.new_zeros(x.shape[:-2] + x.shape[-1:])
+                          for g in grads], dim=-2)  # [s, b, h, m, d]
+        dx, dcoef = _torch_grads(x, coef, doc_ids, dy, *ctx.needs_input_grad[:2])
+        return dx, dcoef, None
+
+
+def _torch_grads(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor], dy: Tensor,
+                 need_x: bool, need_coef: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """(dx, dcoef) of the torch path, each only when needed."""
+    dx = _torch_input_grad(coef, doc_ids, dy) if need_x else None
+    dcoef = None
+    if need_coef:
+        dcoef = _torch_coef_grad(x, doc_ids, dy, coef.shape[-1] - 1).to(coef.dtype)
+    return dx, dcoef
+
+
 # ----------------------------------------------------------------------------- torch path
+# The torch functions take ``x [s, b, *heads, d]`` with ``coef [*heads, w+1]``: one
+# head dim (``[s, b, h, d]``), or two for K and V stacked (``[s, b, g, 2, d]``).
 def _lags(s: int, coef: Tensor) -> range:
     """Lags 1..w that reach a token inside a length-``s`` sequence."""
-    return range(1, min(coef.shape[1] - 1, s - 1) + 1)
+    return range(1, min(coef.shape[-1] - 1, s - 1) + 1)
 
 
 def _lag_scale(c: Tensor, i: int, doc_ids: Optional[Tensor], rows: slice,
                ref_rows: slice) -> Tensor:
-    """``c[:, i]`` as a broadcastable factor, zero where the two rows' documents differ."""
-    scale = c[:, i, None]  # [h, 1]
+    """``c[..., i]`` as a broadcastable factor, zero where the two rows' documents differ."""
+    scale = c[..., i, None]  # [*heads, 1]
     if doc_ids is None:
         return scale
     same = (doc_ids[rows] == doc_ids[ref_rows]).to(c.dtype)  # [s-i, b]
-    return same[:, :, None, None] * scale  # [s-i, b, h, 1]
+    return same.view(*same.shape, *[1] * scale.dim()) * scale  # [s-i, b, *heads, 1]
 
 
 def _torch_forward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]) -> Tensor:
     c = coef.to(x.dtype)
-    out = x * c[:, 0, None]  # [s, b, h, d]
+    out = x * c[..., 0, None]  # [s, b, *heads, d]
     for i in _lags(x.shape[0], coef):
         # y_t += c_i · x_{t-i} for t >= i, in place (no rolled or padded copy).
         out[i:].addcmul_(x[:-i], _lag_scale(c, i, doc_ids, slice(i, None), slice(None, -i)))
@@ -117,30 +159,38 @@ def _torch_forward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]) -> Tensor
 def _torch_input_grad(coef: Tensor, doc_ids: Optional[Tensor], dy: Tensor) -> Tensor:
     """``dx_t = Σ_i c_i · dy_{t+i}`` (same document): the shift run backwards."""
     c = coef.to(dy.dtype)
-    dx = dy * c[:, 0, None]
+    dx = dy * c[..., 0, None]
     for i in _lags(dy.shape[0], coef):
         dx[:-i].addcmul_(dy[i:], _lag_scale(c, i, doc_ids, slice(i, None), slice(None, -i)))
     return dx
 
 
 def _torch_coef_grad(x: Tensor, doc_ids: Optional[Tensor], dy: Tensor, window: int) -> Tensor:
-    """``dcoef[h, i] = Σ_{t,b,d} dy_t · x_{t-i}`` over same-document pairs, ``[h, w+1]``.
+    """``dcoef[..., i] = Σ_{t,b,d} dy_t · x_{t-i}`` over same-document pairs, ``[*heads, w+1]``.
 
-    Per lag, one contraction over d gives ``[s-i, b, h]`` products (1/d of the
-    activation; zero-padded to ``[s, b, h]``); the lags are then reduced over
-    tokens and batch, masked by document, in one reduction. Accumulates in fp32.
+    Without documents, one product and one reduction per lag. With documents,
+    per lag one contraction over d gives ``[s-i, b, *heads]`` products (1/d of
+    the activation; zero-padded to ``[s, b, *heads]``), then the lags are
+    reduced over tokens and batch, masked by document, in one reduction.
+    Accumulates in fp32.
     """
     s = x.shape[0]
-    prods = x.new_zeros((window + 1, *x.shape[:3]), dtype=torch.float32)  # [w+1, s, b, h]
-    for i in range(min(window, s - 1) + 1):
-        # (An einsum here is as fast in fp32 but ~40x slower in bf16 on the CPU.)
-        prods[i, i:] = (dy[i:] * x[: s - i]).sum(dim=-1, dtype=torch.float32)
+    lags = range(min(window, s - 1) + 1)
     if doc_ids is None:
-        return prods.sum(dim=(1, 2)).transpose(0, 1)  # [h, w+1]
+        over = (0, 1, x.dim() - 1)  # tokens, batch, d
+        # (An einsum here is as fast in fp32 but ~40x slower in bf16 on the CPU.)
+        sums = [(dy[i:] * x[: s - i]).sum(dim=over, dtype=torch.float32) for i in lags]
+        sums += [sums[0].new_zeros(sums[0].shape)] * (window + 1 - len(sums))  # w >= s
+        return torch.stack(sums, dim=-1)  # [*heads, w+1]
+    prods = x.new_zeros((window + 1, *x.shape[:-1]), dtype=torch.float32)  # [w+1, s, b, *heads]
+    for i in lags:
+        prods[i, i:] = (dy[i:] * x[: s - i]).sum(dim=-1, dtype=torch.float32)
     same = x.new_zeros((window + 1, *doc_ids.shape), dtype=torch.float32)  # [w+1, s, b]
-    for i in range(min(window, s - 1) + 1):
+    for i in lags:
         same[i, i:] = (doc_ids[i:] == doc_ids[: s - i]).float()
-    return torch.einsum("itbh,itb->hi", prods, same)
+    heads = x.shape[2:-1]
+    flat = torch.einsum("itbh,itb->hi", prods.reshape(window + 1, *doc_ids.shape, -1), same)
+    return flat.reshape(*heads, window + 1)
 
 
 # ----------------------------------------------------------------------------- Triton path

@@ -12,7 +12,7 @@ from kvtrain.config import ModelConfig
 from kvtrain.config.schema import KVShiftConfig
 from kvtrain.model.builder import build_gpt, transformer_config
 from kvtrain.model.kv_shift import effective_coefficients, shift_tokens
-from kvtrain.model.shift_kernels import FusedShift, fused_shift
+from kvtrain.model.shift_kernels import FusedShift, StackedShift, fused_shift, fused_shift_stacked
 
 FP32 = dict(atol=1e-6, rtol=1e-6)
 
@@ -54,6 +54,49 @@ def test_matches_shift_tokens_fp32(window, docs):
     # it is held against the float64 reference.
     dcoef_64 = values_and_grads(shift_tokens, x.double(), coef.double(), doc_ids)[2]
     torch.testing.assert_close(dcoef.double(), dcoef_64, atol=1e-5, rtol=1e-6)
+
+
+def stacked_reference(x, coef, doc_ids):
+    """K and V of ``x [s, b, h, 2, d]`` shifted one by one with ``shift_tokens``."""
+    return tuple(shift_tokens(x[..., i, :], coef[:, i], doc_ids) for i in range(x.shape[-2]))
+
+
+@pytest.mark.parametrize("docs", ["none", "starts"])
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_stacked_kv_matches_shift_tokens_fp32(window, docs):
+    """K and V in their place in the QKV output ([s, b, g, q|k|v * d]), shifted in one node."""
+    s, b, g, d = 11, 2, 3, 8
+    mixed = torch.randn(s, b, g, 4 * d, dtype=torch.float64).float().requires_grad_()
+    coef = torch.randn(g, 2, window + 1, requires_grad=True)
+    doc_ids = documents(s, b, docs)
+    dy = [torch.randn(s, b, g, d) for _ in range(2)]
+
+    def run(fn, mixed, coef):
+        kv = mixed[..., 2 * d:].view(s, b, g, 2, d)  # a strided view, as in the layer
+        out = fn(kv, coef, doc_ids)
+        grads = torch.autograd.grad(out, (mixed, coef), [t.to(mixed.dtype) for t in dy])
+        return out, grads
+
+    (k, v), (dmixed, dcoef) = run(fused_shift_stacked, mixed, coef)
+    (k_ref, v_ref), (dmixed_ref, _) = run(stacked_reference, mixed, coef)
+    assert isinstance(k.grad_fn, StackedShift._backward_cls)
+    for got, want in ((k, k_ref), (v, v_ref), (dmixed, dmixed_ref)):
+        torch.testing.assert_close(got, want, **FP32)
+    dcoef_64 = run(stacked_reference, mixed.double(), coef.double())[1][1]
+    torch.testing.assert_close(dcoef.double(), dcoef_64, atol=1e-5, rtol=1e-6)
+
+
+def test_stacked_kv_saves_only_the_qkv_view_and_coefficients():
+    mixed = torch.randn(16, 2, 2, 32, requires_grad=True)
+    coef = torch.randn(2, 2, 2, requires_grad=True)
+    doc_ids = documents(16, 2, "starts")
+    kv = mixed[..., 16:].view(16, 2, 2, 2, 8)
+    (k, v), seen, packed = saved_storages(lambda: fused_shift_stacked(kv, coef, doc_ids))
+    assert set(seen) == {p.untyped_storage().data_ptr() for p in (mixed, coef, doc_ids)}
+    assert packed == 3
+    # one gradient missing (e.g. only V used downstream) counts as zero
+    (dcoef,) = torch.autograd.grad(v.sum(), (coef,))
+    assert dcoef[:, 0].abs().sum() == 0 and dcoef[:, 1].abs().sum() > 0
 
 
 def test_window_longer_than_sequence_and_non_contiguous_input():
@@ -202,6 +245,18 @@ def test_local_layer_saves_at_most_the_qkv_output_more(mp1):
 
 
 # ----------------------------------------------------------------------------- through the model
+def grad_fns(out: torch.Tensor) -> list:
+    """Every node of ``out``'s autograd graph."""
+    seen, stack = [], [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.append(fn)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return seen
+
+
 @pytest.mark.parametrize("shift,window,mode", [
     (["k", "v"], 1, "free"), (["q", "k", "v"], 2, "gate"), (["v"], 3, "clamp"),
 ])
@@ -224,7 +279,11 @@ def test_model_with_fused_shift_equals_reference(mp1, monkeypatch, shift, window
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     fused_out, fused_grads = run()
+    stacked = sorted(shift) == ["k", "v"]  # K and V shifted in one node, in the QKV output
+    assert all(stacked == any(isinstance(f, StackedShift._backward_cls) for f in grad_fns(m))
+               for m in [model(tokens, pos, mask)])
     monkeypatch.setattr(kv_shift_module, "fused_shift", shift_tokens)
+    monkeypatch.setattr(kv_shift_module, "fused_shift_stacked", stacked_reference)
     ref_out, ref_grads = run()
     torch.testing.assert_close(fused_out, ref_out, atol=1e-5, rtol=1e-5)
     assert any(n.endswith(f"shift_{shift[0]}") for n in fused_grads)
