@@ -85,6 +85,18 @@ def split_micro_batch(batch: dict, packed, group) -> tuple[dict, object]:
     return out, packed
 
 
+def context_parallel_share(batch: dict, packed=None) -> tuple[dict, object]:
+    """This CP rank's two chunks of a micro batch (``[b, S]`` -> ``[b, 2c]``) and of
+    its documents; unchanged without context parallelism. The trainer's loss is
+    then each rank's sum over its own tokens: megatron adds the token counts and
+    gradients over DP x CP once (``finalize_model_grads``), and the reported loss
+    adds the sums of every rank (``kvtrain.train.step.reduce_losses``)."""
+    group = cp_group()
+    if group is None:
+        return batch, packed
+    return split_micro_batch(batch, packed, group)
+
+
 def gather_sequence(x: Tensor, group) -> Tensor:
     """``[2c, ...]`` local tensors of all CP ranks -> ``[S, ...]`` in sequence order.
 
@@ -124,5 +136,5 @@ def joined_doc_ids(global_ids: Optional[Tensor], local_length: int, window: int,
     return torch.cat(parts, dim=0).transpose(0, 1).contiguous()  # [w + c, 2b]
 
 
-__all__ = ["chunk_starts", "cp_group", "gather_batch_sequence", "gather_sequence",
+__all__ = ["chunk_starts", "context_parallel_share", "cp_group", "gather_batch_sequence", "gather_sequence",
            "joined_doc_ids", "local_positions", "slice_sequence", "split_micro_batch"]

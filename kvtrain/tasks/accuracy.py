@@ -122,6 +122,9 @@ class AccuracyForwardStep:
         batch = {k: batch[k] for k in keys}
         if torch.cuda.is_available():
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+        from kvtrain.model.context_parallel import context_parallel_share
+
+        batch, _ = context_parallel_share(batch)  # masks and labels too: counts add over CP
         output = model(batch["tokens"], batch["position_ids"], None)  # logits on the last stage
         return output, partial(accuracy_loss_func, batch, self.masks, self.vocab_size)
 
