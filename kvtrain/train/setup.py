@@ -155,10 +155,6 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
         raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
     backend = backend_choice(cfg.model.backend)  # once per run: every chunk uses it
     check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
-    if p.context > 1 and cfg.data.reset_attention_mask and backend.name == "te":
-        raise ConfigError(
-            f"parallel.context ({p.context}) with data.reset_attention_mask needs model.backend "
-            "torch: THD-packed documents are not split per CP rank on te")
     if cfg.data.reset_attention_mask:
         backend = dataclasses.replace(backend, documents=document_attention(
             backend.name, torch.cuda.is_available(), cfg.model.attention_dropout))

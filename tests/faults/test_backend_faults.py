@@ -219,6 +219,22 @@ def test_context_parallel_misconfigurations_in_one_line(overrides, needle):
     assert needle in message and "\n" not in message, message
 
 
+def test_context_parallel_documents_on_te_refused():
+    """THD-packed documents are not split per CP rank: te + documents + CP stops
+    in one line at start and in the plan (which assumes te for auto)."""
+    from kvtrain.config.backend import check_document_masks
+
+    cfg = load_config(None, ["parallel.context=2", "data.reset_attention_mask=true",
+                             "data.eod_id=2"])
+    with pytest.raises(ConfigError, match="needs model.backend torch") as e:
+        check_document_masks(cfg, choice("te", False), half=True)
+    assert "\n" not in str(e.value)
+    check_document_masks(cfg, choice("torch", False), half=False)
+    with pytest.raises(PlanError, match="parallel.context"):
+        make_plan(load_config(PAPER_6_7B, ["parallel.context=2", "data.reset_attention_mask=true",
+                                           "data.eod_id=2"]), nodes=8, gpu="a100")
+
+
 def test_context_parallel_planned(capsys):
     from kvtrain.cli import main
 

@@ -111,7 +111,7 @@ def cp_case(group, tp: int, rank_tp: int, case, state, b):
     return logits, loss, grads
 
 
-def halo_case(group, window: int, docs: bool):
+def halo_case(group, window: int, docs: bool, device: str = "cpu"):
     """(shifted local tokens, grads of x and coef) of the CP halo shift, and of
     the unsplit shift on the same data (every rank computes the reference):
     ``out`` against the kernel the CP=1 model runs (``fused_shift``, exact),
@@ -124,14 +124,15 @@ def halo_case(group, window: int, docs: bool):
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator().manual_seed(window)
     s = 4 * cp * window  # chunks of 2w tokens
-    x = torch.randn(s, 2, 3, 4, generator=gen, dtype=torch.float64)  # [S, b, h, d]
-    coef = torch.randn(3, window + 1, generator=gen, dtype=torch.float64)
-    weight = torch.randn(s, 2, 3, 4, generator=gen, dtype=torch.float64)
+    x = torch.randn(s, 2, 3, 4, generator=gen, dtype=torch.float64).to(device)  # [S, b, h, d]
+    coef = torch.randn(3, window + 1, generator=gen, dtype=torch.float64).to(device)
+    weight = torch.randn(s, 2, 3, 4, generator=gen, dtype=torch.float64).to(device)
     ids = None
     if docs:  # a document starting at every chunk boundary in row 0, mid-chunk in row 1
         ids = torch.zeros(2, s, dtype=torch.int32)
         ids[0] = torch.arange(s) // (2 * window)
         ids[1] = (torch.arange(s) + window // 2 + 1) // 3
+        ids = ids.to(device)
     ref_x, ref_c = x.clone().requires_grad_(), coef.clone().requires_grad_()
     ref = shift_tokens(ref_x, ref_c, None if ids is None else ids.t())
     (ref * weight).sum().backward()
@@ -147,6 +148,45 @@ def halo_case(group, window: int, docs: bool):
             "coef_grad": (mine_c.grad, ref_c.grad)}
 
 
+def attention_case(group, docs: bool, device: str = "cpu"):
+    """TorchAttention at CP over this rank's chunks against SDPA over the whole
+    sequence: (local output, reference), and the same for the q/k/v gradients."""
+    import torch.nn.functional as F
+
+    from kvtrain.model.attention import TorchAttention
+    from kvtrain.model.context_parallel import slice_sequence
+    from kvtrain.model.documents import document_causal_mask
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cfg = model_config("vanilla")
+    attn = TorchAttention(transformer_config(cfg, ParallelConfig(context=cp)), 1,
+                          AttnMaskType.causal, "self")
+    gen = torch.Generator().manual_seed(3)
+    s, b, heads, groups, hn = 8 * cp, 2, 4, 2, 8
+    q, k, v = (torch.randn(s, b, n, hn, generator=gen).to(device)
+               for n in (heads, groups, groups))  # [S, b, heads, hn]
+    weight = torch.randn(s, b, heads * hn, generator=gen).to(device)
+    ids = torch.arange(s).div(3, rounding_mode="floor").expand(b, s).contiguous().to(device)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    mask = ~document_causal_mask(ids) if docs else None  # [b, 1, S, S], True = attend
+    ref = F.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in ref_in), attn_mask=mask, is_causal=not docs,
+        enable_gqa=True).permute(2, 0, 1, 3).reshape(s, b, heads * hn)  # [S, b, np*hn]
+    (ref * weight).sum().backward()
+    mine_in = [slice_sequence(t, cp, rank, dim=0).clone().requires_grad_() for t in (q, k, v)]
+    packed = None
+    if docs:
+        packed = DocumentParams.from_ids(slice_sequence(ids, cp, rank))
+        packed.global_doc_ids = ids
+    out = attn(*mine_in, None, packed_seq_params=packed)
+    (out * slice_sequence(weight, cp, rank, dim=0)).sum().backward()
+    result = {"out": (out.detach(), slice_sequence(ref.detach(), cp, rank, dim=0))}
+    for name, mine, full in zip("qkv", mine_in, ref_in):
+        result[f"d{name}"] = (mine.grad, slice_sequence(full.grad, cp, rank, dim=0))
+    return result
+
+
 def cp2_worker(rank, world, refs, b):
     from megatron.core import parallel_state
 
@@ -157,6 +197,7 @@ def cp2_worker(rank, world, refs, b):
     group = parallel_state.get_context_parallel_group()
     out = {case: cp_case(group, 1, 0, case, refs[case], b) for case in CASES}
     out["halo"] = {(w, docs): halo_case(group, w, docs) for w in (1, 2) for docs in (False, True)}
+    out["attention"] = {docs: attention_case(group, docs) for docs in (False, True)}
     return out
 
 
@@ -221,3 +262,10 @@ def test_halo_matches_unsplit_shift(cp2, tp2_cp2, cp):
             assert torch.equal(out, ref), key  # forward exact
             for name in ("math", "x_grad", "coef_grad"):
                 torch.testing.assert_close(*result[name], atol=1e-6, rtol=1e-6, msg=f"{key} {name}")
+
+
+def test_torch_cp_attention_matches_full_sdpa(cp2):
+    for per_rank in cp2:
+        for docs, result in per_rank["attention"].items():
+            for name, (mine, ref) in result.items():
+                torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5, msg=f"{docs} {name}")
