@@ -253,6 +253,17 @@ def test_plan_shards_optimizer_state_over_dp_times_cp():
     assert two.optimizer == pytest.approx(one.optimizer / 2)
 
 
+def test_plan_counts_the_gathered_kv_of_torch_cp_attention():
+    """The torch backend's CP attention keeps the all-gathered K and V of the whole
+    sequence per layer ([S, b, 2 x kv_heads x head_dim / TP], bf16); te's does not."""
+    cfg = load_config(PAPER_6_7B, ["parallel.context=2"])
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    gd = m.kv_heads * (m.hidden_size // m.num_attention_heads)
+    args = (m, p, t.seq_length, t.micro_batch_size, "bf16")
+    extra = layer_activation_bytes(*args, backend="torch") - layer_activation_bytes(*args)
+    assert extra == pytest.approx(2 * t.seq_length * t.micro_batch_size * 2 * gd / p.tensor)
+
+
 # ----------------------------------------------------------------------------- item 11: plan memory
 def test_local_memory_adds_exactly_the_score_matrices():
     """Per layer on one GPU, bf16, no dropout: the local spec keeps softmax's fp32
