@@ -138,9 +138,16 @@ def document_mask_problem(backend: str, fused_softmax: bool, half: bool,
 
 def check_document_masks(cfg, choice: BackendChoice, half: bool) -> None:
     """Refuses ``data.reset_attention_mask`` where ``choice`` would silently ignore
-    the mask (attention would cross documents while the KV shift resets at them)."""
+    the mask (attention would cross documents while the KV shift resets at them),
+    and with context parallelism on ``te``, whose THD-packed documents the
+    trainer does not split per CP rank."""
     if not cfg.data.reset_attention_mask:
         return
+    if cfg.parallel.context > 1 and choice.name == "te":
+        raise ConfigError(
+            f"parallel.context ({cfg.parallel.context}) with data.reset_attention_mask needs "
+            f"model.backend torch (the backend is te: {choice.reason}): THD-packed documents are not split per "
+            "CP rank on te")
     problem = document_mask_problem(choice.name, choice.fused_softmax, half,
                                     cfg.train.seq_length)
     if problem:

@@ -33,8 +33,9 @@ class ParallelConfig:
     virtual_pipeline: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved schedule); null for none."""
     context: int = 1
-    """Context-parallel size: only 1 for now (CP > 1 is refused until the issue
-    "Context parallelism with the KV-shift halo" implements it)."""
+    """Context-parallel size: each sequence is cut into 2 x context chunks and CP rank r
+    keeps chunks r and 2 x context - 1 - r (megatron's layout); the KV shift fetches
+    its w halo tokens from the neighbouring CP ranks. Backends te and torch (not local)."""
     sequence_parallel: bool = False
     """Sequence parallelism in the TP group (norms/dropout on sequence shards)."""
     distributed_optimizer: bool = True
@@ -45,6 +46,10 @@ class ParallelConfig:
     """Overlap the DP gradient reduce-scatter with backward (GPU runs)."""
     overlap_param_gather: bool = False
     """Overlap the distributed optimizer's param all-gather with forward (GPU runs)."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
+    """Context-parallel communication of Transformer Engine's attention (model.backend te):
+    p2p (ring), all_gather, or a2a (needs the KV heads per TP rank to divide by
+    parallel.context). The torch backend always all-gathers K and V over the CP group."""
 
 
 # ----------------------------------------------------------------------------- training
@@ -248,13 +253,7 @@ class RunConfig:
         if p.tensor < 1 or p.pipeline < 1 or p.context < 1:
             raise ConfigError("parallel.tensor, parallel.pipeline and parallel.context must be >= 1")
         if p.context > 1:
-            # megatron's local attention refuses CP, and with TE the batch would not be
-            # split per CP rank (no get_batch_on_this_cp_rank): refuse rather than
-            # train unsplit sequences with the loss counted per CP rank.
-            raise ConfigError(
-                f"parallel.context ({p.context}): context parallelism is not implemented yet "
-                "(issue 'Context parallelism with the KV-shift halo'); set parallel.context: 1"
-            )
+            self._validate_context_parallel()
         if m.num_attention_heads % p.tensor:
             raise ConfigError(
                 f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
@@ -279,10 +278,10 @@ class RunConfig:
             raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline >= 2")
         if p.sequence_parallel and p.tensor < 2:
             raise ConfigError("parallel.sequence_parallel needs parallel.tensor >= 2")
-        if p.sequence_parallel and t.seq_length % p.tensor:
+        if p.sequence_parallel and t.seq_length % (p.tensor * p.context):
             raise ConfigError(
                 f"train.seq_length ({t.seq_length}) must be divisible by parallel.tensor "
-                f"({p.tensor}) with sequence parallel"
+                f"x parallel.context ({p.tensor * p.context}) with sequence parallel"
             )
         if t.seq_length > m.max_position_embeddings:
             raise ConfigError(
@@ -299,6 +298,28 @@ class RunConfig:
         self._validate_optimizer()
         self._validate_data()
         self._validate_checkpoint()
+
+    def _validate_context_parallel(self) -> None:
+        """What context parallelism needs (``parallel.context`` > 1)."""
+        m, p, t = self.model, self.parallel, self.train
+        if m.backend == "local":
+            raise ConfigError(
+                f"parallel.context ({p.context}) needs model.backend torch or te: the local "
+                "backend's attention (megatron's DotProductAttention) has no context parallelism")
+        chunks = 2 * p.context
+        if t.seq_length % chunks:
+            raise ConfigError(
+                f"train.seq_length ({t.seq_length}) must be divisible by 2 x parallel.context "
+                f"({chunks}): each CP rank keeps two of {chunks} equal chunks")
+        if m.attention == "kv_shift" and m.kv_shift.window > t.seq_length // chunks:
+            raise ConfigError(
+                f"model.kv_shift.window ({m.kv_shift.window}) exceeds a context-parallel chunk "
+                f"(train.seq_length / (2 x parallel.context) = {t.seq_length // chunks} tokens)")
+        if p.cp_comm_type == "a2a" and (m.kv_heads // p.tensor) % p.context:
+            raise ConfigError(
+                f"parallel.cp_comm_type a2a needs the KV heads per TP rank (model.num_query_groups "
+                f"{m.kv_heads} / parallel.tensor {p.tensor}) to be divisible by parallel.context "
+                f"({p.context}); use p2p or all_gather")
 
     # The sections owned by the trainer; each check names its keys.
     def _validate_train(self) -> None:

@@ -31,6 +31,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from kvtrain.config.backend import document_attention
 
+from .context_parallel import chunk_starts, cp_group, gather_sequence
 from .documents import DocumentParams
 
 
@@ -74,9 +75,6 @@ class TorchAttention(MegatronModule):
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
                  pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("context parallelism needs Transformer Engine's attention "
-                             "(model.backend: te)")
         if config.window_size is not None or config.softmax_type != "vanilla":
             raise ValueError("the torch backend has causal attention with a plain softmax "
                              "only (no sliding window, no softmax offset)")
@@ -99,15 +97,51 @@ class TorchAttention(MegatronModule):
             raise ValueError("THD packed sequences need Transformer Engine's attention "
                              "(model.backend: te)")
         sq, b, heads, hn = query.shape
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        group = cp_group()
+        if group is not None:
+            attend = functools.partial(self._attend_context_parallel, query, key, value, group,
+                                       attention_mask, mask_type, packed_seq_params)
+        else:
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
+            attend = functools.partial(self._attend, q, k, v, attention_mask, mask_type,
+                                       packed_seq_params)
         if self.training and self.dropout > 0 and not self.config.sequence_parallel:
             # as megatron: dropout draws differ per TP rank (the model-parallel stream)
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = self._attend(q, k, v, attention_mask, mask_type, packed_seq_params)
+                out = attend()
         else:
-            out = self._attend(q, k, v, attention_mask, mask_type, packed_seq_params)
+            out = attend()
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)  # [sq, b, np*hn]
+
+    def _attend_context_parallel(self, query: Tensor, key: Tensor, value: Tensor, group,
+                                 attention_mask: Optional[Tensor], mask_type: AttnMaskType,
+                                 documents: Optional[DocumentParams]) -> Tensor:
+        """Attention of this CP rank's two query chunks over the whole sequence's keys.
+
+        K and V are all-gathered over the CP group into sequence order (the
+        scheme Llama 3 used; the backward reduce-scatters their gradients to the
+        owners); each local chunk then attends the keys up to its own end,
+        bottom-right causal, within its documents. ``[b, np, 2c, hn]`` out.
+        """
+        if attention_mask is not None or mask_type != AttnMaskType.causal:
+            raise ValueError("context parallelism on the torch backend needs causal attention "
+                             "without an explicit mask")
+        k_all, v_all = (gather_sequence(x, group).permute(1, 2, 0, 3)  # [b, ng, S, hn]
+                        for x in (key, value))
+        c = query.shape[0] // 2
+        rank, cp = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        outs = []
+        for part, start in zip((query[:c], query[c:]), chunk_starts(2 * c, cp, rank)):
+            end = start + c  # the chunk sees keys [0, end)
+            q = part.permute(1, 2, 0, 3)  # [b, np, c, hn]
+            allowed = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(start)
+            if documents is not None:
+                ids = documents.global_doc_ids  # [b, S]
+                same = ids[:, start:end, None] == ids[:, None, :end]  # [b, c, end]
+                allowed = (allowed & same)[:, None]  # [b, 1, c, end]
+            outs.append(self._sdpa(q, k_all[:, :, :end], v_all[:, :, :end], allowed, False))
+        return torch.cat(outs, dim=2)  # [b, np, 2c, hn]
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor],
                 mask_type: AttnMaskType, documents: Optional[DocumentParams]) -> Tensor:
@@ -126,6 +160,11 @@ class TorchAttention(MegatronModule):
             causal = sq == sk
             if not causal:  # queries are the last sq of sk positions (bottom-right)
                 allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        return self._sdpa(q, k, v, allowed, causal)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor],
+              causal: bool) -> Tensor:
+        """SDPA with GQA (``k/v`` may have fewer heads), ``allowed``: True = attend."""
         extra = {}
         if k.shape[1] != q.shape[1]:
             if sdpa_has_gqa():

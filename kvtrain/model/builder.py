@@ -88,6 +88,7 @@ def transformer_config(
         pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         context_parallel_size=parallel.context,
+        cp_comm_type=parallel.cp_comm_type,  # te's CP attention; torch all-gathers K/V
         sequence_parallel=parallel.sequence_parallel,
         # numerics
         params_dtype=numerics.params_dtype,

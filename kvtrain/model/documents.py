@@ -58,7 +58,11 @@ class DocumentParams(PackedSeqParams):
     """
 
     doc_ids: Optional[Tensor] = None
-    """``[b, s]`` int32 document index of every token (:func:`document_ids`)."""
+    """``[b, s]`` int32 document index of every token (:func:`document_ids`); under
+    context parallelism, of this CP rank's tokens only."""
+    global_doc_ids: Optional[Tensor] = None
+    """Under context parallelism: the ``[b, S]`` ids of the whole sequence (the
+    KV-shift halo and the attention over gathered keys read them); else None."""
     cache: dict = field(default_factory=dict, repr=False, compare=False)
     """Masks derived from ``doc_ids``, built by the first layer that needs them."""
 

@@ -36,7 +36,9 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from kvtrain.config.layout import coefficients_per_tensor
 from kvtrain.model.shift_kernels import fused_shift, fused_shift_stacked, triton_available
 
+from .context_parallel import cp_group
 from .documents import DocumentParams
+from .kv_shift_cp import shift_context_parallel
 
 # Names of the coefficient parameters, by shifted tensor.
 PARAM_NAMES = {"q": "shift_q", "k": "shift_k", "v": "shift_v"}
@@ -178,8 +180,6 @@ class KVShiftSelfAttention(SelfAttention):
             )
         if getattr(config, "fused_single_qkv_rope", False):
             raise ValueError("KV shift needs split Q/K/V: set fused_single_qkv_rope=False")
-        if config.context_parallel_size > 1:
-            raise ValueError("KV shift with context parallelism is not supported yet")
         local = groups // tp_size
         self._tp_slice = slice(tp_rank * local, (tp_rank + 1) * local)
         for tensor in kv_shift.shift:
@@ -192,7 +192,7 @@ class KVShiftSelfAttention(SelfAttention):
             set_tensor_model_parallel_attributes(param, True, 0, 1)
             param.kv_shift = True  # lets the optimizer find them (weight decay switch)
             self.register_parameter(PARAM_NAMES[tensor], param)
-        self._doc_ids: Optional[Tensor] = None
+        self._doc_ids: Optional[tuple] = None  # (kind, value) of this forward's documents
         self._inference = None
 
     # -- the shift ---------------------------------------------------------------
@@ -208,7 +208,7 @@ class KVShiftSelfAttention(SelfAttention):
             self._inference = args[1]
         self._doc_ids = None
         if isinstance(packed_seq_params, DocumentParams):  # the trainer's packed documents
-            self._doc_ids = ("ids", packed_seq_params.doc_ids)
+            self._doc_ids = ("ids", packed_seq_params)
         elif packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q_padded
             if cu is None:
@@ -229,7 +229,7 @@ class KVShiftSelfAttention(SelfAttention):
             return None
         kind, value = self._doc_ids
         if kind == "ids":
-            return value.transpose(0, 1)  # [b, s] -> [s, b]
+            return value.doc_ids.transpose(0, 1)  # [b, s] -> [s, b]
         if kind == "thd":
             return doc_ids_from_cu_seqlens(value, s).expand(s, b)
         return doc_ids_from_attention_mask(value, s, b)
@@ -244,8 +244,7 @@ class KVShiftSelfAttention(SelfAttention):
             hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
         )
         tensors = dict(zip("qkv", out[:3]))  # q [s, b, np, d]; k, v [s, b, ng, d]
-        s, b = tensors["k"].shape[0], tensors["k"].shape[1]
-        doc_ids = self._resolve_doc_ids(s, b)
+        shift = self._shift_function(*tensors["k"].shape[:2])
         for name in self.kv_shift.shift:
             coef = self.coefficients(name)
             if name == "q":
@@ -254,15 +253,16 @@ class KVShiftSelfAttention(SelfAttention):
             if self._decoding():
                 tensors[name] = self._shift_with_cache(name, tensors[name], coef)
             else:
-                tensors[name] = fused_shift(tensors[name], coef, doc_ids)
+                tensors[name] = shift(tensors[name], coef)
         return (tensors["q"], tensors["k"], tensors["v"], *out[3:])
 
     def _shift_kv_stacked(self, hidden_states: Tensor, key_value_states, output_gate) -> bool:
         """Whether K and V are shifted together, in their place in the QKV output:
         the paper's K+V shift in training or a full forward, on the torch path
         (the Triton kernels take one tensor; a K norm would sit between the
-        projection and the shift)."""
+        projection and the shift), without context parallelism (the halo path)."""
         return (sorted(self.kv_shift.shift) == ["k", "v"] and key_value_states is None
+                and cp_group() is None
                 and not output_gate and _is_identity(self.k_layernorm) and not self._decoding()
                 and not (hidden_states.is_cuda and triton_available()))
 
@@ -280,6 +280,24 @@ class KVShiftSelfAttention(SelfAttention):
         key, value = fused_shift_stacked(kv.view(s, b, groups, 2, hn), coef,
                                          self._resolve_doc_ids(s, b))
         return query, key, value  # k, v: [s, b, ng, hn]
+
+    def _shift_function(self, s: int, b: int):
+        """``f(x, coef)``: the shift of this micro batch's ``[s, b, h, d]`` tensors;
+        under context parallelism with the halo from the neighbouring CP ranks."""
+        group = cp_group()
+        if group is None:
+            doc_ids = self._resolve_doc_ids(s, b)
+            return lambda x, coef: fused_shift(x, coef, doc_ids)
+        if self._inference is not None and not self.training:
+            raise ValueError("KV-shift decoding with context parallelism is not supported")
+        global_ids = None
+        if self._doc_ids is not None:
+            kind, value = self._doc_ids
+            if kind != "ids":
+                raise ValueError("KV shift with context parallelism takes packed documents as "
+                                 "kvtrain's DocumentParams only (not THD or a mask)")
+            global_ids = value.global_doc_ids
+        return lambda x, coef: shift_context_parallel(x, coef, group, global_ids)
 
     # -- incremental decoding ------------------------------------------------------
     def _decoding(self) -> bool:

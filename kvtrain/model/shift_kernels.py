@@ -172,22 +172,23 @@ def _torch_coef_grad(x: Tensor, doc_ids: Optional[Tensor], dy: Tensor, window: i
     per lag one contraction over d gives ``[s-i, b, *heads]`` products (1/d of
     the activation; zero-padded to ``[s, b, *heads]``), then the lags are
     reduced over tokens and batch, masked by document, in one reduction.
-    Accumulates in fp32.
+    Accumulates in fp32 (fp64 for fp64 inputs).
     """
     s = x.shape[0]
     lags = range(min(window, s - 1) + 1)
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     if doc_ids is None:
         over = (0, 1, x.dim() - 1)  # tokens, batch, d
         # (An einsum here is as fast in fp32 but ~40x slower in bf16 on the CPU.)
-        sums = [(dy[i:] * x[: s - i]).sum(dim=over, dtype=torch.float32) for i in lags]
+        sums = [(dy[i:] * x[: s - i]).sum(dim=over, dtype=acc) for i in lags]
         sums += [sums[0].new_zeros(sums[0].shape)] * (window + 1 - len(sums))  # w >= s
         return torch.stack(sums, dim=-1)  # [*heads, w+1]
-    prods = x.new_zeros((window + 1, *x.shape[:-1]), dtype=torch.float32)  # [w+1, s, b, *heads]
+    prods = x.new_zeros((window + 1, *x.shape[:-1]), dtype=acc)  # [w+1, s, b, *heads]
     for i in lags:
-        prods[i, i:] = (dy[i:] * x[: s - i]).sum(dim=-1, dtype=torch.float32)
-    same = x.new_zeros((window + 1, *doc_ids.shape), dtype=torch.float32)  # [w+1, s, b]
+        prods[i, i:] = (dy[i:] * x[: s - i]).sum(dim=-1, dtype=acc)
+    same = x.new_zeros((window + 1, *doc_ids.shape), dtype=acc)  # [w+1, s, b]
     for i in lags:
-        same[i, i:] = (doc_ids[i:] == doc_ids[: s - i]).float()
+        same[i, i:] = (doc_ids[i:] == doc_ids[: s - i]).to(acc)
     heads = x.shape[2:-1]
     flat = torch.einsum("itbh,itb->hi", prods.reshape(window + 1, *doc_ids.shape, -1), same)
     return flat.reshape(*heads, window + 1)

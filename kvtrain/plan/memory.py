@@ -156,6 +156,10 @@ def layer_activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_len
             model, parallel, seq_length, micro_batch) if keep_scores else 0.0
     else:  # flash attention: the fp32 log-sum-exp per query and head
         attention = 4.0 * model.num_attention_heads / t * sb
+    if backend == "torch" and parallel.context > 1:
+        # the torch backend's CP attention saves the all-gathered K and V of the
+        # whole sequence for backward (te's ring re-sends them instead)
+        attention += e * seq_length * micro_batch * 2 * gd / t
     return e * sb * elements + attention + dropout_masks
 
 

@@ -79,10 +79,13 @@ def render(plan: Plan, source: str = "") -> str:
         f"  weights        {_gib(mem.weights)}",
         f"  gradients      {_gib(mem.grads)}   (fp32 main grads)",
         f"  optimizer      {_gib(mem.optimizer)}   (fp32 params + Adam m, v"
-        + (f"; sharded over DP {plan.dp})" if p.distributed_optimizer else "; not sharded)"),
+        + ((f"; sharded over DP {plan.dp}" + (f" x CP {p.context})" if p.context > 1 else ")"))
+           if p.distributed_optimizer else "; not sharded)"),
         f"  activations    {_gib(mem.activations)}   ({mem.in_flight:g} micro batch"
         f"{'es' if mem.in_flight != 1 else ''} of "
-        f"{t.micro_batch_size} x {t.seq_length} in flight, recompute {mem.recompute}"
+        f"{t.micro_batch_size} x {t.seq_length}"
+        + (f" (a 1/{p.context} share per CP rank)" if p.context > 1 else "")
+        + f" in flight, recompute {mem.recompute}"
         + (f"; logits {mem.logits / GiB:.1f} GiB" if mem.logits else "") + ")",
         f"  overhead       {_gib(mem.overhead)}   (CUDA context, NCCL, workspaces, fragmentation)",
         f"  total          {_gib(mem.total)}   of {plan.gpu.memory_gib:.0f} GiB "

@@ -21,7 +21,7 @@ sums them over micro batches and data-parallel replicas like the loss.
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -111,9 +111,11 @@ def accuracy_loss_func(batch: dict, masks: tuple[str, ...], vocab_size: int,
 class AccuracyForwardStep:
     """megatron ``forward_step_func`` for validation on induction / 3-gram data."""
 
-    def __init__(self, masks: tuple[str, ...], vocab_size: int):
+    def __init__(self, masks: tuple[str, ...], vocab_size: int,
+                 share: Optional[Callable[[dict], tuple]] = None):
         self.masks = tuple(masks)
         self.vocab_size = vocab_size
+        self.share = share  # batch -> (this rank's part, _): the trainer's CP split
         self.iteration = 0
 
     def __call__(self, data_iterator, model):
@@ -122,6 +124,8 @@ class AccuracyForwardStep:
         batch = {k: batch[k] for k in keys}
         if torch.cuda.is_available():
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+        if self.share is not None:  # masks and labels too: the counts add up over CP
+            batch, _ = self.share(batch)
         output = model(batch["tokens"], batch["position_ids"], None)  # logits on the last stage
         return output, partial(accuracy_loss_func, batch, self.masks, self.vocab_size)
 

@@ -176,6 +176,7 @@ def current_layout() -> dict:
     return {
         "tensor": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+        "context": parallel_state.get_context_parallel_world_size(),
         "data": parallel_state.get_data_parallel_world_size(with_context_parallel=True),
         "world": dist.get_world_size(),
     }
@@ -442,7 +443,8 @@ class Checkpointer:
             self.run_config.get("checkpoint", {}).get("allow_config_changes", []),
             where=f"checkpoint {path}")
         saved_layout = meta.get("layout")
-        same_layout = saved_layout == current_layout()
+        # checkpoints from before context parallelism have no "context": it was 1
+        same_layout = saved_layout is not None and {"context": 1, **saved_layout} == current_layout()
         rng = load_rng and same_layout
         sd = self._sharded_state(None, loading=True, optimizer=load_optimizer, rng=rng)
         loaded, in_checkpoint_only, in_model_only = dist_checkpointing.load(

@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 
 from kvtrain.data import fixed_batches
 from kvtrain.tasks.accuracy import AccuracyForwardStep, reduce_accuracies
+from kvtrain.model.context_parallel import context_parallel_share
 from kvtrain.model.kv_shift import collect_shift_coefficients
 
 from .step import ForwardStep, global_mean_loss, schedule_shape
@@ -38,7 +39,8 @@ class Validator:
         self.iters = min(eval_iters, len(dataset) // global_batch_size) if dataset is not None else 0
         self.accuracy_masks = tuple(accuracy_masks)
         if self.accuracy_masks:  # induction / 3-gram data: accuracy from the logits
-            self.forward_step = AccuracyForwardStep(self.accuracy_masks, vocab_size)
+            self.forward_step = AccuracyForwardStep(self.accuracy_masks, vocab_size,
+                                                    share=context_parallel_share)
         else:
             self.forward_step = ForwardStep(documents=documents)
         self.documents = documents

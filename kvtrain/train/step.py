@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
+from kvtrain.model.context_parallel import context_parallel_share
+
 from .hooks import RunHooks
 from .optimizer import StepOutcome, guarded_step
 
@@ -50,7 +52,8 @@ class ForwardStep:
     """megatron's ``forward_step_func``: pulls a micro batch and runs the model.
 
     ``documents`` (``Run.documents``; None when documents are not separated)
-    turns the micro batch's tokens into the document ids the layers read.
+    turns the micro batch's tokens into the document ids the layers read; under
+    context parallelism the rank then keeps its two chunks of the sequence.
     """
 
     def __init__(self, hooks: Optional[RunHooks] = None,
@@ -66,6 +69,7 @@ class ForwardStep:
         packed = None
         if self.documents is not None:
             batch, packed = self.documents(batch)
+        batch, packed = context_parallel_share(batch, packed)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        packed_seq_params=packed)  # [b, s] loss (last stage)
         alter = partial(self.hooks.loss, self.iteration) if self.hooks is not None else None

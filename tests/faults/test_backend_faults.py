@@ -1,8 +1,8 @@
 """Backends: chosen once, printed and recorded, refused where they would be wrong.
 
 Issue 10 items 8 (silent fallbacks: ``model.backend``, the CPU backend on a GPU
-job), 7 (document masks the GPU kernels ignore), 6 (context parallelism
-accepted but not implemented) and 11 (the plan's memory model follows the
+job), 7 (document masks the GPU kernels ignore), 6 (context parallelism:
+misconfigurations refused in one line) and 11 (the plan's memory model follows the
 backend). The decisions are pure functions, called here with fake inputs (what
 the environment, the device files, torch and Transformer Engine would say); two
 subprocess launches check what a user sees from ``kvtrain train``.
@@ -204,31 +204,64 @@ def test_plan_takes_document_masks_on_te_and_torch_and_warns_on_local():
 
 
 # ------------------------------------------------------------------------- item 6: context parallel
-def test_context_parallel_refused_in_validate():
+@pytest.mark.parametrize("overrides, needle", [
+    (["parallel.context=2", "model.backend=local"], "needs model.backend torch or te"),
+    (["parallel.context=2", "train.seq_length=126"], "divisible by 2 x parallel.context (4)"),
+    (["parallel.context=4", "train.seq_length=16", "model.attention=kv_shift",
+      "model.kv_shift.window=3"], "exceeds a context-parallel chunk"),
+    (["parallel.context=4", "model.num_attention_heads=8", "model.num_query_groups=2",
+      "parallel.cp_comm_type=a2a"], "parallel.cp_comm_type a2a"),
+])
+def test_context_parallel_misconfigurations_in_one_line(overrides, needle):
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["parallel.context=2"])
+        load_config(None, overrides)
     message = str(e.value)
-    assert "parallel.context" in message and "not implemented" in message
-    assert "Context parallelism with the KV-shift halo" in message and "\n" not in message
+    assert needle in message and "\n" not in message, message
 
 
-def test_context_parallel_refused_by_kvtrain_plan(capsys):
+def test_context_parallel_documents_on_te_refused():
+    """THD-packed documents are not split per CP rank: te + documents + CP stops
+    in one line at start and in the plan (which assumes te for auto)."""
+    from kvtrain.config.backend import check_document_masks
+
+    cfg = load_config(None, ["parallel.context=2", "data.reset_attention_mask=true",
+                             "data.eod_id=2"])
+    with pytest.raises(ConfigError, match="needs model.backend torch") as e:
+        check_document_masks(cfg, choice("te", False), half=True)
+    assert "\n" not in str(e.value)
+    check_document_masks(cfg, choice("torch", False), half=False)
+    with pytest.raises(PlanError, match="parallel.context"):
+        make_plan(load_config(PAPER_6_7B, ["parallel.context=2", "data.reset_attention_mask=true",
+                                           "data.eod_id=2"]), nodes=8, gpu="a100")
+
+
+def test_context_parallel_planned(capsys):
     from kvtrain.cli import main
 
     code = main(["plan", PAPER_6_7B, "--nodes", "8", "--set", "parallel.context=2"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code != 0 and len(err) == 1 and "parallel.context" in err[0], err
-    assert "not implemented" in err[0]
+    out = capsys.readouterr().out
+    assert code == 0 and "x CP 2 x DP" in out and "x CP 2)" in out, out
 
 
 def test_plan_shards_optimizer_state_over_dp_times_cp():
-    """When CP lands: megatron's distributed optimizer shards over DP x CP."""
+    """megatron's distributed optimizer shards over DP x CP."""
     cfg = load_config(PAPER_6_7B)
     p, t = cfg.parallel, cfg.train
     cp = replace(p, context=2)
     one = estimate_memory(cfg.model, p, t, dp=4, num_microbatches=4)
     two = estimate_memory(cfg.model, cp, t, dp=4, num_microbatches=4)
     assert two.optimizer == pytest.approx(one.optimizer / 2)
+
+
+def test_plan_counts_the_gathered_kv_of_torch_cp_attention():
+    """The torch backend's CP attention keeps the all-gathered K and V of the whole
+    sequence per layer ([S, b, 2 x kv_heads x head_dim / TP], bf16); te's does not."""
+    cfg = load_config(PAPER_6_7B, ["parallel.context=2"])
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    gd = m.kv_heads * (m.hidden_size // m.num_attention_heads)
+    args = (m, p, t.seq_length, t.micro_batch_size, "bf16")
+    extra = layer_activation_bytes(*args, backend="torch") - layer_activation_bytes(*args)
+    assert extra == pytest.approx(2 * t.seq_length * t.micro_batch_size * 2 * gd / p.tensor)
 
 
 # ----------------------------------------------------------------------------- item 11: plan memory

@@ -169,6 +169,24 @@ def test_plan_accepts_paper_config_at_its_gpu_count(path):
     assert plan["steps"] > 0 and plan["days"] > 0
 
 
+def test_plan_accepts_19b_context_parallel_variants():
+    """The CP variants the 19B header documents (12288 and 32768 tokens) plan at 240
+    GPUs with the paper's ~2.95M tokens a step, sharding the optimizer over DP x CP."""
+    path = REPO / "configs" / "paper" / "19b_kv_shift.yaml"
+    lines = re.findall(r"^# CP: kvtrain plan (.+)$", path.read_text(), re.M)
+    assert len(lines) == 2
+    for line in lines:
+        argv = shlex.split(line)
+        overrides = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+        cfg = load_config(REPO / argv[0], overrides)
+        plan = make_plan(cfg, nodes=30, gpus_per_node=8, gpu="a800")
+        p = cfg.parallel
+        assert p.context > 1 and plan.world == 240 and plan.fits
+        assert plan.dp * p.tensor * p.pipeline * p.context == 240
+        assert plan.tokens_per_step == BATCH_TOKENS["19b"]
+        assert cfg.train.seq_length >= 12288
+
+
 def test_plan_text_report():
     out = kvtrain("plan", "configs/paper/19b_kv_shift.yaml", "--nodes", "30", "--gpu", "a800")
     assert out.returncode == 0, out.stderr

@@ -161,7 +161,7 @@ def test_checkpoint_contents(runs):
     ckpt = root / "tp2-kv_shift" / "reference" / "checkpoints" / f"iter_{N:07d}"
     marker = json.loads((ckpt / "kvtrain_checkpoint.json").read_text())
     assert marker["iteration"] == N
-    assert marker["layout"] == {"tensor": 2, "pipeline": 1, "data": 1, "world": 2}
+    assert marker["layout"] == {"tensor": 2, "pipeline": 1, "context": 1, "data": 1, "world": 2}
     common = torch.load(ckpt / "common.pt", weights_only=False)
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     assert common["kvtrain"]["state"]["consumed_samples"] == N * 8
