@@ -45,6 +45,16 @@ def render(plan: Plan, source: str = "") -> str:
     if m.attention == "kv_shift":
         attention += f" (shift {'+'.join(m.kv_shift.shift)}, window {m.kv_shift.window}, " \
                      f"{m.kv_shift.mode})"
+        if m.kv_shift.heads is not None:
+            hs = m.kv_shift.heads
+            picked = ", ".join(f"{t} heads {getattr(hs, t)}" for t in m.kv_shift.shift
+                               if getattr(hs, t) is not None)
+            attention += f" [{picked or 'all heads'}{', fixed (0, 1)' if hs.fixed else ''}]"
+    if m.mla is not None:
+        q = f"query rank {m.mla.q_lora_rank}" if m.mla.q_lora_rank else "full-rank query"
+        attention += (f", multi-latent attention (K/V latent {m.mla.kv_lora_rank}, {q}, "
+                      f"head dims {m.mla.qk_head_dim}+{m.mla.qk_pos_emb_head_dim} RoPE / "
+                      f"V {m.mla.v_head_dim})")
     lines = [
         f"plan for {source or cfg.name}: {cfg.name}, {attention}",
         "",
