@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtrain.config.schema import ModelConfig
+
 from .flops import human_duration
 from .layout import Plan
 from .memory import GiB
@@ -33,14 +35,8 @@ def _attention_memory(plan: Plan) -> str:
     return f"attention memory: te spec {assumed}: flash attention, no s x s scores"
 
 
-def render(plan: Plan, source: str = "") -> str:
-    cfg = plan.cfg
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    pc = plan.params
-    mem = plan.memory
-    kv = m.kv_heads
-    heads = f"{m.num_attention_heads} heads" + (
-        f" ({kv} KV heads, GQA)" if kv != m.num_attention_heads else "")
+def describe_attention(m: ModelConfig) -> str:
+    """The attention variant of model ``m`` in words (shift options, MLA shape)."""
     attention = "KV shifting attention" if m.attention == "kv_shift" else "vanilla attention"
     if m.attention == "kv_shift":
         attention += f" (shift {'+'.join(m.kv_shift.shift)}, window {m.kv_shift.window}, " \
@@ -55,6 +51,18 @@ def render(plan: Plan, source: str = "") -> str:
         attention += (f", multi-latent attention (K/V latent {m.mla.kv_lora_rank}, {q}, "
                       f"head dims {m.mla.qk_head_dim}+{m.mla.qk_pos_emb_head_dim} RoPE / "
                       f"V {m.mla.v_head_dim})")
+    return attention
+
+
+def render(plan: Plan, source: str = "") -> str:
+    cfg = plan.cfg
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    pc = plan.params
+    mem = plan.memory
+    kv = m.kv_heads
+    heads = f"{m.num_attention_heads} heads" + (
+        f" ({kv} KV heads, GQA)" if kv != m.num_attention_heads else "")
+    attention = describe_attention(m)
     lines = [
         f"plan for {source or cfg.name}: {cfg.name}, {attention}",
         "",
