@@ -4,8 +4,10 @@
   (output and gradients, fp32), for learned coefficients on every head and for
   Appendix J's fixed shift of selected heads, with and without a low-rank query;
 * with identity coefficients it equals megatron's MLA (the vanilla spec);
-* TP=2 (+ SP) equals TP=1 on the loss and the shift gradients, and a checkpoint
-  saved at TP=2 loads at TP=1 (one ``run_distributed`` launch);
+* TP=2 (+ SP) equals TP=1 on the loss and the shift gradients, a checkpoint
+  saved at TP=2 loads at TP=1, and PP=2 gives the PP=1 loss (one
+  ``run_distributed`` launch);
+* packed documents (the trainer's DocumentParams) and static-batching decode;
 * the plan counts what megatron builds; bad ``model.mla``/``kv_shift.heads`` keys
   are refused in one line.
 """
@@ -140,6 +142,45 @@ def test_identity_shift_equals_megatron_mla(mp1):
     torch.testing.assert_close(shifted(tokens, pos, None), vanilla(tokens, pos, None), **TOL)
 
 
+@pytest.mark.parametrize("backend", ["torch", "local"])
+def test_packed_documents_equal_separate_sequences(mp1, backend):
+    """With the trainer's DocumentParams, attention and the shift stop at a document
+    start: each document's logits are those of the document alone (RoPE is relative)."""
+    from kvtrain.model.documents import DocumentParams, document_ids
+
+    model = build(model_config(layers=2), backend=backend)
+    tokens = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6))
+    tokens[0, 5] = 0  # EOD: the second document starts at position 6
+    pos = torch.arange(12)[None]
+    docs = DocumentParams.from_ids(document_ids(tokens, eod=0))
+    with torch.no_grad():
+        packed = model(tokens, pos, None, packed_seq_params=docs)
+        alone = [model(tokens[:, a:b], pos[:, :b - a], None) for a, b in ((0, 6), (6, 12))]
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), **TOL)
+
+
+def test_decode_equals_full_forward(mp1):
+    """Static-batching decode: the shifted K/V land in megatron's cache, the raw tail
+    of the last token is kept per layer (as for standard attention)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    model = build(model_config(layers=2)).eval()
+    tokens = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(SEQ)[None].expand_as(tokens)
+    with torch.no_grad():
+        full = model(tokens, pos, None, runtime_gather_output=True)
+        ctx = StaticInferenceContext(max_batch_size=3, max_sequence_length=SEQ)
+        ctx.materialize_only_last_token_logits = False  # compare every position
+        steps = [model(tokens[:, :4], pos[:, :4], None, inference_context=ctx,
+                       runtime_gather_output=True)]
+        ctx.sequence_len_offset += 4
+        for t in range(4, SEQ):
+            steps.append(model(tokens[:, t:t + 1], pos[:, t:t + 1], None,
+                               inference_context=ctx, runtime_gather_output=True))
+            ctx.sequence_len_offset += 1
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, **TOL)
+
+
 # ----------------------------------------------------------------------------- TP=2
 TP_HEADS = ShiftHeadsConfig(k=[0, 3], v=[1])  # heads on both ranks, learned
 
@@ -165,8 +206,24 @@ def logits(model, tokens):
         return model(tokens, pos, None, runtime_gather_output=True)
 
 
+def pp_loss(pipeline: int):
+    """Loss of 2 micro batches through megatron's schedule at PP ``pipeline`` (last
+    stage; None elsewhere); the weights do not depend on the layout (init_streams)."""
+    from kvtrain.backend import init_model_parallel, set_seed
+    from tests.model.test_torch_backend import SEQ as PP_SEQ, pipeline_loss
+
+    init_model_parallel(pipeline=pipeline)
+    set_seed(0)
+    model = build(model_config(heads=TP_HEADS, layers=2), ParallelConfig(pipeline=pipeline),
+                  seed=7)
+    gen = torch.Generator().manual_seed(8)
+    tokens, labels = (torch.randint(0, VOCAB, (2, PP_SEQ), generator=gen) for _ in "tl")
+    return pipeline_loss(model, tokens, labels, torch.arange(PP_SEQ)[None].expand_as(tokens))
+
+
 def tp2_worker(rank: int, world: int, tokens, labels, path):
-    """All TP=2 checks in one launch: loss and shift grads, then a checkpoint."""
+    """All multi-rank checks in one launch: TP=2 loss and shift grads, a TP=2
+    checkpoint, then a PP=2 loss."""
     from megatron.core import dist_checkpointing
 
     loss, grads, model = tp_case(world, tokens, labels)
@@ -176,10 +233,10 @@ def tp2_worker(rank: int, world: int, tokens, labels, path):
             if "shift" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
     dist_checkpointing.save(model.sharded_state_dict(), str(path))
-    return loss, grads, logits(model, tokens)
+    return loss, grads, logits(model, tokens), pp_loss(world)
 
 
-def test_tp2_equals_tp1_and_checkpoint_loads_at_tp1(mp1, tmp_path):
+def test_tp2_and_pp2_equal_tp1_and_checkpoint_loads_at_tp1(mp1, tmp_path):
     from megatron.core import dist_checkpointing
 
     gen = torch.Generator().manual_seed(4)
@@ -190,7 +247,7 @@ def test_tp2_equals_tp1_and_checkpoint_loads_at_tp1(mp1, tmp_path):
     loss, grads, _ = tp_case(1, tokens, labels)
     assert set(grads) == {f"decoder.layers.{i}.self_attention.shift_{t}"
                           for i in (0, 1) for t in "kv"}
-    for rank, (loss2, grads2, _) in enumerate(ranks):
+    for rank, (loss2, grads2, *_) in enumerate(ranks):
         assert loss2 == pytest.approx(loss, abs=1e-5)
         for name, g in grads.items():  # each rank holds heads [2 rank, 2 rank + 2)
             torch.testing.assert_close(grads2[name], g[2 * rank:2 * rank + 2], **TOL, msg=name)
@@ -199,6 +256,8 @@ def test_tp2_equals_tp1_and_checkpoint_loads_at_tp1(mp1, tmp_path):
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(),
                                                   str(tmp_path / "ckpt")))
     torch.testing.assert_close(logits(model, tokens), ranks[0][2], **TOL)
+    assert ranks[0][3] is None
+    assert ranks[1][3] == pytest.approx(pp_loss(1), abs=1e-5)
 
 
 # ----------------------------------------------------------------------------- plan, config
