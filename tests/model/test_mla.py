@@ -181,6 +181,28 @@ def test_decode_equals_full_forward(mp1):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, **TOL)
 
 
+def test_selected_heads_on_standard_attention(mp1):
+    """``kv_shift.heads`` without MLA (per KV head of GQA): fixed selected heads are
+    the learned model with those coefficients set by hand."""
+    def gqa(heads):
+        return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                           num_query_groups=2, vocab_size=VOCAB, max_position_embeddings=64,
+                           attention="kv_shift", kv_shift=KVShiftConfig(heads=heads))
+
+    fixed = build(gqa(ShiftHeadsConfig(k=[1], v=[0], fixed=True)))
+    learned = build(gqa(None))
+    with torch.no_grad():
+        for name, p in learned.named_parameters():
+            if name.endswith("shift_k"):
+                p.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+            elif name.endswith("shift_v"):
+                p.copy_(torch.tensor([[0.0, 1.0], [1.0, 0.0]]))
+    assert not [n for n, _ in fixed.named_parameters() if "shift" in n]
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(9))
+    pos = torch.arange(SEQ)[None].expand_as(tokens)
+    torch.testing.assert_close(fixed(tokens, pos, None), learned(tokens, pos, None), **TOL)
+
+
 # ----------------------------------------------------------------------------- TP=2
 TP_HEADS = ShiftHeadsConfig(k=[0, 3], v=[1])  # heads on both ranks, learned
 
