@@ -31,6 +31,82 @@ class KVShiftConfig:
     weight_decay: bool = False
     """Apply weight decay to the shift coefficients (off by default)."""
 
+    heads: Optional[ShiftHeadsConfig] = None
+    """Which heads are shifted (null: every KV head of every shifted tensor). The
+    paper's Appendix J shifts the key of one head and the value of another:
+    ``heads: {k: [0], v: [1], fixed: true}``."""
+
+
+@dataclass
+class ShiftHeadsConfig:
+    """Per-head selection of the KV shift (``model.kv_shift.heads``, Appendix J).
+
+    A head that is not selected keeps its own token (coefficients (1, 0, ...)).
+    Head indices are global KV heads (0 .. num_query_groups-1; with ``model.mla``
+    every attention head has its own K and V)."""
+
+    q: Optional[list[int]] = None
+    """Heads whose query is shifted (null: all heads, when q is in ``shift``)."""
+    k: Optional[list[int]] = None
+    """Heads whose key is shifted (null: all heads, when k is in ``shift``)."""
+    v: Optional[list[int]] = None
+    """Heads whose value is shifted (null: all heads, when v is in ``shift``)."""
+    fixed: bool = False
+    """true: a selected head takes the previous token only (coefficients (0, 1),
+    not learned; needs window 1), as in Appendix J; false: its coefficients are
+    learned like the paper's (``mode``, footnote-10 init)."""
+
+
+@dataclass
+class MLAConfig:
+    """Multi-latent attention (DeepSeek-V2's MLA, megatron's ``MLASelfAttention``).
+
+    Per head, the key is ``[k_nope (qk_head_dim) | k_rope (qk_pos_emb_head_dim)]``
+    with ``k_nope`` and the value up-projected from a ``kv_lora_rank`` latent
+    (RMS-normed) and ``k_rope`` one RoPE'd vector shared by all heads. The
+    defaults are the paper's Appendix J setting (hidden 768, 12 heads)."""
+
+    q_lora_rank: Optional[int] = None
+    """Rank of the query's low-rank projection; null: a full-rank query projection
+    (Appendix J: no low-rank query)."""
+    kv_lora_rank: int = 256
+    """Width of the K/V latent (Appendix J: 256)."""
+    qk_head_dim: int = 32
+    """Per-head query/key dims without RoPE (Appendix J: 32)."""
+    qk_pos_emb_head_dim: int = 32
+    """Per-head query/key dims with RoPE (Appendix J: 32; the key's part is shared by the heads)."""
+    v_head_dim: int = 64
+    """Per-head value dims (64 = hidden / heads in Appendix J)."""
+
+    @property
+    def q_head_dim(self) -> int:
+        """Query and key head width: ``qk_head_dim + qk_pos_emb_head_dim``."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One layer's attention, as the parameter and FLOP counts see it (unsharded).
+
+    Standard attention: Q ``h·h``, K and V ``h·g·d`` each, output ``h·h``. MLA:
+    the query projection(s), the K/V down projection ``h·(r_kv + d_pe)``, the
+    up projection ``r_kv·n·(d_nope + d_v)``, output ``n·d_v·h``, and the latent
+    RMSNorm weights (``r_kv``, plus ``r_q`` with a low-rank query).
+    """
+
+    projections: int
+    """Weights of the Q/K/V projections."""
+    output: int
+    """Weights of the output projection."""
+    latent_norms: int
+    """Latent RMSNorm weights (MLA only)."""
+    qk_width: int
+    """Per token, all heads: the query (= key) width the scores contract over."""
+    v_width: int
+    """Per token, all heads: the value width the probabilities multiply."""
+    shift_width: dict
+    """Per token: elements of each shiftable tensor (q, k, v) the KV shift mixes."""
+
 
 @dataclass
 class ModelConfig:
@@ -77,6 +153,10 @@ class ModelConfig:
     fails to import is shown even under ``auto``. Checkpoints load across backends."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+    mla: Optional[MLAConfig] = None
+    """Multi-latent attention instead of (GQA) multi-head attention; null: off.
+    Works with both ``attention`` variants (the KV shift acts on each head's
+    up-projected K (no-RoPE part) and V, see docs/mla.md)."""
     hidden_dropout: float = 0.0
     """Dropout on residual branches."""
 
@@ -89,6 +169,28 @@ class ModelConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         return ((8 * self.hidden_size // 3) + 255) // 256 * 256
+
+    def attention_shape(self) -> AttentionShape:
+        """Widths and weights of one layer's attention (standard or ``mla``)."""
+        h, n = self.hidden_size, self.num_attention_heads
+        if self.mla is None:
+            gd = self.kv_heads * (h // n)
+            return AttentionShape(projections=h * (h + 2 * gd), output=h * h, latent_norms=0,
+                                  qk_width=h, v_width=h,
+                                  shift_width={"q": h, "k": gd, "v": gd})
+        m = self.mla
+        q_width = n * m.q_head_dim
+        if m.q_lora_rank is None:
+            query = h * q_width
+        else:
+            query = h * m.q_lora_rank + m.q_lora_rank * q_width
+        kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) \
+            + m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim)
+        return AttentionShape(projections=query + kv, output=n * m.v_head_dim * h,
+                              latent_norms=m.kv_lora_rank + (m.q_lora_rank or 0),
+                              qk_width=q_width, v_width=n * m.v_head_dim,
+                              shift_width={"q": q_width, "k": n * m.qk_head_dim,
+                                           "v": n * m.v_head_dim})
 
     def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
         """Vocabulary padded for ``tensor_parallel`` ranks (``layout.padded_vocab_size``)."""
@@ -117,3 +219,53 @@ class ModelConfig:
             raise ConfigError("model.kv_shift.shift must name at least one of q, k, v")
         if len(set(ks.shift)) != len(ks.shift):
             raise ConfigError(f"model.kv_shift.shift has duplicates: {ks.shift}")
+        if ks.heads is not None:
+            self._validate_shift_heads()
+        if self.mla is not None:
+            self._validate_mla()
+
+    def _validate_shift_heads(self) -> None:
+        """``model.kv_shift.heads``: known heads of shifted tensors, window 1 when fixed."""
+        ks = self.kv_shift
+        for tensor in ("q", "k", "v"):
+            heads = getattr(ks.heads, tensor)
+            if heads is None:
+                continue
+            key = f"model.kv_shift.heads.{tensor}"
+            if tensor not in ks.shift:
+                raise ConfigError(f"{key} selects heads of {tensor}, which model.kv_shift.shift "
+                                  f"({ks.shift}) does not shift")
+            if not heads:
+                raise ConfigError(f"{key} is empty: drop {tensor} from model.kv_shift.shift instead")
+            if len(set(heads)) != len(heads):
+                raise ConfigError(f"{key} has duplicates: {heads}")
+            bad = [h for h in heads if not 0 <= h < self.kv_heads]
+            if bad:
+                raise ConfigError(f"{key}: head {bad[0]} does not exist (KV heads are "
+                                  f"0..{self.kv_heads - 1})")
+        if ks.heads.fixed and ks.window != 1:
+            raise ConfigError(f"model.kv_shift.heads.fixed takes the previous token only and "
+                              f"needs model.kv_shift.window 1, got {ks.window}")
+
+    def _validate_mla(self) -> None:
+        """``model.mla``: positive ranks and dims, MHA, RoPE, no query shift."""
+        mla = self.mla
+        for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(mla, key) <= 0:
+                raise ConfigError(f"model.mla.{key} must be positive, got {getattr(mla, key)}")
+        if mla.q_lora_rank is not None and mla.q_lora_rank <= 0:
+            raise ConfigError(f"model.mla.q_lora_rank must be positive or null, got "
+                              f"{mla.q_lora_rank}")
+        if mla.qk_pos_emb_head_dim % 2:
+            raise ConfigError(f"model.mla.qk_pos_emb_head_dim must be even (RoPE rotates "
+                              f"pairs), got {mla.qk_pos_emb_head_dim}")
+        if self.kv_heads != self.num_attention_heads:
+            raise ConfigError(f"model.mla: every head has its own K and V; set "
+                              f"model.num_query_groups to null or {self.num_attention_heads}, "
+                              f"got {self.num_query_groups}")
+        if self.position_embedding != "rope":
+            raise ConfigError("model.mla needs model.position_embedding: rope (MLA's decoupled "
+                              "RoPE key)")
+        if self.attention == "kv_shift" and "q" in self.kv_shift.shift:
+            raise ConfigError("model.kv_shift.shift: q is not supported with model.mla "
+                              "(shift k and/or v)")

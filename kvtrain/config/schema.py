@@ -18,7 +18,9 @@ from kvtrain.tasks.config import TASK_TYPES, InductionDataConfig, NgramDataConfi
 from .compat import check_allowed_keys
 from .layout import derive_layout
 from .loader import ConfigError
-from .model import KVShiftConfig, ModelConfig  # noqa: F401 (sections of RunConfig)
+from .model import (  # noqa: F401 (sections of RunConfig)
+    KVShiftConfig, MLAConfig, ModelConfig, ShiftHeadsConfig,
+)
 
 
 # ----------------------------------------------------------------------------- parallelism
@@ -268,6 +270,15 @@ class RunConfig:
             raise ConfigError(
                 f"model.ffn_hidden_size ({m.ffn_size}) must be divisible by parallel.tensor ({p.tensor})"
             )
+        if m.mla is not None:
+            # megatron's local MLA spec splits the down projections over TP too
+            widths = {"model.mla.kv_lora_rank + model.mla.qk_pos_emb_head_dim":
+                      m.mla.kv_lora_rank + m.mla.qk_pos_emb_head_dim,
+                      "model.mla.q_lora_rank": m.mla.q_lora_rank or 0}
+            for key, width in widths.items():
+                if width % p.tensor:
+                    raise ConfigError(f"{key} ({width}) must be divisible by parallel.tensor "
+                                      f"({p.tensor})")
         stages = p.pipeline * (p.virtual_pipeline or 1)
         if m.num_layers % stages:
             raise ConfigError(
@@ -306,6 +317,11 @@ class RunConfig:
             raise ConfigError(
                 f"parallel.context ({p.context}) needs model.backend torch or te: the local "
                 "backend's attention (megatron's DotProductAttention) has no context parallelism")
+        if m.mla is not None:
+            raise ConfigError(
+                f"parallel.context ({p.context}) with model.mla: multi-latent attention under "
+                "context parallelism is not built yet (its halo and attention); set "
+                "parallel.context: 1")
         chunks = 2 * p.context
         if t.seq_length % chunks:
             raise ConfigError(

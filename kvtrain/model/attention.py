@@ -73,14 +73,15 @@ class TorchAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None):
+                 pg_collection=None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
         super().__init__(config=config)
         if config.window_size is not None or config.softmax_type != "vanilla":
             raise ValueError("the torch backend has causal attention with a plain softmax "
                              "only (no sliding window, no softmax offset)")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
-        head_dim = config.kv_channels
+        head_dim = k_channels or config.kv_channels  # MLA: K (and Q) wider than V
         # megatron's query-key layer scaling divides and re-multiplies by the layer
         # number (fp16 range only), so the effective scale is the plain one
         self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
@@ -112,7 +113,8 @@ class TorchAttention(MegatronModule):
                 out = attend()
         else:
             out = attend()
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)  # [sq, b, np*hn]
+        # [sq, b, np*hv]; hv = hn but for MLA (v_head_dim)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * out.shape[-1])
 
     def _attend_context_parallel(self, query: Tensor, key: Tensor, value: Tensor, group,
                                  attention_mask: Optional[Tensor], mask_type: AttnMaskType,
@@ -179,7 +181,22 @@ class TorchAttention(MegatronModule):
 
 class LocalDotProductAttention(DotProductAttention):
     """megatron's ``DotProductAttention`` that reads documents from :class:`DocumentParams`
-    (as its explicit ``[b, 1, s, s]`` mask, built once per micro batch)."""
+    (as its explicit ``[b, 1, s, s]`` mask, built once per micro batch) and takes
+    MLA's head widths (``k_channels``/``v_channels``, as TE's attention does)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
+        # megatron's kernel sizes its output from kv_channels: MLA sets it to v_head_dim
+        if v_channels is not None and v_channels != config.kv_channels:
+            raise ValueError(f"local attention needs config.kv_channels ({config.kv_channels}) "
+                             f"= the value head width ({v_channels})")
+        if k_channels is not None and softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(k_channels)
+        super().__init__(config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout, softmax_scale, cp_comm_type, pg_collection)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 attention_mask: Optional[Tensor], attn_mask_type: Optional[AttnMaskType] = None,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from kvtrain.config.schema import ModelConfig, ParallelConfig
 
@@ -44,7 +44,29 @@ class Numerics:
 
 def kv_shift_options(model: ModelConfig, seed: int) -> KVShiftOptions:
     ks = model.kv_shift
-    return KVShiftOptions(shift=tuple(ks.shift), window=ks.window, mode=ks.mode, seed=seed)
+    heads, fixed = (), False
+    if ks.heads is not None:
+        heads = tuple((t, tuple(getattr(ks.heads, t))) for t in ks.shift
+                      if getattr(ks.heads, t) is not None)
+        fixed = ks.heads.fixed
+    return KVShiftOptions(shift=tuple(ks.shift), window=ks.window, mode=ks.mode, seed=seed,
+                          heads=heads, fixed=fixed)
+
+
+def mla_settings(model: ModelConfig) -> dict:
+    """``MLATransformerConfig`` fields of ``model.mla``: the ranks and head dims, and
+    plain RoPE (base ``model.rotary_base``, no YaRN scaling: the App. H/J setting).
+
+    ``rope_type="rope"`` with scaling factor 1 makes megatron's softmax scale the
+    plain ``1/sqrt(qk_head_dim + qk_pos_emb_head_dim)`` (its YaRN mscale is 1
+    for a factor <= 1). ``kv_channels`` is the value head width: megatron's local
+    core attention sizes its output from it.
+    """
+    mla = model.mla
+    return dict(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+                qk_head_dim=mla.qk_head_dim, qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim,
+                v_head_dim=mla.v_head_dim, kv_channels=mla.v_head_dim, rope_type="rope",
+                rotary_base=model.rotary_base, rotary_scaling_factor=1.0)
 
 
 def transformer_config(
@@ -65,7 +87,7 @@ def transformer_config(
         "full": dict(recompute_granularity="full", recompute_method="uniform",
                      recompute_num_layers=1),
     }[parallel.recompute]
-    return TransformerConfig(
+    settings = dict(
         # shape
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -107,6 +129,9 @@ def transformer_config(
         perform_initialization=perform_initialization,
         **recompute,
     )
+    if model.mla is not None:
+        return MLATransformerConfig(**{**settings, **mla_settings(model)})
+    return TransformerConfig(**settings)
 
 
 def build_gpt(
@@ -135,8 +160,8 @@ def build_gpt(
             ignore_virtual=False, vp_stage=vp_stage
         ) if parallel_state.model_parallel_is_initialized() else True
     backend = resolve_backend(backend)
-    spec = seeded_layer_spec(layer_spec(model.attention, kv_shift_options(model, seed), backend),
-                             seed)
+    spec = seeded_layer_spec(layer_spec(model.attention, kv_shift_options(model, seed), backend,
+                                        mla=model.mla is not None), seed)
     with own_streams(seed, "model"):  # the weights do not depend on the PP layout
         return GPTModel(
             config=config,

@@ -126,5 +126,34 @@ class Documents:
         return batch, DocumentParams.from_ids(ids)
 
 
-__all__ = ["DocumentParams", "Documents", "cu_seqlens", "document_causal_mask", "document_ids",
-           "pack_thd"]
+def doc_ids_from_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:
+    """Document index of each of ``total`` packed (THD) tokens, ``[total, 1]``."""
+    starts = torch.zeros(total, dtype=torch.int32, device=cu_seqlens.device)
+    inner = cu_seqlens[1:-1].long()
+    inner = inner[inner < total]
+    starts[inner] = 1
+    return starts.cumsum(0)[:, None]
+
+
+def doc_ids_from_attention_mask(mask: Tensor, s: int, b: int) -> Optional[Tensor]:
+    """Document index ``[s, b]`` from a ``[b|1, 1, s, s]`` mask (True = masked).
+
+    A token whose immediate predecessor is masked starts a new document (this is
+    how megatron's ``reset_attention_mask`` separates documents). Returns None
+    when no token in the batch starts a document after position 0. Only for
+    callers that pass their own mask: the trainer hands the layers document ids
+    (``DocumentParams``), which need neither this per-layer pass nor its host sync.
+    """
+    if mask is None or mask.dim() != 4 or mask.shape[-1] != s or mask.shape[-2] != s:
+        return None
+    sub = mask[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)  # [b|1, s-1]: can t see t-1?
+    if sub.dtype != torch.bool:
+        sub = sub < -1e4 if sub.is_floating_point() else sub.bool()
+    if not bool(sub.any()):
+        return None
+    starts = torch.nn.functional.pad(sub.to(torch.int32), (1, 0))  # [b|1, s]
+    return starts.cumsum(1).expand(b, s).transpose(0, 1)
+
+
+__all__ = ["DocumentParams", "Documents", "cu_seqlens", "doc_ids_from_attention_mask",
+           "doc_ids_from_cu_seqlens", "document_causal_mask", "document_ids", "pack_thd"]

@@ -9,6 +9,10 @@ Everything about the variant lives here:
 * :class:`KVShiftSelfAttention` - megatron's ``SelfAttention`` with K and V
   (optionally Q) shifted right after the QKV projection, so that RoPE and the
   core attention see the shifted tensors (paper §2.2, Appendix M);
+* :class:`KVShiftMLASelfAttention` - the same on multi-latent attention
+  (Appendix J): each head's up-projected K (no-RoPE part) and V are shifted;
+* :class:`KVShiftMixin` - what both share: coefficients (learned, or fixed for
+  selected heads), documents, decoding state, TP-sharded checkpoints;
 * :func:`kv_shift_layer_spec` - the layer spec with only the self-attention
   module swapped.
 
@@ -37,8 +41,9 @@ from kvtrain.config.layout import coefficients_per_tensor
 from kvtrain.model.shift_kernels import fused_shift, fused_shift_stacked, triton_available
 
 from .context_parallel import cp_group
-from .documents import DocumentParams
+from .documents import DocumentParams, doc_ids_from_attention_mask, doc_ids_from_cu_seqlens
 from .kv_shift_cp import shift_context_parallel
+from .mla import MLAttention
 
 # Names of the coefficient parameters, by shifted tensor.
 PARAM_NAMES = {"q": "shift_q", "k": "shift_k", "v": "shift_v"}
@@ -52,10 +57,18 @@ class KVShiftOptions:
     window: int = 1
     mode: str = "free"  # free | gate | clamp
     seed: int = 1234  # coefficient init; the same values for every TP/PP layout
+    # (tensor, global heads): only these heads of that tensor are shifted (Appendix J);
+    # a tensor of ``shift`` not named here shifts all its heads
+    heads: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    fixed: bool = False  # shifted heads take the previous token only: (0, 1), not learned
 
     def num_params(self) -> int:
-        """Learnable scalars per KV head (4 for the paper's default)."""
-        return coefficients_per_tensor(self) * len(self.shift)
+        """Learnable scalars per KV head (4 for the paper's default, 0 when fixed)."""
+        return 0 if self.fixed else coefficients_per_tensor(self) * len(self.shift)
+
+    def selected_heads(self, tensor: str) -> Optional[tuple[int, ...]]:
+        """The global heads of ``tensor`` that are shifted (None: all)."""
+        return dict(self.heads).get(tensor)
 
 
 # ----------------------------------------------------------------------------- the math
@@ -126,79 +139,97 @@ def initial_parameter(num_heads: int, opts: KVShiftOptions, layer_number: int,
     return torch.cat([u, 1.0 - u.sum(dim=1, keepdim=True)], dim=1).float()
 
 
-def doc_ids_from_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:
-    """Document index of each of ``total`` packed (THD) tokens, ``[total, 1]``."""
-    starts = torch.zeros(total, dtype=torch.int32, device=cu_seqlens.device)
-    inner = cu_seqlens[1:-1].long()
-    inner = inner[inner < total]
-    starts[inner] = 1
-    return starts.cumsum(0)[:, None]
+# ----------------------------------------------------------------------------- megatron modules
+class KVShiftMixin:
+    """The KV shift of an attention module: coefficients, documents, decoding, checkpoints.
 
+    Mixed into megatron attention classes (``KVShiftSelfAttention`` here, the MLA
+    variant in ``kv_shift_mla``), which call :meth:`_init_kv_shift` after their
+    own ``__init__`` and :meth:`_shift` on the tensors to shift.
 
-def doc_ids_from_attention_mask(mask: Tensor, s: int, b: int) -> Optional[Tensor]:
-    """Document index ``[s, b]`` from a ``[b|1, 1, s, s]`` mask (True = masked).
-
-    A token whose immediate predecessor is masked starts a new document (this is
-    how megatron's ``reset_attention_mask`` separates documents). Returns None
-    when no token in the batch starts a document after position 0. Only for
-    callers that pass their own mask: the trainer hands the layers document ids
-    (``DocumentParams``), which need neither this per-layer pass nor its host sync.
-    """
-    if mask is None or mask.dim() != 4 or mask.shape[-1] != s or mask.shape[-2] != s:
-        return None
-    sub = mask[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)  # [b|1, s-1]: can t see t-1?
-    if sub.dtype != torch.bool:
-        sub = sub < -1e4 if sub.is_floating_point() else sub.bool()
-    if not bool(sub.any()):
-        return None
-    starts = torch.nn.functional.pad(sub.to(torch.int32), (1, 0))  # [b|1, s]
-    return starts.cumsum(1).expand(b, s).transpose(0, 1)
-
-
-# ----------------------------------------------------------------------------- megatron module
-class KVShiftSelfAttention(SelfAttention):
-    """``SelfAttention`` whose K and V (and optionally Q) are shifted before RoPE.
-
-    Parameters ``shift_k``/``shift_v``/``shift_q`` are ``[kv_heads_local, n]``
+    Parameters ``shift_k``/``shift_v``/``shift_q`` are ``[heads_local, n]``
     (n = w+1, or w in gate mode), marked tensor-parallel on dim 0 so that the
     grad norm, the distributed optimizer and dist checkpoints treat each rank's
-    slice as its own heads. Requires ``num_query_groups % tp == 0``.
+    slice as its own heads. With ``fixed`` there are none: the shifted heads use
+    the constant (0, 1). Heads that ``heads`` does not select use (1, 0, ...).
     """
 
-    def __init__(self, config, submodules, layer_number: int, *args,
-                 kv_shift: KVShiftOptions = KVShiftOptions(), **kwargs):
-        super().__init__(config, submodules, layer_number, *args, **kwargs)
+    def _init_kv_shift(self, config, layer_number: int, kv_shift: KVShiftOptions,
+                       groups: int) -> None:
+        """Creates the coefficients of ``groups`` (global) KV heads, this rank's slice."""
         self.kv_shift = kv_shift
         tp = self.pg_collection.tp
         tp_size = tp.size() if tp is not None else 1
         tp_rank = tp.rank() if tp is not None else 0
-        groups = config.num_query_groups
         if groups % tp_size:
             raise ValueError(
                 f"KV shift needs the KV heads (num_query_groups={groups}) to divide by the "
                 f"tensor-parallel size ({tp_size}): each rank must own whole KV heads"
             )
-        if getattr(config, "fused_single_qkv_rope", False):
-            raise ValueError("KV shift needs split Q/K/V: set fused_single_qkv_rope=False")
         local = groups // tp_size
         self._tp_slice = slice(tp_rank * local, (tp_rank + 1) * local)
+        device = next(self.parameters()).device  # the projections exist already
         for tensor in kv_shift.shift:
+            selected = kv_shift.selected_heads(tensor)
+            if selected is not None:  # bool [local]: which of this rank's heads shift
+                mask = torch.zeros(groups, dtype=torch.bool)
+                mask[list(selected)] = True
+                self.register_buffer(f"_heads_{tensor}", mask[self._tp_slice].to(device),
+                                     persistent=False)
+            if kv_shift.fixed:
+                continue
             full = initial_parameter(groups, kv_shift, layer_number, tensor)
-            device = torch.device("meta") if _on_meta(self) else None
-            data = full[self._tp_slice].to(device=device or "cpu", dtype=config.params_dtype)
-            if device is None and torch.cuda.is_available():
-                data = data.to(torch.cuda.current_device())
+            data = full[self._tp_slice].to(device=device, dtype=config.params_dtype)
             param = torch.nn.Parameter(data)
             set_tensor_model_parallel_attributes(param, True, 0, 1)
             param.kv_shift = True  # lets the optimizer find them (weight decay switch)
             self.register_parameter(PARAM_NAMES[tensor], param)
+        if kv_shift.fixed:  # [local, 2]: the previous token only
+            fixed = torch.tensor([0.0, 1.0]).expand(local, 2)
+            self.register_buffer("_fixed_coef", fixed.to(device, config.params_dtype),
+                                 persistent=False)
         self._doc_ids: Optional[tuple] = None  # (kind, value) of this forward's documents
         self._inference = None
 
     # -- the shift ---------------------------------------------------------------
     def coefficients(self, tensor: str) -> Tensor:
         """Mixing coefficients ``[kv_heads_local, w+1]`` of ``tensor`` (q, k or v)."""
-        return effective_coefficients(getattr(self, PARAM_NAMES[tensor]), self.kv_shift.mode)
+        if self.kv_shift.fixed:
+            coef = self._fixed_coef
+        else:
+            coef = effective_coefficients(getattr(self, PARAM_NAMES[tensor]), self.kv_shift.mode)
+        mask = getattr(self, f"_heads_{tensor}", None)
+        if mask is not None:  # the heads not selected keep their own token
+            identity = torch.zeros_like(coef)
+            identity[:, 0] = 1.0
+            coef = torch.where(mask[:, None], coef, identity)
+        return coef
+
+    def _shift(self, name: str, x: Tensor, doc_ids: Optional[Tensor]) -> Tensor:
+        """``x`` ``[s, b, h, d]`` shifted with the coefficients of ``name`` (one per head of
+        ``x``: a KV group's set is repeated for its query heads)."""
+        coef = self.coefficients(name)
+        if coef.shape[0] != x.shape[2]:
+            coef = coef.repeat_interleave(x.shape[2] // coef.shape[0], 0)
+        if self._decoding():
+            return self._shift_with_cache(name, x, coef)
+        group = cp_group()
+        if group is not None:
+            return shift_context_parallel(x, coef, group, self._global_doc_ids())
+        return fused_shift(x, coef, doc_ids)
+
+    def _global_doc_ids(self) -> Optional[Tensor]:
+        """Under context parallelism: ``[b, S]`` document ids of the whole sequence
+        (the halo's documents), or None."""
+        if self._inference is not None and not self.training:
+            raise ValueError("KV-shift decoding with context parallelism is not supported")
+        if self._doc_ids is None:
+            return None
+        kind, value = self._doc_ids
+        if kind != "ids":
+            raise ValueError("KV shift with context parallelism takes packed documents as "
+                             "kvtrain's DocumentParams only (not THD or a mask)")
+        return value.global_doc_ids
 
     def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
         # get_query_key_value_tensors does not see the mask, packing or the
@@ -233,71 +264,6 @@ class KVShiftSelfAttention(SelfAttention):
         if kind == "thd":
             return doc_ids_from_cu_seqlens(value, s).expand(s, b)
         return doc_ids_from_attention_mask(value, s, b)
-
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
-                                    output_gate: bool = False, split_qkv: bool = True):
-        if not split_qkv:
-            raise ValueError("KV shift needs split Q/K/V tensors (fused QKV RoPE is not supported)")
-        if self._shift_kv_stacked(hidden_states, key_value_states, output_gate):
-            return self._stacked_query_key_value(hidden_states)
-        out = super().get_query_key_value_tensors(
-            hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
-        )
-        tensors = dict(zip("qkv", out[:3]))  # q [s, b, np, d]; k, v [s, b, ng, d]
-        shift = self._shift_function(*tensors["k"].shape[:2])
-        for name in self.kv_shift.shift:
-            coef = self.coefficients(name)
-            if name == "q":
-                # One coefficient set per KV group, shared by the group's query heads.
-                coef = coef.repeat_interleave(tensors["q"].shape[2] // tensors["k"].shape[2], 0)
-            if self._decoding():
-                tensors[name] = self._shift_with_cache(name, tensors[name], coef)
-            else:
-                tensors[name] = shift(tensors[name], coef)
-        return (tensors["q"], tensors["k"], tensors["v"], *out[3:])
-
-    def _shift_kv_stacked(self, hidden_states: Tensor, key_value_states, output_gate) -> bool:
-        """Whether K and V are shifted together, in their place in the QKV output:
-        the paper's K+V shift in training or a full forward, on the torch path
-        (the Triton kernels take one tensor; a K norm would sit between the
-        projection and the shift), without context parallelism (the halo path)."""
-        return (sorted(self.kv_shift.shift) == ["k", "v"] and key_value_states is None
-                and cp_group() is None
-                and not output_gate and _is_identity(self.k_layernorm) and not self._decoding()
-                and not (hidden_states.is_cuda and triton_available()))
-
-    def _stacked_query_key_value(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Q, and K and V shifted in one node (``fused_shift_stacked``) straight from
-        megatron's QKV layout ``[s, b, ng, (np/ng) * hn | hn (k) | hn (v)]``."""
-        mixed, split = super().get_query_key_value_tensors(hidden_states, split_qkv=False)
-        s, b, groups, _ = mixed.shape  # [s, b, ng, (np/ng + 2) * hn]
-        hn = split[1]
-        query, kv = torch.split(mixed, [split[0], 2 * hn], dim=3)
-        query = query.reshape(s, b, -1, hn)  # [s, b, np, hn]
-        if not _is_identity(self.q_layernorm):
-            query = self.q_layernorm(query)
-        coef = torch.stack([self.coefficients("k"), self.coefficients("v")], dim=1)  # [ng, 2, n]
-        key, value = fused_shift_stacked(kv.view(s, b, groups, 2, hn), coef,
-                                         self._resolve_doc_ids(s, b))
-        return query, key, value  # k, v: [s, b, ng, hn]
-
-    def _shift_function(self, s: int, b: int):
-        """``f(x, coef)``: the shift of this micro batch's ``[s, b, h, d]`` tensors;
-        under context parallelism with the halo from the neighbouring CP ranks."""
-        group = cp_group()
-        if group is None:
-            doc_ids = self._resolve_doc_ids(s, b)
-            return lambda x, coef: fused_shift(x, coef, doc_ids)
-        if self._inference is not None and not self.training:
-            raise ValueError("KV-shift decoding with context parallelism is not supported")
-        global_ids = None
-        if self._doc_ids is not None:
-            kind, value = self._doc_ids
-            if kind != "ids":
-                raise ValueError("KV shift with context parallelism takes packed documents as "
-                                 "kvtrain's DocumentParams only (not THD or a mask)")
-            global_ids = value.global_doc_ids
-        return lambda x, coef: shift_context_parallel(x, coef, group, global_ids)
 
     # -- incremental decoding ------------------------------------------------------
     def _decoding(self) -> bool:
@@ -356,18 +322,112 @@ class KVShiftSelfAttention(SelfAttention):
         return state
 
     def _shift_param_names(self) -> list[str]:
-        return [PARAM_NAMES[t] for t in self.kv_shift.shift]
+        return [] if self.kv_shift.fixed else [PARAM_NAMES[t] for t in self.kv_shift.shift]
+
+
+class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
+    """``SelfAttention`` whose K and V (and optionally Q) are shifted before RoPE.
+
+    The coefficients are per KV head (GQA group); requires ``num_query_groups % tp == 0``.
+    """
+
+    def __init__(self, config, submodules, layer_number: int, *args,
+                 kv_shift: KVShiftOptions = KVShiftOptions(), **kwargs):
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        if getattr(config, "fused_single_qkv_rope", False):
+            raise ValueError("KV shift needs split Q/K/V: set fused_single_qkv_rope=False")
+        self._init_kv_shift(config, layer_number, kv_shift, config.num_query_groups)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    output_gate: bool = False, split_qkv: bool = True):
+        if not split_qkv:
+            raise ValueError("KV shift needs split Q/K/V tensors (fused QKV RoPE is not supported)")
+        if self._shift_kv_stacked(hidden_states, key_value_states, output_gate):
+            return self._stacked_query_key_value(hidden_states)
+        out = super().get_query_key_value_tensors(
+            hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
+        )
+        tensors = dict(zip("qkv", out[:3]))  # q [s, b, np, d]; k, v [s, b, ng, d]
+        s, b = tensors["k"].shape[0], tensors["k"].shape[1]
+        doc_ids = self._resolve_doc_ids(s, b)
+        for name in self.kv_shift.shift:
+            # q: one coefficient set per KV group, shared by the group's query heads
+            tensors[name] = self._shift(name, tensors[name], doc_ids)
+        return (tensors["q"], tensors["k"], tensors["v"], *out[3:])
+
+    def _shift_kv_stacked(self, hidden_states: Tensor, key_value_states, output_gate) -> bool:
+        """Whether K and V are shifted together, in their place in the QKV output:
+        the paper's K+V shift in training or a full forward, on the torch path
+        (the Triton kernels take one tensor; a K norm would sit between the
+        projection and the shift), without context parallelism (the halo path)."""
+        return (sorted(self.kv_shift.shift) == ["k", "v"] and key_value_states is None
+                and cp_group() is None
+                and not output_gate and _is_identity(self.k_layernorm) and not self._decoding()
+                and not (hidden_states.is_cuda and triton_available()))
+
+    def _stacked_query_key_value(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, and K and V shifted in one node (``fused_shift_stacked``) straight from
+        megatron's QKV layout ``[s, b, ng, (np/ng) * hn | hn (k) | hn (v)]``."""
+        mixed, split = super().get_query_key_value_tensors(hidden_states, split_qkv=False)
+        s, b, groups, _ = mixed.shape  # [s, b, ng, (np/ng + 2) * hn]
+        hn = split[1]
+        query, kv = torch.split(mixed, [split[0], 2 * hn], dim=3)
+        query = query.reshape(s, b, -1, hn)  # [s, b, np, hn]
+        if not _is_identity(self.q_layernorm):
+            query = self.q_layernorm(query)
+        coef = torch.stack([self.coefficients("k"), self.coefficients("v")], dim=1)  # [ng, 2, n]
+        key, value = fused_shift_stacked(kv.view(s, b, groups, 2, hn), coef,
+                                         self._resolve_doc_ids(s, b))
+        return query, key, value  # k, v: [s, b, ng, hn]
+
+
+class KVShiftMLASelfAttention(KVShiftMixin, MLAttention):
+    """Multi-latent attention whose per-head K (no-RoPE part) and V are shifted.
+
+    The shift acts on what the latent's up-projection gives each head, before the
+    shared RoPE key is attached: ``K̂_t = [α1·k_t + α2·k_{t-1} | rope(k_pe_t, t)]``,
+    ``V̂_t = β1·v_t + β2·v_{t-1}``. As in the paper's MHA form (shift, then RoPE at
+    the current position), the position part stays the current token's; the
+    RoPE key is one vector for all heads, so a per-head shift of it would end
+    MLA's sharing. Coefficients are per attention head (every MLA head has its
+    own K and V); ``kv_shift.heads`` picks heads (Appendix J). See docs/mla.md.
+    """
+
+    def __init__(self, config, submodules, layer_number: int, *args,
+                 kv_shift: KVShiftOptions = KVShiftOptions(), **kwargs):
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        if "q" in kv_shift.shift:
+            raise ValueError("KV shift on MLA shifts k and/or v, not q")
+        if config.apply_rope_fusion or config.cache_mla_latents:
+            raise ValueError("KV shift on MLA needs unfused RoPE and full K/V "
+                             "(apply_rope_fusion=False, cache_mla_latents=False)")
+        self._init_kv_shift(config, layer_number, kv_shift, config.num_attention_heads)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    position_ids=None, packed_seq_params=None,
+                                    inference_context=None, *, inference_params=None):
+        query, key, value, *rest = super().get_query_key_value_tensors(
+            hidden_states, key_value_states, position_ids, packed_seq_params,
+            inference_context=inference_context, inference_params=inference_params)
+        # key [s, b, n, qk_head_dim + qk_pos_emb_head_dim], value [s, b, n, v_head_dim];
+        # THD packing (TE) drops the batch dim: [t, n, d]
+        thd = key.dim() == 3
+        if thd:
+            key, value = key[:, None], value[:, None]
+        doc_ids = self._resolve_doc_ids(key.shape[0], key.shape[1])
+        if "k" in self.kv_shift.shift:
+            d = self.config.qk_head_dim  # the no-RoPE part, per head
+            key = torch.cat([self._shift("k", key[..., :d], doc_ids), key[..., d:]], dim=-1)
+        if "v" in self.kv_shift.shift:
+            value = self._shift("v", value, doc_ids)
+        if thd:
+            key, value = key[:, 0], value[:, 0]
+        return (query, key, value, *rest)
 
 
 def _is_identity(module: Optional[torch.nn.Module]) -> bool:
     """No module there, or megatron's placeholder (the specs' Q/K norm slots)."""
     return module is None or isinstance(module, IdentityOp)
-
-
-def _on_meta(module: torch.nn.Module) -> bool:
-    for p in module.parameters():
-        return p.device.type == "meta"
-    return False
 
 
 def is_kv_shift_param(param: Tensor) -> bool:
@@ -385,9 +445,13 @@ def kv_shift_layer_spec(base: ModuleSpec, options: KVShiftOptions) -> ModuleSpec
     """
     spec = copy.deepcopy(base)
     attn = spec.submodules.self_attention
-    if not issubclass(attn.module, SelfAttention):
-        raise ValueError(f"expected a SelfAttention spec, got {attn.module.__name__}")
-    attn.module = KVShiftSelfAttention
+    if issubclass(attn.module, MLAttention):
+        attn.module = KVShiftMLASelfAttention
+    elif issubclass(attn.module, SelfAttention):
+        attn.module = KVShiftSelfAttention
+    else:
+        raise ValueError(f"expected a SelfAttention or MLAttention spec, got "
+                         f"{attn.module.__name__}")
     attn.params = {**attn.params, "kv_shift": options}
     return spec
 
@@ -406,7 +470,7 @@ def collect_shift_coefficients(modules: Sequence[torch.nn.Module]) -> list[Shift
     stats = []
     for root in modules:
         for m in root.modules():
-            if isinstance(m, KVShiftSelfAttention):
+            if isinstance(m, KVShiftMixin):
                 coefs = {t: m.coefficients(t).detach().float().cpu() for t in m.kv_shift.shift}
                 stats.append(ShiftStats(layer=m.layer_number, coefficients=coefs))
     return sorted(stats, key=lambda s: s.layer)

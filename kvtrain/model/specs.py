@@ -33,6 +33,7 @@ from kvtrain.config.backend import TE_NOT_INSTALLED, BackendChoice, decide_backe
 
 from .attention import LocalDotProductAttention, TorchAttention
 from .kv_shift import KVShiftOptions, kv_shift_layer_spec
+from .mla import mla_layer_spec
 from .norm import RMSNorm
 
 Backend = Literal["auto", "local", "te", "torch"]
@@ -91,13 +92,16 @@ def resolve_backend(backend: Backend = "auto") -> str:
     return backend_choice(backend).name
 
 
-def vanilla_layer_spec(backend: Backend = "auto") -> ModuleSpec:
-    """The Llama-style GPT layer spec (RMSNorm, SwiGLU MLP) for ``backend``.
+def vanilla_layer_spec(backend: Backend = "auto", mla: bool = False) -> ModuleSpec:
+    """The Llama-style GPT layer spec (RMSNorm, SwiGLU MLP) for ``backend``; with
+    ``mla``, multi-latent attention (``kvtrain.model.mla``).
 
     ``torch`` and ``local`` share every module but the core attention, which
     has no parameters: their state dicts (and checkpoints) are the same.
     """
     name = resolve_backend(backend)
+    if mla:
+        return mla_layer_spec(name, CORE_ATTENTION.get(name))
     if name == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -119,11 +123,12 @@ ATTENTION_VARIANTS: dict[str, Callable[[ModuleSpec, Optional[KVShiftOptions]], M
 
 
 def layer_spec(attention: str = "vanilla", options: Optional[KVShiftOptions] = None,
-               backend: Backend = "auto") -> ModuleSpec:
-    """The GPT layer spec of ``attention`` (vanilla | kv_shift) on ``backend``."""
+               backend: Backend = "auto", mla: bool = False) -> ModuleSpec:
+    """The GPT layer spec of ``attention`` (vanilla | kv_shift) on ``backend``, with
+    multi-latent attention when ``mla``."""
     if attention not in ATTENTION_VARIANTS:
         raise ValueError(f"unknown attention {attention!r}; one of {sorted(ATTENTION_VARIANTS)}")
-    return ATTENTION_VARIANTS[attention](vanilla_layer_spec(backend), options)
+    return ATTENTION_VARIANTS[attention](vanilla_layer_spec(backend, mla), options)
 
 
 def block_spec(layer: ModuleSpec, config, vp_stage: Optional[int] = None,

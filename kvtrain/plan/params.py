@@ -10,6 +10,11 @@ and ``L`` layers:
   ``g·n`` coefficients per shifted tensor (``n = w+1`` free/clamp, ``w`` gate);
 * input embedding ``V·h``, output layer ``V·h`` (none when tied), final norm ``h``.
 
+With ``model.mla`` the attention terms are MLA's (``ModelConfig.attention_shape``:
+query, K/V down and up projections, output ``n·d_v·h``, latent norms); per
+rank they are counted as megatron's local spec splits them (every matrix over
+TP; TE's spec keeps the down projections whole on each rank).
+
 ``V`` is the vocabulary padded to a multiple of ``make_vocab_size_divisible_by
 × TP`` (megatron's rule, as in ``ModelConfig.padded_vocab_size``), so the embedding
 grows slightly with TP. Per rank, TP splits every matrix, the embedding (by
@@ -52,15 +57,14 @@ class LayerParams:
 
 def layer_params(model: ModelConfig) -> LayerParams:
     h = model.hidden_size
-    d = h // model.num_attention_heads
-    g = model.kv_heads
     f = model.ffn_size
+    attn = model.attention_shape()  # standard or MLA (ModelConfig.attention_shape)
     return LayerParams(
-        qkv=h * (h + 2 * g * d),
-        proj=h * h,
+        qkv=attn.projections,
+        proj=attn.output,
         mlp=h * 2 * f + f * h,
-        norms=2 * h,
-        kv_shift=g * shift_coefficients(model),
+        norms=2 * h + attn.latent_norms,
+        kv_shift=model.kv_heads * shift_coefficients(model),
     )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtrain.config.schema import ModelConfig
+
 from .flops import human_duration
 from .layout import Plan
 from .memory import GiB
@@ -33,6 +35,25 @@ def _attention_memory(plan: Plan) -> str:
     return f"attention memory: te spec {assumed}: flash attention, no s x s scores"
 
 
+def describe_attention(m: ModelConfig) -> str:
+    """The attention variant of model ``m`` in words (shift options, MLA shape)."""
+    attention = "KV shifting attention" if m.attention == "kv_shift" else "vanilla attention"
+    if m.attention == "kv_shift":
+        attention += f" (shift {'+'.join(m.kv_shift.shift)}, window {m.kv_shift.window}, " \
+                     f"{m.kv_shift.mode})"
+        if m.kv_shift.heads is not None:
+            hs = m.kv_shift.heads
+            picked = ", ".join(f"{t} heads {getattr(hs, t)}" for t in m.kv_shift.shift
+                               if getattr(hs, t) is not None)
+            attention += f" [{picked or 'all heads'}{', fixed (0, 1)' if hs.fixed else ''}]"
+    if m.mla is not None:
+        q = f"query rank {m.mla.q_lora_rank}" if m.mla.q_lora_rank else "full-rank query"
+        attention += (f", multi-latent attention (K/V latent {m.mla.kv_lora_rank}, {q}, "
+                      f"head dims {m.mla.qk_head_dim}+{m.mla.qk_pos_emb_head_dim} RoPE / "
+                      f"V {m.mla.v_head_dim})")
+    return attention
+
+
 def render(plan: Plan, source: str = "") -> str:
     cfg = plan.cfg
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -41,10 +62,7 @@ def render(plan: Plan, source: str = "") -> str:
     kv = m.kv_heads
     heads = f"{m.num_attention_heads} heads" + (
         f" ({kv} KV heads, GQA)" if kv != m.num_attention_heads else "")
-    attention = "KV shifting attention" if m.attention == "kv_shift" else "vanilla attention"
-    if m.attention == "kv_shift":
-        attention += f" (shift {'+'.join(m.kv_shift.shift)}, window {m.kv_shift.window}, " \
-                     f"{m.kv_shift.mode})"
+    attention = describe_attention(m)
     lines = [
         f"plan for {source or cfg.name}: {cfg.name}, {attention}",
         "",

@@ -8,6 +8,9 @@ Per token and layer, forward pass (a multiply-add is 2 FLOPs):
   with the causal mask a query sees on average ``(s+1)/2`` keys, which is what
   a causal kernel (flash attention) computes;
 * SwiGLU MLP: three matrices, ``3·2·h·f``;
+* MLA (``model.mla``): the projections are its query, K/V down and up
+  projections and the output ``n·d_v·h``; QK^T contracts over ``n·(d_nope+d_pe)``
+  and A·V over ``n·d_v`` (``ModelConfig.attention_shape``);
 * KV shift: every shifted element of K and V (and Q for the ablation) is a
   weighted sum over ``w+1`` tokens: ``w+1`` multiplies and ``w`` adds, i.e.
   ``(2w+1)·g·d`` per shifted tensor (``h`` elements for Q). Tiny next to the
@@ -51,22 +54,20 @@ def forward_flops_per_sequence(model: ModelConfig, seq_length: int,
                                padded_vocab: int) -> FlopsBreakdown:
     """Forward-pass FLOPs of one sequence of ``seq_length`` tokens."""
     h = model.hidden_size
-    d = h // model.num_attention_heads
-    g = model.kv_heads
     f = model.ffn_size
     s = seq_length
     layers = model.num_layers
-    proj = 2 * h * (h + 2 * g * d) + 2 * h * h  # per token
+    attn = model.attention_shape()  # standard or MLA widths
+    proj = 2 * (attn.projections + attn.output)  # per token
     attended = (s + 1) / 2  # mean keys per query under the causal mask
-    attention = 2 * (2 * attended * h)  # QK^T and A·V, per token
+    attention = 2 * attended * (attn.qk_width + attn.v_width)  # QK^T and A·V, per token
     mlp = 3 * 2 * h * f
     shift = 0.0
     if model.attention == "kv_shift":
         w = model.kv_shift.window
         per_element = 2 * w + 1
         for tensor in model.kv_shift.shift:
-            width = h if tensor == "q" else g * d
-            shift += per_element * width
+            shift += per_element * attn.shift_width[tensor]
     logits = 2 * h * padded_vocab
     return FlopsBreakdown(
         qkv_and_output_proj=layers * proj * s,

@@ -211,6 +211,8 @@ def test_plan_takes_document_masks_on_te_and_torch_and_warns_on_local():
       "model.kv_shift.window=3"], "exceeds a context-parallel chunk"),
     (["parallel.context=4", "model.num_attention_heads=8", "model.num_query_groups=2",
       "parallel.cp_comm_type=a2a"], "parallel.cp_comm_type a2a"),
+    (["parallel.context=2", "model.mla.kv_lora_rank=64", "model.num_query_groups=null"],
+     "with model.mla"),
 ])
 def test_context_parallel_misconfigurations_in_one_line(overrides, needle):
     with pytest.raises(ConfigError) as e:

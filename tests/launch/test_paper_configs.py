@@ -24,7 +24,10 @@ from kvtrain.plan import count_params, make_plan, stage_params
 
 from .conftest import REPO, VENV_BIN
 
-PAPER = sorted((REPO / "configs" / "paper").glob("*.yaml"))
+# Table 16's sizes; the Appendix J pair (multi-latent attention) is MLA
+PAPER = sorted(p for p in (REPO / "configs" / "paper").glob("*.yaml")
+               if not p.stem.startswith("mla_"))
+MLA = sorted((REPO / "configs" / "paper").glob("mla_*.yaml"))
 BLAGPT = sorted((REPO / "configs" / "blagpt").glob("*.yaml"))
 SIZES = {"1.5b": 1.5e9, "2.9b": 2.9e9, "6.7b": 6.7e9, "13b": 13e9, "19b": 19e9}
 # The paper's batch sizes ("1M/16M/1M/2M/3M" tokens; 19B: 240 GPUs x 1 x 12288).
@@ -53,12 +56,15 @@ def test_all_sizes_present_as_pairs():
     names = {p.stem for p in PAPER}
     assert names == {f"{s}_{a}" for s in SIZES for a in ("vanilla", "kv_shift")}
     assert {p.stem for p in BLAGPT} == {"vanilla", "kv_shift"}
+    assert {p.stem for p in MLA} == {"mla_vanilla", "mla_kv_shift"}
 
 
-@pytest.mark.parametrize("size", [*SIZES, "blagpt"])
+@pytest.mark.parametrize("size", [*SIZES, "blagpt", "mla"])
 def test_pairs_differ_only_in_attention(size):
     if size == "blagpt":
         van, kv = (REPO / "configs" / "blagpt" / f"{a}.yaml" for a in ("vanilla", "kv_shift"))
+    elif size == "mla":
+        van, kv = (REPO / "configs" / "paper" / f"mla_{a}.yaml" for a in ("vanilla", "kv_shift"))
     else:
         van, kv = (REPO / "configs" / "paper" / f"{size}_{a}.yaml" for a in ("vanilla", "kv_shift"))
     a, b = to_dict(load_config(van)), to_dict(load_config(kv))
@@ -86,7 +92,7 @@ def test_paper_config_follows_table16(path):
     assert f"{GPUS[size]} x " in header and "Batch arithmetic" in header
 
 
-@pytest.mark.parametrize("path", PAPER + BLAGPT, ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize("path", PAPER + BLAGPT + MLA, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_meta_build_matches_plan_and_name(mp1, path):
     """GPTModel on the meta device (no memory): megatron's count is the plan's, exactly."""
     import torch
@@ -104,7 +110,7 @@ def test_meta_build_matches_plan_and_name(mp1, path):
     plan = count_params(cfg.model, 1)
     assert built == {"total": plan.total, "embedding": plan.embedding,
                      "non_embedding": plan.non_embedding}
-    if path.parent.name == "paper":
+    if path in PAPER:
         name = SIZES[size_of(path)]
         assert abs(built["total"] - name) / name < 0.03, (path.stem, built["total"])
     else:
@@ -185,6 +191,17 @@ def test_plan_accepts_19b_context_parallel_variants():
         assert plan.dp * p.tensor * p.pipeline * p.context == 240
         assert plan.tokens_per_step == BATCH_TOKENS["19b"]
         assert cfg.train.seq_length >= 12288
+
+
+@pytest.mark.parametrize("path", MLA, ids=lambda p: p.stem)
+def test_plan_accepts_mla_config(path):
+    """Appendix J: `kvtrain plan` takes the MLA pair at its header's GPU count and
+    counts the parameters of MLA (and of the fixed shift: none)."""
+    out = kvtrain("plan", *check_line(path), "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["batch"]["tokens_per_step"] == 2**19
+    assert plan["params"]["total"] == count_params(load_config(path).model).total
 
 
 def test_plan_text_report():

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtrain.model.documents import doc_ids_from_attention_mask, doc_ids_from_cu_seqlens
 from kvtrain.model.kv_shift import (
     KVShiftOptions,
-    doc_ids_from_attention_mask,
-    doc_ids_from_cu_seqlens,
     effective_coefficients,
     initial_parameter,
     shift_tokens,

@@ -70,6 +70,9 @@ MALFORMED = [
     ("set-wrong-type", {}, ["train.log_interval=often"], ["train.log_interval", "int"]),
     ("set-not-key-value", {}, ["train.max_steps"], ["KEY=VALUE"]),
     ("duplicate-key", "train:\n  max_steps: 1\n  max_steps: 2\n", [], ["duplicate key"]),
+    ("mla-shift-head", {"model": {"num_query_groups": None, "mla": {},
+                                  "kv_shift": {"heads": {"k": [7]}}}}, [],
+     ["model.kv_shift.heads.k", "head 7 does not exist"]),
 ]
 
 
