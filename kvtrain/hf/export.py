@@ -19,7 +19,6 @@ when complete: a failed export leaves nothing half-written.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -31,27 +30,14 @@ import torch
 
 from kvtrain.config import ConfigError, RunConfig, first_line, to_dict
 
-HF_EXTRA = "pip install 'kvtrain[hf]'"
+from . import HF_EXTRA, offline, require_hf  # noqa: F401 (re-exported)
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 REMOTE = Path(__file__).with_name("remote")
 REMOTE_FILES = ("configuration_kvshift_llama.py", "modeling_kvshift_llama.py")
 RECORD = "kvtrain_export.json"
 AUTO_MAP = {"AutoConfig": "configuration_kvshift_llama.KVShiftLlamaConfig",
             "AutoModelForCausalLM": "modeling_kvshift_llama.KVShiftLlamaForCausalLM"}
-
-
-def require_hf(what: str = "kvtrain export") -> None:
-    """One line naming the extra when transformers/safetensors are not installed."""
-    missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ConfigError(f"{what} needs {' and '.join(missing)}: {HF_EXTRA}")
-
-
-def offline() -> None:
-    """Nothing from the Hugging Face hub, ever (every path here is local)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def hf_config(cfg: RunConfig, special: dict, dtype: str):

@@ -201,7 +201,7 @@ def import_hf(hf_dir: str | Path, out_checkpoint: str | Path, config: Optional[s
               overrides: Iterable[str] = ()) -> Path:
     """Imports the Llama folder ``hf_dir`` as the kvtrain checkpoint
     ``out_checkpoint`` (a new folder); returns it. One process, CPU."""
-    from .export import offline, require_hf
+    from . import offline, require_hf
 
     require_hf("kvtrain import")
     offline()
