@@ -91,3 +91,13 @@ def test_one_line_errors(kv_checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="exists"):
         import_hf(out, path)
     assert not any((tmp_path / n).exists() for n in ("a", "b", "c"))
+
+
+def test_weights_only_checkpoint_asks_for_load_optimizer_false(kv_checkpoint):
+    """The trainer's load of an imported checkpoint with its optimizer: one line."""
+    from kvtrain.train.checkpoint import Checkpointer
+
+    path, _ = kv_checkpoint
+    ckpt = Checkpointer(path.parent, [torch.nn.Linear(1, 1)], None, None, {})
+    with pytest.raises(ConfigError, match="checkpoint.load_optimizer: false"):
+        ckpt.load(path, load_optimizer=True)
