@@ -4,9 +4,11 @@ export and the import:
 * a KV-shift model saved at TP=2 and at PP=2 (one ``run_distributed`` launch:
   the logits computed at the saving layout) exports to a HF model with the same
   logits (through ``load_model``'s resharding into one process);
-* one ``run_driver`` launch of two TP=2 trainings: a run on the text corpus
-  (exported from its run folder, tokenizer included) and a run that starts from
-  an imported checkpoint (saved at TP=1) and trains.
+* in the same launch, an imported checkpoint (saved at TP=1) loads at TP=2 with
+  the logits of the model it came from;
+* one ``run_driver`` launch of two trainings: a run with a sentencepiece
+  tokenizer (exported from its run folder, tokenizer included) and a run that
+  starts from an imported checkpoint and trains.
 """
 
 from __future__ import annotations
@@ -62,28 +64,50 @@ def _logits(model, pipeline: int):
 
 
 def save_layouts(rank: int, world: int, root: str) -> dict:
-    """Saves the model at TP=2, then at PP=2; returns each layout's logits."""
+    """Saves the model at TP=2, then at PP=2; returns each layout's logits, and
+    those of the imported checkpoint ``root/imported`` (saved at TP=1) loaded at TP=2."""
+    from kvtrain.backend import init_model_parallel, set_seed
+    from kvtrain.inference.loading import load_model
+
     cfg = run_config(model_config(num_layers=2))
     out = {}
     for name, (tp, pp) in {"tp2": (2, 1), "pp2": (1, 2)}.items():
         model = _build(cfg, tp, pp)
         save_weights(model, cfg, Path(root) / name / "iter_0000000")
         out[name] = _logits(model, pp)
+    init_model_parallel(2, 1)
+    set_seed(1234)
+    out["imported"] = _logits(load_model(Path(root) / "imported", backend="local").model, 1)
     return out
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
+def layouts(single_rank, tmp_path_factory):
+    """Checkpoints saved at TP=2 and PP=2 with their logits; an import's logits at TP=2."""
+    from kvtrain.backend import init_model_parallel
     from kvtrain.testing import run_distributed
 
     root = tmp_path_factory.mktemp("layouts")
+    init_model_parallel(1, 1)
+    cfg = run_config(model_config(num_query_groups=4), seed=9)
+    model = _build(cfg, 1, 1)
+    (root / "llama").mkdir()
+    export_model(model, cfg, root / "llama")
+    import_hf(root / "llama", root / "imported")
+    expected = _logits(model, 1)
     results = run_distributed(save_layouts, 2, str(root))
-    return root, {"tp2": results[0]["tp2"], "pp2": results[1]["pp2"]}
+    return root, {"tp2": results[0]["tp2"], "pp2": results[1]["pp2"]}, expected, \
+        results[0]["imported"]
+
+
+def test_imported_checkpoint_loads_at_tp2(layouts):
+    _, _, expected, at_tp2 = layouts
+    torch.testing.assert_close(at_tp2, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_export_parity_from_other_layouts(mp1, layouts, tmp_path, layout):
-    root, logits = layouts
+    root, logits, _, _ = layouts
     out = export_hf(root / layout, tmp_path / "hf")
     torch.testing.assert_close(hf_logits(load_hf(out), tokens()), logits[layout],
                                atol=1e-4, rtol=1e-4)
@@ -105,13 +129,13 @@ def sentencepiece_model(folder: Path) -> str:
 
 
 def test_trainer_run_exports_and_imported_checkpoint_trains(mp1, tmp_path):
-    """A TP=2 run folder exports with its tokenizer; a TP=2 run starts from an
-    imported (TP=1) checkpoint at iteration 0 and trains."""
+    """A run folder exports with its tokenizer; a run starts from an imported
+    checkpoint at iteration 0 and trains (one process: the layouts are above)."""
     from transformers import AutoTokenizer
 
     model_file = sentencepiece_model(tmp_path)
-    base = tiny_config(None, tmp_path / "cache", parallel={"tensor": 2},
-                       train={"max_steps": 2, "global_batch_size": 4},
+    base = tiny_config(None, tmp_path / "cache",
+                       train={"max_steps": 2, "global_batch_size": 2},
                        checkpoint={"save_interval": 2})
     base["data"]["tokenizer"] = model_file  # mock tokens; the export takes the tokenizer
     trained_cfg = write_config(tmp_path / "a.yaml", base)
@@ -126,7 +150,7 @@ def test_trainer_run_exports_and_imported_checkpoint_trains(mp1, tmp_path):
     import_hf(tmp_path / "llama", tmp_path / "imported", config=resumed_cfg)
     jobs = [{"config": str(trained_cfg), "run_dir": str(tmp_path / "a")},
             {"config": str(resumed_cfg), "run_dir": str(tmp_path / "b")}]
-    result = run_driver(jobs, tmp_path / "plan.json", nproc=2, timeout=600)
+    result = run_driver(jobs, tmp_path / "plan.json", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"resumed from {tmp_path / 'imported'} at iteration 0" in result.stdout
     steps = [r["iteration"] for r in metrics(tmp_path / "b")]
