@@ -74,7 +74,7 @@ def _default_device() -> str:
 
 
 def run(args) -> int:
-    from kvtrain.evaluate.harness import import_harness, load_tasks, run_harness, task_manager
+    from kvtrain.evaluate.harness import import_harness, load_tasks, run_harness
     from kvtrain.evaluate.report import (
         EVAL_DIR, log_to_wandb, make_record, record_name, render_table, write_record,
     )
@@ -83,9 +83,9 @@ def run(args) -> int:
     spec = _spec(args)
     import_harness()  # the extra, before any export; the offline switches, before any HF import
     # unknown task, missing dataset: one line, before any export or model
-    tasks = load_tasks(task_manager(spec.include_path), spec.tasks)
+    loaded = load_tasks(spec.tasks, spec.include_path)
     with prepared(args.source, spec.dtype) as src:
-        out = run_harness(src.hf_dir, spec, tasks)
+        out = run_harness(src.hf_dir, spec, loaded)
         record = make_record(args.source, src.checkpoint, src.iteration, src.hf_dir, spec, out)
         target = Path(args.out).expanduser() if args.out else None
         if target is None and src.run_dir is not None:

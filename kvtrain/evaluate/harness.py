@@ -94,14 +94,20 @@ def import_harness():
 
 
 @functools.lru_cache(maxsize=4)
-def task_manager(include_path: Optional[Path] = None):
-    """lm-eval's task index (its own tasks + ``include_path``): built once per
-    process and folder, since indexing lm-eval's ~15k task YAMLs takes seconds."""
+def task_manager(include_path: Optional[Path] = None, defaults: bool = True):
+    """lm-eval's task index (its own tasks when ``defaults``, + ``include_path``):
+    built once per process and folders, since indexing lm-eval's ~15k task YAMLs
+    takes seconds (tens on a loaded machine)."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not Path(include_path).is_dir():
         raise ConfigError(f"--include-path {include_path}: no such folder")
-    return TaskManager(include_path=str(include_path) if include_path else None)
+    return TaskManager(include_path=str(include_path) if include_path else None,
+                       include_defaults=defaults)
+
+
+class UnknownTask(ConfigError):
+    """A task name no index knows."""
 
 
 def _dataset_of(manager, name: str) -> str:
@@ -143,9 +149,8 @@ def _errors_only(logger: str = "lm_eval") -> Iterator[None]:
         log.setLevel(level)
 
 
-def load_tasks(manager, names: list[str]) -> list:
-    """lm-eval Task / Group objects of ``names`` (their datasets read now), or
-    ConfigError naming the first task that is unknown or has no local data."""
+def _build(manager, names: list[str]) -> list:
+    """lm-eval Task / Group objects of ``names`` from ``manager`` (datasets read now)."""
     loaded = []
     for name in names:
         try:
@@ -154,7 +159,7 @@ def load_tasks(manager, names: list[str]) -> list:
         except KeyError:
             where = (f"nor in --include-path {manager.include_path}" if manager.include_path
                      else "(a local task needs --include-path DIR)")
-            raise ConfigError(f"unknown task '{name}': not one of lm-eval's tasks {where}") \
+            raise UnknownTask(f"unknown task '{name}': not one of lm-eval's tasks {where}") \
                 from None
         except Exception as e:  # datasets' errors have no common base: name the task
             raise _unavailable(manager, name, e) from None
@@ -163,6 +168,24 @@ def load_tasks(manager, names: list[str]) -> list:
         else:  # a task, or a tag naming several tasks
             loaded.extend(built["tasks"].values())
     return loaded
+
+
+def load_tasks(names: list[str], include_path: Optional[Path] = None) -> tuple[Any, list]:
+    """(the task index used, the Task / Group objects of ``names``), or
+    ConfigError naming the first task that is unknown or has no local data.
+
+    Tasks all found in ``include_path`` are loaded from an index of that folder
+    alone (lm-eval's own ~15k YAMLs are not indexed); otherwise, or when a local
+    group names lm-eval's tasks, from lm-eval's index + the folder."""
+    if include_path is not None:
+        local = task_manager(include_path, defaults=False)
+        if all(name in local.all_tasks for name in names):
+            try:
+                return local, _build(local, names)
+            except UnknownTask:
+                pass
+    full = task_manager(include_path, defaults=True)
+    return full, _build(full, names)
 
 
 def trusts_remote_code(hf_dir: Path) -> bool:
@@ -203,17 +226,21 @@ def _json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def run_harness(hf_dir: Path, spec: EvalSpec, tasks: Optional[list] = None) -> EvalOutput:
-    """Evaluates the Hugging Face folder ``hf_dir`` on ``spec.tasks`` (``tasks``:
-    those already loaded by ``load_tasks``)."""
+def run_harness(hf_dir: Path, spec: EvalSpec,
+                loaded: Optional[tuple[Any, list]] = None) -> EvalOutput:
+    """Evaluates the Hugging Face folder ``hf_dir`` on ``spec.tasks`` (``loaded``:
+    what ``load_tasks`` returned for them, when already called)."""
     lm_eval = import_harness()
     from lm_eval.models.huggingface import HFLM
 
-    manager = task_manager(spec.include_path)
-    if tasks is None:  # before the model: a bad task costs nothing
-        tasks = load_tasks(manager, spec.tasks)
+    # the tasks before the model: a refused task costs nothing
+    manager, tasks = loaded or load_tasks(spec.tasks, spec.include_path)
+    # logits_cache=False: lm-eval 0.4.13 scores requests whose context + continuation[:-1]
+    # coincide from one forward, but gathers a shorter continuation's log-probs at the
+    # longer one's first positions (wrong log-likelihoods, e.g. winogrande-like pairs)
     lm = HFLM(pretrained=str(hf_dir), device=spec.device, dtype=DTYPES[spec.dtype],
-              batch_size=spec.batch_size, trust_remote_code=trusts_remote_code(hf_dir))
+              batch_size=spec.batch_size, logits_cache=False,
+              trust_remote_code=trusts_remote_code(hf_dir))
     answer = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=spec.num_fewshot, limit=spec.limit,
         task_manager=manager, bootstrap_iters=spec.bootstrap_iters,
@@ -232,4 +259,4 @@ def run_harness(hf_dir: Path, spec: EvalSpec, tasks: Optional[list] = None) -> E
 
 
 __all__ = ["EXTRA_HINT", "EvalOutput", "EvalSpec", "go_offline", "import_harness", "load_tasks",
-           "metrics_of", "run_harness", "task_manager", "trusts_remote_code"]
+           "metrics_of", "run_harness", "task_manager", "trusts_remote_code", "UnknownTask"]
