@@ -22,6 +22,8 @@ SUBCOMMANDS = {
     "submit": "kvtrain.commands.submit",
     "experiment": "kvtrain.commands.experiment",
     "demo": "kvtrain.commands.demo",
+    "export": "kvtrain.commands.export",
+    "import": "kvtrain.commands.importer",
     "eval": "kvtrain.commands.eval",
 }
 

@@ -1,0 +1,231 @@
+"""``kvtrain import hf``: a Llama folder (stock, or a kvtrain KV-shift export) ->
+a kvtrain checkpoint that loads at any layout and that a run can start from.
+
+The kvtrain config of the import: the architecture comes from the folder's
+config.json (``model_config``); the other model keys and the other sections
+come from ``--config`` (the training YAML the run will use, so that the resume
+compares equal) or the defaults; ``--set`` applies last, in the trainer's
+grammar, e.g. ``--set model.attention=kv_shift`` to add KV shifting to a stock
+Llama. Coefficients that the folder lacks start as the paper initialises them
+(``kv_shift.initial_parameter``, drawn when the model is built); a KV-shift
+folder imported with other shift options than it was exported with is refused.
+
+The checkpoint (``save_weights``) is megatron dist_checkpointing's torch_dist
+format, written like the trainer's (``iter_*.incomplete``, then the marker with
+its manifest, then the rename): ``kvtrain.train.integrity`` accepts it,
+``load_model`` loads it at any TP/PP, and a run starts from it with
+``checkpoint.resume: PATH`` and ``checkpoint.load_optimizer: false``. It holds
+the weights, iteration 0 and the config; no optimizer state and no RNG states
+(its saved layout is null, so the trainer does not look for them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from kvtrain.config import ConfigError, ModelConfig, RunConfig, apply_override, first_line, \
+    from_dict, read_yaml, to_dict
+
+# architecture keys: what the HF folder decides (``--set`` may not change them)
+ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "ffn_hidden_size", "vocab_size", "max_position_embeddings", "rotary_base",
+                "norm_epsilon", "untie_embeddings")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is missing (not a Hugging Face model folder)") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable: {first_line(e)}") from None
+
+
+def model_config(hf: dict, where: str) -> dict:
+    """The kvtrain ``model`` section (a dict) of a HF Llama config.json."""
+    kind = hf.get("model_type")
+    if kind not in ("llama", "kvshift_llama"):
+        raise ConfigError(f"{where}: model_type {kind!r} is not a Llama (llama, kvshift_llama)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"{where}: RoPE scaling {rope.get('rope_type', rope.get('type'))!r} "
+                          "is not supported (kvtrain has plain RoPE)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ConfigError(f"{where}: biases in attention or MLP are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {hf.get('hidden_act')!r} is not SwiGLU (silu)")
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    if hf.get("head_dim") not in (None, hidden // heads):
+        raise ConfigError(f"{where}: head_dim {hf['head_dim']} != hidden_size / heads")
+    model = {
+        "num_layers": hf["num_hidden_layers"], "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+        "max_position_embeddings": hf["max_position_embeddings"],
+        "rotary_base": int(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "norm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "untie_embeddings": not hf.get("tie_word_embeddings", False),
+        "attention": "vanilla",
+    }
+    if kind == "kvshift_llama":
+        model["attention"] = "kv_shift"
+        model["kv_shift"] = {k: v for k, v in (hf.get("kv_shift") or {}).items()
+                             if k in ("shift", "window", "mode")}
+    return model
+
+
+def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
+                  overrides: Iterable[str] = ()) -> RunConfig:
+    """The RunConfig of an import: ``config`` (a training YAML) or the defaults,
+    with the model architecture of ``hf``, then ``overrides``."""
+    data = read_yaml(config) if config is not None else {}
+    arch = model_config(hf, where)
+    model = dict(data.get("model") or {})
+    if arch["attention"] == "vanilla" and model.get("attention") == "kv_shift":
+        del arch["attention"]  # a stock Llama getting KV shift from the training config
+    if "kv_shift" in arch:  # an export: its shift options are those of its weights
+        model["kv_shift"] = {**(model.get("kv_shift") or {}), **arch.pop("kv_shift")}
+    model.update(arch)
+    data["model"] = model
+    # a Llama's context: what a run continuing it trains on unless the config says otherwise
+    data.setdefault("train", {}).setdefault("seq_length", arch["max_position_embeddings"])
+    for assignment in overrides:
+        apply_override(data, assignment, RunConfig)
+    cfg = from_dict(RunConfig, data, source=str(config) if config else None)
+    cfg.validate()
+    decided = model_config(hf, where)
+    for key in ARCHITECTURE:
+        value = getattr(cfg.model, key) if key != "num_query_groups" else cfg.model.kv_heads
+        if value != decided[key]:
+            raise ConfigError(f"model.{key} ({value}) differs from {where} ({decided[key]}): "
+                              "the weights decide the architecture")
+    if decided["attention"] == "kv_shift":
+        ks, saved = cfg.model.kv_shift, decided["kv_shift"]
+        if cfg.model.attention != "kv_shift" or \
+                (list(ks.shift), ks.window, ks.mode) != (saved["shift"], saved["window"], saved["mode"]):
+            raise ConfigError(f"{where} holds KV-shift weights ({saved}); the import must keep "
+                              "model.attention kv_shift with these model.kv_shift options")
+    return cfg
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files (one file, or an index's shards)."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{folder} has no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            weights.update(load_file(str(path)))
+        except Exception as e:  # a damaged file: name it in one line
+            raise ConfigError(f"{path}: cannot read it ({first_line(e)})") from None
+    return {k: v.float() for k, v in weights.items()}
+
+
+def save_weights(model: torch.nn.Module, cfg: RunConfig, path: Path,
+                 record: Optional[dict] = None) -> Path:
+    """Saves ``model`` (this rank's shard; collective over the current layout) as a
+    weights-only kvtrain checkpoint folder ``path`` (which must not exist)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from data_tools.fileio import atomic_write_text, fsync_dir
+    from kvtrain.train.checkpoint import (
+        FORMAT_VERSION, SHARDING_METADATA, TrainState, ensure_writer_queue,
+    )
+    from kvtrain.train.integrity import INCOMPLETE, MARKER, build_manifest, own_shards
+
+    path = Path(path).absolute()
+    work = path.with_name(path.name + INCOMPLETE)
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+    dist.barrier()
+    ensure_writer_queue(False)
+    state = {"model": model.sharded_state_dict(metadata=dict(SHARDING_METADATA)),
+             "kvtrain": {"state": asdict(TrainState()), "layout": None, "config": to_dict(cfg),
+                         "version": FORMAT_VERSION, "weights_only": True, **(record or {})}}
+    dist_checkpointing.save(state, str(work), content_metadata={"kvtrain_format": FORMAT_VERSION})
+    dist.barrier()
+    checksums = [None] * dist.get_world_size()
+    dist.all_gather_object(checksums, own_shards(work, rank))
+    if rank == 0:
+        known = {k: v for part in checksums for k, v in part.items()}
+        info = {"iteration": 0, "consumed_samples": 0, "layout": None, "format": "torch_dist",
+                "version": FORMAT_VERSION, "weights_only": True, **(record or {}),
+                "manifest": build_manifest(work, known)}
+        atomic_write_text(work / MARKER, json.dumps(info, indent=1) + "\n")
+        os.replace(work, path)
+        fsync_dir(os.fspath(path.parent))
+    dist.barrier()
+    return path
+
+
+def build_from_hf(cfg: RunConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A TP=1 kvtrain model of ``cfg`` holding ``weights`` (HF names); the shift
+    coefficients the weights lack keep their initial values."""
+    from kvtrain.model.builder import build_gpt, transformer_config
+
+    from .names import from_hf
+
+    model = build_gpt(cfg.model, transformer_config(cfg.model), seed=cfg.train.seed,
+                      backend="local")
+    state = from_hf(weights, cfg.model)
+    own = model.state_dict()
+    for name, value in state.items():
+        if name not in own:
+            raise ConfigError(f"the weight {name} has no place in the model of the import config")
+        if tuple(own[name].shape) != tuple(value.shape):
+            raise ConfigError(f"the weight {name} has shape {tuple(value.shape)}, the model "
+                              f"{tuple(own[name].shape)}")
+    model.load_state_dict(state, strict=False)
+    missing = [k for k in own if k not in state and not k.endswith("_extra_state")
+               and not k.split(".")[-1].startswith("shift_")]
+    if missing:
+        raise ConfigError(f"the Hugging Face weights lack {', '.join(missing[:6])}")
+    return model
+
+
+def import_hf(hf_dir: str | Path, out_checkpoint: str | Path, config: Optional[str | Path] = None,
+              overrides: Iterable[str] = ()) -> Path:
+    """Imports the Llama folder ``hf_dir`` as the kvtrain checkpoint
+    ``out_checkpoint`` (a new folder); returns it. One process, CPU."""
+    from . import offline, require_hf
+
+    require_hf("kvtrain import")
+    offline()
+    from kvtrain.inference.loading import inference_process
+
+    hf_dir = Path(hf_dir).expanduser()
+    out = Path(out_checkpoint).expanduser().absolute()
+    if out.exists():
+        raise ConfigError(f"{out} exists: the import writes a new checkpoint folder")
+    cfg = import_config(_read_json(hf_dir / "config.json"), str(hf_dir / "config.json"),
+                        config, overrides)
+    weights = read_weights(hf_dir)
+    inference_process(seed=cfg.train.seed)
+    model = build_from_hf(cfg, weights)
+    record = {"imported_from": str(hf_dir.absolute())}
+    export_record = hf_dir / "kvtrain_export.json"
+    if export_record.is_file():
+        source = _read_json(export_record)
+        record["exported_from"] = {k: source.get(k) for k in ("checkpoint", "iteration", "run_dir")}
+    try:
+        return save_weights(model, cfg, out, record)
+    except OSError as e:
+        raise ConfigError(f"import to {out} failed: {first_line(e)}") from None
+
+
+__all__ = ["build_from_hf", "import_config", "import_hf", "model_config", "read_weights",
+           "save_weights"]

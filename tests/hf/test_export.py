@@ -1,0 +1,54 @@
+"""Export parity: the Hugging Face model's logits equal kvtrain's (fp32, 1e-4),
+for vanilla (stock LlamaForCausalLM, no custom code) and every KV-shift variant
+(remote code): K/V/QKV, windows 1-3, free/gate/clamp, GQA and MHA, tied
+embeddings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtrain.hf.export import export_model
+
+from .helpers import build, hf_logits, kvtrain_logits, load_hf, model_config, run_config, tokens
+
+VARIANTS = {
+    "vanilla-gqa": dict(attention="vanilla"),
+    "vanilla-tied-mha": dict(attention="vanilla", untie_embeddings=False, num_query_groups=None),
+    "kv-w1-free-gqa": dict(kv_shift={"shift": ["k", "v"], "window": 1, "mode": "free"}),
+    "k-w2-gate": dict(kv_shift={"shift": ["k"], "window": 2, "mode": "gate"}),
+    "v-w3-clamp": dict(kv_shift={"shift": ["v"], "window": 3, "mode": "clamp"}),
+    "qkv-w1-clamp-mha": dict(num_query_groups=None,
+                             kv_shift={"shift": ["q", "k", "v"], "window": 1, "mode": "clamp"}),
+    "qkv-w3-gate-gqa1-tied": dict(num_query_groups=1, untie_embeddings=False,
+                                  kv_shift={"shift": ["q", "k", "v"], "window": 3,
+                                            "mode": "gate"}),
+}
+
+
+def _model_config(over: dict):
+    from kvtrain.config import KVShiftConfig
+
+    over = dict(over)
+    if "kv_shift" in over:
+        over["kv_shift"] = KVShiftConfig(**over["kv_shift"])
+    return model_config(**over)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_export_parity(mp1, tmp_path, variant):
+    cfg = run_config(_model_config(VARIANTS[variant]))
+    model = build(cfg)
+    export_model(model, cfg, tmp_path, record={"iteration": 0})
+    hf = load_hf(tmp_path)
+    tok = tokens()
+    torch.testing.assert_close(hf_logits(hf, tok), kvtrain_logits(model, tok), atol=1e-4, rtol=1e-4)
+    config = json.loads((tmp_path / "config.json").read_text())
+    if cfg.model.attention == "vanilla":  # stock Llama: no custom code anywhere
+        assert type(hf).__name__ == "LlamaForCausalLM"
+        assert "auto_map" not in config and not list(tmp_path.glob("*.py"))
+    else:
+        assert type(hf).__name__ == "KVShiftLlamaForCausalLM"
+        assert config["kv_shift"]["window"] == cfg.model.kv_shift.window

@@ -1,0 +1,93 @@
+"""Round trip in one process: kvtrain checkpoint -> export -> import -> the same
+logits; the import's config rules; the one-line errors of export and import."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtrain.config import ConfigError
+from kvtrain.hf.export import export_hf
+from kvtrain.hf.importer import import_hf, save_weights
+from kvtrain.inference.loading import load_model, saved_config
+
+from .helpers import VOCAB, build, hf_logits, kvtrain_logits, load_hf, model_config, run_config, \
+    tokens
+
+
+@pytest.fixture
+def kv_checkpoint(mp1, tmp_path):
+    """A weights-only checkpoint of a KV-shift model (window 2, gate), and its logits."""
+    from kvtrain.config import KVShiftConfig
+
+    cfg = run_config(model_config(kv_shift=KVShiftConfig(window=2, mode="gate")))
+    model = build(cfg)
+    path = save_weights(model, cfg, tmp_path / "ckpt" / "iter_0000000")
+    return path, kvtrain_logits(model, tokens())
+
+
+def test_export_import_round_trip(kv_checkpoint, tmp_path):
+    path, expected = kv_checkpoint
+    out = export_hf(path, tmp_path / "hf")
+    record = json.loads((out / "kvtrain_export.json").read_text())
+    assert record["checkpoint"] == str(path) and record["iteration"] == 0
+    torch.testing.assert_close(hf_logits(load_hf(out), tokens()), expected, atol=1e-4, rtol=1e-4)
+    back = import_hf(out, tmp_path / "imported")
+    loaded = load_model(back, backend="local")
+    assert loaded.config.model.kv_shift.window == 2 and loaded.iteration == 0
+    torch.testing.assert_close(kvtrain_logits(loaded.model, tokens()), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_export(kv_checkpoint, tmp_path):
+    path, expected = kv_checkpoint
+    out = export_hf(path, tmp_path / "hf", dtype="bf16")
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_stock_llama_gets_kv_shift(mp1, tmp_path):
+    """A vanilla export imported with KV shift added: the Llama weights are kept,
+    the coefficients start as the paper initialises them."""
+    from kvtrain.hf.export import export_model
+    from kvtrain.model.kv_shift import KVShiftOptions, initial_parameter
+
+    cfg = run_config(model_config(attention="vanilla"))
+    model = build(cfg)
+    (tmp_path / "hf").mkdir()
+    export_model(model, cfg, tmp_path / "hf")
+    back = import_hf(tmp_path / "hf", tmp_path / "ckpt",
+                     overrides=["model.attention=kv_shift", "train.seed=5"])
+    loaded = load_model(back, backend="local")
+    attn = loaded.model.decoder.layers[1].self_attention
+    torch.testing.assert_close(attn.shift_k.detach(),
+                               initial_parameter(2, KVShiftOptions(seed=5), 2, "k"))
+    assert torch.equal(loaded.model.decoder.layers[1].mlp.linear_fc2.weight,
+                       model.decoder.layers[1].mlp.linear_fc2.weight)
+    cfg_saved, _ = saved_config(back)
+    assert cfg_saved.model.attention == "kv_shift" and cfg_saved.train.seed == 5
+
+
+def test_one_line_errors(kv_checkpoint, tmp_path):
+    path, _ = kv_checkpoint
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(ConfigError, match="not empty"):
+        export_hf(path, tmp_path / "full")
+    with pytest.raises(ConfigError, match="--dtype"):
+        export_hf(path, tmp_path / "o", dtype="fp8")
+    assert not (tmp_path / "o").exists()
+    out = export_hf(path, tmp_path / "hf")
+    with pytest.raises(ConfigError, match="the weights decide"):
+        import_hf(out, tmp_path / "a", overrides=["model.num_layers=3"])
+    with pytest.raises(ConfigError, match="KV-shift weights"):
+        import_hf(out, tmp_path / "b", overrides=["model.kv_shift.window=1"])
+    with pytest.raises(ConfigError, match="config.json is missing"):
+        import_hf(tmp_path / "full", tmp_path / "c")
+    with pytest.raises(ConfigError, match="exists"):
+        import_hf(out, path)
+    assert not any((tmp_path / n).exists() for n in ("a", "b", "c"))
