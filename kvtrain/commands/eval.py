@@ -34,7 +34,7 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8, metavar="B")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                    help="weights of the export and of the evaluated model (default fp32)")
     p.add_argument("--bootstrap-iters", type=int, default=1000, metavar="N",
                    help="bootstrap resamples for the stderr of non-mean metrics (0: none)")

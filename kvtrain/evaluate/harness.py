@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from kvtrain.config import ConfigError, first_line
+from kvtrain.hf import HF_EXTRA
 
 # every switch the Hugging Face libraries read to stay off the network
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_EVALUATE_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-EXTRA_HINT = "pip install 'kvtrain[hf]'"
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> transformers' name
 
 
 @dataclass
@@ -86,7 +86,7 @@ def import_harness():
         import lm_eval.models.huggingface  # noqa: F401 (HFLM; imports transformers, accelerate)
     except ImportError as e:
         raise ConfigError(f"kvtrain eval needs lm-evaluation-harness and transformers "
-                          f"({first_line(e)}): {EXTRA_HINT}") from None
+                          f"({first_line(e)}): {HF_EXTRA}") from None
     # lm-eval logs every request batch at INFO; its warnings stay visible
     logging.getLogger("lm-eval").setLevel(logging.WARNING)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
@@ -258,5 +258,5 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
         lm_eval_version=getattr(lm_eval, "__version__", ""))
 
 
-__all__ = ["EXTRA_HINT", "EvalOutput", "EvalSpec", "go_offline", "import_harness", "load_tasks",
+__all__ = ["EvalOutput", "EvalSpec", "go_offline", "import_harness", "load_tasks",
            "metrics_of", "run_harness", "task_manager", "trusts_remote_code", "UnknownTask"]

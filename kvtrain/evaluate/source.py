@@ -4,8 +4,8 @@ kvtrain run / checkpoint exported to one first.
 A run's export is cached in ``RUN_DIR/eval/hf-iter_XXXXXXX-<dtype>/`` and
 reused while the checkpoint it came from is unchanged (a stamp records the
 checkpoint and its common state's size and mtime), so evaluating one
-checkpoint on several task lists exports it once. The cache appears whole or
-not at all: the export is written into a temporary sibling and renamed. A
+checkpoint on several task lists exports it once. The export appears whole or
+not at all (``export_hf`` writes it aside and renames it), its stamp after it. A
 checkpoint outside any run folder is exported into a temporary folder that is
 removed afterwards.
 """
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from kvtrain.config import ConfigError, RunConfig
 
 EVAL_DIR = "eval"  # inside a run folder: results and the cached export
 STAMP = "kvtrain_eval_source.json"  # in a cached export: the checkpoint it came from
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 @dataclass
@@ -42,6 +41,13 @@ class Source:
 def is_hf_folder(path: Path) -> bool:
     """A Hugging Face model folder (config.json) rather than a kvtrain run."""
     return (path / "config.json").is_file()
+
+
+def check_tokenizer(hf_dir: Path) -> None:
+    """lm-eval scores text: a folder without tokenizer files is refused in one line."""
+    if not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{hf_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
+                          "lm-eval scores text")
 
 
 def run_folder_of(named: Path, checkpoint: Path) -> Optional[Path]:
@@ -69,36 +75,22 @@ def _cached(folder: Path, stamp: dict) -> bool:
 
 
 def _export(checkpoint: Path, out_dir: Path, dtype: str) -> Path:
-    """The checkpoint as a Hugging Face folder (kvtrain.hf.export)."""
-    try:
-        from kvtrain.hf.export import export_hf
-    except ImportError as e:
-        from .harness import EXTRA_HINT
+    """The checkpoint as a Hugging Face folder (``kvtrain.hf.export``, atomic)."""
+    from kvtrain.hf.export import export_hf
 
-        raise ConfigError(f"exporting {checkpoint} for lm-eval needs the hf extra "
-                          f"({e}): {EXTRA_HINT}") from None
-    from kvtrain.inference.loading import inference_process
-
-    inference_process()  # one CPU process: export loads the checkpoint at TP=PP=1
-    return Path(export_hf(checkpoint, out_dir, dtype=dtype))
+    return Path(export_hf(checkpoint, out_dir, dtype=dtype, force=True))
 
 
 def cached_export(checkpoint: Path, iteration: int, run_dir: Path, dtype: str) -> Path:
-    """``RUN_DIR/eval/hf-iter_XXXXXXX-<dtype>``: reused, or exported and renamed into place."""
+    """``RUN_DIR/eval/hf-iter_XXXXXXX-<dtype>``: reused while its stamp matches the
+    checkpoint, else exported (replacing a stale one) and stamped."""
     final = run_dir / EVAL_DIR / f"hf-iter_{iteration:07d}-{dtype}"
     stamp = _stamp_of(checkpoint, dtype)
     if _cached(final, stamp):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
-    try:
-        _export(checkpoint, staging, dtype)
-        atomic_write_text(staging / STAMP, json.dumps(stamp, indent=1) + "\n")
-        if final.exists():  # an export of an older checkpoint of the same iteration
-            shutil.rmtree(final)
-        os.replace(staging, final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    _export(checkpoint, final, dtype)  # written aside and renamed into place whole
+    # the stamp last: an export without it is redone next time
+    atomic_write_text(final / STAMP, json.dumps(stamp, indent=1) + "\n")
     return final
 
 
@@ -108,12 +100,16 @@ def prepared(source: str | Path, dtype: str) -> Iterator[Source]:
     checkpoint), exported when needed; a temporary export is removed on exit."""
     named = Path(source).expanduser()
     if is_hf_folder(named):
+        check_tokenizer(named)
         yield Source(hf_dir=named)
         return
     from kvtrain.inference.loading import find_checkpoint, saved_config
 
     checkpoint = find_checkpoint(named)  # ConfigError: one line
     cfg, iteration = saved_config(checkpoint)
+    if not cfg.data.tokenizer:  # before the export: its folder would have no tokenizer
+        raise ConfigError(f"{checkpoint}: the run has no tokenizer (data.tokenizer is unset; "
+                          "it was trained on token ids) and lm-eval scores text")
     run_dir = run_folder_of(named, checkpoint)
     if run_dir is not None:
         hf_dir = cached_export(checkpoint, iteration, run_dir, dtype)
@@ -124,4 +120,5 @@ def prepared(source: str | Path, dtype: str) -> Iterator[Source]:
         yield Source(hf_dir, None, checkpoint, iteration, cfg)
 
 
-__all__ = ["EVAL_DIR", "STAMP", "Source", "cached_export", "is_hf_folder", "prepared", "run_folder_of"]
+__all__ = ["EVAL_DIR", "STAMP", "Source", "cached_export", "check_tokenizer", "is_hf_folder",
+           "prepared", "run_folder_of"]
