@@ -437,6 +437,9 @@ class Checkpointer:
         path = Path(path)
         common = dist_checkpointing.load_common_state_dict(str(path))
         meta = common.get("kvtrain", {})
+        if meta.get("weights_only") and load_optimizer:  # e.g. kvtrain import hf
+            raise ConfigError(f"checkpoint {path} holds weights only (no optimizer state): "
+                              "start from it with checkpoint.load_optimizer: false")
         changes = check_resume_config(
             meta.get("config"), self.run_config,
             self.run_config.get("checkpoint", {}).get("allow_config_changes", []),

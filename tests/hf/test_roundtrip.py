@@ -91,3 +91,38 @@ def test_one_line_errors(kv_checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="exists"):
         import_hf(out, path)
     assert not any((tmp_path / n).exists() for n in ("a", "b", "c"))
+
+
+def test_weights_only_checkpoint_asks_for_load_optimizer_false(kv_checkpoint):
+    """The trainer's load of an imported checkpoint with its optimizer: one line."""
+    from kvtrain.train.checkpoint import Checkpointer
+
+    path, _ = kv_checkpoint
+    ckpt = Checkpointer(path.parent, [torch.nn.Linear(1, 1)], None, None, {})
+    with pytest.raises(ConfigError, match="checkpoint.load_optimizer: false"):
+        ckpt.load(path, load_optimizer=True)
+
+
+def test_cli(kv_checkpoint, tmp_path, capsys, monkeypatch):
+    """kvtrain export hf / import hf: exit 0; bad input and a missing extra: one line, exit 2."""
+    import importlib.util
+
+    from kvtrain.cli import main
+
+    path, _ = kv_checkpoint
+    assert main(["export", "hf", str(path), str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    assert main(["import", "hf", str(tmp_path / "hf"), str(tmp_path / "back"),
+                 "--set", "train.seed=3"]) == 0
+    assert saved_config(tmp_path / "back")[0].train.seed == 3
+    capsys.readouterr()
+    assert main(["export", "hf", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such run folder or checkpoint" in err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    for command in (["export", "hf", str(path), str(tmp_path / "y")],
+                    ["import", "hf", str(tmp_path / "hf"), str(tmp_path / "z")]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "pip install 'kvtrain[hf]'" in err

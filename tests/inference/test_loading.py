@@ -1,0 +1,56 @@
+"""``kvtrain.inference.loading``: what a user names resolves to one complete
+checkpoint, and every bad source is one line (ConfigError), never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtrain.config import ConfigError
+from kvtrain.inference.loading import find_checkpoint, load_model, saved_config
+from tests.hf.helpers import build, model_config, run_config
+
+
+@pytest.fixture
+def run_dir(mp1, tmp_path):
+    """A run folder holding one weights-only checkpoint named by ``latest``."""
+    from kvtrain.hf.importer import save_weights
+
+    cfg = run_config(model_config(num_layers=1))
+    path = save_weights(build(cfg, scramble=False), cfg,
+                        tmp_path / "run" / "checkpoints" / "iter_0000000")
+    (path.parent / "latest").write_text(path.name + "\n")
+    return tmp_path / "run"
+
+
+def test_sources_resolve(run_dir):
+    ckpt = run_dir / "checkpoints" / "iter_0000000"
+    for source in (run_dir, run_dir / "checkpoints", ckpt):
+        assert find_checkpoint(source) == ckpt
+    cfg, iteration = saved_config(ckpt)
+    assert (cfg.model.num_layers, iteration) == (1, 0)
+    assert load_model(run_dir, backend="local").config.model.num_layers == 1
+
+
+def test_bad_sources_are_one_line(run_dir, tmp_path):
+    ckpt = run_dir / "checkpoints" / "iter_0000000"
+    with pytest.raises(ConfigError, match="no such run folder or checkpoint"):
+        find_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no complete kvtrain checkpoint"):
+        load_model(tmp_path / "empty")
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-7])  # truncated
+    with pytest.raises(ConfigError, match="is damaged"):
+        find_checkpoint(ckpt)
+    with pytest.raises(ConfigError, match="holds no complete kvtrain checkpoint"):
+        find_checkpoint(run_dir)  # the only checkpoint is damaged
+    (ckpt / "common.pt").write_bytes(b"not a pickle")
+    with pytest.raises(ConfigError, match="cannot read its common state"):
+        saved_config(ckpt)
+    for error in (find_checkpoint, saved_config):
+        try:
+            error(tmp_path / "nowhere")
+        except ConfigError as e:
+            assert "\n" not in str(e)
+        except Exception as e:  # saved_config of a missing folder
+            pytest.fail(f"{error.__name__}: not a one-line ConfigError: {e!r}")
