@@ -67,6 +67,15 @@ doc_to_text: "{{context}}"
 doc_to_target: "{{target}}"
 """
 
+GROUP_YAML = """group: kvt_grp
+task:
+  - kvt_mc
+  - kvt_ll
+aggregate_metric_list:
+  - metric: acc
+    weight_by_size: true
+"""
+
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -95,7 +104,8 @@ def tiny_hf_llama(folder: Path) -> Path:
 
 def write_tasks(root: Path) -> Path:
     """``root/tasks``: kvt_mc, kvt_ll (data in ``root``), kvt_gone (its data file
-    is missing), kvt_hub (a hub dataset not in the local cache)."""
+    is missing), kvt_hub (a hub dataset not in the local cache), kvt_grp (a group
+    of kvt_mc and kvt_ll, its accuracy averaged over their examples)."""
     tasks = root / "tasks"
     tasks.mkdir(parents=True)
     cache = root / "datasets_cache"  # the json loader's arrow files stay in tmp
@@ -106,6 +116,7 @@ def write_tasks(root: Path) -> Path:
     (tasks / "gone.yaml").write_text(
         LL_YAML.format(name="kvt_gone", data=root / "gone.jsonl", cache=cache))
     (tasks / "hub.yaml").write_text(HUB_YAML)
+    (tasks / "group.yaml").write_text(GROUP_YAML)
     return tasks
 
 

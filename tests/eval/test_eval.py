@@ -36,12 +36,13 @@ def kvtrain_eval(argv: list[str], capsys) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def evaluated(local, tmp_path_factory):
-    """One ``kvtrain eval`` of the HF folder on both tasks, with the network watched."""
+    """One ``kvtrain eval`` of the HF folder on the group of both tasks, with the
+    network watched."""
     mp = pytest.MonkeyPatch()
     watch = NetworkWatch(mp)
     out = tmp_path_factory.mktemp("eval_out") / "results.json"
     try:
-        code = main(["eval", str(local["hf"]), "--tasks", "kvt_mc,kvt_ll", "--include-path",
+        code = main(["eval", str(local["hf"]), "--tasks", "kvt_grp", "--include-path",
                      str(local["tasks"]), "--batch-size", "2", "--device", "cpu",
                      "--log-samples", "--out", str(out)])
     finally:
@@ -53,7 +54,10 @@ def test_eval_runs_offline_end_to_end(evaluated):
     assert evaluated["code"] == 0
     assert evaluated["attempts"] == []
     record = json.loads(evaluated["out"].read_text())
-    assert set(record["tasks"]) == {"kvt_mc", "kvt_ll"}
+    assert set(record["tasks"]) == {"kvt_grp", "kvt_mc", "kvt_ll"}
+    acc = {t: record["tasks"][t]["acc"] for t in record["tasks"]}
+    assert acc["kvt_grp"] == pytest.approx((acc["kvt_mc"] * len(MC) + acc["kvt_ll"] * len(LL))
+                                           / (len(MC) + len(LL)))
     assert record["n_samples"] == {"kvt_mc": len(MC), "kvt_ll": len(LL)}
     assert {"acc", "acc_stderr"} <= set(record["tasks"]["kvt_mc"])
     assert {"perplexity", "acc"} <= set(record["tasks"]["kvt_ll"])
