@@ -50,6 +50,21 @@ def check_tokenizer(hf_dir: Path) -> None:
                           "lm-eval scores text")
 
 
+def exported_from(hf_dir: Path) -> tuple[Optional[Path], Optional[int]]:
+    """(checkpoint, iteration) a kvtrain export records (``kvtrain_export.json``);
+    (None, None) for any other folder. Results of an HF folder still go only to
+    ``--out``: the export may live far from its run."""
+    from kvtrain.hf.export import RECORD
+
+    try:
+        record = json.loads((hf_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return None, None
+    checkpoint, iteration = record.get("checkpoint"), record.get("iteration")
+    return (Path(checkpoint) if checkpoint else None,
+            int(iteration) if isinstance(iteration, int) else None)
+
+
 def run_folder_of(named: Path, checkpoint: Path) -> Optional[Path]:
     """The run folder results go to: the folder the user named when it is not
     the checkpoint itself, else the run holding ``<run>/checkpoints/iter_*``."""
@@ -101,7 +116,7 @@ def prepared(source: str | Path, dtype: str) -> Iterator[Source]:
     named = Path(source).expanduser()
     if is_hf_folder(named):
         check_tokenizer(named)
-        yield Source(hf_dir=named)
+        yield Source(named, None, *exported_from(named))
         return
     from kvtrain.inference.loading import find_checkpoint, saved_config
 

@@ -121,8 +121,19 @@ def test_second_eval_reuses_the_export(evaluated, capsys):
     assert "kvt_ll" in out and "perplexity" in out  # the printed table
 
 
+def test_export_folder_names_its_checkpoint(evaluated, tmp_path):
+    """An HF folder kvtrain exported: the record names the checkpoint and iteration."""
+    code = main(["eval", str(evaluated["run"] / "eval" / "hf-iter_0000000-fp32"), "--tasks",
+                 "kvt_ll", "--include-path", str(evaluated["tasks"]), "--limit", "1",
+                 "--device", "cpu", "--out", str(tmp_path / "r.json")])
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and record["iteration"] == 0
+    assert record["checkpoint"] == str(evaluated["checkpoint"])
+
+
 def test_run_without_tokenizer_is_one_line(evaluated, capsys):
     make_run(evaluated["root"] / "ids_only", None, wandb=False)
+    capsys.readouterr()  # the build's own warnings are not the command's output
     code = main(["eval", str(evaluated["root"] / "ids_only"), "--tasks", "kvt_ll",
                  "--include-path", str(evaluated["tasks"])])
     err = capsys.readouterr().err
