@@ -16,7 +16,7 @@ from pathlib import Path
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "eval", help="benchmark a run, checkpoint or HF folder with lm-evaluation-harness (offline)",
+        "eval", help="benchmark a run, checkpoint or HF folder with lm-eval (offline)",
         description="Evaluates a kvtrain run / checkpoint (exported to Hugging Face format) or "
                     "a Hugging Face folder on lm-eval tasks, from local files only: lm-eval's "
                     "tasks whose datasets are in the local datasets cache, or task YAMLs in "
@@ -89,14 +89,16 @@ def run(args) -> int:
         record = make_record(args.source, src.checkpoint, src.iteration, src.hf_dir, spec, out)
         target = Path(args.out).expanduser() if args.out else None
         if target is None and src.run_dir is not None:
-            target = src.run_dir / EVAL_DIR / record_name(spec.tasks, src.iteration)
+            name = record_name(spec.tasks, src.iteration, spec.num_fewshot, spec.limit)
+            target = src.run_dir / EVAL_DIR / name
         print(render_table(out.tasks, out.n_samples))
         if target is not None:
             for path in write_record(target, record, out.samples):
                 print(f"kvtrain eval: wrote {path}")
         else:
-            print("kvtrain eval: results not saved (an HF folder has no run folder; use --out FILE)")
+            print("kvtrain eval: results not saved (an HF folder has no run folder: --out FILE)")
         if src.run_dir is not None and src.config is not None and not args.no_wandb:
-            print(f"kvtrain eval: {log_to_wandb(src.config, src.run_dir, src.iteration, out.tasks)}")
+            note = log_to_wandb(src.config, src.run_dir, src.iteration, out.tasks)
+            print(f"kvtrain eval: {note}")
     sys.stdout.flush()
     return 0

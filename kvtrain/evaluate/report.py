@@ -34,13 +34,20 @@ def make_record(source: str, checkpoint: Optional[Path], iteration: Optional[int
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def record_name(tasks: list[str], iteration: Optional[int]) -> str:
-    """``<task1>+<task2>-iter_0000100.json`` (a time stamp without an iteration)."""
+def record_name(tasks: list[str], iteration: Optional[int], num_fewshot: Optional[int] = None,
+                limit: Optional[float] = None) -> str:
+    """``<task1>+<task2>-iter_0000100[-5shot][-limit200].json`` (a time stamp
+    without an iteration): evaluations that differ in shots or limit keep apart."""
     joined = "+".join(re.sub(r"[^A-Za-z0-9_.-]", "_", t) for t in tasks)
     if len(joined) > 120:  # many tasks: keep the name a valid file name
         joined = joined[:100] + f"+{len(tasks)}tasks"
-    stamp = f"iter_{iteration:07d}" if iteration is not None else time.strftime("%Y%m%d-%H%M%S")
-    return f"{joined}-{stamp}.json"
+    parts = [joined, f"iter_{iteration:07d}" if iteration is not None
+             else time.strftime("%Y%m%d-%H%M%S")]
+    if num_fewshot is not None:
+        parts.append(f"{num_fewshot}shot")
+    if limit is not None:
+        parts.append(f"limit{limit:g}")
+    return "-".join(parts) + ".json"
 
 
 def write_record(path: Path, record: dict, samples: list[dict]) -> list[Path]:

@@ -117,7 +117,7 @@ def test_second_eval_reuses_the_export(evaluated, capsys):
                  str(evaluated["tasks"]), "--limit", "1", "--no-wandb", "--device", "cpu"])
     out = capsys.readouterr().out
     assert code == 0 and weights.stat().st_mtime_ns == before
-    assert (evaluated["run"] / "eval" / "kvt_ll-iter_0000000.json").exists()
+    assert (evaluated["run"] / "eval" / "kvt_ll-iter_0000000-limit1.json").exists()
     assert "kvt_ll" in out and "perplexity" in out  # the printed table
 
 
