@@ -3,7 +3,8 @@
 
 Benchmarks a model through lm-evaluation-harness, offline. A run folder or a
 checkpoint is exported to a Hugging Face folder first (cached under
-``RUN_DIR/eval/``); results go to ``RUN_DIR/eval/<tasks>-iter_XXXXXXX.json``,
+``RUN_DIR/eval/``); results go to ``RUN_DIR/eval/<tasks>-iter_XXXXXXX.json``
+(``-Kshot`` / ``-limitN`` added when given),
 the run's wandb run and a printed table. An HF folder is evaluated as it is
 (results printed, and written to ``--out FILE``).
 """
