@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "demo": "kvtrain.commands.demo",
     "export": "kvtrain.commands.export",
     "import": "kvtrain.commands.importer",
+    "eval": "kvtrain.commands.eval",
 }
 
 

@@ -1,0 +1,105 @@
+"""``kvtrain eval RUN_DIR|CHECKPOINT|HF_DIR --tasks T1,T2 [--num-fewshot K]
+[--limit N] [--include-path DIR] [--batch-size B] [--device cpu|cuda] [--dtype]``.
+
+Benchmarks a model through lm-evaluation-harness, offline. A run folder or a
+checkpoint is exported to a Hugging Face folder first (cached under
+``RUN_DIR/eval/``); results go to ``RUN_DIR/eval/<tasks>-iter_XXXXXXX.json``
+(``-Kshot`` / ``-limitN`` added when given),
+the run's wandb run and a printed table. An HF folder is evaluated as it is
+(results printed, and written to ``--out FILE``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="benchmark a run, checkpoint or HF folder with lm-eval (offline)",
+        description="Evaluates a kvtrain run / checkpoint (exported to Hugging Face format) or "
+                    "a Hugging Face folder on lm-eval tasks, from local files only: lm-eval's "
+                    "tasks whose datasets are in the local datasets cache, or task YAMLs in "
+                    "--include-path reading local json/csv files. Never downloads.",
+    )
+    p.add_argument("source", metavar="RUN_DIR|CHECKPOINT|HF_DIR")
+    p.add_argument("--tasks", required=True, metavar="T1,T2",
+                   help="lm-eval task, group or tag names, comma separated")
+    p.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                   help="few-shot examples (default: each task's own, else 0)")
+    p.add_argument("--limit", type=float, default=None, metavar="N",
+                   help="examples per task (below 1: a fraction); for quick checks")
+    p.add_argument("--include-path", default=None, metavar="DIR",
+                   help="folder of extra task YAMLs (local datasets)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="weights of the export and of the evaluated model (default fp32)")
+    p.add_argument("--bootstrap-iters", type=int, default=1000, metavar="N",
+                   help="bootstrap resamples for the stderr of non-mean metrics (0: none)")
+    p.add_argument("--log-samples", action="store_true",
+                   help="also write every request's log-likelihoods (<record>.samples.jsonl)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="results JSON (default: RUN_DIR/eval/<tasks>-iter_XXXXXXX.json)")
+    p.add_argument("--no-wandb", action="store_true", help="do not log to the run's wandb run")
+    p.set_defaults(func=run)
+
+
+def _spec(args):
+    from kvtrain.config import ConfigError
+    from kvtrain.evaluate.harness import EvalSpec
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ConfigError(f"--tasks {args.tasks!r}: no task names")
+    if args.limit is not None and args.limit <= 0:
+        raise ConfigError(f"--limit {args.limit}: must be positive")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size}: must be at least 1")
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    include = Path(args.include_path).expanduser() if args.include_path else None
+    if include is not None and not include.is_dir():
+        raise ConfigError(f"--include-path {include}: no such folder")
+    return EvalSpec(tasks=tasks, num_fewshot=args.num_fewshot, limit=limit,
+                    include_path=include, batch_size=args.batch_size,
+                    device=args.device or _default_device(), dtype=args.dtype,
+                    bootstrap_iters=args.bootstrap_iters, log_samples=args.log_samples)
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run(args) -> int:
+    from kvtrain.evaluate.harness import import_harness, load_tasks, run_harness
+    from kvtrain.evaluate.report import (
+        EVAL_DIR, log_to_wandb, make_record, record_name, render_table, write_record,
+    )
+    from kvtrain.evaluate.source import prepared
+
+    spec = _spec(args)
+    import_harness()  # the extra, before any export; the offline switches, before any HF import
+    # unknown task, missing dataset: one line, before any export or model
+    loaded = load_tasks(spec.tasks, spec.include_path)
+    with prepared(args.source, spec.dtype) as src:
+        out = run_harness(src.hf_dir, spec, loaded)
+        record = make_record(args.source, src.checkpoint, src.iteration, src.hf_dir, spec, out)
+        target = Path(args.out).expanduser() if args.out else None
+        if target is None and src.run_dir is not None:
+            name = record_name(spec.tasks, src.iteration, spec.num_fewshot, spec.limit)
+            target = src.run_dir / EVAL_DIR / name
+        print(render_table(out.tasks, out.n_samples))
+        if target is not None:
+            for path in write_record(target, record, out.samples):
+                print(f"kvtrain eval: wrote {path}")
+        else:
+            print("kvtrain eval: results not saved (an HF folder has no run folder: --out FILE)")
+        if src.run_dir is not None and src.config is not None and not args.no_wandb:
+            note = log_to_wandb(src.config, src.run_dir, src.iteration, out.tasks)
+            print(f"kvtrain eval: {note}")
+    sys.stdout.flush()
+    return 0

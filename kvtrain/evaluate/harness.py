@@ -1,0 +1,262 @@
+"""lm-evaluation-harness as a library, fully offline, on a Hugging Face folder.
+
+Everything runs from local files: the Hugging Face switches that forbid the hub
+are set before lm-eval, ``datasets`` or ``transformers`` are imported (and in
+their modules when something imported them earlier), tasks come from lm-eval's
+own task folder or ``--include-path`` folders of task YAMLs (``dataset_path:
+json`` with local ``data_files``, or a dataset already in the local datasets
+cache). A task that cannot be loaded is reported in one line naming the task
+and its dataset (``ConfigError``), before any model is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from kvtrain.config import ConfigError, first_line
+from kvtrain.hf import HF_EXTRA
+
+# every switch the Hugging Face libraries read to stay off the network
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_EVALUATE_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> transformers' name
+
+
+@dataclass
+class EvalSpec:
+    """What to evaluate and how (the command line of ``kvtrain eval``)."""
+
+    tasks: list[str]
+    num_fewshot: Optional[int] = None
+    limit: Optional[float] = None  # examples per task; < 1: a fraction
+    include_path: Optional[Path] = None
+    batch_size: int = 8
+    device: str = "cpu"
+    dtype: str = "fp32"
+    bootstrap_iters: int = 1000  # stderr of non-mean metrics (perplexity); 0: none
+    log_samples: bool = False
+    seed: int = 1234
+
+    def as_record(self) -> dict[str, Any]:
+        """The settings saved next to the results."""
+        return {"tasks": list(self.tasks), "num_fewshot": self.num_fewshot, "limit": self.limit,
+                "include_path": str(self.include_path) if self.include_path else None,
+                "batch_size": self.batch_size, "device": self.device, "dtype": self.dtype,
+                "bootstrap_iters": self.bootstrap_iters, "seed": self.seed}
+
+
+@dataclass
+class EvalOutput:
+    """lm-eval's answer, reduced to what kvtrain keeps."""
+
+    tasks: dict[str, dict[str, float]]  # task (or group) -> metric -> value
+    n_samples: dict[str, int]  # task -> examples evaluated
+    n_shot: dict[str, int]
+    versions: dict[str, Any]
+    samples: list[dict] = field(default_factory=list)  # per request, with log_samples
+    lm_eval_version: str = ""
+
+
+def go_offline() -> None:
+    """Sets the Hugging Face offline switches for this process. The libraries
+    read them at import, so modules already imported are switched too."""
+    os.environ.update(OFFLINE_ENV)
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:
+        hub.HF_HUB_OFFLINE = True
+    datasets_config = sys.modules.get("datasets.config")
+    if datasets_config is not None:
+        datasets_config.HF_HUB_OFFLINE = True
+        datasets_config.HF_DATASETS_OFFLINE = True
+
+
+def import_harness():
+    """lm_eval, offline; ConfigError naming the extra when it is not installed."""
+    go_offline()
+    try:
+        import lm_eval
+        import lm_eval.models.huggingface  # noqa: F401 (HFLM; imports transformers, accelerate)
+    except ImportError as e:
+        raise ConfigError(f"kvtrain eval needs lm-evaluation-harness and transformers "
+                          f"({first_line(e)}): {HF_EXTRA}") from None
+    # lm-eval logs every request batch at INFO; its warnings stay visible
+    logging.getLogger("lm-eval").setLevel(logging.WARNING)
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    return lm_eval
+
+
+@functools.lru_cache(maxsize=4)
+def task_manager(include_path: Optional[Path] = None, defaults: bool = True):
+    """lm-eval's task index (its own tasks when ``defaults``, + ``include_path``):
+    built once per process and folders, since indexing lm-eval's ~15k task YAMLs
+    takes seconds (tens on a loaded machine)."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not Path(include_path).is_dir():
+        raise ConfigError(f"--include-path {include_path}: no such folder")
+    return TaskManager(include_path=str(include_path) if include_path else None,
+                       include_defaults=defaults)
+
+
+class UnknownTask(ConfigError):
+    """A task name no index knows."""
+
+
+def _dataset_of(manager, name: str) -> str:
+    """The dataset a task names in its YAML (path, name, data files), for messages."""
+    entry = manager.task_index.get(name)
+    cfg = (getattr(entry, "cfg", None) or {}) if entry is not None else {}
+    if not cfg.get("dataset_path"):
+        return ""
+    parts = [str(cfg["dataset_path"])]
+    if cfg.get("dataset_name"):
+        parts.append(f"name {cfg['dataset_name']}")
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+    if files:
+        parts.append(f"data_files {json.dumps(files)}")
+    return " ".join(parts)
+
+
+def _unavailable(manager, name: str, error: Exception) -> ConfigError:
+    """The one line for a task whose dataset could not be read offline."""
+    dataset = _dataset_of(manager, name)
+    what = f"dataset {dataset}" if dataset else "its dataset"
+    if isinstance(error, ConnectionError) or "offline" in str(error).lower():
+        why = "not in the local datasets cache (kvtrain eval never downloads)"
+    else:
+        why = first_line(error)
+    return ConfigError(f"task '{name}': {what} is not available offline: {why}")
+
+
+@contextlib.contextmanager
+def _errors_only(logger: str = "lm_eval") -> Iterator[None]:
+    """lm-eval logs at WARNING every default it fills into a task's metrics while
+    building tasks; a refused task must be one line, so only errors show here."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _build(manager, names: list[str]) -> list:
+    """lm-eval Task / Group objects of ``names`` from ``manager`` (datasets read now)."""
+    loaded = []
+    for name in names:
+        try:
+            with _errors_only():
+                built = manager.load([name])
+        except KeyError:
+            where = (f"nor in --include-path {manager.include_path}" if manager.include_path
+                     else "(a local task needs --include-path DIR)")
+            raise UnknownTask(f"unknown task '{name}': not one of lm-eval's tasks {where}") \
+                from None
+        except Exception as e:  # datasets' errors have no common base: name the task
+            raise _unavailable(manager, name, e) from None
+        if name in built["groups"]:
+            loaded.append(built["groups"][name])
+        else:  # a task, or a tag naming several tasks
+            loaded.extend(built["tasks"].values())
+    return loaded
+
+
+def load_tasks(names: list[str], include_path: Optional[Path] = None) -> tuple[Any, list]:
+    """(the task index used, the Task / Group objects of ``names``), or
+    ConfigError naming the first task that is unknown or has no local data.
+
+    Tasks all found in ``include_path`` are loaded from an index of that folder
+    alone (lm-eval's own ~15k YAMLs are not indexed); otherwise, or when a local
+    group names lm-eval's tasks, from lm-eval's index + the folder."""
+    if include_path is not None:
+        local = task_manager(include_path, defaults=False)
+        if all(name in local.all_tasks for name in names):
+            try:
+                return local, _build(local, names)
+            except UnknownTask:
+                pass
+    full = task_manager(include_path, defaults=True)
+    return full, _build(full, names)
+
+
+def trusts_remote_code(hf_dir: Path) -> bool:
+    """kvtrain's KV-shift export ships its modeling code (``auto_map``); a stock
+    Llama folder does not and is loaded without running any folder code."""
+    try:
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{hf_dir}/config.json: cannot read it ({first_line(e)})") from None
+    return bool(config.get("auto_map"))
+
+
+def metrics_of(results: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """lm-eval's ``{task: {"acc,none": v, "alias": ...}}`` -> ``{task: {"acc": v}}``
+    (numbers only; a filter other than ``none`` stays in the name: ``acc/<filter>``)."""
+    out = {}
+    for task, values in results.items():
+        metrics = {}
+        for key, value in values.items():
+            if "," not in key or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            metric, filt = key.split(",", 1)
+            metrics[metric if filt == "none" else f"{metric}/{filt}"] = float(value)
+        out[task] = metrics
+    return out
+
+
+def _sample_record(task: str, sample: dict) -> dict:
+    """One evaluated example: its requests (context, continuation) and the
+    model's answers (log-likelihood, is-greedy) in request order."""
+    return {"task": task, "doc_id": sample.get("doc_id"), "target": sample.get("target"),
+            "arguments": [list(a) if isinstance(a, (list, tuple)) else a
+                          for a in sample.get("arguments", [])],
+            "resps": sample.get("resps"), "filtered_resps": sample.get("filtered_resps")}
+
+
+def _json_safe(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def run_harness(hf_dir: Path, spec: EvalSpec,
+                loaded: Optional[tuple[Any, list]] = None) -> EvalOutput:
+    """Evaluates the Hugging Face folder ``hf_dir`` on ``spec.tasks`` (``loaded``:
+    what ``load_tasks`` returned for them, when already called)."""
+    lm_eval = import_harness()
+    from lm_eval.models.huggingface import HFLM
+
+    # the tasks before the model: a refused task costs nothing
+    manager, tasks = loaded or load_tasks(spec.tasks, spec.include_path)
+    # logits_cache=False: lm-eval 0.4.13 scores requests whose context + continuation[:-1]
+    # coincide from one forward, but gathers a shorter continuation's log-probs at the
+    # longer one's first positions (wrong log-likelihoods, e.g. winogrande-like pairs)
+    lm = HFLM(pretrained=str(hf_dir), device=spec.device, dtype=DTYPES[spec.dtype],
+              batch_size=spec.batch_size, logits_cache=False,
+              trust_remote_code=trusts_remote_code(hf_dir))
+    answer = lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, num_fewshot=spec.num_fewshot, limit=spec.limit,
+        task_manager=manager, bootstrap_iters=spec.bootstrap_iters,
+        log_samples=spec.log_samples, random_seed=spec.seed, numpy_random_seed=spec.seed,
+        torch_random_seed=spec.seed, fewshot_random_seed=spec.seed)
+    samples = [_sample_record(task, s) for task, items in (answer.get("samples") or {}).items()
+               for s in items]
+    return EvalOutput(
+        tasks=metrics_of(answer["results"]),
+        n_samples={t: int(n.get("effective", 0)) if isinstance(n, dict) else int(n)
+                   for t, n in (answer.get("n-samples") or {}).items()},
+        n_shot={t: int(k) for t, k in (answer.get("n-shot") or {}).items()},
+        versions=_json_safe(answer.get("versions") or {}),
+        samples=_json_safe(samples),
+        lm_eval_version=getattr(lm_eval, "__version__", ""))
+
+
+__all__ = ["EvalOutput", "EvalSpec", "go_offline", "import_harness", "load_tasks",
+           "metrics_of", "run_harness", "task_manager", "trusts_remote_code", "UnknownTask"]

@@ -1,0 +1,139 @@
+"""What ``kvtrain eval`` evaluates: a Hugging Face folder as it is, or a
+kvtrain run / checkpoint exported to one first.
+
+A run's export is cached in ``RUN_DIR/eval/hf-iter_XXXXXXX-<dtype>/`` and
+reused while the checkpoint it came from is unchanged (a stamp records the
+checkpoint and its common state's size and mtime), so evaluating one
+checkpoint on several task lists exports it once. The export appears whole or
+not at all (``export_hf`` writes it aside and renames it), its stamp after it. A
+checkpoint outside any run folder is exported into a temporary folder that is
+removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from data_tools.fileio import atomic_write_text
+from kvtrain.config import ConfigError, RunConfig
+
+EVAL_DIR = "eval"  # inside a run folder: results and the cached export
+STAMP = "kvtrain_eval_source.json"  # in a cached export: the checkpoint it came from
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass
+class Source:
+    """A model ready for lm-eval, and the kvtrain run it belongs to (if any)."""
+
+    hf_dir: Path
+    run_dir: Optional[Path] = None  # results and wandb go there
+    checkpoint: Optional[Path] = None
+    iteration: Optional[int] = None
+    config: Optional[RunConfig] = None  # the run config the checkpoint was saved with
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A Hugging Face model folder (config.json) rather than a kvtrain run."""
+    return (path / "config.json").is_file()
+
+
+def check_tokenizer(hf_dir: Path) -> None:
+    """lm-eval scores text: a folder without tokenizer files is refused in one line."""
+    if not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{hf_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}): "
+                          "lm-eval scores text")
+
+
+def exported_from(hf_dir: Path) -> tuple[Optional[Path], Optional[int]]:
+    """(checkpoint, iteration) a kvtrain export records (``kvtrain_export.json``);
+    (None, None) for any other folder. Results of an HF folder still go only to
+    ``--out``: the export may live far from its run."""
+    from kvtrain.hf.export import RECORD
+
+    try:
+        record = json.loads((hf_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return None, None
+    checkpoint, iteration = record.get("checkpoint"), record.get("iteration")
+    return (Path(checkpoint) if checkpoint else None,
+            int(iteration) if isinstance(iteration, int) else None)
+
+
+def run_folder_of(named: Path, checkpoint: Path) -> Optional[Path]:
+    """The run folder results go to: the folder the user named when it is not
+    the checkpoint itself, else the run holding ``<run>/checkpoints/iter_*``."""
+    if named.resolve() != checkpoint.resolve():
+        return named
+    run = checkpoint.parent.parent
+    return run if (run / "config.yaml").is_file() else None
+
+
+def _stamp_of(checkpoint: Path, dtype: str) -> dict:
+    common = checkpoint / "common.pt"
+    stat = common.stat() if common.exists() else None
+    return {"checkpoint": str(checkpoint.resolve()), "dtype": dtype,
+            "common_size": stat.st_size if stat else None,
+            "common_mtime_ns": stat.st_mtime_ns if stat else None}
+
+
+def _cached(folder: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((folder / STAMP).read_text()) == stamp and is_hf_folder(folder)
+    except (OSError, ValueError):
+        return False
+
+
+def _export(checkpoint: Path, out_dir: Path, dtype: str) -> Path:
+    """The checkpoint as a Hugging Face folder (``kvtrain.hf.export``, atomic)."""
+    from kvtrain.hf.export import export_hf
+
+    return Path(export_hf(checkpoint, out_dir, dtype=dtype, force=True))
+
+
+def cached_export(checkpoint: Path, iteration: int, run_dir: Path, dtype: str) -> Path:
+    """``RUN_DIR/eval/hf-iter_XXXXXXX-<dtype>``: reused while its stamp matches the
+    checkpoint, else exported (replacing a stale one) and stamped."""
+    final = run_dir / EVAL_DIR / f"hf-iter_{iteration:07d}-{dtype}"
+    stamp = _stamp_of(checkpoint, dtype)
+    if _cached(final, stamp):
+        return final
+    _export(checkpoint, final, dtype)  # written aside and renamed into place whole
+    # the stamp last: an export without it is redone next time
+    atomic_write_text(final / STAMP, json.dumps(stamp, indent=1) + "\n")
+    return final
+
+
+@contextlib.contextmanager
+def prepared(source: str | Path, dtype: str) -> Iterator[Source]:
+    """The ``Source`` that ``source`` names (an HF folder, a run folder, a
+    checkpoint), exported when needed; a temporary export is removed on exit."""
+    named = Path(source).expanduser()
+    if is_hf_folder(named):
+        check_tokenizer(named)
+        yield Source(named, None, *exported_from(named))
+        return
+    from kvtrain.inference.loading import find_checkpoint, saved_config
+
+    checkpoint = find_checkpoint(named)  # ConfigError: one line
+    cfg, iteration = saved_config(checkpoint)
+    if not cfg.data.tokenizer:  # before the export: its folder would have no tokenizer
+        raise ConfigError(f"{checkpoint}: the run has no tokenizer (data.tokenizer is unset; "
+                          "it was trained on token ids) and lm-eval scores text")
+    run_dir = run_folder_of(named, checkpoint)
+    if run_dir is not None:
+        hf_dir = cached_export(checkpoint, iteration, run_dir, dtype)
+        yield Source(hf_dir, run_dir, checkpoint, iteration, cfg)
+        return
+    with tempfile.TemporaryDirectory(prefix="kvtrain-eval-") as tmp:
+        hf_dir = _export(checkpoint, Path(tmp) / "hf", dtype)
+        yield Source(hf_dir, None, checkpoint, iteration, cfg)
+
+
+__all__ = ["EVAL_DIR", "STAMP", "Source", "cached_export", "check_tokenizer", "is_hf_folder",
+           "prepared", "run_folder_of"]

@@ -1,0 +1,117 @@
+"""``kvtrain eval`` on a Hugging Face folder: lm-evaluation-harness on two local
+tasks (multiple choice, loglikelihood), offline end to end; its log-likelihoods
+equal the model's own forward; refused tasks in one line.
+
+The model is a tiny random ``LlamaForCausalLM`` with a BPE tokenizer trained
+here (no download); the tasks are YAMLs in an include folder reading JSONL
+files written here. Everything runs in this process (lm-eval's import and task
+index are paid once); sockets are watched so that any network attempt fails
+the test.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from kvtrain.cli import main
+
+from .helpers import LL, MC, NetworkWatch, check_samples, read_samples, tiny_hf_llama, write_tasks
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("eval")
+    return {"root": root, "hf": tiny_hf_llama(root / "hf"), "tasks": write_tasks(root)}
+
+
+def kvtrain_eval(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(["eval", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def evaluated(local, tmp_path_factory):
+    """One ``kvtrain eval`` of the HF folder on the group of both tasks, with the
+    network watched."""
+    mp = pytest.MonkeyPatch()
+    watch = NetworkWatch(mp)
+    out = tmp_path_factory.mktemp("eval_out") / "results.json"
+    try:
+        code = main(["eval", str(local["hf"]), "--tasks", "kvt_grp", "--include-path",
+                     str(local["tasks"]), "--batch-size", "2", "--device", "cpu",
+                     "--log-samples", "--out", str(out)])
+    finally:
+        mp.undo()
+    return {"code": code, "out": out, "attempts": watch.attempts}
+
+
+def test_eval_runs_offline_end_to_end(evaluated):
+    assert evaluated["code"] == 0
+    assert evaluated["attempts"] == []
+    record = json.loads(evaluated["out"].read_text())
+    assert set(record["tasks"]) == {"kvt_grp", "kvt_mc", "kvt_ll"}
+    acc = {t: record["tasks"][t]["acc"] for t in record["tasks"]}
+    assert acc["kvt_grp"] == pytest.approx((acc["kvt_mc"] * len(MC) + acc["kvt_ll"] * len(LL))
+                                           / (len(MC) + len(LL)))
+    assert record["n_samples"] == {"kvt_mc": len(MC), "kvt_ll": len(LL)}
+    assert {"acc", "acc_stderr"} <= set(record["tasks"]["kvt_mc"])
+    assert {"perplexity", "acc"} <= set(record["tasks"]["kvt_ll"])
+    assert record["iteration"] is None and record["checkpoint"] is None
+    assert record["config"]["include_path"] and record["lm_eval_version"]
+
+
+def test_loglikelihoods_match_the_models_forward(evaluated, local):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(local["hf"], dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(local["hf"])
+    check_samples(read_samples(evaluated["out"]), json.loads(evaluated["out"].read_text()),
+                  lambda tokens: model(tokens).logits, tokenizer.encode)
+
+
+def test_missing_dataset_is_one_line(local, capsys, monkeypatch):
+    watch = NetworkWatch(monkeypatch)
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_mc,kvt_gone",
+                                   "--include-path", str(local["tasks"])], capsys)
+    assert code == 2 and watch.attempts == []
+    assert len(err.strip().splitlines()) == 1, err
+    assert "task 'kvt_gone'" in err and "gone.jsonl" in err and "Traceback" not in err
+
+
+def test_dataset_not_in_the_local_cache_is_one_line(local, capsys, monkeypatch):
+    """A task whose hub dataset is not cached: named, no download tried."""
+    watch = NetworkWatch(monkeypatch)
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_hub", "--include-path",
+                                   str(local["tasks"])], capsys)
+    assert code == 2 and watch.attempts == []
+    assert len(err.strip().splitlines()) == 1, err
+    assert ("task 'kvt_hub': dataset kvtrain-tests/never-cached is not available offline: "
+            "not in the local datasets cache") in err
+
+
+def test_unknown_task_is_one_line(local, capsys):
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_mc,no_such_task",
+                                   "--include-path", str(local["tasks"])], capsys)
+    assert code == 2
+    assert err.strip() == ("kvtrain: config error: unknown task 'no_such_task': not one of "
+                           f"lm-eval's tasks nor in --include-path {local['tasks']}")
+
+
+def test_folder_without_tokenizer_is_one_line(local, capsys, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((local["hf"] / "config.json").read_text())
+    code, out, err = kvtrain_eval([str(bare), "--tasks", "kvt_mc", "--include-path",
+                                   str(local["tasks"])], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no tokenizer files" in err
+
+
+def test_without_the_hf_extra_names_it(local, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval -> ImportError
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_mc"], capsys)
+    assert code == 2 and "pip install 'kvtrain[hf]'" in err and len(err.strip().splitlines()) == 1

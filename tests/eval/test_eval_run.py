@@ -1,0 +1,142 @@
+"""``kvtrain eval RUN_DIR``: a kvtrain run's checkpoint (KV shift, GQA, a
+sentencepiece tokenizer trained here) exported through ``kvtrain.hf`` and
+evaluated by lm-evaluation-harness on two local tasks; its log-likelihoods
+equal kvtrain's own forward of the checkpoint (``load_model``, the logits of
+the tokenizer's vocabulary), the results land in ``RUN_DIR/eval/`` and the
+run's wandb run, the export is cached, a run without a tokenizer is refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtrain.cli import main
+from kvtrain.config import KVShiftConfig, dump_yaml
+
+from ..hf.helpers import build, model_config, run_config
+from .helpers import LL, MC, WORDS, check_samples, read_samples, write_tasks
+
+SPM_VOCAB = 300  # byte fallback (256) + specials + a few merges
+RUN_ID = "evaltst1"
+
+
+def sentencepiece(root) -> str:
+    """A sentencepiece BPE tokenizer as ``kvtrain data train-tokenizer`` makes one."""
+    from data_tools import readers
+    from data_tools.train_tokenizer import train
+
+    text = root / "text.txt"
+    text.write_text("\n".join([WORDS] * 40))
+    train(readers.discover([str(text)]), str(root / "spm" / "tok"), SPM_VOCAB, log=lambda m: None)
+    return str(root / "spm" / "tok.model")
+
+
+def make_run(root, tokenizer, wandb: bool):
+    """``root``: config.yaml and checkpoints/iter_0000000 of a tiny KV-shift model."""
+    from kvtrain.hf.importer import save_weights
+
+    cfg = run_config(model_config(vocab_size=SPM_VOCAB,
+                                  kv_shift=KVShiftConfig(window=2, mode="gate")))
+    cfg.name = root.name
+    cfg.data.tokenizer = tokenizer
+    cfg.wandb.enabled, cfg.wandb.mode = wandb, "offline"
+    root.mkdir(parents=True)
+    (root / "config.yaml").write_text(dump_yaml(cfg))
+    if wandb:
+        (root / "wandb_run_id").write_text(RUN_ID + "\n")  # as the trainer left it
+    return save_weights(build(cfg), cfg, root / "checkpoints" / "iter_0000000")
+
+
+@pytest.fixture(scope="module")
+def evaluated(single_rank, tmp_path_factory):
+    """One ``kvtrain eval RUN_DIR`` on both tasks; what it logged to wandb."""
+    from kvtrain.backend import init_model_parallel
+    from kvtrain.train.wandb_logger import WandbLogger
+
+    init_model_parallel(1, 1)
+    root = tmp_path_factory.mktemp("eval_run")
+    run = root / "run"
+    checkpoint = make_run(run, sentencepiece(root), wandb=True)
+    logged = []
+    mp = pytest.MonkeyPatch()
+    real_log = WandbLogger.log
+    mp.setattr(WandbLogger, "log", lambda self, m: (logged.append(dict(m)), real_log(self, m)))
+    tasks = write_tasks(root)
+    try:
+        code = main(["eval", str(run), "--tasks", "kvt_mc,kvt_ll", "--include-path", str(tasks),
+                     "--batch-size", "2", "--device", "cpu", "--log-samples"])
+    finally:
+        mp.undo()
+    return {"code": code, "run": run, "checkpoint": checkpoint, "logged": logged,
+            "tasks": tasks, "root": root}
+
+
+def test_eval_of_a_run_writes_its_results(evaluated):
+    assert evaluated["code"] == 0
+    run = evaluated["run"]
+    record_file = run / "eval" / "kvt_mc+kvt_ll-iter_0000000.json"
+    record = json.loads(record_file.read_text())
+    assert record["checkpoint"] == str(evaluated["checkpoint"]) and record["iteration"] == 0
+    assert record["n_samples"] == {"kvt_mc": len(MC), "kvt_ll": len(LL)}
+    export = run / "eval" / "hf-iter_0000000-fp32"
+    assert record["hf_dir"] == str(export)
+    assert json.loads((export / "config.json").read_text())["auto_map"]  # the KV-shift code
+    # logged into the run's own wandb run, at the checkpoint's iteration
+    (metrics,) = evaluated["logged"]
+    assert metrics["iteration"] == 0
+    assert metrics["eval/kvt_mc/acc"] == record["tasks"]["kvt_mc"]["acc"]
+    assert metrics["eval/kvt_ll/perplexity"] == record["tasks"]["kvt_ll"]["perplexity"]
+    assert list((run / "wandb").glob(f"offline-run-*-{RUN_ID}"))
+
+
+def test_loglikelihoods_match_kvtrains_forward(evaluated):
+    from transformers import AutoTokenizer
+
+    from kvtrain.inference.loading import load_model
+
+    loaded = load_model(evaluated["checkpoint"], backend="local")
+    tokenizer = AutoTokenizer.from_pretrained(evaluated["run"] / "eval" / "hf-iter_0000000-fp32")
+
+    def logits_of(tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1])[None]
+        out = loaded.model(tokens, pos, None, runtime_gather_output=True)  # [1, s, V padded]
+        return out[..., :SPM_VOCAB]  # the export has the tokenizer's vocabulary only
+
+    record_file = evaluated["run"] / "eval" / "kvt_mc+kvt_ll-iter_0000000.json"
+    check_samples(read_samples(record_file), json.loads(record_file.read_text()), logits_of,
+                  tokenizer.encode)
+
+
+def test_second_eval_reuses_the_export(evaluated, capsys):
+    weights = evaluated["run"] / "eval" / "hf-iter_0000000-fp32" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    code = main(["eval", str(evaluated["checkpoint"]), "--tasks", "kvt_ll", "--include-path",
+                 str(evaluated["tasks"]), "--limit", "1", "--no-wandb", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0 and weights.stat().st_mtime_ns == before
+    assert (evaluated["run"] / "eval" / "kvt_ll-iter_0000000-limit1.json").exists()
+    assert "kvt_ll" in out and "perplexity" in out  # the printed table
+
+
+def test_export_folder_names_its_checkpoint(evaluated, tmp_path):
+    """An HF folder kvtrain exported: the record names the checkpoint and iteration."""
+    code = main(["eval", str(evaluated["run"] / "eval" / "hf-iter_0000000-fp32"), "--tasks",
+                 "kvt_ll", "--include-path", str(evaluated["tasks"]), "--limit", "1",
+                 "--device", "cpu", "--out", str(tmp_path / "r.json")])
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and record["iteration"] == 0
+    assert record["checkpoint"] == str(evaluated["checkpoint"])
+
+
+def test_run_without_tokenizer_is_one_line(evaluated, capsys):
+    make_run(evaluated["root"] / "ids_only", None, wandb=False)
+    capsys.readouterr()  # the build's own warnings are not the command's output
+    code = main(["eval", str(evaluated["root"] / "ids_only"), "--tasks", "kvt_ll",
+                 "--include-path", str(evaluated["tasks"])])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "the run has no tokenizer" in err
+    assert not (evaluated["root"] / "ids_only" / "eval").exists()  # refused before any export
