@@ -15,18 +15,14 @@ import contextlib
 import functools
 import json
 import logging
-import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from kvtrain.config import ConfigError, first_line
-from kvtrain.hf import HF_EXTRA
+from kvtrain.hf import HF_EXTRA, offline
 
 # every switch the Hugging Face libraries read to stay off the network
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "HF_EVALUATE_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> transformers' name
 
 
@@ -65,22 +61,9 @@ class EvalOutput:
     lm_eval_version: str = ""
 
 
-def go_offline() -> None:
-    """Sets the Hugging Face offline switches for this process. The libraries
-    read them at import, so modules already imported are switched too."""
-    os.environ.update(OFFLINE_ENV)
-    hub = sys.modules.get("huggingface_hub.constants")
-    if hub is not None:
-        hub.HF_HUB_OFFLINE = True
-    datasets_config = sys.modules.get("datasets.config")
-    if datasets_config is not None:
-        datasets_config.HF_HUB_OFFLINE = True
-        datasets_config.HF_DATASETS_OFFLINE = True
-
-
 def import_harness():
     """lm_eval, offline; ConfigError naming the extra when it is not installed."""
-    go_offline()
+    offline()
     try:
         import lm_eval
         import lm_eval.models.huggingface  # noqa: F401 (HFLM; imports transformers, accelerate)
@@ -258,5 +241,5 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
         lm_eval_version=getattr(lm_eval, "__version__", ""))
 
 
-__all__ = ["EvalOutput", "EvalSpec", "go_offline", "import_harness", "load_tasks",
+__all__ = ["EvalOutput", "EvalSpec", "import_harness", "load_tasks",
            "metrics_of", "run_harness", "task_manager", "trusts_remote_code", "UnknownTask"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 from kvtrain.config import ConfigError
 
@@ -22,11 +23,22 @@ def require_hf(what: str = "kvtrain export") -> None:
         raise ConfigError(f"{what} needs {' and '.join(missing)}: {HF_EXTRA}")
 
 
+# every Hugging Face library's switch: nothing from the hub, ever (all paths are local)
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_EVALUATE_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
 def offline() -> None:
-    """Nothing from the Hugging Face hub, ever (every path here is local)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    """Sets the Hugging Face offline switches for this process. The libraries
+    read them at import, so modules already imported are switched too."""
+    os.environ.update(OFFLINE_ENV)
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:
+        hub.HF_HUB_OFFLINE = True
+    datasets_config = sys.modules.get("datasets.config")
+    if datasets_config is not None:
+        datasets_config.HF_HUB_OFFLINE = True
+        datasets_config.HF_DATASETS_OFFLINE = True
 
 
-__all__ = ["HF_EXTRA", "offline", "require_hf"]
+__all__ = ["HF_EXTRA", "OFFLINE_ENV", "offline", "require_hf"]

@@ -30,7 +30,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from kvtrain.config import ConfigError, ModelConfig, RunConfig, apply_override, first_line, \
+from kvtrain.config import ConfigError, RunConfig, apply_override, first_line, \
     from_dict, read_yaml, to_dict
 
 # architecture keys: what the HF folder decides (``--set`` may not change them)
