@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "submit": "kvtrain.commands.submit",
     "experiment": "kvtrain.commands.experiment",
     "demo": "kvtrain.commands.demo",
+    "generate": "kvtrain.commands.generate",
 }
 
 
