@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "experiment": "kvtrain.commands.experiment",
     "demo": "kvtrain.commands.demo",
     "generate": "kvtrain.commands.generate",
+    "compare": "kvtrain.commands.compare",
 }
 
 
