@@ -79,9 +79,10 @@ def plot_differences(plt, runs: Sequence[RunData], path: Path) -> None:
         color = f"C{i}"
         train = difference(a.train, run.train)
         if train:
-            ax.plot(train.tokens, smooth(train.loss, _window(train)), color=color, lw=1.0,
-                    alpha=0.6, label=f"{run.label} - {a.label}, train "
-                                     f"(moving mean of {_window(train)})")
+            window = _window(train)
+            ax.plot(train.tokens, smooth(train.loss, window), color=color, lw=1.0, alpha=0.6,
+                    label=f"{run.label} - {a.label}, train"
+                          + (f" (moving mean of {window} logs)" if window > 1 else ""))
         valid = difference(a.valid, run.valid)
         if valid:
             ax.plot(valid.tokens, valid.loss, "-o", color=color, ms=3.5,

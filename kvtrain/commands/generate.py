@@ -75,6 +75,18 @@ def _write(path: str, results, loaded, options) -> None:
     print(f"kvtrain generate: wrote {len(results)} generations to {path}", flush=True)
 
 
+def check_tensor_parallel(cfg, world: int) -> None:
+    """Every rank is a tensor-parallel rank: the heads and KV heads must split evenly."""
+    from kvtrain.config import ConfigError
+
+    m = cfg.model
+    groups = m.kv_heads
+    if m.num_attention_heads % world or groups % world:
+        raise ConfigError(f"generation runs every rank as a tensor-parallel rank: the model's "
+                          f"{m.num_attention_heads} heads / {groups} KV heads do not divide by "
+                          f"{world} ranks")
+
+
 def run(args: argparse.Namespace) -> int:
     # Everything a user can get wrong is checked before torch/megatron are imported.
     from kvtrain.config import ConfigError
@@ -92,10 +104,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvtrain.inference.generate import PromptCodec, generate
-    from kvtrain.inference.loading import find_checkpoint, inference_process, load_model
+    from kvtrain.inference.loading import (find_checkpoint, inference_process, load_model,
+                                           saved_config)
 
-    find_checkpoint(args.source)  # a bad source: one line, before the process group
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    # a bad source or a TP size the model cannot split: one line, before the process group
+    check_tensor_parallel(saved_config(find_checkpoint(args.source))[0], world)
     inference_process(tensor=world)  # every rank is a tensor-parallel rank
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     loaded = load_model(args.source, backend=args.backend, dtype=dtype)

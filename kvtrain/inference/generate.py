@@ -241,9 +241,12 @@ def generate_ids(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
         # the rows past their prompt and not done; only they draw (a row's random
         # stream then depends on its own tokens alone, not on the batch)
         rows = [i for i in range(b) if stop[i] is None and lengths[i] <= end]
-        last = logits[rows, -1, :vocab_size].float().cpu()  # [rows, V]
-        chosen = _same_on_tp_ranks(choose_tokens(last, options, [generators[i] for i in rows]))
-        for i, token in zip(rows, chosen.tolist()):
+        chosen: list[int] = []
+        if rows:  # none while the rows left are all still inside their prompts
+            last = logits[rows, -1, :vocab_size].float().cpu()  # [rows, V]
+            picked = choose_tokens(last, options, [generators[i] for i in rows])
+            chosen = _same_on_tp_ranks(picked.to(device)).tolist()  # NCCL: device tensors
+        for i, token in zip(rows, chosen):
             tokens[i, end] = token
             if options.stop_at_eod and token == eod:
                 stop[i] = "eod"

@@ -183,3 +183,30 @@ def test_text_prompts_through_the_tokenizer(mp1, arm_runs, tmp_path):
     assert g.prompt_tokens == [2] + codec.tokenizer.encode("the cat sat")
     assert len(g.tokens) == 5 and all(0 <= t < 64 for t in g.tokens)
     assert g.text == codec.tokenizer.decode(g.tokens)
+
+
+def test_tensor_parallel_size_must_split_the_heads():
+    from kvtrain.commands.generate import check_tensor_parallel
+    from kvtrain.config import ConfigError, RunConfig
+    from kvtrain.config.model import ModelConfig
+
+    cfg = RunConfig(model=ModelConfig(num_attention_heads=4, num_query_groups=2))
+    check_tensor_parallel(cfg, 2)
+    with pytest.raises(ConfigError, match="4 heads / 2 KV heads do not divide by 4 ranks"):
+        check_tensor_parallel(cfg, 4)
+
+
+def test_rows_waiting_in_their_prompt_while_the_others_are_done(mp1, arm_runs):
+    """A short prompt done before a long one leaves its prompt: steps with no row
+    to draw for (sampling used to fail on them)."""
+    from kvtrain.inference.generate import SamplingOptions, generate_ids
+
+    loaded, codec = load(arm_runs["kv_shift"])
+    prompts = [[5], list(range(20, 30))]
+    for opts in (SamplingOptions(max_new_tokens=1, stop_at_eod=False),
+                 SamplingOptions(max_new_tokens=1, temperature=1.0, stop_at_eod=False)):
+        batch = generate_ids(loaded.model, prompts, opts, codec.eod, codec.vocab_size)
+        assert [len(t) for t, _ in batch] == [1, 1]
+        alone = generate_ids(loaded.model, prompts[1:], opts, codec.eod, codec.vocab_size,
+                             first_index=1)
+        assert batch[1] == alone[0]
