@@ -25,6 +25,8 @@ SUBCOMMANDS = {
     "export": "kvtrain.commands.export",
     "import": "kvtrain.commands.importer",
     "eval": "kvtrain.commands.eval",
+    "generate": "kvtrain.commands.generate",
+    "compare": "kvtrain.commands.compare",
 }
 
 

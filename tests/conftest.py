@@ -38,3 +38,30 @@ def mp1(single_rank):
     init_model_parallel(1, 1)
     set_seed(1234)
     return single_rank
+
+
+# The two arms of the research loop, trained once per session for the tests of
+# generation (tests/inference) and of the comparison (tests/analysis).
+ARM_STEPS = 8
+
+
+@pytest.fixture(scope="session")
+def arm_runs(tmp_path_factory) -> dict:
+    """Tiny vanilla and KV-shift runs (mock data, same seed) trained by the real
+    trainer in one driver launch: ``{"vanilla": run_dir, "kv_shift": run_dir}``,
+    each with train, valid and kv_shift records and a checkpoint at ARM_STEPS."""
+    from tests.train.conftest import run_driver, tiny_config, write_config
+
+    root = tmp_path_factory.mktemp("arms")
+    jobs, runs = [], {}
+    for arm in ("vanilla", "kv_shift"):
+        cfg = tiny_config(None, root / "cache", model={"attention": arm},
+                          train={"max_steps": ARM_STEPS, "log_interval": 2, "eval_interval": 4,
+                                 "eval_iters": 1, "kv_shift_stats_interval": 4},
+                          checkpoint={"save_interval": ARM_STEPS})
+        runs[arm] = root / arm
+        jobs.append({"config": str(write_config(root / f"{arm}.yaml", cfg)),
+                     "run_dir": str(runs[arm])})
+    result = run_driver(jobs, root / "plan.json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return runs

@@ -1,45 +1,64 @@
-"""``kvtrain demo``: a small, real, end-to-end job on the CPU in a few minutes.
+"""``kvtrain demo``: the research loop, small and real, on the CPU in a few minutes.
 
 1. Data (into ``runs/demo/data``, reused when already there): with the data
    tools, a corpus of the Python standard library's docstrings
    (``kvtrain data demo-corpus``), a sentencepiece BPE tokenizer trained on it
    (``train-tokenizer``) and megatron ``.bin/.idx`` shards (``preprocess``).
    Without them, a synthetic structured token corpus (kvtrain.data.synthetic).
-2. Training: ``configs/demo.yaml`` (a 4-layer KV-shift model) on those shards,
-   with validation, KV-shift statistics, checkpoints, metrics.jsonl and an
-   offline wandb run in ``runs/demo``; one process, or ``--nproc N`` ranks
-   under torchrun.
-3. A summary: loss at the start and the end, validation loss, throughput.
+2. Two arms of ``configs/demo.yaml`` (a 4-layer model) on that data, same
+   seed, differing in ``model.attention`` only: ``runs/demo/vanilla`` and
+   ``runs/demo/kv_shift``, each a ``kvtrain train`` process (the command
+   printed, for rerunning by hand), side by side on a machine with the cores
+   for it (``--workers``), with validation, KV-shift statistics, checkpoints,
+   metrics.jsonl and an offline wandb run; ``--nproc N`` ranks per arm under
+   torchrun.
+3. ``kvtrain compare runs/demo/vanilla runs/demo/kv_shift --out
+   runs/demo/compare``: the report, its plots and the printed comparison.
 
-Every run starts fresh (the run folder is cleared, the data kept) unless
-``--resume`` is given.
+A rerun continues each arm where it stopped (``checkpoint.resume: auto``); a
+finished demo only prints its comparison again. ``--fresh`` starts the arms
+over (the data is kept).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 DEMO_VOCAB = 2048
 
 
+ARMS = ("vanilla", "kv_shift")  # the reference first: kvtrain compare's A
+
+
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="run the end-to-end CPU demo (data -> tokenizer -> training)")
+    p = sub.add_parser("demo", help="the research loop on the CPU: data -> vanilla and KV shift "
+                                    "side by side -> comparison")
     p.add_argument("--run-dir", default="runs/demo", metavar="DIR",
-                   help="run folder (default runs/demo); data goes to DIR/data")
+                   help="demo folder (default runs/demo): DIR/data, DIR/vanilla, DIR/kv_shift, "
+                        "DIR/compare")
     p.add_argument("--config", default=None, metavar="YAML", help="default: configs/demo.yaml")
-    p.add_argument("--nproc", type=int, default=1, help="ranks (torchrun) for the training")
+    p.add_argument("--nproc", type=int, default=1, help="ranks (torchrun) per arm")
+    p.add_argument("--workers", type=int, default=None,
+                   help="arms trained side by side (default: 2 when the machine has a core per "
+                        "rank of both arms, else 1)")
     p.add_argument("--steps", type=int, default=None, help="override train.max_steps")
-    p.add_argument("--resume", action="store_true", help="continue the previous demo run")
+    p.add_argument("--fresh", action="store_true",
+                   help="start both arms over (default: continue them; a finished demo only "
+                        "prints its comparison again)")
+    p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument("--synthetic", action="store_true",
                    help="use the synthetic corpus even when the data tools are available")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config overrides")
+                   help="extra config overrides (both arms)")
     p.set_defaults(func=run)
 
 
@@ -104,12 +123,13 @@ def _clear_run(run_dir: Path) -> None:
             path.unlink()
 
 
-def summarize(run_dir: Path, seconds: float) -> str:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def summarize(run_dir: Path) -> str:
+    """One arm's run in a few lines: loss from start to end, validation, speed."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
     train = [r for r in records if r.get("kind") == "train"]
     valid = [r for r in records if r.get("kind") == "valid"]
-    kv = [r for r in records if r.get("kind") == "kv_shift"]
-    lines = [f"kvtrain demo: done in {seconds:.0f} s; run folder {run_dir}"]
+    lines = [f"[{run_dir.name}] {run_dir}"]
     if train:
         speed = sorted(r["tokens_per_s"] for r in train)[len(train) // 2]
         lines.append(f"  train loss {train[0]['lm_loss']:.3f} (iter {train[0]['iteration']}) -> "
@@ -118,12 +138,79 @@ def summarize(run_dir: Path, seconds: float) -> str:
     if valid:
         lines.append(f"  validation loss {valid[-1]['val_loss']:.3f} "
                      f"(perplexity {valid[-1]['val_ppl']:.1f}) at iter {valid[-1]['iteration']}")
-    if kv:
-        quad = {k.rsplit('/', 1)[1]: v for k, v in kv[-1].items() if "/quadrant/" in k}
-        if quad:
-            lines.append(f"  KV-shift heads (Table 5 quadrants): {quad}")
-    lines.append(f"  files: config.yaml, metrics.jsonl, checkpoints/, wandb/ in {run_dir}")
     return "\n".join(lines)
+
+
+def arm_command(config: Path, run_dir: Path, arm: str, overrides: list[str],
+                nproc: int) -> list[str]:
+    """``kvtrain train CONFIG --run-dir DIR --set ...`` of one arm (torchrun for nproc > 1)."""
+    if nproc > 1:
+        from kvtrain.backend import free_port
+
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                    f"--master-port={free_port()}", "-m", "kvtrain.cli"]
+    else:
+        launcher = [sys.executable, "-m", "kvtrain.cli"]
+    sets = overrides + [f"model.attention={arm}", f"name=demo-{arm}", "wandb.group=demo"]
+    return launcher + ["train", str(config), "--run-dir", str(run_dir / arm)] + \
+        [x for o in sets for x in ("--set", o)]
+
+
+def _pump(arm: str, stream, lock: threading.Lock) -> None:
+    """Prints an arm's output line by line, each line tagged with the arm."""
+    for line in stream:
+        with lock:
+            print(f"[{arm:>8}] {line.rstrip()}", flush=True)
+
+
+def train_arms(commands: dict[str, list[str]], workers: int, threads: int) -> dict[str, int]:
+    """Runs the arms' commands, ``workers`` at a time; their exit codes. If this
+    process is interrupted, the running arms are stopped with it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")  # lines as they come
+    pending, running, codes = list(commands), {}, {}
+    lock = threading.Lock()
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                arm = pending.pop(0)
+                print("+ " + " ".join(commands[arm]), flush=True)
+                proc = subprocess.Popen(commands[arm], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, errors="replace")
+                pump = threading.Thread(target=_pump, args=(arm, proc.stdout, lock), daemon=True)
+                pump.start()
+                running[arm] = (proc, pump)
+            for arm, (proc, pump) in list(running.items()):
+                if proc.poll() is not None:
+                    pump.join()
+                    codes[arm] = proc.returncode
+                    del running[arm]
+            time.sleep(0.2)
+    finally:
+        for proc, _ in running.values():
+            proc.terminate()
+            proc.wait()
+    return codes
+
+
+def finished_at(config: Path, run_dir: Path, arm: str, overrides: list[str],
+                nproc: int) -> Optional[int]:
+    """The iteration of the arm's latest checkpoint when it has reached the arm's
+    ``train.max_steps`` (a rerun then has nothing to train), else None. Loads
+    the arm's config (no torch): a bad ``--set`` is one line before anything runs."""
+    from kvtrain.config import load_config
+    from kvtrain.train.integrity import iteration_of, read_tracker
+
+    cfg = load_config(config, overrides + [f"model.attention={arm}"], world_size=nproc)
+    latest, _ = read_tracker(Path(cfg.checkpoint.dir or run_dir / arm / "checkpoints"))
+    done = iteration_of(latest) if latest is not None else None
+    return done if done is not None and done >= cfg.train.max_steps else None
+
+
+def _workers(requested: Optional[int], nproc: int) -> int:
+    if requested is not None:
+        return max(1, min(requested, len(ARMS)))
+    return len(ARMS) if (os.cpu_count() or 1) >= len(ARMS) * nproc else 1
 
 
 def run(args) -> int:
@@ -133,32 +220,37 @@ def run(args) -> int:
     if not config.exists():
         print(f"kvtrain demo: config {config} not found (use --config)", file=sys.stderr)
         return 2
-    overrides = [f"run_dir={run_dir}"] + prepare_data(run_dir / "data", args.synthetic)
+    overrides = prepare_data(run_dir / "data", args.synthetic)
     if args.steps is not None:
         overrides.append(f"train.max_steps={args.steps}")
     overrides += args.overrides
-    if args.resume:
-        overrides.append("checkpoint.resume=auto")
-    else:
-        _clear_run(run_dir)
-    if args.nproc > 1:
-        from kvtrain.backend import free_port
+    if args.fresh:
+        for arm in ARMS:
+            _clear_run(run_dir / arm)
+    commands = {}
+    for arm in ARMS:
+        done = finished_at(config, run_dir, arm, overrides, args.nproc)
+        if done is None:
+            commands[arm] = arm_command(config, run_dir, arm, overrides, args.nproc)
+        else:
+            print(f"[{arm:>8}] already trained to iteration {done} ({run_dir / arm}; "
+                  f"--fresh starts over)", flush=True)
+    workers = min(_workers(args.workers, args.nproc), max(1, len(commands)))
+    threads = max(1, (os.cpu_count() or 1) // (workers * args.nproc))
+    codes = {arm: 0 for arm in ARMS if arm not in commands}
+    codes.update(train_arms(commands, workers, threads))
+    failed = [arm for arm in ARMS if codes.get(arm) != 0]
+    if failed:
+        print(f"kvtrain demo: the {', '.join(failed)} arm failed (exit "
+              f"{', '.join(str(codes.get(a)) for a in failed)}); its output is above "
+              f"(kvtrain demo --fresh starts the arms over)", file=sys.stderr)
+        return 1
+    from kvtrain.analysis.compare import compare
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-               f"--master-port={free_port()}", "-m", "kvtrain.cli", "train", str(config)]
-        for o in overrides:
-            cmd += ["--set", o]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        code = subprocess.run(cmd, env=env).returncode
-    else:
-        from kvtrain.commands.train import quiet_imports
-        from kvtrain.config import load_config
-
-        cfg = load_config(config, overrides, world_size=1)
-        quiet_imports()
-        from kvtrain.train import train
-
-        code = train(cfg, run_dir)
-    if code == 0 and (run_dir / "metrics.jsonl").exists():
-        print(summarize(run_dir, time.monotonic() - started), flush=True)
-    return code
+    _, text = compare([run_dir / arm for arm in ARMS], run_dir / "compare")
+    for arm in ARMS:
+        print(summarize(run_dir / arm), flush=True)
+    print(text, flush=True)
+    print(f"kvtrain demo: done in {time.monotonic() - started:.0f} s; comparison plot: "
+          f"{run_dir / 'compare' / 'loss.png'}", flush=True)
+    return 0

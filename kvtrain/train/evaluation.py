@@ -120,12 +120,15 @@ def shift_statistics(coefs: dict[int, dict[str, torch.Tensor]], iteration: int) 
     current token's key weight), ``alpha2`` the previous token's, and so on.
     Quadrants (KV shift of both K and V): over every KV head of every layer,
     how many have α1 > α2 and β1 > β2, etc. (Table 5: 50/17/9/52 of 128 heads
-    for the paper's 2.9B model).
+    for the paper's 2.9B model). ``kv_shift/coefficients`` holds every head's
+    coefficients, ``{"03": {"alpha": [[α1, α2], ...], "beta": ...}}``.
     """
     record: dict = {"kind": "kv_shift", "iteration": iteration}
     alpha_gt, beta_gt = [], []
+    heads: dict[str, dict[str, list]] = {}  # every head's coefficients (kvtrain compare's plots)
     for layer, tensors in coefs.items():
         for tensor, c in tensors.items():  # c: [kv_heads, w+1]
+            heads.setdefault(f"{layer:02d}", {})[GREEK[tensor]] = c.tolist()
             for i in range(c.shape[1]):
                 record[f"kv_shift/layer_{layer:02d}/{GREEK[tensor]}{i + 1}"] = float(c[:, i].mean())
         if "k" in tensors and "v" in tensors and tensors["k"].shape[1] > 1:
@@ -138,4 +141,6 @@ def shift_statistics(coefs: dict[int, dict[str, torch.Tensor]], iteration: int) 
         record["kv_shift/quadrant/a1>a2,b1<=b2"] = int((a & ~b).sum())
         record["kv_shift/quadrant/a1<=a2,b1<=b2"] = int((~a & ~b).sum())
         record["kv_shift/kv_heads"] = int(a.numel())
+    # {layer: {alpha|beta|gamma: [kv_heads][w+1]}}: a dict, so not sent to wandb as a metric
+    record["kv_shift/coefficients"] = heads
     return record

@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from .conftest import (
     by_iteration, finish, latest, metrics, run, run_driver, start, tiny_config, wait_for,
@@ -256,13 +257,24 @@ def test_async_save_from_an_unguarded_entry_script(tmp_path, cache_dir):
 
 @pytest.mark.slow
 def test_demo_command(tmp_path):
-    """``kvtrain demo`` (what ``make demo`` runs): data, tokenizer, shards, training."""
-    result = run(["demo", "--run-dir", str(tmp_path / "demo"), "--steps", "3",
-                  "--set", "train.log_interval=1", "--set", "wandb.enabled=false"], timeout=300)
+    """``kvtrain demo`` (what ``make demo`` runs): data, tokenizer, shards, the two
+    arms side by side, their comparison; a rerun finishes (continues) the arms."""
+    demo = tmp_path / "demo"
+    args = ["demo", "--run-dir", str(demo), "--steps", "3", "--set", "train.log_interval=1",
+            "--set", "train.eval_interval=3", "--set", "wandb.enabled=false"]
+    result = run(args, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "kvtrain demo: done in" in result.stdout
-    assert [r["iteration"] for r in metrics(tmp_path / "demo")] == [1, 2, 3]
-    assert latest(tmp_path / "demo") == "iter_0000003"
+    for arm in ("vanilla", "kv_shift"):
+        assert [r["iteration"] for r in metrics(demo / arm)] == [1, 2, 3]
+        assert latest(demo / arm) == "iter_0000003"
+        assert yaml.safe_load((demo / arm / "config.yaml").read_text())["model"]["attention"] == arm
+    assert f"comparison plot: {demo / 'compare' / 'loss.png'}" in result.stdout
+    assert (demo / "compare" / "report.md").is_file()
+    again = run(args, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("already trained to iteration 3") == 2
+    assert "kvtrain compare: A = vanilla" in again.stdout
 
 
 @pytest.mark.gpu

@@ -155,6 +155,9 @@ def test_table5_quadrants_and_layer_means():
     assert rec["kv_shift/quadrant/a1>a2,b1<=b2"] == 1 + 1
     assert rec["kv_shift/quadrant/a1<=a2,b1<=b2"] == 1 + 1
     assert rec["kv_shift/quadrant/a1<=a2,b1>b2"] == 1
+    # every head's coefficients, for kvtrain compare's per-layer distribution
+    assert rec["kv_shift/coefficients"]["02"]["alpha"] == k.flip(1).tolist()
+    assert rec["kv_shift/coefficients"]["01"]["beta"] == v.tolist()
 
 
 # ----------------------------------------------------------------------------- signals

@@ -1,0 +1,1 @@
+"""Reading finished runs and comparing them (``kvtrain compare``); imports no torch."""

@@ -1,0 +1,265 @@
+"""``kvtrain compare``: runs side by side, the paper's way (vanilla vs KV shift).
+
+The first run is the reference A; every other run B is compared with it:
+
+* final train / validation loss and their difference B - A;
+* "tokens for B to reach A's final validation loss": the first point where B's
+  validation curve (linear between evaluations) gets down to A's last
+  validation loss, and the speed-up = A's tokens / B's tokens ("not reached"
+  when B's curve never gets there);
+* for KV-shift runs, the paper's Table 5 quadrant counts (α1 vs α2 against
+  β1 vs β2 over all KV heads) and the coefficients per layer, from the latest
+  ``kv_shift`` statistics record;
+* evaluation results (``RUN/eval/*.json``) when present.
+
+Output: ``DIR/report.md`` with ``loss.png``, ``loss_difference.png`` and
+``kv_shift_coefficients.png``, ``DIR/summary.json``, and a printed summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional, Sequence
+
+from kvtrain.config import ConfigError
+
+from .runs import Curve, RunData, interpolate, read_run, unique_labels
+
+QUADRANTS = ("a1>a2,b1>b2", "a1<=a2,b1>b2", "a1>a2,b1<=b2", "a1<=a2,b1<=b2")
+
+
+def tokens_to_reach(curve: Curve, target: float) -> Optional[float]:
+    """Tokens at which ``curve`` first gets down to ``target`` (linear between
+    points; None if it never does)."""
+    pts = list(zip(curve.tokens, curve.loss))
+    for i, (tokens, loss) in enumerate(pts):
+        if loss <= target:
+            if i == 0:
+                return tokens
+            t0, l0 = pts[i - 1]
+            return t0 + (tokens - t0) * (l0 - target) / (l0 - loss)
+    return None
+
+
+def speedup(a: RunData, b: RunData) -> dict:
+    """B against A on the validation curves."""
+    out = {"target_loss": a.valid.final, "a_tokens": a.valid.tokens[-1] if a.valid else None,
+           "b_tokens": None, "speedup": None}
+    if not a.valid or not b.valid:
+        return out
+    reached = tokens_to_reach(b.valid, a.valid.final)
+    if reached is not None and reached > 0:
+        out.update(b_tokens=reached, speedup=out["a_tokens"] / reached)
+    return out
+
+
+def difference(a: Curve, b: Curve) -> Curve:
+    """B - A at A's tokens, where B's curve covers them (B linear in between)."""
+    diff = Curve()
+    for it, tokens, loss in zip(a.iterations, a.tokens, a.loss):
+        other = interpolate(tokens, b.tokens, b.loss)
+        if other is not None:
+            diff.iterations.append(it)
+            diff.tokens.append(tokens)
+            diff.loss.append(other - loss)
+    return diff
+
+
+def shift_summary(run: RunData) -> Optional[dict]:
+    """Quadrant counts, per-layer means and every head's coefficients of the
+    latest kv_shift record (None for a run without one)."""
+    rec = run.shift
+    if not rec:
+        return None
+    quadrants = {q: rec.get(f"kv_shift/quadrant/{q}") for q in QUADRANTS}
+    means: dict[str, dict[str, float]] = {}
+    for key, value in rec.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[1].startswith("layer_") and isinstance(value, (int, float)):
+            means.setdefault(parts[1][len("layer_"):], {})[parts[2]] = float(value)
+    heads = rec.get("kv_shift/coefficients")
+    return {"iteration": rec.get("iteration"), "kv_heads": rec.get("kv_shift/kv_heads"),
+            "quadrants": quadrants if all(isinstance(v, int) for v in quadrants.values()) else None,
+            "layer_means": dict(sorted(means.items())),
+            "heads": heads if isinstance(heads, dict) else None}
+
+
+def _fmt(value, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _tokens(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f}{unit}"
+    return f"{value:.0f}"
+
+
+def summarize(runs: Sequence[RunData]) -> dict:
+    """Everything the report says, as JSON-able data."""
+    a = runs[0]
+    out = {"reference": a.label, "runs": []}
+    for run in runs:
+        entry = {"label": run.label, "path": str(run.path), "attention": run.attention,
+                 "iterations": run.train.iterations[-1], "tokens": run.final_tokens,
+                 "train_loss": run.train.final, "val_loss": run.valid.final,
+                 "val_ppl": math.exp(min(run.valid.final, 80.0)) if run.valid else None,
+                 "kv_shift": shift_summary(run), "eval": run.evals, "notes": run.notes}
+        if run is not a:
+            entry["vs_reference"] = {
+                "train_loss_diff": _diff(run.train.final, a.train.final),
+                "val_loss_diff": _diff(run.valid.final, a.valid.final),
+                **speedup(a, run)}
+        out["runs"].append(entry)
+    return out
+
+
+def _diff(b: Optional[float], a: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else b - a
+
+
+def _speed_text(vs: dict, ref: str) -> str:
+    if vs.get("target_loss") is None:
+        return "no validation curve"
+    if vs["speedup"] is None:
+        return f"not reached (A = {ref} ends at {_fmt(vs['target_loss'])})"
+    return (f"{_tokens(vs['b_tokens'])} tokens vs {_tokens(vs['a_tokens'])}: "
+            f"{vs['speedup']:.2f}x")
+
+
+def loss_table(summary: dict) -> list[str]:
+    """The markdown table of the runs' final numbers."""
+    ref = summary["reference"]
+    lines = ["| run | attention | iterations | tokens | train loss | val loss | val ppl "
+             "| val loss - A | tokens to reach A's val loss |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in summary["runs"]:
+        vs = r.get("vs_reference")
+        delta = _fmt(vs["val_loss_diff"]) if vs else "(A)"
+        speed = _speed_text(vs, ref) if vs else "-"
+        lines.append(f"| {r['label']} | {r['attention']} | {r['iterations']} | "
+                     f"{_tokens(r['tokens'])} | {_fmt(r['train_loss'])} | {_fmt(r['val_loss'])} "
+                     f"| {_fmt(r['val_ppl'], 2)} | {delta} | {speed} |")
+    return lines
+
+
+def shift_tables(summary: dict) -> list[str]:
+    """Table 5 quadrants and per-layer coefficient means of each KV-shift run."""
+    lines = []
+    for r in summary["runs"]:
+        s = r["kv_shift"]
+        if not s:
+            continue
+        lines += ["", f"**{r['label']}** (iteration {s['iteration']}, {s['kv_heads']} KV heads)", ""]
+        if s["quadrants"]:
+            q = s["quadrants"]
+            lines += ["| | β1 > β2 | β1 ≤ β2 |", "|---|---:|---:|",
+                      f"| α1 > α2 | {q['a1>a2,b1>b2']} | {q['a1>a2,b1<=b2']} |",
+                      f"| α1 ≤ α2 | {q['a1<=a2,b1>b2']} | {q['a1<=a2,b1<=b2']} |", ""]
+        names = sorted({k for m in s["layer_means"].values() for k in m})
+        if names:
+            lines += ["| layer | " + " | ".join(names) + " |",
+                      "|---:|" + "---:|" * len(names)]
+            for layer, m in s["layer_means"].items():
+                lines.append(f"| {layer} | " + " | ".join(_fmt(m.get(n), 3) for n in names) + " |")
+    return lines
+
+
+def eval_table(summary: dict) -> list[str]:
+    """task / metric rows, one column per run; empty when no run has results."""
+    keys = sorted({(t, m) for r in summary["runs"] for t, ms in r["eval"].items() for m in ms})
+    if not keys:
+        return []
+    runs = summary["runs"]
+    lines = ["| task | metric | " + " | ".join(r["label"] for r in runs) + " |",
+             "|---|---|" + "---:|" * len(runs)]
+    for task, metric in keys:
+        values = [_fmt(r["eval"].get(task, {}).get(metric)) for r in runs]
+        lines.append(f"| {task} | {metric} | " + " | ".join(values) + " |")
+    return lines
+
+
+def report_markdown(summary: dict, plots: dict[str, str]) -> str:
+    """``report.md``: the tables and the plots (``plots``: title -> file name)."""
+    lines = ["# kvtrain compare", "",
+             f"Reference A: **{summary['reference']}**. Losses are the last logged train loss "
+             "and the last validation loss; \"tokens to reach A's val loss\" reads each run's "
+             "validation curve (linear between evaluations) at A's final validation loss; the "
+             "speed-up is A's tokens over that.", ""]
+    lines += loss_table(summary)
+    for title, name in plots.items():
+        lines += ["", f"## {title}", "", f"![{title}]({name})"]
+    shift = shift_tables(summary)
+    if shift:
+        lines += ["", "## KV shift coefficients (paper Table 5 quadrants; per-layer means)"]
+        lines += shift
+    evals = eval_table(summary)
+    if evals:
+        lines += ["", "## Evaluation", ""] + evals
+    notes = [n for r in summary["runs"] for n in r["notes"]]
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def printed_summary(summary: dict, out: Path, plots: dict[str, str]) -> str:
+    """The lines ``kvtrain compare`` prints."""
+    ref = summary["reference"]
+    lines = ["kvtrain compare: A = " + ref]
+    for r in summary["runs"]:
+        line = (f"  {r['label']:<20} {r['attention']:<9} {_tokens(r['tokens']):>8} tokens  "
+                f"train {_fmt(r['train_loss'])}  val {_fmt(r['val_loss'])}")
+        vs = r.get("vs_reference")
+        if vs:
+            line += f"  (val - A {_fmt(vs['val_loss_diff'])}; to reach A: {_speed_text(vs, ref)})"
+        lines.append(line)
+        s = r["kv_shift"]
+        if s and s["quadrants"]:
+            lines.append(f"  {'':<20} Table 5 quadrants: {s['quadrants']}")
+    lines.append(f"  report: {out / 'report.md'}")
+    for name in plots.values():
+        lines.append(f"  plot:   {out / name}")
+    return "\n".join(lines)
+
+
+def compare(paths: Sequence[str | Path], out: Optional[str | Path] = None) -> tuple[dict, str]:
+    """Reads the runs, writes the report into ``out`` (default: ``compare/`` in
+    the runs' common parent folder); returns (summary, printed text)."""
+    from data_tools.fileio import atomic_write_text
+
+    from .plots import write_plots
+
+    if len(paths) < 2:
+        raise ConfigError("kvtrain compare needs at least two run folders")
+    paths = [Path(p).expanduser() for p in paths]
+    runs = [read_run(p, label) for p, label in zip(paths, unique_labels(paths))]
+    out = Path(out) if out else _common_parent(paths) / "compare"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create it ({e.strerror})") from None
+    summary = summarize(runs)
+    plots = write_plots(runs, out)
+    atomic_write_text(out / "report.md", report_markdown(summary, plots))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    return summary, printed_summary(summary, out, plots)
+
+
+def _common_parent(paths: Sequence[Path]) -> Path:
+    parents = [p.resolve().parent for p in paths]
+    common = parents[0]
+    while not all(common == p or common in p.parents for p in parents):
+        common = common.parent
+    return common if len(common.parts) > 1 else Path.cwd()
+
+
+__all__ = ["compare", "difference", "report_markdown", "shift_summary", "speedup", "summarize",
+           "tokens_to_reach"]

@@ -1,0 +1,163 @@
+"""The PNGs of ``kvtrain compare`` (matplotlib, Agg backend; written atomically)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from kvtrain.config import ConfigError
+
+from .runs import Curve, RunData
+
+LOSS = "loss.png"
+DIFFERENCE = "loss_difference.png"
+COEFFICIENTS = "kv_shift_coefficients.png"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("kvtrain compare draws with matplotlib, which is not installed: "
+                          "pip install -e '.[dev]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    from data_tools.fileio import atomic_open
+
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (train losses are per-step noisy)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _window(curve: Curve) -> int:
+    return max(1, len(curve) // 20)
+
+
+def plot_losses(plt, runs: Sequence[RunData], path: Path) -> None:
+    """Train (thin) and validation (markers) loss against tokens, one color per run."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, run in enumerate(runs):
+        color = f"C{i}"
+        ax.plot(run.train.tokens, run.train.loss, color=color, lw=0.8, alpha=0.45,
+                label=f"{run.label} train")
+        if run.valid:
+            ax.plot(run.valid.tokens, run.valid.loss, "-o", color=color, ms=3.5, lw=1.6,
+                    label=f"{run.label} validation")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss")
+    ax.set_title("loss against tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_differences(plt, runs: Sequence[RunData], path: Path) -> None:
+    """B - A against tokens: validation (markers) and smoothed train loss."""
+    from .compare import difference
+
+    a = runs[0]
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    ax.axhline(0.0, color="grey", lw=0.8)
+    for i, run in enumerate(runs[1:], start=1):
+        color = f"C{i}"
+        train = difference(a.train, run.train)
+        if train:
+            window = _window(train)
+            ax.plot(train.tokens, smooth(train.loss, window), color=color, lw=1.0, alpha=0.6,
+                    label=f"{run.label} - {a.label}, train"
+                          + (f" (moving mean of {window} logs)" if window > 1 else ""))
+        valid = difference(a.valid, run.valid)
+        if valid:
+            ax.plot(valid.tokens, valid.loss, "-o", color=color, ms=3.5,
+                    label=f"{run.label} - {a.label}, validation")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss difference (below 0: better than A)")
+    ax.set_title(f"loss difference against {a.label}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def _head_values(summary: dict, greek: str, index: int) -> dict[int, list[float]]:
+    """{layer: values of coefficient ``index`` over the layer's heads}, or the
+    layer means when the record has no per-head values."""
+    out: dict[int, list[float]] = {}
+    if summary.get("heads"):
+        for layer, tensors in summary["heads"].items():
+            rows = tensors.get(greek) or []
+            values = [row[index] for row in rows if len(row) > index]
+            if values:
+                out[int(layer)] = values
+        return out
+    for layer, means in summary["layer_means"].items():
+        if f"{greek}{index + 1}" in means:
+            out[int(layer)] = [means[f"{greek}{index + 1}"]]
+    return out
+
+
+def plot_coefficients(plt, runs: Sequence[tuple[RunData, dict]], path: Path) -> None:
+    """Per layer, every KV head's coefficients (α: K, β: V; 1 = current token,
+    2 = previous, ...), one row of panels per KV-shift run."""
+    greeks = ["alpha", "beta", "gamma"]
+    present = [g for g in greeks if any(_head_values(s, g, 0) for _, s in runs)]
+    fig, axes = plt.subplots(len(runs), len(present), squeeze=False,
+                             figsize=(4.2 * len(present), 3.4 * len(runs)))
+    for row, (run, summary) in enumerate(runs):
+        for col, greek in enumerate(present):
+            ax = axes[row][col]
+            for index in range(4):
+                values = _head_values(summary, greek, index)
+                if not values:
+                    break
+                offset = (index - 0.5) * 0.18
+                name = f"{greek}{index + 1} " + ("(token t)" if index == 0 else f"(token t-{index})")
+                for layer, vs in values.items():
+                    ax.scatter([layer + offset] * len(vs), vs, s=14, color=f"C{index}",
+                               alpha=0.7, label=name if layer == min(values) else None)
+            ax.axhline(0.0, color="grey", lw=0.6)
+            ax.set_xticks(sorted(int(layer) for layer in summary["layer_means"]))
+            ax.set_xlabel("layer (one point per KV head)")
+            ax.set_title(f"{run.label}: {greek} (iteration {summary['iteration']})", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def write_plots(runs: Sequence[RunData], out: Path) -> dict[str, str]:
+    """Draws the PNGs into ``out``; returns {title: file name} of those drawn."""
+    from .compare import shift_summary
+
+    plt = _pyplot()
+    plots = {}
+    plot_losses(plt, runs, out / LOSS)
+    plots["Loss against tokens"] = LOSS
+    plot_differences(plt, runs, out / DIFFERENCE)
+    plots[f"Difference against {runs[0].label}"] = DIFFERENCE
+    shifted = [(r, shift_summary(r)) for r in runs if r.shift]
+    shifted = [(r, s) for r, s in shifted if s and (s["heads"] or s["layer_means"])]
+    if shifted:
+        plot_coefficients(plt, shifted, out / COEFFICIENTS)
+        plots["KV shift coefficients per layer"] = COEFFICIENTS
+    return plots
+
+
+__all__ = ["write_plots", "smooth"]

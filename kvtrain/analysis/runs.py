@@ -1,0 +1,196 @@
+"""A finished (or running) run folder as data: its curves, its KV-shift
+coefficients and its evaluation results, read from what the trainer and
+``kvtrain eval`` wrote (``config.yaml``, ``metrics.jsonl``, ``eval/*.json``).
+
+Nothing here imports torch: ``kvtrain compare`` works on any machine that
+holds the run folders.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from kvtrain.config import ConfigError, read_yaml
+
+METRICS = "metrics.jsonl"
+CONFIG = "config.yaml"
+EVAL_DIR = "eval"
+
+
+@dataclass
+class Curve:
+    """A loss against consumed tokens (and iterations), in the order logged."""
+
+    iterations: list[int] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.loss)
+
+    @property
+    def final(self) -> Optional[float]:
+        return self.loss[-1] if self.loss else None
+
+
+@dataclass
+class RunData:
+    """What ``kvtrain compare`` reads of one run."""
+
+    path: Path
+    label: str
+    config: dict  # config.yaml as a plain mapping ({} when absent)
+    train: Curve
+    valid: Curve
+    shift: Optional[dict] = None  # the latest kv_shift record
+    evals: dict = field(default_factory=dict)  # task -> {metric: value}
+    notes: list[str] = field(default_factory=list)  # what could not be read, for the report
+
+    @property
+    def attention(self) -> str:
+        return str((self.config.get("model") or {}).get("attention", "?"))
+
+    @property
+    def final_tokens(self) -> Optional[float]:
+        return self.train.tokens[-1] if self.train.tokens else None
+
+
+def _records(path: Path) -> tuple[list[dict], int]:
+    """The JSON objects of ``metrics.jsonl`` and how many lines were not one
+    (a line cut by a crash, say)."""
+    records, bad = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+        else:
+            bad += 1
+    return records, bad
+
+
+def _number(value) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def tokens_per_iteration(config: dict) -> Optional[float]:
+    """global batch x sequence length of the config (None when not given)."""
+    train = config.get("train") or {}
+    gbs, seq = train.get("global_batch_size"), train.get("seq_length")
+    if isinstance(gbs, int) and isinstance(seq, int):
+        return float(gbs * seq)
+    return None
+
+
+def interpolate(x: float, xs: list[float], ys: list[float]) -> Optional[float]:
+    """``ys`` at ``x`` by linear interpolation on increasing ``xs`` (None outside)."""
+    if not xs or x < xs[0] or x > xs[-1]:
+        return None
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return y1 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[0]
+
+
+def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve]:
+    """Train loss and validation loss against tokens. Validation records carry no
+    token count: it comes from the train records' consumed tokens at that
+    iteration (interpolated), else from the config's tokens per iteration."""
+    train, valid = Curve(), Curve()
+    for r in records:
+        it, loss = r.get("iteration"), _number(r.get("lm_loss"))
+        if r.get("kind") == "train" and isinstance(it, int) and loss is not None:
+            tokens = _number(r.get("consumed_tokens"))
+            if tokens is None and tokens_per_iteration(config):
+                tokens = it * tokens_per_iteration(config)
+            if tokens is not None:
+                train.iterations.append(it)
+                train.tokens.append(tokens)
+                train.loss.append(loss)
+    per_iter = tokens_per_iteration(config)
+    known = ([0.0] + [float(i) for i in train.iterations], [0.0] + train.tokens)
+    for r in records:
+        it, loss = r.get("iteration"), _number(r.get("val_loss"))
+        if r.get("kind") != "valid" or not isinstance(it, int) or loss is None:
+            continue
+        tokens = interpolate(float(it), *known)
+        if tokens is None and per_iter:
+            tokens = it * per_iter
+        if tokens is not None:
+            valid.iterations.append(it)
+            valid.tokens.append(tokens)
+            valid.loss.append(loss)
+    return train, valid
+
+
+def read_evals(run: Path) -> tuple[dict, list[str]]:
+    """``{task: {metric: value}}`` of ``RUN/eval/*.json`` (``{"tasks": {...}}``),
+    numbers only; files that do not read as such are named in the notes."""
+    evals: dict = {}
+    notes = []
+    for path in sorted((run / EVAL_DIR).glob("*.json")):
+        try:
+            tasks = json.loads(path.read_text(encoding="utf-8")).get("tasks")
+        except (OSError, ValueError, AttributeError) as e:
+            notes.append(f"{path}: not read ({type(e).__name__})")
+            continue
+        if not isinstance(tasks, dict):
+            notes.append(f"{path}: no \"tasks\" mapping")
+            continue
+        for task, metrics in tasks.items():
+            if not isinstance(metrics, dict):
+                continue
+            numbers = {str(m): float(v) for m, v in metrics.items() if _number(v) is not None}
+            if numbers:
+                evals.setdefault(str(task), {}).update(numbers)
+    return evals, notes
+
+
+def read_run(path: str | Path, label: Optional[str] = None) -> RunData:
+    """The run in folder ``path``; ConfigError (one line) when it is not a run
+    folder or has no train records."""
+    run = Path(path).expanduser()
+    if not run.is_dir():
+        raise ConfigError(f"{run}: no such run folder")
+    metrics = run / METRICS
+    if not metrics.is_file():
+        raise ConfigError(f"{run} is not a kvtrain run folder (no {METRICS})")
+    config = {}
+    if (run / CONFIG).is_file():
+        config = read_yaml(run / CONFIG) or {}
+    records, bad = _records(metrics)
+    train, valid = _curves(records, config)
+    if not train.loss:
+        raise ConfigError(f"{metrics} has no train records with a loss")
+    shifts = [r for r in records if r.get("kind") == "kv_shift"]
+    evals, notes = read_evals(run)
+    if bad:
+        notes.insert(0, f"{metrics}: {bad} line(s) are not JSON records (skipped)")
+    return RunData(path=run, label=label or run.name, config=config, train=train, valid=valid,
+                   shift=shifts[-1] if shifts else None, evals=evals, notes=notes)
+
+
+def unique_labels(paths: list[Path]) -> list[str]:
+    """Folder names, with as many parent folders as it takes to tell them apart."""
+    parts = [Path(p).resolve().parts for p in paths]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]
+
+
+__all__ = ["Curve", "RunData", "interpolate", "read_evals", "read_run", "tokens_per_iteration",
+           "unique_labels"]

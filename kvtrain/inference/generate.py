@@ -1,0 +1,301 @@
+"""Text generation from a kvtrain checkpoint on megatron's static-batching inference.
+
+The model runs with megatron's ``StaticInferenceContext`` (its KV cache; the
+KV-shift layers keep the raw K/V tail of the previous tokens next to it, see
+``KVShiftSelfAttention._shift_with_cache``). The loop is megatron's static
+batching strategy (``TextGenerationController.generate_all_output_tokens_static_batch``),
+driven here directly because that controller needs a CUDA generator and a
+megatron tokenizer object:
+
+* the prompts of a batch are aligned at position 0 and padded on the right;
+* the first step runs all rows up to the *shortest* prompt (prefill), then one
+  token per step: a row whose prompt is not consumed yet is fed its next
+  prompt token (the sampled one is dropped), a row past its prompt gets the
+  sampled token.
+
+So no padding token ever precedes or sits inside a row's context: every row
+sees exactly its own tokens at positions 0, 1, 2, ...: the KV-shift state (the
+token before position 0 is zero) and RoPE positions are those of the prompt
+run alone, and a batch of prompts of different lengths gives each prompt the
+tokens it gets alone (greedy). Left padding would instead put pad tokens before
+the prompt, shifting RoPE positions and feeding the pad's K/V into the shift.
+
+Sampling: greedy (``temperature`` 0, the default), or temperature with top-p /
+top-k; each prompt has its own random generator seeded by (seed, prompt
+index), so a prompt's sample does not depend on the batch it runs in. Under
+TP every rank computes the same gathered logits; the tokens of TP rank 0 are
+broadcast so that all ranks feed the same ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from kvtrain.config import ConfigError, RunConfig
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How the next token is chosen, and when a prompt's generation stops."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding top_p
+    top_k: int = 0  # 0: no top-k cut
+    seed: int = 1234
+    stop_at_eod: bool = True  # end a prompt's generation at the end-of-document token
+
+    def check(self) -> "SamplingOptions":
+        """Itself, or ConfigError naming the bad option."""
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0 (got {self.temperature})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k must be >= 0 (got {self.top_k})")
+        if self.temperature == 0 and (self.top_p < 1.0 or self.top_k > 0):
+            raise ConfigError("--top-p/--top-k need sampling: set --temperature > 0")
+        return self
+
+
+@dataclass
+class Generation:
+    """One prompt's result."""
+
+    prompt: str
+    prompt_tokens: list[int]  # what the model was fed, the EOD prefix included
+    tokens: list[int]  # generated, without the stopping EOD
+    text: str  # the generated tokens decoded
+    stop: str  # "eod" | "length"
+    extra: dict = field(default_factory=dict)  # a JSONL prompt's other fields
+
+    def record(self) -> dict:
+        """The JSON object written to ``--out``."""
+        return {**self.extra, "prompt": self.prompt, "prompt_tokens": self.prompt_tokens,
+                "tokens": self.tokens, "text": self.text, "stop": self.stop}
+
+
+# ----------------------------------------------------------------------------- prompts and text
+class PromptCodec:
+    """Text <-> ids with the run's tokenizer; without one (``data.tokenizer: null``)
+    a prompt is token ids separated by spaces, and so is the output."""
+
+    def __init__(self, tokenizer, vocab_size: int, eod: int):
+        self.tokenizer = tokenizer  # data_tools SentencePieceTokenizer, or None
+        self.vocab_size = vocab_size  # ids the tokenizer can produce (< the padded vocab)
+        self.eod = eod
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, tokenizer_path: Optional[str] = None) -> "PromptCodec":
+        """The codec of a run config; ``tokenizer_path`` overrides ``data.tokenizer``
+        (whose path is as the run was given it: relative paths are to its cwd)."""
+        path = tokenizer_path or cfg.data.tokenizer
+        if path is None:
+            eod = cfg.data.eod_id if cfg.data.eod_id is not None else cfg.model.vocab_size - 1
+            return cls(None, cfg.model.vocab_size, eod)
+        from data_tools.tokenizer import SentencePieceTokenizer
+
+        try:
+            tok = SentencePieceTokenizer(str(Path(path).expanduser()))
+        except (OSError, RuntimeError, ValueError) as e:
+            where = "--tokenizer" if tokenizer_path else "the run's data.tokenizer"
+            raise ConfigError(f"{where} {path}: cannot load ({e}); name it with --tokenizer") \
+                from None
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"tokenizer {path} has {tok.vocab_size} tokens, more than the "
+                              f"model's vocab_size {cfg.model.vocab_size}")
+        return cls(tok, tok.vocab_size, tok.eod)
+
+    def encode(self, text: str, where: str) -> list[int]:
+        if self.tokenizer is not None:
+            return self.tokenizer.encode(text)
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError:
+            raise ConfigError(f"{where}: the run has no tokenizer (data.tokenizer: null), so a "
+                              f"prompt is token ids separated by spaces; got {text[:40]!r}") \
+                from None
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ConfigError(f"{where}: token id {bad[0]} is outside the vocabulary "
+                              f"[0, {self.vocab_size})")
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids)
+        return " ".join(str(int(i)) for i in ids)
+
+
+def read_prompts(texts: Sequence[str] = (), file: Optional[str] = None) -> list[tuple[str, dict]]:
+    """(prompt, extra fields) of ``--prompt`` values, then of ``--prompts FILE``.
+
+    FILE: ``*.jsonl``: one JSON object per line with a ``prompt`` string (its other
+    fields are copied to the output) or one JSON string; any other name: one
+    prompt per line, blank lines skipped.
+    """
+    prompts = [(t, {}) for t in texts]
+    if file is None:
+        return prompts
+    path = Path(file)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--prompts {path}: cannot read ({e})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            prompts.append((line, {}))
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"--prompts {path} line {n}: not JSON ({e})") from None
+        if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            prompts.append((item["prompt"], {k: v for k, v in item.items() if k != "prompt"}))
+        elif isinstance(item, str):
+            prompts.append((item, {}))
+        else:
+            raise ConfigError(f"--prompts {path} line {n}: expected a JSON string or an object "
+                              f"with a \"prompt\" string")
+    return prompts
+
+
+# ----------------------------------------------------------------------------- choosing tokens
+def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` [V] with the tokens outside the top-p nucleus at -inf."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = sorted_logits.softmax(-1)
+    # keep a token when the mass before it is < top_p: the smallest set holding top_p
+    drop = probs.cumsum(-1) - probs >= top_p
+    drop[0] = False
+    return logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+
+
+def choose_tokens(logits: torch.Tensor, options: SamplingOptions,
+                  generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """The next token of each row of ``logits`` [b, V] (fp32), [b] int64."""
+    if options.temperature == 0:
+        return logits.argmax(-1)
+    out = []
+    for row, gen in zip(logits / options.temperature, generators):
+        if options.top_k:
+            kth = torch.topk(row, min(options.top_k, row.numel())).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if options.top_p < 1.0:
+            row = _filter_top_p(row, options.top_p)
+        out.append(torch.multinomial(row.softmax(-1), 1, generator=gen))
+    return torch.cat(out)
+
+
+def _same_on_tp_ranks(tokens: torch.Tensor) -> torch.Tensor:
+    """TP rank 0's tokens on every TP rank (the ranks must feed the same tokens)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return tokens
+    torch.distributed.broadcast(tokens, parallel_state.get_tensor_model_parallel_src_rank(),
+                                group=parallel_state.get_tensor_model_parallel_group())
+    return tokens
+
+
+# ----------------------------------------------------------------------------- the loop
+@torch.no_grad()
+def generate_ids(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                 options: SamplingOptions, eod: int, vocab_size: int,
+                 first_index: int = 0) -> list[tuple[list[int], str]]:
+    """Generates for one batch of token-id prompts: (new tokens, stop reason) each.
+
+    ``vocab_size``: tokens the tokenizer knows (the padded rows of the output
+    layer are never chosen); ``first_index``: the index of ``prompts[0]`` among
+    all prompts (seeds its random generator).
+    """
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    b = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts])
+    total = int(lengths.max()) + options.max_new_tokens
+    device = next(model.parameters()).device
+    tokens = torch.full((b, total), eod, dtype=torch.long)  # [b, s]: prompts, right-padded
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    tokens = tokens.to(device)
+    positions = torch.arange(total, device=device)[None].expand(b, total)  # [b, s]
+    generators = [torch.Generator().manual_seed(options.seed + first_index + i) for i in range(b)]
+    ctx = StaticInferenceContext(max_batch_size=b, max_sequence_length=total)
+    new: list[list[int]] = [[] for _ in range(b)]
+    stop: list[Optional[str]] = [None] * b
+    start, end = 0, int(lengths.min())
+    while True:
+        logits = model(tokens[:, start:end], positions[:, start:end], None,
+                       inference_context=ctx, runtime_gather_output=True)  # [b, 1, V_padded]
+        ctx.sequence_len_offset += end - start
+        # the rows past their prompt and not done; only they draw (a row's random
+        # stream then depends on its own tokens alone, not on the batch)
+        rows = [i for i in range(b) if stop[i] is None and lengths[i] <= end]
+        chosen: list[int] = []
+        if rows:  # none while the rows left are all still inside their prompts
+            last = logits[rows, -1, :vocab_size].float().cpu()  # [rows, V]
+            picked = choose_tokens(last, options, [generators[i] for i in rows])
+            chosen = _same_on_tp_ranks(picked.to(device)).tolist()  # NCCL: device tensors
+        for i, token in zip(rows, chosen):
+            tokens[i, end] = token
+            if options.stop_at_eod and token == eod:
+                stop[i] = "eod"
+                continue
+            new[i].append(token)
+            if len(new[i]) == options.max_new_tokens:
+                stop[i] = "length"
+        if all(s is not None for s in stop):
+            return [(n, s) for n, s in zip(new, stop)]
+        if bool((lengths <= end + 1).all()):
+            ctx.enable_decode_mode()  # every row is past its prompt, as megatron marks it
+        start, end = end, end + 1
+
+
+def _check_fits(prompts: Sequence[Sequence[int]], options: SamplingOptions, cfg: RunConfig) -> None:
+    limit = cfg.model.max_position_embeddings
+    for n, p in enumerate(prompts, 1):
+        if not p:
+            raise ConfigError(f"prompt {n} is empty")
+        if len(p) + options.max_new_tokens > limit:
+            raise ConfigError(
+                f"prompt {n} has {len(p)} tokens: with --max-new-tokens {options.max_new_tokens} "
+                f"that is {len(p) + options.max_new_tokens} positions, more than the model's "
+                f"max_position_embeddings {limit}")
+
+
+def generate(model: torch.nn.Module, cfg: RunConfig, codec: PromptCodec,
+             prompts: Sequence[tuple[str, dict]], options: SamplingOptions,
+             batch_size: int = 8, prefix_eod: bool = True) -> list[Generation]:
+    """Generates for every prompt, ``batch_size`` prompts per static batch.
+
+    ``prefix_eod``: feed the end-of-document token before each prompt, so that
+    the prompt starts a document as in training (preprocessing ends every
+    document with EOD; the model never saw a BOS token).
+    """
+    options.check()
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1 (got {batch_size})")
+    ids = [([codec.eod] if prefix_eod else []) + codec.encode(text, f"prompt {n}")
+           for n, (text, _) in enumerate(prompts, 1)]
+    _check_fits(ids, options, cfg)
+    out = []
+    for first in range(0, len(ids), batch_size):
+        batch = ids[first:first + batch_size]
+        results = generate_ids(model, batch, options, codec.eod, codec.vocab_size, first)
+        for (text, extra), p, (new, stop) in zip(prompts[first:], batch, results):
+            out.append(Generation(text, list(p), new, codec.decode(new), stop, dict(extra)))
+    return out
+
+
+__all__ = ["Generation", "PromptCodec", "SamplingOptions", "choose_tokens", "generate",
+           "generate_ids", "read_prompts"]

@@ -1,0 +1,132 @@
+"""``kvtrain compare``: the report and plots of two real tiny runs (the session's
+vanilla / KV-shift arms), and its arithmetic on synthetic runs whose
+``metrics.jsonl`` has the trainer's record shapes (train records with
+consumed tokens, validation records without, kv_shift statistics records)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtrain.analysis.compare import compare, tokens_to_reach
+from kvtrain.analysis.runs import Curve
+from kvtrain.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def test_report_of_the_two_arms(arm_runs, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["compare", str(arm_runs["vanilla"]), str(arm_runs["kv_shift"]),
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    vanilla, shifted = summary["runs"]
+    assert summary["reference"] == "vanilla" and shifted["attention"] == "kv_shift"
+    for run, entry in ((arm_runs["vanilla"], vanilla), (arm_runs["kv_shift"], shifted)):
+        assert entry["val_loss"] == records(run, "valid")[-1]["val_loss"]
+        assert entry["train_loss"] == records(run, "train")[-1]["lm_loss"]
+        assert entry["tokens"] == records(run, "train")[-1]["consumed_tokens"]
+    vs = shifted["vs_reference"]
+    assert vs["val_loss_diff"] == pytest.approx(shifted["val_loss"] - vanilla["val_loss"])
+    assert vs["target_loss"] == vanilla["val_loss"]
+    # Table 5 quadrants over 2 layers x 2 KV heads, and every head's coefficients
+    shift = shifted["kv_shift"]
+    assert vanilla["kv_shift"] is None and sum(shift["quadrants"].values()) == 4
+    last = records(arm_runs["kv_shift"], "kv_shift")[-1]
+    assert shift["heads"] == last["kv_shift/coefficients"]
+    assert [len(shift["heads"][layer]["alpha"]) for layer in ("01", "02")] == [2, 2]
+    report = (out / "report.md").read_text()
+    for png in ("loss.png", "loss_difference.png", "kv_shift_coefficients.png"):
+        assert (out / png).read_bytes()[:8] == PNG and f"]({png})" in report
+    assert "| α1 > α2 |" in report and "| kv_shift | kv_shift | 8 |" in report
+    assert f"report: {out / 'report.md'}" in printed and "Table 5 quadrants" in printed
+
+
+def _write_run(folder: Path, val: list[tuple[int, float]], train_loss=5.0, evals=None) -> Path:
+    """A run folder with the trainer's record shapes: 256 tokens per iteration."""
+    folder.mkdir(parents=True)
+    cfg = {"model": {"attention": "kv_shift"}, "train": {"global_batch_size": 8, "seq_length": 32}}
+    (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+    lines = [{"kind": "event", "iteration": 0, "message": "backend torch", "time": 1.0}]
+    for it in range(10, 110, 10):
+        lines.append({"kind": "train", "iteration": it, "consumed_samples": 8 * it,
+                      "consumed_tokens": 256 * it, "lm_loss": train_loss - it / 100, "lr": 1e-3,
+                      "grad_norm": 1.0, "time": 2.0})
+    lines += [{"kind": "valid", "iteration": it, "val_loss": loss, "val_ppl": 1.0,
+               "val_tokens": 512, "time": 3.0} for it, loss in val]
+    text = "\n".join(json.dumps(r) for r in lines) + "\n{\"kind\": \"train\", \"itera"  # cut line
+    (folder / "metrics.jsonl").write_text(text)
+    if evals is not None:
+        (folder / "eval").mkdir()
+        for name, content in evals.items():
+            (folder / "eval" / name).write_text(content)
+    return folder
+
+
+def test_speedup_difference_and_evals(tmp_path):
+    a = _write_run(tmp_path / "a", [(50, 3.0), (100, 2.0)],
+                   evals={"lambada.json": json.dumps({"tasks": {"lambada": {"acc": 0.25,
+                                                                            "note": "x"}}}),
+                          "broken.json": "{not json"})
+    # B reaches 2.0 half-way between iterations 60 (2.5) and 80 (1.5): iteration 70
+    b = _write_run(tmp_path / "b", [(20, 3.5), (60, 2.5), (80, 1.5), (100, 1.2)],
+                   train_loss=4.5,
+                   evals={"all.json": json.dumps({"tasks": {"lambada": {"acc": 0.5},
+                                                            "arc_easy": {"acc_norm": 0.75}}})})
+    c = _write_run(tmp_path / "c", [(50, 3.2), (100, 2.1)])  # never gets to 2.0
+    summary, printed = compare([a, b, c], tmp_path / "out")
+    _, rb, rc = summary["runs"]
+    assert rb["vs_reference"]["b_tokens"] == pytest.approx(70 * 256)
+    assert rb["vs_reference"]["speedup"] == pytest.approx(100 / 70)
+    assert rb["vs_reference"]["train_loss_diff"] == pytest.approx(-0.5)
+    assert rc["vs_reference"]["speedup"] is None and "not reached" in printed
+    assert "1.43x" in printed
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| lambada | acc | 0.2500 | 0.5000 | - |" in report
+    assert "| arc_easy | acc_norm | - | 0.7500 | - |" in report
+    assert "broken.json: not read" in report and "line(s) are not JSON records" in report
+    assert not (tmp_path / "out" / "kv_shift_coefficients.png").exists()  # no kv_shift records
+
+
+def test_tokens_to_reach():
+    curve = Curve([1, 2, 3], [100.0, 200.0, 300.0], [4.0, 3.0, 2.0])
+    assert tokens_to_reach(curve, 4.5) == 100.0
+    assert tokens_to_reach(curve, 2.5) == pytest.approx(250.0)
+    assert tokens_to_reach(curve, 1.9) is None
+
+
+def test_default_out_is_next_to_the_runs(tmp_path, capsys):
+    runs = [_write_run(tmp_path / "exp" / name, [(100, 2.0)]) for name in ("x", "y")]
+    assert main(["compare", *map(str, runs)]) == 0
+    assert (tmp_path / "exp" / "compare" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("setup,message", [
+    (lambda d: None, "{d}/missing: no such run folder"),
+    (lambda d: (d / "missing").mkdir(), "{d}/missing is not a kvtrain run folder (no metrics.jsonl)"),
+    (lambda d: ((d / "missing").mkdir(), (d / "missing" / "metrics.jsonl").write_text(
+        '{"kind": "event", "iteration": 0}\n')),
+     "{d}/missing/metrics.jsonl has no train records with a loss"),
+])
+def test_bad_run_folder_is_one_line(tmp_path, capsys, setup, message):
+    good = _write_run(tmp_path / "good", [(100, 2.0)])
+    setup(tmp_path)
+    assert main(["compare", str(good), str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "kvtrain: config error: " + message.format(d=tmp_path)
+
+
+def test_one_run_is_one_line(tmp_path, capsys):
+    good = _write_run(tmp_path / "good", [(100, 2.0)])
+    assert main(["compare", str(good)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvtrain: config error: kvtrain compare needs at least two run folders")

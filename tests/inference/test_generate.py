@@ -1,0 +1,212 @@
+"""``kvtrain generate``: megatron static-batching generation from a trained run.
+
+Generation parity: on a batch of prompts of different lengths, every prompt
+gets the tokens it gets alone, and the tokens a reference gets that recomputes
+the whole sequence each step without any cache (so the KV-shift decode state
+and the KV cache are exercised against the plain forward); TP=2 gives what
+TP=1 gives. The runs are the session's tiny vanilla / KV-shift arms
+(``arm_runs`` in tests/conftest.py), trained by the real trainer on mock data
+(counting sequences, so greedy continuations are far from ties).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtrain.cli import main
+from kvtrain.testing import run_distributed
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [100, 101, 102, 103], [7]]  # different lengths
+
+
+def load(run_dir):
+    from kvtrain.inference.generate import PromptCodec
+    from kvtrain.inference.loading import load_model
+
+    loaded = load_model(run_dir)
+    return loaded, PromptCodec.for_run(loaded.config)
+
+
+def recompute_greedy(model, prompt, n, vocab):
+    """The reference: the whole sequence through the model, no cache, each step."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            tok = torch.tensor([seq])
+            logits = model(tok, torch.arange(len(seq))[None], None, runtime_gather_output=True)
+            seq.append(int(logits[0, -1, :vocab].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("arm", ["kv_shift", "vanilla"])
+def test_batch_equals_alone_equals_recompute(mp1, arm_runs, arm):
+    from kvtrain.inference.generate import SamplingOptions, generate_ids
+
+    loaded, codec = load(arm_runs[arm])
+    opts = SamplingOptions(max_new_tokens=6, stop_at_eod=False)
+    batch = generate_ids(loaded.model, PROMPTS, opts, codec.eod, codec.vocab_size)
+    for prompt, (tokens, stop) in zip(PROMPTS, batch):
+        alone = generate_ids(loaded.model, [prompt], opts, codec.eod, codec.vocab_size)
+        assert alone == [(tokens, stop)] and stop == "length"
+        assert tokens == recompute_greedy(loaded.model, prompt, 6, codec.vocab_size)
+    # the trained model continues the counting sequences at least at first
+    assert batch[0][0][0] == 12 and batch[2][0][0] == 104
+
+
+def test_sampling_is_seeded_and_batch_invariant(mp1, arm_runs):
+    from kvtrain.inference.generate import SamplingOptions, generate_ids
+
+    loaded, codec = load(arm_runs["kv_shift"])
+    args = (codec.eod, codec.vocab_size)
+    hot = SamplingOptions(max_new_tokens=8, temperature=5.0, top_p=0.95, seed=3,
+                          stop_at_eod=False)
+    batch = generate_ids(loaded.model, PROMPTS, hot, *args)
+    assert batch == generate_ids(loaded.model, PROMPTS, hot, *args)  # seeded
+    for i, prompt in enumerate(PROMPTS):  # prompt i's generator: seed + i, in any batch
+        assert generate_ids(loaded.model, [prompt], hot, *args, first_index=i) == [batch[i]]
+    other = generate_ids(loaded.model, PROMPTS, SamplingOptions(
+        max_new_tokens=8, temperature=5.0, top_p=0.95, seed=4, stop_at_eod=False), *args)
+    assert other != batch
+    greedy = generate_ids(loaded.model, PROMPTS, SamplingOptions(max_new_tokens=8,
+                                                                 stop_at_eod=False), *args)
+    assert greedy != batch  # a hot temperature leaves the argmax path
+    for cut in (dict(top_k=1), dict(top_p=1e-6)):  # a nucleus of one token is greedy
+        narrow = SamplingOptions(max_new_tokens=8, temperature=5.0, stop_at_eod=False, **cut)
+        assert generate_ids(loaded.model, PROMPTS, narrow, *args) == greedy
+
+
+def test_stops_at_eod(mp1, arm_runs):
+    from kvtrain.inference.generate import SamplingOptions, generate_ids
+
+    loaded, codec = load(arm_runs["kv_shift"])
+    opts = SamplingOptions(max_new_tokens=5, stop_at_eod=False)
+    (free,) = generate_ids(loaded.model, [PROMPTS[0]], opts, codec.eod, codec.vocab_size)
+    # make the third generated token the end of document: generation stops before it
+    eod = free[0][2]
+    (stopped,) = generate_ids(loaded.model, [PROMPTS[0]], SamplingOptions(max_new_tokens=5),
+                              eod, codec.vocab_size)
+    assert stopped == (free[0][:2], "eod")
+
+
+def _tp_generate(rank, world, run_dir, prompts):
+    from kvtrain.backend import init_model_parallel, set_seed
+    from kvtrain.inference.generate import SamplingOptions, generate_ids
+
+    init_model_parallel(tensor=world)
+    set_seed(1)
+    loaded, codec = load(run_dir)
+    out = []
+    for opts in (SamplingOptions(max_new_tokens=6, stop_at_eod=False),
+                 SamplingOptions(max_new_tokens=6, temperature=2.0, top_p=0.9, stop_at_eod=False)):
+        out.append(generate_ids(loaded.model, prompts, opts, codec.eod, codec.vocab_size))
+    return out
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1(mp1, arm_runs):
+    from kvtrain.inference.generate import SamplingOptions, generate_ids
+
+    ranks = run_distributed(_tp_generate, 2, str(arm_runs["kv_shift"]), PROMPTS)
+    assert ranks[0] == ranks[1]  # every TP rank ends with the same tokens
+    loaded, codec = load(arm_runs["kv_shift"])
+    greedy = generate_ids(loaded.model, PROMPTS, SamplingOptions(max_new_tokens=6,
+                                                                 stop_at_eod=False),
+                          codec.eod, codec.vocab_size)
+    sampled = generate_ids(loaded.model, PROMPTS, SamplingOptions(
+        max_new_tokens=6, temperature=2.0, top_p=0.9, stop_at_eod=False),
+        codec.eod, codec.vocab_size)
+    assert ranks[0] == [greedy, sampled]
+
+
+def test_cli_prompts_file_and_out(mp1, arm_runs, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "5 6 7 8 9 10 11"}) + "\n\n"
+                       + json.dumps("40 41") + "\n")
+    out = tmp_path / "gen.jsonl"
+    code = main(["generate", str(arm_runs["kv_shift"]), "--prompts", str(prompts),
+                 "--prompt", "100 101 102 103", "--max-new-tokens", "4", "--no-stop-at-eod",
+                 "--batch-size", "2", "--out", str(out)])
+    assert code == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == ["100 101 102 103", "5 6 7 8 9 10 11", "40 41"]
+    assert records[1]["id"] == "a" and records[1]["prompt_tokens"][0] == 383  # the EOD prefix
+    assert all(len(r["tokens"]) == 4 and r["stop"] == "length" for r in records)
+    assert records[0]["text"] == " ".join(map(str, records[0]["tokens"]))
+    assert records[0]["iteration"] == 8 and records[0]["checkpoint"].endswith("iter_0000008")
+    printed = capsys.readouterr().out
+    assert f"--- [2] 5 6 7 8 9 10 11\n{records[1]['text']}\n" in printed
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "no prompt: give --prompt TEXT or --prompts FILE"),
+    (["--prompt", "hello"], "the run has no tokenizer (data.tokenizer: null)"),
+    (["--prompt", "1 999"], "token id 999 is outside the vocabulary [0, 384)"),
+    (["--prompt", "1 2", "--max-new-tokens", "70"],
+     "prompt 1 has 3 tokens: with --max-new-tokens 70 that is 73 positions, more than"),
+    (["--prompt", "1", "--top-p", "0.5"], "--top-p/--top-k need sampling"),
+    (["--prompt", "1", "--prompts", "/nonexistent/p.txt"], "--prompts /nonexistent/p.txt"),
+    (["--prompt", "1", "--tokenizer", "/nonexistent/tok.model"],
+     "--tokenizer /nonexistent/tok.model: cannot load"),
+])
+def test_bad_input_is_one_line(mp1, arm_runs, capsys, argv, message):
+    assert main(["generate", str(arm_runs["kv_shift"]), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvtrain: config error: ") and message in err and "\n" not in err
+
+
+def test_not_a_run_is_one_line(tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "--prompt", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"kvtrain: config error: {tmp_path} holds no complete kvtrain checkpoint"
+
+
+def test_text_prompts_through_the_tokenizer(mp1, arm_runs, tmp_path):
+    """With a sentencepiece model (here one trained on the spot, smaller than the
+    model's vocabulary) prompts are text, the EOD prefix is its EOS and the
+    output is decoded text."""
+    import sentencepiece as spm
+
+    from kvtrain.inference.generate import PromptCodec, SamplingOptions, generate
+
+    lines = [f"the {w} sat on the mat number {i}" for i in range(60) for w in ("cat", "dog")]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(tmp_path / "t"),
+                                   vocab_size=64, model_type="bpe", unk_id=0, bos_id=1, eos_id=2,
+                                   pad_id=3, minloglevel=2)
+    loaded, _ = load(arm_runs["kv_shift"])
+    codec = PromptCodec.for_run(loaded.config, str(tmp_path / "t.model"))
+    assert codec.eod == 2 and codec.vocab_size == 64
+    opts = SamplingOptions(max_new_tokens=5, stop_at_eod=False)
+    (g,) = generate(loaded.model, loaded.config, codec, [("the cat sat", {})], opts)
+    assert g.prompt_tokens == [2] + codec.tokenizer.encode("the cat sat")
+    assert len(g.tokens) == 5 and all(0 <= t < 64 for t in g.tokens)
+    assert g.text == codec.tokenizer.decode(g.tokens)
+
+
+def test_tensor_parallel_size_must_split_the_heads():
+    from kvtrain.commands.generate import check_tensor_parallel
+    from kvtrain.config import ConfigError, RunConfig
+    from kvtrain.config.model import ModelConfig
+
+    cfg = RunConfig(model=ModelConfig(num_attention_heads=4, num_query_groups=2))
+    check_tensor_parallel(cfg, 2)
+    with pytest.raises(ConfigError, match="4 heads / 2 KV heads do not divide by 4 ranks"):
+        check_tensor_parallel(cfg, 4)
+
+
+def test_rows_waiting_in_their_prompt_while_the_others_are_done(mp1, arm_runs):
+    """A short prompt done before a long one leaves its prompt: steps with no row
+    to draw for (sampling used to fail on them)."""
+    from kvtrain.inference.generate import SamplingOptions, generate_ids
+
+    loaded, codec = load(arm_runs["kv_shift"])
+    prompts = [[5], list(range(20, 30))]
+    for opts in (SamplingOptions(max_new_tokens=1, stop_at_eod=False),
+                 SamplingOptions(max_new_tokens=1, temperature=1.0, stop_at_eod=False)):
+        batch = generate_ids(loaded.model, prompts, opts, codec.eod, codec.vocab_size)
+        assert [len(t) for t, _ in batch] == [1, 1]
+        alone = generate_ids(loaded.model, prompts[1:], opts, codec.eod, codec.vocab_size,
+                             first_index=1)
+        assert batch[1] == alone[0]
