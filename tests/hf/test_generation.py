@@ -66,12 +66,17 @@ def kvtrain_greedy(model, prompt: torch.Tensor) -> list[int]:
 
 
 def test_left_padded_batch_greedy_equals_each_prompt_alone(models):
+    """... and equals ``kvtrain generate`` (megatron's static batching, one batch)."""
+    from kvtrain.inference.generate import SamplingOptions, generate_ids
+
     kv, hf = models
     rows = prompts()
     ids, mask = left_padded(rows)
     with torch.no_grad():
         batch = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW,
                             do_sample=False, pad_token_id=EOS)
+        ours = generate_ids(kv, [r.tolist() for r in rows], SamplingOptions(max_new_tokens=NEW),
+                            eod=EOS, vocab_size=VOCAB)
     for i, prompt in enumerate(rows):
         with torch.no_grad():
             alone = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt),
@@ -80,6 +85,7 @@ def test_left_padded_batch_greedy_equals_each_prompt_alone(models):
         expected = until_eos(alone[0, len(prompt):])
         assert until_eos(batch[i, ids.shape[1]:]) == expected
         assert kvtrain_greedy(kv, prompt) == expected
+        assert ours[i][0] == expected
 
 
 def test_beam_search_keeps_the_shift_state_with_its_beams(models):
