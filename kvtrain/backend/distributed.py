@@ -83,12 +83,35 @@ def init_model_parallel(tensor: int = 1, pipeline: int = 1, virtual_pipeline: Op
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _release_megatron_groups()
+    before = set(_process_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor,
         pipeline_model_parallel_size=pipeline,
         virtual_pipeline_model_parallel_size=virtual_pipeline,
         context_parallel_size=context,
     )
+    _MEGATRON_GROUPS.extend(g for g in _process_groups() if g not in before)
+
+
+# The groups the last init_model_parallel created. megatron's destroy_model_parallel
+# forgets its groups without destroying them, and every gloo group keeps three
+# threads: a process that re-initialises (the tests, hundreds of times) piled up
+# thousands of threads and slowed to a crawl.
+_MEGATRON_GROUPS: list = []
+
+
+def _process_groups() -> list:
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
+def _release_megatron_groups() -> None:
+    """Destroys the groups of the previous init_model_parallel (this process only)."""
+    alive = set(_process_groups())
+    for group in _MEGATRON_GROUPS:
+        if group in alive:
+            dist.destroy_process_group(group)
+    _MEGATRON_GROUPS.clear()
 
 
 def set_seed(seed: int) -> None:
@@ -125,5 +148,6 @@ def destroy_distributed() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _MEGATRON_GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -88,3 +88,22 @@ def test_no_op_on_gpu():
             "print(enable_cpu_backend(), torch.empty(1, device='cuda').device.type)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "cuda"]
+
+
+def test_reinitialising_model_parallel_releases_the_old_groups(single_rank):
+    """megatron's destroy_model_parallel forgets its gloo groups without destroying
+    them (three threads each): re-initialising must not pile them up (the suite's
+    process reached 7930 threads and crawled)."""
+    import os
+
+    from kvtrain.backend import init_model_parallel
+
+    def counts() -> tuple[int, int]:
+        return (len(dist.distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task")))
+
+    init_model_parallel(1, 1)
+    groups, threads = counts()
+    for _ in range(4):
+        init_model_parallel(1, 1)
+    assert counts()[0] == groups
+    assert counts()[1] <= threads + 2  # a stray helper thread at most, not 3 per group
