@@ -1,4 +1,4 @@
-"""Context parallelism through the trainer (2 ranks, one launch).
+"""Context parallelism through the trainer (2 ranks, one launch; CP x PP on 4 ranks).
 
 A KV-shift model with packed documents trains 4 steps at CP=2 (DP=1) and at
 CP=1 (DP=2): the same global batches, so the same losses, validation losses
@@ -50,6 +50,11 @@ def runs(tmp_path_factory, corpus, cache_dir):
             job("induction-cp2", "parallel.context=2", cfg=induction_config)]
     result = run_driver(jobs, root / "plan.json", nproc=2, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    # context and pipeline parallelism together (4 ranks: CP 2 x PP 2)
+    four = run_driver([job("cp2-pp2", "parallel.context=2", "parallel.pipeline=2",
+                           "checkpoint.save_interval=null")],
+                      root / "plan4.json", nproc=4, timeout=600)
+    assert four.returncode == 0, four.stdout[-4000:] + four.stderr[-4000:]
     return root, result
 
 
@@ -70,6 +75,16 @@ def test_cp2_trains_like_cp1(runs):
     for it in (N, 2 * N):
         assert valid[1][it]["val_loss"] == pytest.approx(valid[0][it]["val_loss"], **TOL)
         assert valid[1][it]["val_tokens"] == valid[0][it]["val_tokens"]
+
+
+def test_cp2_with_pp2_trains_like_cp1(runs):
+    root, _ = runs
+    cp1, cp2_pp2 = (by_iteration(metrics(root / name)) for name in ("cp1", "cp2-pp2"))
+    assert sorted(cp2_pp2) == list(range(1, 2 * N + 1))
+    assert_close_runs(cp2_pp2, cp1, range(1, 2 * N + 1))
+    valid = [by_iteration(metrics(root / name, kind="valid")) for name in ("cp1", "cp2-pp2")]
+    for it in (N, 2 * N):
+        assert valid[1][it]["val_loss"] == pytest.approx(valid[0][it]["val_loss"], **TOL)
 
 
 @pytest.mark.parametrize("source, resumed", [("cp2", "cp2-to-cp1"), ("cp1", "cp1-to-cp2")])
