@@ -152,6 +152,28 @@ def test_bf16_within_bf16_tolerance(docs):
         torch.testing.assert_close(g.float(), t, atol=2e-2 * scale, rtol=2e-2)
 
 
+@pytest.mark.parametrize("docs", ["none", "starts"])
+def test_stacked_bf16_within_bf16_tolerance(docs):
+    """K and V in one node, bf16: within bf16 rounding of the fp32 truth."""
+    s, b, g, d = 64, 2, 2, 16
+    x = torch.randn(s, b, g, 2, d).bfloat16()
+    coef = torch.randn(g, 2, 3).bfloat16()
+    doc_ids = documents(s, b, docs)
+    dy = [torch.randn(s, b, g, d) for _ in range(2)]
+
+    def run(fn, x, coef):
+        x, coef = x.detach().requires_grad_(), coef.detach().requires_grad_()
+        out = fn(x, coef, doc_ids)
+        return (*out, *torch.autograd.grad(out, (x, coef), [t.to(x.dtype) for t in dy]))
+
+    truth = run(stacked_reference, x.float(), coef.float())
+    got = run(fused_shift_stacked, x, coef)
+    assert all(t.dtype == torch.bfloat16 for t in got)
+    for mine, want in zip(got, truth):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(mine.float(), want, atol=2e-2 * scale, rtol=2e-2)
+
+
 def test_coefficients_without_grad_and_inputs_without_grad():
     x = torch.randn(5, 1, 2, 3, requires_grad=True)
     coef = torch.randn(2, 2)
