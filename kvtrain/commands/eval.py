@@ -75,6 +75,7 @@ def _default_device() -> str:
 
 
 def run(args) -> int:
+    from kvtrain.commands.train import quiet_imports
     from kvtrain.evaluate.harness import import_harness, load_tasks, run_harness
     from kvtrain.evaluate.report import (
         EVAL_DIR, log_to_wandb, make_record, record_name, render_table, write_record,
@@ -82,6 +83,7 @@ def run(args) -> int:
     from kvtrain.evaluate.source import prepared
 
     spec = _spec(args)
+    quiet_imports()  # the export of a run loads megatron and its checkpoint
     import_harness()  # the extra, before any export; the offline switches, before any HF import
     # unknown task, missing dataset: one line, before any export or model
     loaded = load_tasks(spec.tasks, spec.include_path)

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
 
 def register(sub) -> None:
@@ -99,8 +98,6 @@ def run(args: argparse.Namespace) -> int:
     from kvtrain.commands.train import quiet_imports
 
     quiet_imports()
-    # torch's distributed checkpoint reader warns about its own deprecations on every load
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     import torch
 
     from kvtrain.inference.generate import PromptCodec, generate

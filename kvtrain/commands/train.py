@@ -36,6 +36,9 @@ def quiet_imports() -> None:
     # *_tensor collectives megatron calls as deprecated aliases.
     warnings.filterwarnings("ignore", message=".*The .grad attribute of a Tensor that is not a leaf")
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated. Please use")
+    # megatron's dist_checkpointing calls torch.distributed.checkpoint APIs that torch
+    # marks as deprecated (ShardedTensor, load_state_dict): nothing a user can act on
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
 def run(args) -> int:
