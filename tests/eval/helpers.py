@@ -24,14 +24,16 @@ MC = [{"question": "the cat sat on the", "choices": ["mat", "sky", "dog"], "answ
 LL = [{"context": "the cat sat on", "target": "the mat"},
       {"context": "the sun is", "target": "hot and the sky is blue"},
       {"context": "fish swim", "target": "under it"}]
-MC_YAML = """task: kvt_mc
-dataset_path: json
+# a task over a local JSONL file (the datasets cache in tmp)
+LOCAL_DATA = """dataset_path: json
 dataset_kwargs:
   cache_dir: {cache}
   data_files:
     test: {data}
 test_split: test
-output_type: multiple_choice
+"""
+MC_YAML = """task: kvt_mc
+""" + LOCAL_DATA + """output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{answer}}}}"
@@ -41,13 +43,7 @@ metric_list:
     higher_is_better: true
 """
 LL_YAML = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  cache_dir: {cache}
-  data_files:
-    test: {data}
-test_split: test
-output_type: loglikelihood
+""" + LOCAL_DATA + """output_type: loglikelihood
 doc_to_text: "{{{{context}}}}"
 doc_to_target: "{{{{' ' + target}}}}"
 metric_list:
