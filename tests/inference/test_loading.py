@@ -54,3 +54,13 @@ def test_bad_sources_are_one_line(run_dir, tmp_path):
             assert "\n" not in str(e)
         except Exception as e:  # saved_config of a missing folder
             pytest.fail(f"{error.__name__}: not a one-line ConfigError: {e!r}")
+
+
+def test_checkpoint_dir_elsewhere_and_no_latest(run_dir, tmp_path):
+    """A run whose config.yaml names its checkpoint.dir elsewhere resolves there;
+    without ``latest``, the newest complete checkpoint is taken."""
+    elsewhere = tmp_path / "store"
+    (run_dir / "checkpoints").rename(elsewhere)
+    (elsewhere / "latest").unlink()
+    (run_dir / "config.yaml").write_text(f"checkpoint:\n  dir: {elsewhere}\n")
+    assert find_checkpoint(run_dir) == elsewhere / "iter_0000000"
