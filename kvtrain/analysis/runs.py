@@ -59,7 +59,7 @@ class RunData:
         return self.train.tokens[-1] if self.train.tokens else None
 
 
-def _records(path: Path) -> tuple[list[dict], int]:
+def read_records(path: Path) -> tuple[list[dict], int]:
     """The JSON objects of ``metrics.jsonl`` and how many lines were not one
     (a line cut by a crash, say)."""
     records, bad = [], 0
@@ -170,7 +170,7 @@ def read_run(path: str | Path, label: Optional[str] = None) -> RunData:
     config = {}
     if (run / CONFIG).is_file():
         config = read_yaml(run / CONFIG) or {}
-    records, bad = _records(metrics)
+    records, bad = read_records(metrics)
     train, valid = _curves(records, config)
     if not train.loss:
         raise ConfigError(f"{metrics} has no train records with a loss")
@@ -192,5 +192,5 @@ def unique_labels(paths: list[Path]) -> list[str]:
     return [str(p) for p in paths]
 
 
-__all__ = ["Curve", "RunData", "interpolate", "read_evals", "read_run", "tokens_per_iteration",
-           "unique_labels"]
+__all__ = ["Curve", "RunData", "interpolate", "read_evals", "read_records", "read_run",
+           "tokens_per_iteration", "unique_labels"]

@@ -12,12 +12,12 @@ every prediction position, ``loss`` the LM loss on the fixed evaluation set
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from kvtrain.analysis.runs import read_records
 from kvtrain.tasks.config import MASKS
 
 CURVE_FIELDS = ["arm", "step", "accuracy", "accuracy_all", "loss", "train_loss", "lr",
@@ -32,8 +32,7 @@ def curve_from_metrics(path: str | Path, arm: str, task: str,
     ``elapsed_s`` counts from ``start_time`` (default: the first record)."""
     first, every = MASKS[task]
     rows, train_loss, lr = [], math.nan, math.nan
-    for line in Path(path).read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_records(Path(path))[0]:
         start_time = rec.get("time", 0.0) if start_time is None else start_time
         if rec.get("kind") == "train":
             loss = rec.get("lm_loss")
