@@ -34,8 +34,9 @@ class VocabOnlyTokenizer:
         self.unique_identifiers = {"class": name, "vocab_size": vocab_size, "eod": self.eod}
 
 
-def load_tokenizer(data: DataConfig, model: ModelConfig) -> Any:
-    """The tokenizer of a run, checked against ``model.vocab_size``."""
+def load_tokenizer(data: DataConfig, model: ModelConfig, key: str = "data.tokenizer") -> Any:
+    """The tokenizer of a run, checked against ``model.vocab_size`` (``key``: how the
+    one-line errors name where the path came from)."""
     if data.type == "mock":
         return VocabOnlyTokenizer(model.vocab_size, data.eod_id, "MockTokenizer")
     if data.tokenizer is None:
@@ -45,10 +46,10 @@ def load_tokenizer(data: DataConfig, model: ModelConfig) -> Any:
     try:  # PREFIX, PREFIX.model or PREFIX.json
         tokenizer = SentencePieceTokenizer(str(Path(data.tokenizer).expanduser()))
     except (OSError, RuntimeError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer {data.tokenizer}: cannot load ({e})") from None
+        raise ConfigError(f"{key} {data.tokenizer}: cannot load ({e})") from None
     if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({model.vocab_size}) is smaller than the vocabulary of "
-            f"data.tokenizer ({tokenizer.vocab_size})"
+            f"{key} ({tokenizer.vocab_size})"
         )
     return tokenizer

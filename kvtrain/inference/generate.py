@@ -30,7 +30,7 @@ broadcast so that all ranks feed the same ones.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -96,21 +96,19 @@ class PromptCodec:
     def for_run(cls, cfg: RunConfig, tokenizer_path: Optional[str] = None) -> "PromptCodec":
         """The codec of a run config; ``tokenizer_path`` overrides ``data.tokenizer``
         (whose path is as the run was given it: relative paths are to its cwd)."""
-        path = tokenizer_path or cfg.data.tokenizer
-        if path is None:
-            eod = cfg.data.eod_id if cfg.data.eod_id is not None else cfg.model.vocab_size - 1
-            return cls(None, cfg.model.vocab_size, eod)
-        from data_tools.tokenizer import SentencePieceTokenizer
+        from kvtrain.data.tokenizer import VocabOnlyTokenizer, load_tokenizer
 
+        # the trainer's loader and checks, whatever data the run read
+        data = replace(cfg.data, type="gpt", tokenizer=tokenizer_path or cfg.data.tokenizer)
         try:
-            tok = SentencePieceTokenizer(str(Path(path).expanduser()))
-        except (OSError, RuntimeError, ValueError) as e:
-            where = "--tokenizer" if tokenizer_path else "the run's data.tokenizer"
-            raise ConfigError(f"{where} {path}: cannot load ({e}); name it with --tokenizer") \
-                from None
-        if tok.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"tokenizer {path} has {tok.vocab_size} tokens, more than the "
-                              f"model's vocab_size {cfg.model.vocab_size}")
+            tok = load_tokenizer(data, cfg.model,
+                                 key="--tokenizer" if tokenizer_path else "the run's data.tokenizer")
+        except ConfigError as e:
+            if tokenizer_path:
+                raise
+            raise ConfigError(f"{e}; name another with --tokenizer") from None
+        if isinstance(tok, VocabOnlyTokenizer):  # no tokenizer: prompts are token ids
+            return cls(None, tok.vocab_size, tok.eod)
         return cls(tok, tok.vocab_size, tok.eod)
 
     def encode(self, text: str, where: str) -> list[int]:
