@@ -18,6 +18,7 @@ from functools import partial
 import torch
 
 from kvtrain.model.kv_shift import shift_tokens
+from kvtrain.model import native_shift
 from kvtrain.model.shift_kernels import fused_shift, triton_available
 
 
@@ -66,6 +67,8 @@ def main() -> None:
     impls = {"shift_tokens": shift_tokens, "fused (torch)": partial(fused_shift, impl="torch")}
     if device.type == "cuda" and triton_available():
         impls["fused (triton)"] = partial(fused_shift, impl="triton")
+    if device.type == "cpu" and dtype == torch.float32 and native_shift.unavailable_reason() is None:
+        impls["fused (native)"] = partial(fused_shift, impl="native")
     times = {name: [] for name in impls}
     peaks = {name: 0 for name in impls}
     for name, fn in impls.items():  # warm-up (and Triton compilation)

@@ -1,8 +1,9 @@
 """Bytes that autograd keeps for backward after one attention layer's forward
 (megatron's local spec, fp32, CPU): vanilla attention, KV shift through the
-reference ``shift_tokens`` (ordinary ops), and KV shift through the fused
-Function. Counted per storage (views of one tensor count once), parameters
-excluded; also the number of tensors saved.
+reference ``shift_tokens`` (ordinary ops), and KV shift through each CPU kernel
+(``model.kv_shift.kernel``: torch ops, the native operators). Counted per
+storage (views of one tensor count once), parameters excluded; also the number
+of tensors saved.
 
     .venv/bin/python benchmarks/shift_saved_bytes.py [--seq 256 --batch 2 --hidden 256 --heads 8 --groups 4]
 """
@@ -16,9 +17,20 @@ import torch
 import kvtrain.model.kv_shift as kv_shift_module
 from kvtrain.backend import init_distributed, init_model_parallel, set_seed
 from kvtrain.config import ModelConfig
+from kvtrain.config.schema import KVShiftConfig
 from kvtrain.model.builder import build_gpt, transformer_config
 from kvtrain.model.kv_shift import shift_tokens
-from kvtrain.model.shift_kernels import fused_shift
+from kvtrain.model.shift_kernels import fused_shift, fused_shift_qkv
+
+
+def reference_shift(x, coef, doc_ids=None, impl=None):
+    return shift_tokens(x, coef, doc_ids)
+
+
+def reference_qkv(mixed, coef_k, coef_v, doc_ids=None, query_width=0, impl=None):
+    d = (mixed.shape[-1] - query_width) // 2
+    q, k, v = mixed.split([query_width, d, d], dim=-1)
+    return q, shift_tokens(k, coef_k, doc_ids), shift_tokens(v, coef_v, doc_ids)
 
 
 def saved(attn: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
@@ -55,19 +67,25 @@ def main() -> None:
     print(f"one attention layer, local spec, fp32: s={s} b={args.batch} hidden={args.hidden} "
           f"heads={args.heads} kv_groups={args.groups}; one K or V = {s * args.batch * args.groups * d * 4} B, "
           f"QKV output = {s * args.batch * (args.heads + 2 * args.groups) * d * 4} B")
-    for attention, shifts in (("vanilla", {"-": fused_shift}),
-                              ("kv_shift", {"shift_tokens": shift_tokens, "fused": fused_shift})):
+    hidden = torch.randn(s, args.batch, args.hidden, requires_grad=True)
+    for attention, kernel in (("vanilla", "-"), ("kv_shift", "shift_tokens"),
+                              ("kv_shift", "torch"), ("kv_shift", "native")):
         cfg = ModelConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads,
                           num_query_groups=args.groups, vocab_size=128, max_position_embeddings=s,
-                          attention=attention, backend="local")
+                          attention=attention, backend="local",
+                          kv_shift=KVShiftConfig(kernel="torch" if kernel == "-" else
+                                                 "auto" if kernel == "shift_tokens" else kernel))
         attn = build_gpt(cfg, transformer_config(cfg)).decoder.layers[0].self_attention
-        hidden = torch.randn(s, args.batch, args.hidden, requires_grad=True)
-        for impl, fn in shifts.items():
-            kv_shift_module.fused_shift = fn  # the module's one call site
+        if kernel == "shift_tokens":  # the module's two call sites
+            kv_shift_module.fused_shift, kv_shift_module.fused_shift_qkv = (reference_shift,
+                                                                           reference_qkv)
+        try:
             for mask_name, mask in (("causal", causal), ("3 docs", packed)):
                 nbytes, count = saved(attn, hidden, mask)
-                print(f"  {attention:8s} {impl:12s} {mask_name:6s} {nbytes:>10d} B in {count:3d} tensors")
-    kv_shift_module.fused_shift = fused_shift
+                print(f"  {attention:8s} {kernel:12s} {mask_name:6s} {nbytes:>10d} B in {count:3d} tensors")
+        finally:
+            kv_shift_module.fused_shift, kv_shift_module.fused_shift_qkv = (fused_shift,
+                                                                           fused_shift_qkv)
 
 
 if __name__ == "__main__":

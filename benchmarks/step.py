@@ -268,7 +268,8 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 def report(args: argparse.Namespace, arms: list[Arm], load_before: tuple) -> dict:
     """The result (collective: reduces over ranks)."""
     records = {arm.name: arm_record(arm) for arm in arms}
-    run, v, k = arms[0].run, records["vanilla"], records["kv_shift"]
+    v, k = records["vanilla"], records["kv_shift"]
+    run = next(arm.run for arm in arms if arm.name == "kv_shift")  # its backend names the shift
     cfg, p = run.cfg, run.cfg.parallel
     param = next(run.model[0].parameters())
     return {
@@ -309,7 +310,8 @@ def table(result: dict) -> str:
 
     m = result["model"]
     lines = [
-        f"{result['config']}: {result['backend']['name']} backend ({result['backend']['reason']}), "
+        f"{result['config']}: {result['backend']['name']} backend ({result['backend']['reason']}"
+        f"{'; KV shift: ' + result['backend']['shift_kernel'] if result['backend'].get('shift_kernel') else ''}), "
         f"{result['device_name']}, {result['param_dtype']}, world {result['world_size']}; "
         f"{m['layers']} layers, hidden {m['hidden']}, seq {m['seq']}, "
         f"{result['tokens_per_step']} tokens/step; {result['steps']} timed steps per arm "
@@ -386,8 +388,8 @@ def benchmark(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> dict:
                 for name in ARMS]
         for arm in arms:
             arm.peak_bytes = probed.get(arm.name)
-        if env.rank == 0:
-            print(f"step.py: {arms[0].run.backend.describe()}, device {arms[0].run.device}",
+        if env.rank == 0:  # the KV-shift arm's line: the backend, and the shift's kernel
+            print(f"step.py: {arms[1].run.backend.describe()}, device {arms[1].run.device}",
                   flush=True)
         time_arms(arms, args.steps)
         return report(args, arms, load_before)

@@ -49,13 +49,18 @@ class BackendChoice:
     documents: Optional[str] = None
     """How documents are kept apart when ``data.reset_attention_mask`` is on (else None):
     see :func:`document_attention`."""
+    shift_kernel: Optional[str] = None
+    """What computes the KV shift (``model.kv_shift.kernel`` resolved: ``native``,
+    ``triton`` or ``torch``, and why); None for vanilla attention."""
 
     def describe(self) -> str:
         """One line for stdout: ``backend torch (auto: no GPU; fused softmax: no)``,
-        plus ``; documents: <kernel>`` when documents are separated."""
+        plus ``; documents: <kernel>`` when documents are separated and
+        ``; KV shift: <kernel>`` for KV-shift attention."""
         fused = "yes" if self.fused_softmax else "no"
         docs = f"; documents: {self.documents}" if self.documents else ""
-        return f"backend {self.name} ({self.reason}; fused softmax: {fused}{docs})"
+        shift = f"; KV shift: {self.shift_kernel}" if self.shift_kernel else ""
+        return f"backend {self.name} ({self.reason}; fused softmax: {fused}{docs}{shift})"
 
     @property
     def warning(self) -> Optional[str]:

@@ -36,6 +36,13 @@ class KVShiftConfig:
     paper's Appendix J shifts the key of one head and the value of another:
     ``heads: {k: [0], v: [1], fixed: true}``."""
 
+    kernel: Literal["auto", "native", "torch", "triton"] = "auto"
+    """What computes the shift (the same math; the run's backend line says which
+    ran): ``native`` - C++ operators compiled on first use (CPU, fp32/fp64;
+    ``kvtrain/model/csrc/kv_shift.cpp``); ``triton`` - Triton kernels (GPU);
+    ``torch`` - torch ops, anywhere; ``auto`` - triton on a GPU where it
+    imports, native on the CPU where it builds, else torch."""
+
 
 @dataclass
 class ShiftHeadsConfig:

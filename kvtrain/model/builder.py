@@ -42,7 +42,10 @@ class Numerics:
         return cls()
 
 
-def kv_shift_options(model: ModelConfig, seed: int) -> KVShiftOptions:
+def kv_shift_options(model: ModelConfig, seed: int,
+                     kernel: Optional[str] = None) -> KVShiftOptions:
+    """The layer options of ``model.kv_shift``; ``kernel`` (resolved by the trainer,
+    ``shift_kernels.choose_kernel``) overrides its ``kernel``."""
     ks = model.kv_shift
     heads, fixed = (), False
     if ks.heads is not None:
@@ -50,7 +53,7 @@ def kv_shift_options(model: ModelConfig, seed: int) -> KVShiftOptions:
                       if getattr(ks.heads, t) is not None)
         fixed = ks.heads.fixed
     return KVShiftOptions(shift=tuple(ks.shift), window=ks.window, mode=ks.mode, seed=seed,
-                          heads=heads, fixed=fixed)
+                          heads=heads, fixed=fixed, kernel=kernel or ks.kernel)
 
 
 def mla_settings(model: ModelConfig) -> dict:
@@ -143,8 +146,11 @@ def build_gpt(
     vp_stage: Optional[int] = None,
     backend: Backend = "auto",
     parallel_output: bool = True,
+    shift_kernel: Optional[str] = None,
 ) -> GPTModel:
     """The GPTModel chunk of this rank's pipeline stage (``vp_stage`` for interleaving).
+
+    ``shift_kernel`` is the KV shift's resolved kernel (None: ``model.kv_shift.kernel``).
 
     ``seed`` sets the initial weights: the KV-shift coefficients (the same values
     whatever the TP/PP layout) and every other weight, drawn from streams of
@@ -160,7 +166,8 @@ def build_gpt(
             ignore_virtual=False, vp_stage=vp_stage
         ) if parallel_state.model_parallel_is_initialized() else True
     backend = resolve_backend(backend)
-    spec = seeded_layer_spec(layer_spec(model.attention, kv_shift_options(model, seed), backend,
+    options = kv_shift_options(model, seed, shift_kernel)
+    spec = seeded_layer_spec(layer_spec(model.attention, options, backend,
                                         mla=model.mla is not None), seed)
     with own_streams(seed, "model"):  # the weights do not depend on the PP layout
         return GPTModel(

@@ -38,7 +38,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from kvtrain.config.layout import coefficients_per_tensor
-from kvtrain.model.shift_kernels import fused_shift, fused_shift_stacked, triton_available
+from kvtrain.model.shift_kernels import default_impl, fused_shift, fused_shift_qkv
 
 from .context_parallel import cp_group
 from .documents import DocumentParams, doc_ids_from_attention_mask, doc_ids_from_cu_seqlens
@@ -61,6 +61,7 @@ class KVShiftOptions:
     # a tensor of ``shift`` not named here shifts all its heads
     heads: tuple[tuple[str, tuple[int, ...]], ...] = ()
     fixed: bool = False  # shifted heads take the previous token only: (0, 1), not learned
+    kernel: str = "auto"  # auto | torch | native | triton (kvtrain.model.shift_kernels)
 
     def num_params(self) -> int:
         """Learnable scalars per KV head (4 for the paper's default, 0 when fixed)."""
@@ -216,7 +217,7 @@ class KVShiftMixin:
         group = cp_group()
         if group is not None:
             return shift_context_parallel(x, coef, group, self._global_doc_ids())
-        return fused_shift(x, coef, doc_ids)
+        return fused_shift(x, coef, doc_ids, impl=self.kv_shift.kernel)
 
     def _global_doc_ids(self) -> Optional[Tensor]:
         """Under context parallelism: ``[b, S]`` document ids of the whole sequence
@@ -337,6 +338,10 @@ class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
         if getattr(config, "fused_single_qkv_rope", False):
             raise ValueError("KV shift needs split Q/K/V: set fused_single_qkv_rope=False")
         self._init_kv_shift(config, layer_number, kv_shift, config.num_query_groups)
+        # K and V can be shifted in their place in the QKV output (fused_shift_qkv):
+        # the paper's K+V shift with nothing (a K norm) between projection and shift
+        self._kv_in_place = (sorted(kv_shift.shift) == ["k", "v"]
+                             and _is_identity(self.k_layernorm))
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     output_gate: bool = False, split_qkv: bool = True):
@@ -357,27 +362,28 @@ class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
 
     def _shift_kv_stacked(self, hidden_states: Tensor, key_value_states, output_gate) -> bool:
         """Whether K and V are shifted together, in their place in the QKV output:
-        the paper's K+V shift in training or a full forward, on the torch path
-        (the Triton kernels take one tensor; a K norm would sit between the
-        projection and the shift), without context parallelism (the halo path)."""
-        return (sorted(self.kv_shift.shift) == ["k", "v"] and key_value_states is None
-                and cp_group() is None
-                and not output_gate and _is_identity(self.k_layernorm) and not self._decoding()
-                and not (hidden_states.is_cuda and triton_available()))
+        the paper's K+V shift in training or a full forward, on the CPU kernels
+        (native or torch ops; the Triton kernels take one tensor; a K norm would
+        sit between the projection and the shift), without context parallelism
+        (the halo path)."""
+        if not self._kv_in_place or key_value_states is not None or output_gate:
+            return False
+        kernel = self.kv_shift.kernel
+        if kernel == "auto":
+            kernel = default_impl(hidden_states)
+        return kernel in ("native", "torch") and cp_group() is None and not self._decoding()
 
     def _stacked_query_key_value(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Q, and K and V shifted in one node (``fused_shift_stacked``) straight from
+        """Q, and K and V shifted, in one node (``fused_shift_qkv``) straight from
         megatron's QKV layout ``[s, b, ng, (np/ng) * hn | hn (k) | hn (v)]``."""
         mixed, split = super().get_query_key_value_tensors(hidden_states, split_qkv=False)
-        s, b, groups, _ = mixed.shape  # [s, b, ng, (np/ng + 2) * hn]
-        hn = split[1]
-        query, kv = torch.split(mixed, [split[0], 2 * hn], dim=3)
-        query = query.reshape(s, b, -1, hn)  # [s, b, np, hn]
+        s, b = mixed.shape[:2]
+        query, key, value = fused_shift_qkv(mixed, self.coefficients("k"), self.coefficients("v"),
+                                            self._resolve_doc_ids(s, b), query_width=split[0],
+                                            impl=self.kv_shift.kernel)
+        query = query.reshape(s, b, -1, split[1])  # [s, b, np, hn]
         if not _is_identity(self.q_layernorm):
             query = self.q_layernorm(query)
-        coef = torch.stack([self.coefficients("k"), self.coefficients("v")], dim=1)  # [ng, 2, n]
-        key, value = fused_shift_stacked(kv.view(s, b, groups, 2, hn), coef,
-                                         self._resolve_doc_ids(s, b))
         return query, key, value  # k, v: [s, b, ng, hn]
 
 

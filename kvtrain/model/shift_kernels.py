@@ -19,9 +19,17 @@ gradient in w+1 separate full-size passes. :class:`FusedShift` instead
   reduction over a ``[w+1, s, b, h]`` tensor of per-token products (on the GPU,
   in the same Triton pass that computes ``dx``).
 
-On CUDA tensors with Triton importable, the forward and backward are Triton
-kernels (one program per block of tokens of one (batch, head) pair, fp32
-accumulation); elsewhere the torch implementation below runs. Both mirror
+Three kernels compute it (``impl``, from ``model.kv_shift.kernel``; the trainer
+resolves ``auto`` once with :func:`choose_kernel` and records the answer):
+
+* ``triton`` - on CUDA tensors with Triton importable: one program per block of
+  tokens of one (batch, head) pair, fp32 accumulation;
+* ``native`` - on the CPU: C++ operators with their autograd node in C++
+  (``native_shift``, ``csrc/kv_shift.cpp``; fp32/fp64);
+* ``torch`` - the torch ops below, anywhere.
+
+:func:`fused_shift_qkv` shifts K and V in their place in megatron's QKV output and
+stands in for its split too (``native`` or ``torch``). All mirror
 ``shift_tokens``, the reference that tests compare them with.
 """
 
@@ -32,6 +40,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import native_shift
+
 try:  # Triton ships with CUDA builds of PyTorch; the CPU build runs the torch path.
     import triton
     import triton.language as tl
@@ -39,11 +49,56 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-IMPLS = ("torch", "triton")
+IMPLS = ("torch", "triton", "native")
 
 
 def triton_available() -> bool:
     return triton is not None
+
+
+def choose_kernel(requested: str, cuda: bool, dtype: torch.dtype) -> tuple[str, str]:
+    """The kernel for ``model.kv_shift.kernel: requested`` on a run whose K/V are
+    ``dtype`` on a GPU (``cuda``) or the CPU: (name, why). ConfigError when the
+    requested one cannot run here. Builds the native operators (once) to know."""
+    from kvtrain.config import ConfigError
+
+    key = f"model.kv_shift.kernel: {requested}"
+    if requested == "torch":
+        return "torch", key
+    if requested == "triton" or (requested == "auto" and cuda):
+        if not cuda:
+            raise ConfigError(f"{key} needs a GPU (use auto, native or torch on the CPU)")
+        if not triton_available():
+            if requested == "auto":
+                return "torch", "auto: Triton is not installed"
+            raise ConfigError(f"{key}, but Triton is not installed (use torch)")
+        return "triton", "auto: GPU" if requested == "auto" else key
+    if requested not in ("auto", "native"):
+        raise ConfigError(f"model.kv_shift.kernel must be auto, native, torch or triton, "
+                          f"got {requested!r}")
+    if cuda:
+        raise ConfigError(f"{key} is the CPU kernel (use auto, triton or torch on a GPU)")
+    if dtype not in native_shift.DTYPES:
+        if requested == "auto":
+            return "torch", f"auto: the native kernel takes fp32/fp64, not {dtype}"
+        raise ConfigError(f"{key} takes fp32/fp64 K/V, not {dtype} (train.precision; "
+                          f"use auto or torch)")
+    reason = native_shift.unavailable_reason()
+    if reason is not None:
+        if requested == "auto":
+            return "torch", f"auto: native kernel unavailable: {reason}"
+        raise ConfigError(f"{key}, but the native kernel is unavailable: {reason}")
+    return "native", "auto: CPU" if requested == "auto" else key
+
+
+def default_impl(x: Tensor) -> str:
+    """The kernel ``auto`` takes for ``x``: Triton on a GPU where it imports, the
+    native C++ operators on the CPU where they build and take x's dtype, else torch ops."""
+    if x.is_cuda:
+        return "triton" if triton_available() else "torch"
+    if native_shift.supports(x) and native_shift.unavailable_reason() is None:
+        return "native"
+    return "torch"
 
 
 def fused_shift(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor] = None,
@@ -54,13 +109,23 @@ def fused_shift(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor] = None,
     coefficients; ``doc_ids`` ``[s, b]`` or None). ``impl`` forces ``torch`` or
     ``triton``; by default Triton runs on CUDA tensors when it is importable.
     """
-    if impl is None:
-        impl = "triton" if x.is_cuda and triton_available() else "torch"
+    impl = _checked_impl(x, impl)
+    if impl == "native":  # a C++ operator with its own autograd node
+        return native_shift.shift(x, coef, doc_ids)
+    return FusedShift.apply(x, coef, doc_ids, impl)
+
+
+def _checked_impl(x: Tensor, impl: Optional[str]) -> str:
+    """``impl`` (None or ``auto``: :func:`default_impl`), checked against ``x``."""
+    if impl in (None, "auto"):
+        return default_impl(x)
     if impl not in IMPLS:
         raise ValueError(f"unknown shift implementation {impl!r}; expected one of {IMPLS}")
     if impl == "triton" and not triton_available():
         raise RuntimeError("the Triton shift needs the triton package")
-    return FusedShift.apply(x, coef, doc_ids, impl)
+    if impl == "native" and not native_shift.supports(x):
+        return "torch"  # a tensor the native operators do not take (bf16, a GPU tensor)
+    return impl  # native: NativeUnavailable with the reason where it cannot be built
 
 
 class FusedShift(torch.autograd.Function):
@@ -87,36 +152,93 @@ class FusedShift(torch.autograd.Function):
         return (dx if need_x else None), (dcoef if need_coef else None), None, None
 
 
-def fused_shift_stacked(x: Tensor, coef: Tensor,
-                        doc_ids: Optional[Tensor] = None) -> tuple[Tensor, ...]:
-    """The shift of ``m`` tensors stored side by side per head, as one autograd node.
+def fused_shift_qkv(mixed: Tensor, coef_k: Tensor, coef_v: Tensor,
+                    doc_ids: Optional[Tensor] = None, query_width: int = 0,
+                    impl: Optional[str] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Q as it is, K and V shifted, straight from megatron's QKV output: one autograd node.
 
-    ``x`` is ``[s, b, h, m, d]`` (K and V of each KV head, as megatron's QKV
-    projection lays them out: a view, never copied), ``coef`` ``[h, m, w+1]``;
-    returns the ``m`` shifted tensors ``[s, b, h, d]`` (views into one output).
-    The same math as ``fused_shift`` per tensor, with half the nodes and ops of
-    shifting K and V one by one: on the CPU, where the per-op cost dominates at
-    small widths, that is most of the shift's time. The torch path only (the
-    Triton kernels take one tensor).
+    ``mixed`` is the QKV projection's output ``[s, b, g, q + 2d]`` (per KV group:
+    its ``q = query_width`` query values, then K and V of ``d`` each); ``coef_k``
+    and ``coef_v`` are ``[g, w+1]``. Returns ``query [s, b, g, q]`` (a view of
+    ``mixed``) and the shifted ``key``, ``value`` ``[s, b, g, d]`` (views into one
+    new tensor). The node takes the place of the split of ``mixed`` too, so its
+    backward writes the gradients of Q, K and V straight into one gradient of
+    ``mixed``: compared with splitting and shifting K and V one by one, a third
+    of the nodes, no gradient stack and no concatenation. On the CPU, where a
+    pass over memory or a torch op costs more than the shift's arithmetic, that
+    is most of the shift's time. ``impl``: ``native`` or ``torch`` (None/``auto``:
+    native where it builds); the Triton kernels take one tensor.
     """
-    return StackedShift.apply(x, coef, doc_ids)
+    s, b, g, width = mixed.shape
+    d = (width - query_width) // 2
+    if (query_width < 0 or query_width + 2 * d != width
+            or coef_k.shape != coef_v.shape or coef_k.shape[0] != g):
+        raise ValueError(f"expected mixed [s, b, g, q + 2d] with q = {query_width} and "
+                         f"coefficients [g, n], got {tuple(mixed.shape)}, "
+                         f"{tuple(coef_k.shape)} and {tuple(coef_v.shape)}")
+    impl = _checked_impl(mixed, impl)
+    if impl == "triton":
+        raise ValueError("the Q/K/V shift runs on the CPU kernels (native or torch), not Triton")
+    if impl == "native":  # a C++ operator with its own autograd node
+        return native_shift.shift_qkv(mixed, coef_k, coef_v, doc_ids, query_width)
+    return QKVShift.apply(mixed, coef_k, coef_v, doc_ids, query_width)
 
 
-class StackedShift(torch.autograd.Function):
-    """``fused_shift_stacked``: saves only ``x``, ``coef`` and ``doc_ids``."""
+class QKVShift(torch.autograd.Function):
+    """``fused_shift_qkv`` on torch ops (the native operator is its C++ twin): saves
+    only ``mixed``, the coefficients and ``doc_ids``."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]):
-        ctx.save_for_backward(x, coef, doc_ids)
-        return _torch_forward(x, coef, doc_ids).unbind(-2)  # m x [s, b, h, d]
+    def forward(ctx, mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[Tensor],
+                query_width: int):
+        ctx.query_width = query_width
+        ctx.save_for_backward(mixed, coef_k, coef_v, doc_ids)
+        kv = _kv_block(mixed, query_width)
+        shifted = _torch_forward(kv, torch.stack([coef_k, coef_v], dim=1), doc_ids)
+        key, value = shifted.unbind(-2)  # [s, b, g, d] each
+        # The query is handed on as a view of the input (autograd makes this node its
+        # grad_fn, so its gradient comes back here and is written into dmixed).
+        return mixed[..., :query_width], key, value
 
     @staticmethod
-    def backward(ctx, *grads: Optional[Tensor]):
-        x, coef, doc_ids = ctx.saved_tensors
-        dy = torch.stack([g if g is not None else x.new_zeros(x.shape[:-2] + x.shape[-1:])
-                          for g in grads], dim=-2)  # [s, b, h, m, d]
-        dx, dcoef = _torch_grads(x, coef, doc_ids, dy, *ctx.needs_input_grad[:2])
-        return dx, dcoef, None
+    def backward(ctx, dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor]):
+        mixed, coef_k, coef_v, doc_ids = ctx.saved_tensors
+        need_mixed = ctx.needs_input_grad[0]
+        need_coef = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        dmixed, dcoefs = _torch_qkv_grads(mixed, coef_k, coef_v, doc_ids, ctx.query_width,
+                                          (dq, dk, dv), need_mixed, need_coef)
+        dck, dcv = dcoefs if dcoefs is not None else (None, None)
+        if dck is not None:
+            dck, dcv = dck.to(coef_k.dtype), dcv.to(coef_v.dtype)
+        return dmixed, dck, dcv, None, None
+
+
+def _kv_block(mixed: Tensor, query_width: int) -> Tensor:
+    """K and V of ``mixed [s, b, g, q + 2d]`` as a ``[s, b, g, 2, d]`` view."""
+    s, b, g, width = mixed.shape
+    return mixed[..., query_width:].view(s, b, g, 2, (width - query_width) // 2)
+
+
+def _torch_qkv_grads(mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[Tensor],
+                     query_width: int, grads, need_mixed: bool, need_coef: bool):
+    """``QKVShift.backward`` on torch ops: (dmixed or None, (dcoef_k, dcoef_v) or None)."""
+    dq, dk, dv = grads
+    kv = _kv_block(mixed, query_width)
+    zeros = kv.new_zeros(kv.shape[:3] + kv.shape[4:])
+    dy = torch.stack([dk if dk is not None else zeros, dv if dv is not None else zeros], -2)
+    coef = torch.stack([coef_k, coef_v], dim=1)  # [g, 2, n]
+    dmixed = dcoefs = None
+    if need_mixed:  # [s, b, g, q + 2d]: the query's gradient, then dx in place
+        dmixed = torch.empty_like(mixed, memory_format=torch.contiguous_format)
+        if dq is None:
+            dmixed[..., :query_width].zero_()
+        else:
+            dmixed[..., :query_width].copy_(dq)
+        _torch_input_grad(coef, doc_ids, dy, out=_kv_block(dmixed, query_width))
+    if need_coef:
+        dcoef = _torch_coef_grad(kv, doc_ids, dy, coef.shape[-1] - 1)
+        dcoefs = dcoef.unbind(1)
+    return dmixed, dcoefs
 
 
 def _torch_grads(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor], dy: Tensor,
@@ -156,10 +278,12 @@ def _torch_forward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]) -> Tensor
     return out
 
 
-def _torch_input_grad(coef: Tensor, doc_ids: Optional[Tensor], dy: Tensor) -> Tensor:
-    """``dx_t = Σ_i c_i · dy_{t+i}`` (same document): the shift run backwards."""
+def _torch_input_grad(coef: Tensor, doc_ids: Optional[Tensor], dy: Tensor,
+                      out: Optional[Tensor] = None) -> Tensor:
+    """``dx_t = Σ_i c_i · dy_{t+i}`` (same document): the shift run backwards (into
+    ``out`` when given)."""
     c = coef.to(dy.dtype)
-    dx = dy * c[..., 0, None]
+    dx = torch.mul(dy, c[..., 0, None], out=out) if out is not None else dy * c[..., 0, None]
     for i in _lags(dy.shape[0], coef):
         dx[:-i].addcmul_(dy[i:], _lag_scale(c, i, doc_ids, slice(i, None), slice(None, -i)))
     return dx

@@ -86,7 +86,8 @@ def backend_event(run: Run, iteration: int) -> dict:
             "message": f"{run.backend.describe()}, device {run.device}", **run.resolved}
 
 
-def _build_model(cfg: RunConfig, tconfig, numerics, backend: str) -> list:
+def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
+                 shift_kernel: Optional[str] = None) -> list:
     """GPTModel chunks of this rank (one per virtual stage), wrapped for mixed
     precision and in megatron's DistributedDataParallel."""
     from megatron.core import tensor_parallel
@@ -99,7 +100,8 @@ def _build_model(cfg: RunConfig, tconfig, numerics, backend: str) -> list:
     chunks = []
     for vp_stage in range(p.virtual_pipeline or 1):
         chunk = build_gpt(cfg.model, tconfig, seed=cfg.train.seed, backend=backend,
-                          vp_stage=vp_stage if p.virtual_pipeline else None)
+                          vp_stage=vp_stage if p.virtual_pipeline else None,
+                          shift_kernel=shift_kernel)
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if torch.cuda.is_available():
@@ -138,10 +140,8 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from kvtrain.backend import init_distributed
-    from kvtrain.config.backend import check_document_masks, document_attention
     from kvtrain.data import build_datasets
     from kvtrain.model.builder import Numerics, transformer_config
-    from kvtrain.model.specs import backend_choice
 
     from .optimizer import build_optimizer, build_scheduler
 
@@ -153,12 +153,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     numerics = Numerics.from_precision(t.precision)
     if numerics.fp16 and not torch.cuda.is_available():
         raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
-    backend = backend_choice(cfg.model.backend)  # once per run: every chunk uses it
-    check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
-    if cfg.data.reset_attention_mask:
-        backend = dataclasses.replace(backend, documents=document_attention(
-            backend.name, torch.cuda.is_available(), cfg.model.attention_dropout))
-
+    backend, shift_kernel = _resolve_backend(cfg, numerics)  # once per run: every chunk
     tconfig = transformer_config(cfg.model, p, numerics)
     # Set before DDP is built (DDP reads it): gradients are divided by the token
     # count of the global batch in finalize_model_grads, not by DP size.
@@ -166,7 +161,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     # Without this, data-parallel gradients are never all-reduced (megatron's DDP
     # hooks only accumulate when overlap is off).
     tconfig.finalize_model_grads_func = finalize_model_grads
-    model = _build_model(cfg, tconfig, numerics, backend.name)
+    model = _build_model(cfg, tconfig, numerics, backend.name, shift_kernel)
     if p.overlap_grad_reduce:
         # as Megatron-LM: no grad sync inside the micro-batch loop, and with PP the
         # stages launch their reduce-scatters in step (its align_grad_reduce default)
@@ -205,6 +200,25 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     )
 
 
+def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Optional[str]]:
+    """The run's backend on this machine, with how it keeps documents apart and what
+    computes the KV shift (refusing what it cannot do), and the shift's kernel."""
+    from kvtrain.config.backend import check_document_masks, document_attention
+    from kvtrain.model.shift_kernels import choose_kernel
+    from kvtrain.model.specs import backend_choice
+
+    backend = backend_choice(cfg.model.backend)
+    check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
+    if cfg.data.reset_attention_mask:
+        backend = dataclasses.replace(backend, documents=document_attention(
+            backend.name, torch.cuda.is_available(), cfg.model.attention_dropout))
+    if cfg.model.attention != "kv_shift":
+        return backend, None
+    kernel, why = choose_kernel(cfg.model.kv_shift.kernel, torch.cuda.is_available(),
+                                numerics.params_dtype)
+    return dataclasses.replace(backend, shift_kernel=f"{kernel} ({why})"), kernel
+
+
 def _documents(cfg: RunConfig, datasets, backend: str) -> Optional[Callable]:
     """What the forward step needs to separate documents (None: not asked for)."""
     if not cfg.data.reset_attention_mask:
@@ -227,7 +241,8 @@ def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = N
         text = (f"# resolved at the last start: device {resolved['device']}\n"
                 f"# backend: {b['name']} ({b['reason']}; fused softmax: "
                 f"{'yes' if b['fused_softmax'] else 'no'}"
-                f"{'; documents: ' + b['documents'] if b.get('documents') else ''})\n{text}")
+                f"{'; documents: ' + b['documents'] if b.get('documents') else ''}"
+                f"{'; KV shift: ' + b['shift_kernel'] if b.get('shift_kernel') else ''})\n{text}")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", text)
     return text

@@ -1,7 +1,10 @@
 """The fused shift (kvtrain.model.shift_kernels) against the reference ``shift_tokens``:
-values and gradients for every variant, and what it keeps for backward."""
+values and gradients for every variant, on both CPU kernels (``torch`` ops and the
+``native`` C++ operators), and what it keeps for backward."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -12,9 +15,10 @@ from kvtrain.config import ModelConfig
 from kvtrain.config.schema import KVShiftConfig
 from kvtrain.model.builder import build_gpt, transformer_config
 from kvtrain.model.kv_shift import effective_coefficients, shift_tokens
-from kvtrain.model.shift_kernels import FusedShift, StackedShift, fused_shift, fused_shift_stacked
+from kvtrain.model.shift_kernels import FusedShift, QKVShift, fused_shift, fused_shift_qkv
 
 FP32 = dict(atol=1e-6, rtol=1e-6)
+CPU_KERNELS = ["torch", "native"]
 
 
 def documents(s: int, b: int, kind: str):
@@ -39,14 +43,15 @@ def values_and_grads(fn, x, coef, doc_ids, seed=0):
     return y, dx, dcoef
 
 
+@pytest.mark.parametrize("impl", CPU_KERNELS)
 @pytest.mark.parametrize("docs", ["none", "starts"])
 @pytest.mark.parametrize("window", [1, 2, 3])
-def test_matches_shift_tokens_fp32(window, docs):
+def test_matches_shift_tokens_fp32(window, docs, impl):
     s, b, h, d = 11, 2, 3, 8
     x = torch.randn(s, b, h, d)
     coef = torch.randn(h, window + 1)
     doc_ids = documents(s, b, docs)
-    y, dx, dcoef = values_and_grads(fused_shift, x, coef, doc_ids)
+    y, dx, dcoef = values_and_grads(partial(fused_shift, impl=impl), x, coef, doc_ids)
     y_ref, dx_ref, _ = values_and_grads(shift_tokens, x, coef, doc_ids)
     torch.testing.assert_close(y, y_ref, **FP32)
     torch.testing.assert_close(dx, dx_ref, **FP32)
@@ -56,70 +61,95 @@ def test_matches_shift_tokens_fp32(window, docs):
     torch.testing.assert_close(dcoef.double(), dcoef_64, atol=1e-5, rtol=1e-6)
 
 
-def stacked_reference(x, coef, doc_ids):
-    """K and V of ``x [s, b, h, 2, d]`` shifted one by one with ``shift_tokens``."""
-    return tuple(shift_tokens(x[..., i, :], coef[:, i], doc_ids) for i in range(x.shape[-2]))
+def qkv_reference(mixed, coef_k, coef_v, doc_ids=None, query_width=0, impl=None):
+    """Q, and K and V shifted one by one with ``shift_tokens``, from ``mixed [s, b, g, q+2d]``."""
+    d = (mixed.shape[-1] - query_width) // 2
+    q, k, v = mixed.split([query_width, d, d], dim=-1)
+    return q, shift_tokens(k, coef_k, doc_ids), shift_tokens(v, coef_v, doc_ids)
 
 
+def qkv_run(fn, mixed, coefs, doc_ids, query_width, grads, impl=None):
+    """Outputs and the gradients of (mixed, coef_k, coef_v) for output gradients ``grads``."""
+    mixed = mixed.detach().requires_grad_()
+    coefs = [c.detach().requires_grad_() for c in coefs]
+    out = fn(mixed, *coefs, doc_ids, query_width, impl=impl)
+    used = [(o, g.to(o.dtype)) for o, g in zip(out, grads) if g is not None]
+    return (*out, *torch.autograd.grad([o for o, _ in used], (mixed, *coefs),
+                                       [g for _, g in used]))
+
+
+@pytest.mark.parametrize("impl", CPU_KERNELS)
 @pytest.mark.parametrize("docs", ["none", "starts"])
 @pytest.mark.parametrize("window", [1, 2, 3])
-def test_stacked_kv_matches_shift_tokens_fp32(window, docs):
-    """K and V in their place in the QKV output ([s, b, g, q|k|v * d]), shifted in one node."""
-    s, b, g, d = 11, 2, 3, 8
-    mixed = torch.randn(s, b, g, 4 * d, dtype=torch.float64).float().requires_grad_()
-    coef = torch.randn(g, 2, window + 1, requires_grad=True)
+def test_qkv_shift_matches_shift_tokens_fp32(window, docs, impl):
+    """Q, K and V from the QKV output in one node: values, the QKV output's gradient
+    (the query's copied in) and the coefficients' (against fp64)."""
+    s, b, g, q, d = 13, 2, 2, 16, 8
+    mixed = torch.randn(s, b, g, q + 2 * d)
+    coefs = [torch.randn(g, window + 1) for _ in range(2)]
     doc_ids = documents(s, b, docs)
-    dy = [torch.randn(s, b, g, d) for _ in range(2)]
-
-    def run(fn, mixed, coef):
-        kv = mixed[..., 2 * d:].view(s, b, g, 2, d)  # a strided view, as in the layer
-        out = fn(kv, coef, doc_ids)
-        grads = torch.autograd.grad(out, (mixed, coef), [t.to(mixed.dtype) for t in dy])
-        return out, grads
-
-    (k, v), (dmixed, dcoef) = run(fused_shift_stacked, mixed, coef)
-    (k_ref, v_ref), (dmixed_ref, _) = run(stacked_reference, mixed, coef)
-    assert isinstance(k.grad_fn, StackedShift._backward_cls)
-    for got, want in ((k, k_ref), (v, v_ref), (dmixed, dmixed_ref)):
-        torch.testing.assert_close(got, want, **FP32)
-    dcoef_64 = run(stacked_reference, mixed.double(), coef.double())[1][1]
-    torch.testing.assert_close(dcoef.double(), dcoef_64, atol=1e-5, rtol=1e-6)
+    # the query's gradient through a reshape, V's through a transpose (as from SDPA)
+    grads = [torch.randn(s, b, g, q), torch.randn(s, b, g, d),
+             torch.randn(b, s, g, d).transpose(0, 1)]
+    got = qkv_run(fused_shift_qkv, mixed, coefs, doc_ids, q, grads, impl)
+    want = qkv_run(qkv_reference, mixed, coefs, doc_ids, q, grads)
+    for mine, ref in zip(got[:4], want[:4]):
+        torch.testing.assert_close(mine, ref, **FP32)
+    want_64 = qkv_run(qkv_reference, mixed.double(), [c.double() for c in coefs], doc_ids, q,
+                      grads)
+    for mine, ref in zip(got[4:], want_64[4:]):
+        torch.testing.assert_close(mine.double(), ref, atol=1e-5, rtol=1e-6)
 
 
-def test_stacked_kv_saves_only_the_qkv_view_and_coefficients():
+@pytest.mark.parametrize("impl", CPU_KERNELS)
+def test_qkv_shift_saves_only_the_qkv_output_and_coefficients(impl):
     mixed = torch.randn(16, 2, 2, 32, requires_grad=True)
-    coef = torch.randn(2, 2, 2, requires_grad=True)
+    coefs = [torch.randn(2, 2, requires_grad=True) for _ in range(2)]
     doc_ids = documents(16, 2, "starts")
-    kv = mixed[..., 16:].view(16, 2, 2, 2, 8)
-    (k, v), seen, packed = saved_storages(lambda: fused_shift_stacked(kv, coef, doc_ids))
-    assert set(seen) == {p.untyped_storage().data_ptr() for p in (mixed, coef, doc_ids)}
-    assert packed == 3
-    # one gradient missing (e.g. only V used downstream) counts as zero
-    (dcoef,) = torch.autograd.grad(v.sum(), (coef,))
-    assert dcoef[:, 0].abs().sum() == 0 and dcoef[:, 1].abs().sum() > 0
+    (q, k, v), seen, packed = saved_storages(
+        lambda: fused_shift_qkv(mixed, *coefs, doc_ids, 16, impl=impl))
+    assert set(seen) == {p.untyped_storage().data_ptr() for p in (mixed, *coefs, doc_ids)}
+    assert packed == 4
+    assert q.data_ptr() == mixed.data_ptr()  # the query is a view of the QKV output
+    # gradients missing (e.g. only V used downstream) count as zero
+    dmixed, dck, dcv = torch.autograd.grad(v.sum(), (mixed, *coefs))
+    assert dck.abs().sum() == 0 and dcv.abs().sum() > 0
+    assert dmixed[..., :24].abs().sum() == 0 and dmixed[..., 24:].abs().sum() > 0
 
 
-def test_window_longer_than_sequence_and_non_contiguous_input():
+def test_qkv_shift_native_and_torch_nodes():
+    mixed = torch.randn(4, 1, 2, 24, requires_grad=True)
+    coef = torch.rand(2, 2, requires_grad=True)
+    assert isinstance(fused_shift_qkv(mixed, coef, coef, None, 8, impl="torch")[1].grad_fn,
+                      QKVShift._backward_cls)
+    assert "ShiftQKV" in fused_shift_qkv(mixed, coef, coef, None, 8, impl="native")[1].grad_fn.name()
+    with pytest.raises(ValueError, match="expected mixed"):
+        fused_shift_qkv(mixed, coef, coef, None, 9)
+
+
+@pytest.mark.parametrize("impl", CPU_KERNELS)
+def test_window_longer_than_sequence_and_non_contiguous_input(impl):
     """A strided view (as K/V are, inside the QKV output) and w >= s."""
     mixed = torch.randn(2, 3, 2, 24)  # [s, b, groups, (q|k|v) * d]
     k = mixed[..., 8:16]
     coef = torch.randn(2, 4)
     doc_ids = torch.tensor([[0], [1]]).expand(2, 3)  # stride 0 on batch
     for ids in (None, doc_ids):
-        for got, want in zip(values_and_grads(fused_shift, k, coef, ids),
+        for got, want in zip(values_and_grads(partial(fused_shift, impl=impl), k, coef, ids),
                              values_and_grads(shift_tokens, k, coef, ids)):
             torch.testing.assert_close(got, want, **FP32)
 
 
+@pytest.mark.parametrize("impl", CPU_KERNELS)
 @pytest.mark.parametrize("mode", ["free", "gate", "clamp"])
-def test_coefficient_modes_through_effective_coefficients(mode):
+def test_coefficient_modes_through_effective_coefficients(mode, impl):
     """The Function takes effective coefficients; gradients reach the stored parameter."""
     x = torch.randn(9, 2, 2, 4)
     doc_ids = documents(9, 2, "starts")
     n = 2 if mode == "gate" else 3  # window 2
     param = torch.rand(2, n) * 1.4 - 0.2  # clamp mode: some outside [0, 1]
     grads = []
-    for fn in (fused_shift, shift_tokens):
+    for fn in (partial(fused_shift, impl=impl), shift_tokens):
         p = param.clone().requires_grad_()
         xx = x.clone().requires_grad_()
         y = fn(xx, effective_coefficients(p, mode), doc_ids)
@@ -129,12 +159,17 @@ def test_coefficient_modes_through_effective_coefficients(mode):
         torch.testing.assert_close(got, want, **FP32)
 
 
-def test_gradcheck_float64():
+@pytest.mark.parametrize("impl", CPU_KERNELS)
+def test_gradcheck_float64(impl):
     x = torch.randn(6, 2, 2, 3, dtype=torch.float64, requires_grad=True)
     coef = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     doc_ids = documents(6, 2, "starts")
-    assert torch.autograd.gradcheck(lambda a, c: fused_shift(a, c, doc_ids), (x, coef))
-    assert torch.autograd.gradcheck(lambda a, c: fused_shift(a, c), (x, coef))
+    assert torch.autograd.gradcheck(lambda a, c: fused_shift(a, c, doc_ids, impl), (x, coef))
+    assert torch.autograd.gradcheck(lambda a, c: fused_shift(a, c, impl=impl), (x, coef))
+    mixed = torch.randn(5, 2, 2, 10, dtype=torch.float64, requires_grad=True)
+    coefs = [torch.randn(2, 2, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    assert torch.autograd.gradcheck(
+        lambda m, a, c: fused_shift_qkv(m, a, c, doc_ids[:5], 4, impl), (mixed, *coefs))
 
 
 @pytest.mark.parametrize("docs", ["none", "starts"])
@@ -152,36 +187,33 @@ def test_bf16_within_bf16_tolerance(docs):
         torch.testing.assert_close(g.float(), t, atol=2e-2 * scale, rtol=2e-2)
 
 
+@pytest.mark.parametrize("impl", CPU_KERNELS)
 @pytest.mark.parametrize("docs", ["none", "starts"])
-def test_stacked_bf16_within_bf16_tolerance(docs):
-    """K and V in one node, bf16: within bf16 rounding of the fp32 truth."""
-    s, b, g, d = 64, 2, 2, 16
-    x = torch.randn(s, b, g, 2, d).bfloat16()
-    coef = torch.randn(g, 2, 3).bfloat16()
+def test_qkv_shift_bf16_within_bf16_tolerance(docs, impl):
+    """Q/K/V in one node, bf16 (the native kernel leaves bf16 to torch ops): within
+    bf16 rounding of the fp32 truth."""
+    s, b, g, q, d = 64, 2, 2, 16, 16
+    mixed = torch.randn(s, b, g, q + 2 * d).bfloat16()
+    coefs = [torch.randn(g, 3).bfloat16() for _ in range(2)]
     doc_ids = documents(s, b, docs)
-    dy = [torch.randn(s, b, g, d) for _ in range(2)]
-
-    def run(fn, x, coef):
-        x, coef = x.detach().requires_grad_(), coef.detach().requires_grad_()
-        out = fn(x, coef, doc_ids)
-        return (*out, *torch.autograd.grad(out, (x, coef), [t.to(x.dtype) for t in dy]))
-
-    truth = run(stacked_reference, x.float(), coef.float())
-    got = run(fused_shift_stacked, x, coef)
+    grads = [torch.randn(s, b, g, q), torch.randn(s, b, g, d), torch.randn(s, b, g, d)]
+    truth = qkv_run(qkv_reference, mixed.float(), [c.float() for c in coefs], doc_ids, q, grads)
+    got = qkv_run(fused_shift_qkv, mixed, coefs, doc_ids, q, grads, impl)
     assert all(t.dtype == torch.bfloat16 for t in got)
     for mine, want in zip(got, truth):
         scale = want.abs().max().item()
         torch.testing.assert_close(mine.float(), want, atol=2e-2 * scale, rtol=2e-2)
 
 
-def test_coefficients_without_grad_and_inputs_without_grad():
+@pytest.mark.parametrize("impl", CPU_KERNELS)
+def test_coefficients_without_grad_and_inputs_without_grad(impl):
     x = torch.randn(5, 1, 2, 3, requires_grad=True)
     coef = torch.randn(2, 2)
-    (dx,) = torch.autograd.grad(fused_shift(x, coef).sum(), (x,))
+    (dx,) = torch.autograd.grad(fused_shift(x, coef, impl=impl).sum(), (x,))
     (dx_ref,) = torch.autograd.grad(shift_tokens(x, coef).sum(), (x,))
     torch.testing.assert_close(dx, dx_ref, **FP32)
     coef.requires_grad_()
-    (dc,) = torch.autograd.grad(fused_shift(x.detach(), coef).sum(), (coef,))
+    (dc,) = torch.autograd.grad(fused_shift(x.detach(), coef, impl=impl).sum(), (coef,))
     (dc_ref,) = torch.autograd.grad(shift_tokens(x.detach(), coef).sum(), (coef,))
     torch.testing.assert_close(dc, dc_ref, **FP32)
 
@@ -208,13 +240,17 @@ def saved_storages(fn):
     return out, seen, len(packed)
 
 
-def test_saves_only_its_input_coefficients_and_doc_ids():
+@pytest.mark.parametrize("impl", CPU_KERNELS)
+def test_saves_only_its_input_coefficients_and_doc_ids(impl):
     mixed = torch.randn(16, 2, 2, 24, requires_grad=True)  # [s, b, groups, (q|k|v) * d]
     v = mixed[..., 16:]  # a view: the raw V inside the QKV output
     coef = torch.randn(2, 3, requires_grad=True)
     doc_ids = documents(16, 2, "starts")
-    y, seen, packed = saved_storages(lambda: fused_shift(v, coef, doc_ids))
-    assert isinstance(y.grad_fn, FusedShift._backward_cls)
+    y, seen, packed = saved_storages(lambda: fused_shift(v, coef, doc_ids, impl))
+    if impl == "torch":
+        assert isinstance(y.grad_fn, FusedShift._backward_cls)
+    else:
+        assert "Shift" in y.grad_fn.name()
     assert set(seen) == {p.untyped_storage().data_ptr() for p in (mixed, coef, doc_ids)}
     assert packed == 3
     # The reference saves per op: x and the coefficients again and again, and masks.
@@ -232,12 +268,13 @@ def sdpa_layer(mixed: torch.Tensor, shift) -> torch.Tensor:
                                           is_causal=True, enable_gqa=True)
 
 
-def test_flash_style_layer_keeps_only_the_shifted_v_beyond_vanilla():
+@pytest.mark.parametrize("impl", CPU_KERNELS)
+def test_flash_style_layer_keeps_only_the_shifted_v_beyond_vanilla(impl):
     """Where attention saves its V input (SDPA, flash kernels), vanilla already keeps
     the QKV output; the shift then adds the shifted V alone (and the coefficients)."""
     mixed = torch.randn(32, 2, 2, 32, requires_grad=True)
     vanilla = saved_storages(lambda: sdpa_layer(mixed, None))[1]
-    shifted = saved_storages(lambda: sdpa_layer(mixed, fused_shift))[1]
+    shifted = saved_storages(lambda: sdpa_layer(mixed, partial(fused_shift, impl=impl)))[1]
     v_bytes = 32 * 2 * 2 * 8 * 4
     coef_bytes = 2 * 2 * 4 * 2
     assert sum(shifted.values()) - sum(vanilla.values()) == v_bytes + coef_bytes
@@ -279,15 +316,17 @@ def grad_fns(out: torch.Tensor) -> list:
     return seen
 
 
+@pytest.mark.parametrize("kernel", ["auto", *CPU_KERNELS])
 @pytest.mark.parametrize("shift,window,mode", [
     (["k", "v"], 1, "free"), (["q", "k", "v"], 2, "gate"), (["v"], 3, "clamp"),
 ])
-def test_model_with_fused_shift_equals_reference(mp1, monkeypatch, shift, window, mode):
+def test_model_with_fused_shift_equals_reference(mp1, monkeypatch, shift, window, mode, kernel):
     """Logits and every gradient (incl. the coefficients) of a packed two-document
-    batch: the module's fused shift against the reference shift_tokens."""
+    batch: the module's fused shift (each CPU kernel) against the reference shift_tokens."""
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                       vocab_size=64, max_position_embeddings=32, attention="kv_shift",
-                      kv_shift=KVShiftConfig(shift=shift, window=window, mode=mode))
+                      kv_shift=KVShiftConfig(shift=shift, window=window, mode=mode,
+                                             kernel=kernel))
     model = build_gpt(cfg, transformer_config(cfg))
     tokens = torch.randint(0, 64, (2, 24))
     pos = torch.arange(24)[None].expand_as(tokens)
@@ -301,11 +340,13 @@ def test_model_with_fused_shift_equals_reference(mp1, monkeypatch, shift, window
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     fused_out, fused_grads = run()
-    stacked = sorted(shift) == ["k", "v"]  # K and V shifted in one node, in the QKV output
-    assert all(stacked == any(isinstance(f, StackedShift._backward_cls) for f in grad_fns(m))
-               for m in [model(tokens, pos, mask)])
-    monkeypatch.setattr(kv_shift_module, "fused_shift", shift_tokens)
-    monkeypatch.setattr(kv_shift_module, "fused_shift_stacked", stacked_reference)
+    in_place = sorted(shift) == ["k", "v"]  # K and V shifted in one node, in the QKV output
+    nodes = [f.name() for f in grad_fns(model(tokens, pos, mask))]
+    node = "QKVShiftBackward" if kernel == "torch" else "ShiftQKV"  # auto: native here
+    assert in_place == any(node in n for n in nodes), nodes
+    monkeypatch.setattr(kv_shift_module, "fused_shift",
+                        lambda x, c, ids, impl=None: shift_tokens(x, c, ids))
+    monkeypatch.setattr(kv_shift_module, "fused_shift_qkv", qkv_reference)
     ref_out, ref_grads = run()
     torch.testing.assert_close(fused_out, ref_out, atol=1e-5, rtol=1e-5)
     assert any(n.endswith(f"shift_{shift[0]}") for n in fused_grads)

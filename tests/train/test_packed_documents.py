@@ -65,6 +65,8 @@ def test_each_document_alone_equals_packed(single_rank, corpus, cache_dir, tmp_p
     assert run.backend.name == backend
     assert run.backend.documents == ("sdpa+mask" if backend == "torch" else "mask")
     assert "documents: " in run.backend.describe()
+    # what computed the shift is recorded: the native C++ operators on this CPU
+    assert run.backend.shift_kernel == ("native (auto: CPU)" if attention == "kv_shift" else None)
     checked = 0
     for batch in rows_with_documents(run):
         packed = per_token_loss(run, batch, run.documents)
