@@ -10,8 +10,9 @@ One JSON line per document: the module docstring, each public class with its
 methods, each public function. Output is deterministic for a given Python
 build: modules and members are visited in sorted order, only objects defined
 in the module itself are taken (no re-exports, no duplicates), and signature
-defaults whose repr could vary between runs (memory addresses, set order,
-environment-dependent objects) are written as ``...``.
+defaults whose repr could vary between runs or machines (memory addresses, set
+order, environment-dependent objects, paths of this Python or checkout) are
+written as ``...``.
 
 Modules are imported in this process. Those with side effects on import
 (opening a browser, printing, starting GUIs, terminal escape codes) or that
@@ -115,10 +116,22 @@ def _signature(obj) -> str:
     return _ADDRESS.sub("", text)
 
 
+def _local_strings() -> tuple[str, ...]:
+    """Where this Python and this process live (``platform.architecture`` defaults to
+    ``sys.executable``): a default holding one would make the corpus, and every demo
+    number after it, depend on the folder the project was cloned into."""
+    values = {sys.executable, sys.prefix, sys.exec_prefix, sys.base_prefix, os.getcwd(),
+              os.path.expanduser("~")}
+    return tuple(v for v in values if v and len(v) > 1)
+
+
 def _stable_repr(value) -> bool:
     if isinstance(value, (set, frozenset)):
         return False  # element order follows string hashing, random per run
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+    if isinstance(value, (str, bytes)):
+        text = value if isinstance(value, str) else value.decode("utf-8", "replace")
+        return not any(local in text for local in _local_strings())
+    if value is None or isinstance(value, (bool, int, float, complex)):
         return True
     if isinstance(value, (tuple, list)):
         return all(_stable_repr(v) for v in value)

@@ -85,5 +85,9 @@ def test_demo_corpus_is_deterministic(tmp_path):
     texts = [json.loads(line)["text"] for line in outs[0].splitlines()]
     assert all(t.strip() for t in texts)
     assert not any(" at 0x" in t for t in texts)  # no memory addresses
+    # nor where this checkout or its Python lives (platform.architecture's default is
+    # sys.executable): the same corpus, tokenizer and demo numbers from any folder
+    local = [p for p in (sys.executable, sys.prefix, str(h.ROOT)) if len(p) > 1]
+    assert not [t.splitlines()[0] for t in texts if any(p in t for p in local)]
     ids = [json.loads(line)["id"] for line in outs[0].splitlines()]
     assert len(set(ids)) == len(ids)
