@@ -67,6 +67,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from kvtrain.config import ConfigError, RunConfig, load_config  # noqa: E402
+from kvtrain.config.backend import BackendChoice  # noqa: E402
 
 ARMS = ("vanilla", "kv_shift")
 OWNED = {  # keys the benchmark sets itself, and what to use instead
@@ -261,6 +262,10 @@ def arm_record(arm: Arm) -> dict:
     }
 
 
+def shifted_arm(arms: list[Arm]) -> Arm:
+    return next(arm for arm in arms if arm.name == "kv_shift")
+
+
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
@@ -269,7 +274,7 @@ def report(args: argparse.Namespace, arms: list[Arm], load_before: tuple) -> dic
     """The result (collective: reduces over ranks)."""
     records = {arm.name: arm_record(arm) for arm in arms}
     v, k = records["vanilla"], records["kv_shift"]
-    run = next(arm.run for arm in arms if arm.name == "kv_shift")  # its backend names the shift
+    run = shifted_arm(arms).run  # its backend names the shift's kernel too
     cfg, p = run.cfg, run.cfg.parallel
     param = next(run.model[0].parameters())
     return {
@@ -308,10 +313,9 @@ def table(result: dict) -> str:
     def num(x: Optional[float], fmt: str) -> str:
         return format(x, fmt) if x is not None else "n/a"
 
-    m = result["model"]
+    m, backend = result["model"], BackendChoice(**result["backend"])
     lines = [
-        f"{result['config']}: {result['backend']['name']} backend ({result['backend']['reason']}"
-        f"{'; KV shift: ' + result['backend']['shift_kernel'] if result['backend'].get('shift_kernel') else ''}), "
+        f"{result['config']}: {backend.name} backend ({backend.details()}), "
         f"{result['device_name']}, {result['param_dtype']}, world {result['world_size']}; "
         f"{m['layers']} layers, hidden {m['hidden']}, seq {m['seq']}, "
         f"{result['tokens_per_step']} tokens/step; {result['steps']} timed steps per arm "
@@ -389,8 +393,8 @@ def benchmark(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> dict:
         for arm in arms:
             arm.peak_bytes = probed.get(arm.name)
         if env.rank == 0:  # the KV-shift arm's line: the backend, and the shift's kernel
-            print(f"step.py: {arms[1].run.backend.describe()}, device {arms[1].run.device}",
-                  flush=True)
+            run = shifted_arm(arms).run
+            print(f"step.py: {run.backend.describe()}, device {run.device}", flush=True)
         time_arms(arms, args.steps)
         return report(args, arms, load_before)
     finally:

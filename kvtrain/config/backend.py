@@ -55,12 +55,17 @@ class BackendChoice:
 
     def describe(self) -> str:
         """One line for stdout: ``backend torch (auto: no GPU; fused softmax: no)``,
-        plus ``; documents: <kernel>`` when documents are separated and
-        ``; KV shift: <kernel>`` for KV-shift attention."""
+        with :meth:`details` in the parentheses."""
+        return f"backend {self.name} ({self.details()})"
+
+    def details(self) -> str:
+        """Why this backend and its kernels: ``auto: no GPU; fused softmax: no``, plus
+        ``; documents: <kernel>`` when documents are separated and ``; KV shift:
+        <kernel>`` for KV-shift attention."""
         fused = "yes" if self.fused_softmax else "no"
         docs = f"; documents: {self.documents}" if self.documents else ""
         shift = f"; KV shift: {self.shift_kernel}" if self.shift_kernel else ""
-        return f"backend {self.name} ({self.reason}; fused softmax: {fused}{docs}{shift})"
+        return f"{self.reason}; fused softmax: {fused}{docs}{shift}"
 
     @property
     def warning(self) -> Optional[str]:

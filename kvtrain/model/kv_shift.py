@@ -61,7 +61,7 @@ class KVShiftOptions:
     # a tensor of ``shift`` not named here shifts all its heads
     heads: tuple[tuple[str, tuple[int, ...]], ...] = ()
     fixed: bool = False  # shifted heads take the previous token only: (0, 1), not learned
-    kernel: str = "auto"  # auto | torch | native | triton (kvtrain.model.shift_kernels)
+    kernel: str = "auto"  # auto | native | torch | triton (kvtrain.model.shift_kernels)
 
     def num_params(self) -> int:
         """Learnable scalars per KV head (4 for the paper's default, 0 when fixed)."""
@@ -347,8 +347,8 @@ class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
                                     output_gate: bool = False, split_qkv: bool = True):
         if not split_qkv:
             raise ValueError("KV shift needs split Q/K/V tensors (fused QKV RoPE is not supported)")
-        if self._shift_kv_stacked(hidden_states, key_value_states, output_gate):
-            return self._stacked_query_key_value(hidden_states)
+        if self._shift_kv_in_qkv(hidden_states, key_value_states, output_gate):
+            return self._query_shifted_key_value(hidden_states)
         out = super().get_query_key_value_tensors(
             hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
         )
@@ -360,7 +360,7 @@ class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
             tensors[name] = self._shift(name, tensors[name], doc_ids)
         return (tensors["q"], tensors["k"], tensors["v"], *out[3:])
 
-    def _shift_kv_stacked(self, hidden_states: Tensor, key_value_states, output_gate) -> bool:
+    def _shift_kv_in_qkv(self, hidden_states: Tensor, key_value_states, output_gate) -> bool:
         """Whether K and V are shifted together, in their place in the QKV output:
         the paper's K+V shift in training or a full forward, on the CPU kernels
         (native or torch ops; the Triton kernels take one tensor; a K norm would
@@ -373,7 +373,7 @@ class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
             kernel = default_impl(hidden_states)
         return kernel in ("native", "torch") and cp_group() is None and not self._decoding()
 
-    def _stacked_query_key_value(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _query_shifted_key_value(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Q, and K and V shifted, in one node (``fused_shift_qkv``) straight from
         megatron's QKV layout ``[s, b, ng, (np/ng) * hn | hn (k) | hn (v)]``."""
         mixed, split = super().get_query_key_value_tensors(hidden_states, split_qkv=False)

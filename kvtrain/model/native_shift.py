@@ -34,7 +34,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -145,8 +144,6 @@ def _load() -> Optional[str]:
 def unavailable_reason() -> Optional[str]:
     """None when the operators are usable here (building them on the first call),
     else why not, in one line."""
-    if sys.platform == "win32":
-        return "the native KV shift is built for Linux and macOS"
     return _load()
 
 

@@ -224,8 +224,8 @@ def _torch_qkv_grads(mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Opt
     """``QKVShift.backward`` on torch ops: (dmixed or None, (dcoef_k, dcoef_v) or None)."""
     dq, dk, dv = grads
     kv = _kv_block(mixed, query_width)
-    zeros = kv.new_zeros(kv.shape[:3] + kv.shape[4:])
-    dy = torch.stack([dk if dk is not None else zeros, dv if dv is not None else zeros], -2)
+    dy = torch.stack([g if g is not None else kv.new_zeros(kv.shape[:3] + kv.shape[4:])
+                      for g in (dk, dv)], -2)  # [s, b, g, 2, d]
     coef = torch.stack([coef_k, coef_v], dim=1)  # [g, 2, n]
     dmixed = dcoefs = None
     if need_mixed:  # [s, b, g, q + 2d]: the query's gradient, then dx in place

@@ -237,12 +237,9 @@ def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = N
 
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
     if resolved:
-        b = resolved["backend"]
+        backend = BackendChoice(**resolved["backend"])
         text = (f"# resolved at the last start: device {resolved['device']}\n"
-                f"# backend: {b['name']} ({b['reason']}; fused softmax: "
-                f"{'yes' if b['fused_softmax'] else 'no'}"
-                f"{'; documents: ' + b['documents'] if b.get('documents') else ''}"
-                f"{'; KV shift: ' + b['shift_kernel'] if b.get('shift_kernel') else ''})\n{text}")
+                f"# backend: {backend.name} ({backend.details()})\n{text}")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", text)
     return text

@@ -168,8 +168,8 @@ void check_input(const Tensor& x, const char* name) {
   TORCH_CHECK(x.stride(-1) == 1, "kvtrain.", name, ": needs a unit stride in the last dim");
 }
 
-// x [s, b, h, m, d] as the view (sizes, strides, element offset) of a tensor.
-Layout layout(const Tensor& base, std::array<int64_t, 5> sizes, std::array<int64_t, 4> strides,
+// x [s, b, h, m, d] by sizes and strides, and the documents of its tokens.
+Layout layout(std::array<int64_t, 5> sizes, std::array<int64_t, 4> strides,
               int64_t n, const std::optional<Tensor>& docs) {
   Layout p{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], n,
            {strides[0], strides[1], strides[2], strides[3]}};
@@ -230,7 +230,7 @@ struct ShiftQKV : public torch::autograd::Function<ShiftQKV> {
   static Layout kv_layout(const Tensor& mixed, int64_t q, int64_t n,
                           const std::optional<Tensor>& docs) {
     const int64_t d = (mixed.size(3) - q) / 2;
-    return layout(mixed, {mixed.size(0), mixed.size(1), mixed.size(2), 2, d},
+    return layout({mixed.size(0), mixed.size(1), mixed.size(2), 2, d},
                   {mixed.stride(0), mixed.stride(1), mixed.stride(2), d}, n, docs);
   }
 
@@ -298,7 +298,7 @@ struct ShiftQKV : public torch::autograd::Function<ShiftQKV> {
 // x [s, b, h, d] (any strides, unit in d), coef [h, n] -> y [s, b, h, d]
 struct Shift : public torch::autograd::Function<Shift> {
   static Layout x_layout(const Tensor& x, int64_t n, const std::optional<Tensor>& docs) {
-    return layout(x, {x.size(0), x.size(1), x.size(2), 1, x.size(3)},
+    return layout({x.size(0), x.size(1), x.size(2), 1, x.size(3)},
                   {x.stride(0), x.stride(1), x.stride(2), x.size(3)}, n, docs);
   }
 
