@@ -38,7 +38,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from kvtrain.config.layout import coefficients_per_tensor
-from kvtrain.model.shift_kernels import default_impl, fused_shift, fused_shift_qkv
+from kvtrain.model.shift_kernels import fused_shift, fused_shift_qkv
 
 from .context_parallel import cp_group
 from .documents import DocumentParams, doc_ids_from_attention_mask, doc_ids_from_cu_seqlens
@@ -347,7 +347,7 @@ class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
                                     output_gate: bool = False, split_qkv: bool = True):
         if not split_qkv:
             raise ValueError("KV shift needs split Q/K/V tensors (fused QKV RoPE is not supported)")
-        if self._shift_kv_in_qkv(hidden_states, key_value_states, output_gate):
+        if self._shift_kv_in_qkv(key_value_states, output_gate):
             return self._query_shifted_key_value(hidden_states)
         out = super().get_query_key_value_tensors(
             hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
@@ -360,18 +360,13 @@ class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
             tensors[name] = self._shift(name, tensors[name], doc_ids)
         return (tensors["q"], tensors["k"], tensors["v"], *out[3:])
 
-    def _shift_kv_in_qkv(self, hidden_states: Tensor, key_value_states, output_gate) -> bool:
+    def _shift_kv_in_qkv(self, key_value_states, output_gate) -> bool:
         """Whether K and V are shifted together, in their place in the QKV output:
-        the paper's K+V shift in training or a full forward, on the CPU kernels
-        (native or torch ops; the Triton kernels take one tensor; a K norm would
-        sit between the projection and the shift), without context parallelism
-        (the halo path)."""
+        the paper's K+V shift (no K norm between the projection and the shift) in
+        training or a full forward, without context parallelism (the halo path)."""
         if not self._kv_in_place or key_value_states is not None or output_gate:
             return False
-        kernel = self.kv_shift.kernel
-        if kernel == "auto":
-            kernel = default_impl(hidden_states)
-        return kernel in ("native", "torch") and cp_group() is None and not self._decoding()
+        return cp_group() is None and not self._decoding()
 
     def _query_shifted_key_value(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Q, and K and V shifted, in one node (``fused_shift_qkv``) straight from

@@ -22,15 +22,15 @@ gradient in w+1 separate full-size passes. :class:`FusedShift` instead
 Three kernels compute it (``impl``, from ``model.kv_shift.kernel``; the trainer
 resolves ``auto`` once with :func:`choose_kernel` and records the answer):
 
-* ``triton`` - on CUDA tensors with Triton importable: one program per block of
-  tokens of one (batch, head) pair, fp32 accumulation;
+* ``triton`` - on CUDA tensors with Triton importable (``triton_shift``): one
+  program per block of tokens of one (batch, head) pair, fp32 accumulation;
 * ``native`` - on the CPU: C++ operators with their autograd node in C++
   (``native_shift``, ``csrc/kv_shift.cpp``; fp32/fp64);
 * ``torch`` - the torch ops below, anywhere.
 
 :func:`fused_shift_qkv` shifts K and V in their place in megatron's QKV output and
-stands in for its split too (``native`` or ``torch``). All mirror
-``shift_tokens``, the reference that tests compare them with.
+stands in for its split too (every kernel). All mirror ``shift_tokens``, the
+reference that tests compare them with.
 """
 
 from __future__ import annotations
@@ -40,20 +40,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import native_shift
-
-try:  # Triton ships with CUDA builds of PyTorch; the CPU build runs the torch path.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from . import native_shift, triton_shift
 
 IMPLS = ("torch", "triton", "native")
 
 
 def triton_available() -> bool:
-    return triton is not None
+    return triton_shift.available()
 
 
 def choose_kernel(requested: str, cuda: bool, dtype: torch.dtype) -> tuple[str, str]:
@@ -137,7 +130,7 @@ class FusedShift(torch.autograd.Function):
         # The input tensor itself (no copy): a view into the QKV output.
         ctx.save_for_backward(x, coef, doc_ids)
         if impl == "triton":
-            return _triton_forward(x, coef, doc_ids)
+            return triton_shift.shift_forward(x, coef, doc_ids)
         return _torch_forward(x, coef, doc_ids)
 
     @staticmethod
@@ -145,7 +138,7 @@ class FusedShift(torch.autograd.Function):
         x, coef, doc_ids = ctx.saved_tensors
         need_x, need_coef = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.impl == "triton":
-            dx, dcoef = _triton_backward(x, coef, doc_ids, dy)
+            dx, dcoef = triton_shift.shift_backward(x, coef, doc_ids, dy)
             dcoef = dcoef.to(coef.dtype)
         else:
             dx, dcoef = _torch_grads(x, coef, doc_ids, dy, need_x, need_coef)
@@ -160,14 +153,20 @@ def fused_shift_qkv(mixed: Tensor, coef_k: Tensor, coef_v: Tensor,
     ``mixed`` is the QKV projection's output ``[s, b, g, q + 2d]`` (per KV group:
     its ``q = query_width`` query values, then K and V of ``d`` each); ``coef_k``
     and ``coef_v`` are ``[g, w+1]``. Returns ``query [s, b, g, q]`` (a view of
-    ``mixed``) and the shifted ``key``, ``value`` ``[s, b, g, d]`` (views into one
-    new tensor). The node takes the place of the split of ``mixed`` too, so its
-    backward writes the gradients of Q, K and V straight into one gradient of
-    ``mixed``: compared with splitting and shifting K and V one by one, a third
-    of the nodes, no gradient stack and no concatenation. On the CPU, where a
-    pass over memory or a torch op costs more than the shift's arithmetic, that
-    is most of the shift's time. ``impl``: ``native`` or ``torch`` (None/``auto``:
-    native where it builds); the Triton kernels take one tensor.
+    ``mixed``) and the shifted ``key``, ``value`` ``[s, b, g, d]``.
+
+    The node takes the place of the split of ``mixed`` too, so its backward
+    writes the gradients of Q, K and V straight into one gradient of ``mixed``:
+    compared with splitting and shifting K and V one by one, a third of the
+    nodes, no gradient stack and no concatenation.
+
+    Memory: it keeps a copy of the raw K and V (written in the forward's pass),
+    not ``mixed``. Vanilla attention keeps V, a view that holds all of ``mixed``;
+    here attention keeps the shifted V instead, so ``mixed`` is freed once Q and
+    K are rotated, and the shifted K and V are tensors of their own (K's is
+    freed after RoPE). What the layer keeps is then vanilla's with MHA and less
+    with GQA (tests/model/test_fused_shift.py). ``impl``: ``native``, ``torch``
+    or ``triton`` (None/``auto``: :func:`default_impl`).
     """
     s, b, g, width = mixed.shape
     d = (width - query_width) // 2
@@ -177,40 +176,51 @@ def fused_shift_qkv(mixed: Tensor, coef_k: Tensor, coef_v: Tensor,
                          f"coefficients [g, n], got {tuple(mixed.shape)}, "
                          f"{tuple(coef_k.shape)} and {tuple(coef_v.shape)}")
     impl = _checked_impl(mixed, impl)
-    if impl == "triton":
-        raise ValueError("the Q/K/V shift runs on the CPU kernels (native or torch), not Triton")
     if impl == "native":  # a C++ operator with its own autograd node
         return native_shift.shift_qkv(mixed, coef_k, coef_v, doc_ids, query_width)
-    return QKVShift.apply(mixed, coef_k, coef_v, doc_ids, query_width)
+    return QKVShift.apply(mixed, coef_k, coef_v, doc_ids, query_width, impl)
 
 
 class QKVShift(torch.autograd.Function):
-    """``fused_shift_qkv`` on torch ops (the native operator is its C++ twin): saves
-    only ``mixed``, the coefficients and ``doc_ids``."""
+    """``fused_shift_qkv`` on torch ops or the Triton kernels (the native operator is
+    its C++ twin): saves a copy of the raw K/V, the coefficients and ``doc_ids``."""
 
     @staticmethod
     def forward(ctx, mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[Tensor],
-                query_width: int):
-        ctx.query_width = query_width
-        ctx.save_for_backward(mixed, coef_k, coef_v, doc_ids)
-        kv = _kv_block(mixed, query_width)
-        shifted = _torch_forward(kv, torch.stack([coef_k, coef_v], dim=1), doc_ids)
-        key, value = shifted.unbind(-2)  # [s, b, g, d] each
+                query_width: int, impl: str = "torch"):
+        ctx.query_width, ctx.impl = query_width, impl
+        ctx.set_materialize_grads(False)  # an unused output's gradient: None, not zeros
+        if impl == "triton":
+            key, value, raw = triton_shift.qkv_forward(mixed, coef_k, coef_v, doc_ids,
+                                                       query_width)
+        else:
+            raw = _kv_block(mixed, query_width).clone(memory_format=torch.contiguous_format)
+            key, value = raw.unbind(-2)  # [s, b, g, d] each
+            key = _torch_forward(key, coef_k, doc_ids)
+            value = _torch_forward(value, coef_v, doc_ids)
+        ctx.save_for_backward(raw, coef_k, coef_v, doc_ids)
         # The query is handed on as a view of the input (autograd makes this node its
         # grad_fn, so its gradient comes back here and is written into dmixed).
         return mixed[..., :query_width], key, value
 
     @staticmethod
     def backward(ctx, dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor]):
-        mixed, coef_k, coef_v, doc_ids = ctx.saved_tensors
+        raw, coef_k, coef_v, doc_ids = ctx.saved_tensors
         need_mixed = ctx.needs_input_grad[0]
         need_coef = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dmixed, dcoefs = _torch_qkv_grads(mixed, coef_k, coef_v, doc_ids, ctx.query_width,
-                                          (dq, dk, dv), need_mixed, need_coef)
-        dck, dcv = dcoefs if dcoefs is not None else (None, None)
-        if dck is not None:
+        if ctx.impl == "triton":
+            zeros = raw.new_zeros(raw.shape[:3] + raw.shape[4:])
+            dmixed, dck, dcv = triton_shift.qkv_backward(
+                raw, coef_k, coef_v, doc_ids, ctx.query_width, dq,
+                dk if dk is not None else zeros, dv if dv is not None else zeros)
+        else:
+            dmixed, dcoefs = _torch_qkv_grads(raw, coef_k, coef_v, doc_ids, ctx.query_width,
+                                              (dq, dk, dv), need_mixed, need_coef)
+            dck, dcv = dcoefs if dcoefs is not None else (None, None)
+        if need_coef:
             dck, dcv = dck.to(coef_k.dtype), dcv.to(coef_v.dtype)
-        return dmixed, dck, dcv, None, None
+        return (dmixed if need_mixed else None, dck if need_coef else None,
+                dcv if need_coef else None, None, None, None)
 
 
 def _kv_block(mixed: Tensor, query_width: int) -> Tensor:
@@ -219,17 +229,18 @@ def _kv_block(mixed: Tensor, query_width: int) -> Tensor:
     return mixed[..., query_width:].view(s, b, g, 2, (width - query_width) // 2)
 
 
-def _torch_qkv_grads(mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[Tensor],
+def _torch_qkv_grads(kv: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[Tensor],
                      query_width: int, grads, need_mixed: bool, need_coef: bool):
-    """``QKVShift.backward`` on torch ops: (dmixed or None, (dcoef_k, dcoef_v) or None)."""
+    """``QKVShift.backward`` on torch ops, from the raw K/V ``kv [s, b, g, 2, d]``:
+    (dmixed or None, (dcoef_k, dcoef_v) or None)."""
     dq, dk, dv = grads
-    kv = _kv_block(mixed, query_width)
     dy = torch.stack([g if g is not None else kv.new_zeros(kv.shape[:3] + kv.shape[4:])
                       for g in (dk, dv)], -2)  # [s, b, g, 2, d]
     coef = torch.stack([coef_k, coef_v], dim=1)  # [g, 2, n]
     dmixed = dcoefs = None
     if need_mixed:  # [s, b, g, q + 2d]: the query's gradient, then dx in place
-        dmixed = torch.empty_like(mixed, memory_format=torch.contiguous_format)
+        s, b, g, _, d = kv.shape
+        dmixed = kv.new_empty((s, b, g, query_width + 2 * d))
         if dq is None:
             dmixed[..., :query_width].zero_()
         else:
@@ -316,118 +327,3 @@ def _torch_coef_grad(x: Tensor, doc_ids: Optional[Tensor], dy: Tensor, window: i
     heads = x.shape[2:-1]
     flat = torch.einsum("itbh,itb->hi", prods.reshape(window + 1, *doc_ids.shape, -1), same)
     return flat.reshape(*heads, window + 1)
-
-
-# ----------------------------------------------------------------------------- Triton path
-def _rows(t: Tensor) -> Tensor:
-    """``t`` with a unit stride in d (the kernels index s, b, h by stride, d by 1)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _launch_args(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]):
-    """Grid, block sizes, coefficients and document ids common to both kernels."""
-    s, b, h, d = x.shape
-    block_d = triton.next_power_of_2(d)
-    block_t = max(16, 4096 // block_d)  # ~4k fp32 accumulators per program
-    grid = (triton.cdiv(s, block_t), b, h)
-    # Rounded to x's dtype first, as shift_tokens does, then accumulated in fp32.
-    c = coef.to(x.dtype).float().contiguous()  # [h, w+1]
-    docs = doc_ids if doc_ids is not None else c  # a valid pointer, never read
-    doc_strides = (doc_ids.stride(0), doc_ids.stride(1)) if doc_ids is not None else (0, 0)
-    return grid, block_t, block_d, c, docs, doc_strides
-
-
-def _triton_forward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]) -> Tensor:
-    x = _rows(x)
-    s, b, h, d = x.shape
-    y = torch.empty((s, b, h, d), dtype=x.dtype, device=x.device)
-    grid, block_t, block_d, c, docs, doc_strides = _launch_args(x, coef, doc_ids)
-    _shift_fwd_kernel[grid](
-        x, c, docs, y, s, d, *x.stride()[:3], *y.stride()[:3], *doc_strides,
-        W=coef.shape[1] - 1, HAS_DOC=doc_ids is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-    )
-    return y
-
-
-def _triton_backward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor],
-                     dy: Tensor) -> tuple[Tensor, Tensor]:
-    x, dy = _rows(x), _rows(dy)
-    s, b, h, d = x.shape
-    n = coef.shape[1]
-    dx = torch.empty((s, b, h, d), dtype=dy.dtype, device=dy.device)
-    grid, block_t, block_d, c, docs, doc_strides = _launch_args(x, coef, doc_ids)
-    # One fp32 partial of every lag per program, summed below: deterministic, no atomics.
-    partial = torch.empty((grid[0], b, h, n), dtype=torch.float32, device=x.device)
-    _shift_bwd_kernel[grid](
-        x, dy, c, docs, dx, partial, s, d,
-        *x.stride()[:3], *dy.stride()[:3], *dx.stride()[:3], *doc_strides,
-        W=n - 1, HAS_DOC=doc_ids is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-    )
-    return dx, partial.sum(dim=(0, 1))  # [h, w+1]
-
-
-if triton is not None:
-
-    @triton.jit
-    def _shift_fwd_kernel(x_ptr, c_ptr, doc_ptr, y_ptr, S, D,
-                          sx_s, sx_b, sx_h, sy_s, sy_b, sy_h, sd_s, sd_b,
-                          W: tl.constexpr, HAS_DOC: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        """y_t = Σ_i c_i · x_{t-i} for one block of tokens of one (batch, head)."""
-        b = tl.program_id(1)
-        h = tl.program_id(2)
-        t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT]
-        dd = tl.arange(0, BLOCK_D)
-        in_seq = t < S
-        d_ok = dd < D
-        if HAS_DOC:
-            doc_t = tl.load(doc_ptr + t * sd_s + b * sd_b, mask=in_seq, other=0)
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for i in tl.static_range(W + 1):
-            src = t - i
-            ok = in_seq & (src >= 0)
-            if HAS_DOC:
-                ok = ok & (tl.load(doc_ptr + src * sd_s + b * sd_b, mask=ok, other=0) == doc_t)
-            xv = tl.load(x_ptr + src[:, None] * sx_s + b * sx_b + h * sx_h + dd[None, :],
-                         mask=ok[:, None] & d_ok[None, :], other=0.0)
-            acc += tl.load(c_ptr + h * (W + 1) + i) * xv.to(tl.float32)
-        tl.store(y_ptr + t[:, None] * sy_s + b * sy_b + h * sy_h + dd[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=in_seq[:, None] & d_ok[None, :])
-
-    @triton.jit
-    def _shift_bwd_kernel(x_ptr, dy_ptr, c_ptr, doc_ptr, dx_ptr, part_ptr, S, D,
-                          sx_s, sx_b, sx_h, sg_s, sg_b, sg_h, so_s, so_b, so_h, sd_s, sd_b,
-                          W: tl.constexpr, HAS_DOC: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        """dx_t = Σ_i c_i · dy_{t+i}; partial dcoef_i = Σ_{block} dy_t · x_{t-i}."""
-        b = tl.program_id(1)
-        h = tl.program_id(2)
-        t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT]
-        dd = tl.arange(0, BLOCK_D)
-        in_seq = t < S
-        d_ok = dd < D
-        if HAS_DOC:
-            doc_t = tl.load(doc_ptr + t * sd_s + b * sd_b, mask=in_seq, other=0)
-        g_t = tl.load(dy_ptr + t[:, None] * sg_s + b * sg_b + h * sg_h + dd[None, :],
-                      mask=in_seq[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        dx = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        part = part_ptr + ((tl.program_id(0) * tl.num_programs(1) + b) * tl.num_programs(2) + h) * (W + 1)
-        for i in tl.static_range(W + 1):
-            # dx: the token i steps ahead, if it is in the same document.
-            dst = t + i
-            ahead = in_seq & (dst < S)
-            if HAS_DOC:
-                ahead = ahead & (tl.load(doc_ptr + dst * sd_s + b * sd_b, mask=ahead, other=0) == doc_t)
-            g = tl.load(dy_ptr + dst[:, None] * sg_s + b * sg_b + h * sg_h + dd[None, :],
-                        mask=ahead[:, None] & d_ok[None, :], other=0.0)
-            dx += tl.load(c_ptr + h * (W + 1) + i) * g.to(tl.float32)
-            # dcoef: the token i steps back, if it is in the same document.
-            src = t - i
-            back = in_seq & (src >= 0)
-            if HAS_DOC:
-                back = back & (tl.load(doc_ptr + src * sd_s + b * sd_b, mask=back, other=0) == doc_t)
-            xv = tl.load(x_ptr + src[:, None] * sx_s + b * sx_b + h * sx_h + dd[None, :],
-                         mask=back[:, None] & d_ok[None, :], other=0.0)
-            tl.store(part + i, tl.sum(tl.sum(g_t * xv.to(tl.float32), axis=1), axis=0))
-        tl.store(dx_ptr + t[:, None] * so_s + b * so_b + h * so_h + dd[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=in_seq[:, None] & d_ok[None, :])

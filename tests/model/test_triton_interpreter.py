@@ -57,7 +57,83 @@ for window in (1, 2, 3):
         err = [(t - r).abs().max().item() for t, r in zip(out["triton"], out["ref"])]
         results.append({"window": window, "docs": docs, "y": err[0], "dx": err[1],
                         "dcoef": err[2]})
-print(json.dumps(results))
+qkv = []
+for window in (1, 3):
+    for docs in ("none", "starts"):
+        for grads in ("all", "no_q"):
+            # GQA (3 query heads per group), d not a power of two, a query width
+            # that is not a multiple of the block; V's gradient [b, s]-strided (SDPA)
+            s, b, g, d = 70, 2, 2, 40
+            qw = 3 * d
+            mixed = torch.randn(s, b, g, qw + 2 * d)
+            coefs = [torch.randn(g, window + 1) for _ in range(2)]
+            ids = None
+            if docs == "starts":
+                ids = torch.zeros(s, b, dtype=torch.int64)
+                for row, starts in enumerate(([1, 2, 17, 40], [5, 6, s - 1])):
+                    for t in starts:
+                        ids[t:, row] += 1
+            dys = [torch.randn(s, b, g, qw), torch.randn(s, b, g, d),
+                   torch.randn(b, s, g, d).transpose(0, 1)]
+            used = [1, 2] if grads == "no_q" else [0, 1, 2]
+            out = {}
+            for name, dtype in (("triton", torch.float32), ("ref", torch.float64)):
+                m = mixed.to(dtype).requires_grad_()
+                cs = [c.to(dtype).requires_grad_() for c in coefs]
+                if name == "triton":
+                    ys = shift_kernels.fused_shift_qkv(m, *cs, ids, qw, impl="triton")
+                else:
+                    q, k, v = m.split([qw, d, d], dim=-1)
+                    ys = (q, shift_tokens(k, cs[0], ids), shift_tokens(v, cs[1], ids))
+                gr = torch.autograd.grad([ys[i] for i in used], (m, *cs),
+                                         [dys[i].to(dtype) for i in used])
+                out[name] = [y.double() for y in (*ys, *gr)]
+            err = [(t - r).abs().max().item() for t, r in zip(out["triton"], out["ref"])]
+            qkv.append({"window": window, "docs": docs, "grads": grads, "q": err[0],
+                        "k": err[1], "v": err[2], "dmixed": err[3], "dcoef": max(err[4:])})
+
+# The layer as a GPU run builds it (K and V shifted in the QKV output by the Triton
+# node, then RoPE and SDPA), against the torch-ops kernel: a packed two-document
+# batch, logits and every gradient.
+from kvtrain.backend import init_distributed, init_model_parallel, set_seed
+from kvtrain.config import ModelConfig
+from kvtrain.config.schema import KVShiftConfig
+from kvtrain.model.builder import build_gpt, transformer_config
+
+init_distributed(seed=1)
+init_model_parallel(1, 1)
+tokens = torch.randint(0, 64, (2, 24))
+pos = torch.arange(24)[None].expand_as(tokens)
+mask = ~torch.ones(24, 24, dtype=torch.bool).tril()[None, None]
+mask[..., 9:, :9] = True
+runs = {}
+for kernel in ("triton", "torch"):
+    set_seed(7)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=64, max_position_embeddings=32, attention="kv_shift",
+                      kv_shift=KVShiftConfig(kernel=kernel))
+    model = build_gpt(cfg, transformer_config(cfg), backend="torch")
+    out = model(tokens, pos, mask)
+    out.float().pow(2).mean().backward()
+    nodes = []
+    fn = out.grad_fn
+    stack, seen = [fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        nodes.append(fn.name())
+        stack.extend(f for f, _ in fn.next_functions)
+    runs[kernel] = (out.detach(), {n: p.grad for n, p in model.named_parameters()}, nodes)
+(out_t, grads_t, nodes_t), (out_r, grads_r, _) = runs["triton"], runs["torch"]
+layer = {"qkv_node": any("QKVShift" in n for n in nodes_t),
+         "logits": (out_t - out_r).abs().max().item(),
+         # relative to each gradient's size (at init some are ~1e-7)
+         "grads": max(((grads_t[n] - g).abs().max() / g.abs().max()).item()
+                      for n, g in grads_r.items()),
+         "shift_grads": sorted(n for n in grads_t if "shift" in n)}
+print(json.dumps({"shift": results, "qkv": qkv, "layer": layer}))
 """
 
 
@@ -81,7 +157,26 @@ def interpreted():
 def test_triton_kernels_match_shift_tokens(interpreted):
     """Values, input and coefficient gradients, windows 1-3, with and without
     document resets: fp32 kernels against the fp64 reference."""
-    assert len(interpreted) == 6
-    for r in interpreted:
+    assert len(interpreted["shift"]) == 6
+    for r in interpreted["shift"]:
         assert r["y"] < 1e-5 and r["dx"] < 1e-5, r
         assert r["dcoef"] < 1e-3, r  # sums of s*b*d = 5600 fp32 products per lag
+
+
+def test_triton_qkv_kernels_match_shift_tokens(interpreted):
+    """Q, K and V from the QKV output (GQA): values, the QKV output's gradient (the
+    query's copied in, zeros where Q had none) and the coefficients'."""
+    assert len(interpreted["qkv"]) == 8
+    for r in interpreted["qkv"]:
+        assert r["q"] == 0 and r["k"] < 1e-5 and r["v"] < 1e-5 and r["dmixed"] < 1e-5, r
+        assert r["dcoef"] < 1e-3, r
+
+
+def test_triton_layer_matches_the_torch_kernel(interpreted):
+    """The whole model with the Triton Q/K/V node in its layers (what ``auto`` takes on
+    a GPU): logits and every gradient, the coefficients' included, equal the torch-ops
+    kernel's on a packed two-document batch."""
+    layer = interpreted["layer"]
+    assert layer["qkv_node"], "the layers did not shift K and V in the QKV output"
+    assert layer["shift_grads"], "no KV-shift coefficient has a gradient"
+    assert layer["logits"] < 1e-5 and layer["grads"] < 1e-4, layer

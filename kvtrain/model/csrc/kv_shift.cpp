@@ -65,8 +65,10 @@ struct Layout {
   }
 };
 
+// y: m outputs [s, b, h, d] (contiguous); raw: null, or a contiguous copy of x
+// [s, b, h, m, d] that the backward reads instead of x.
 template <typename T>
-void forward_kernel(const Layout& p, const T* x, const T* const* coef, T* y) {
+void forward_kernel(const Layout& p, const T* x, const T* const* coef, T* const* y, T* raw) {
   at::parallel_for(0, p.blocks(), p.grain(), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin * kBlockT; t < std::min(end * kBlockT, p.s); t++)
       for (int64_t bb = 0; bb < p.b; bb++)
@@ -74,7 +76,10 @@ void forward_kernel(const Layout& p, const T* x, const T* const* coef, T* y) {
           for (int64_t mm = 0; mm < p.m; mm++) {
             const T* c = coef[mm] + hh * p.n;
             const T* xr = x + t * p.xs[0] + bb * p.xs[1] + hh * p.xs[2] + mm * p.xs[3];
-            T* yr = y + (((t * p.b + bb) * p.h + hh) * p.m + mm) * p.d;
+            T* yr = y[mm] + ((t * p.b + bb) * p.h + hh) * p.d;
+            if (raw != nullptr)
+              std::memcpy(raw + (((t * p.b + bb) * p.h + hh) * p.m + mm) * p.d, xr,
+                          sizeof(T) * p.d);
             const T c0 = c[0];
             for (int64_t k = 0; k < p.d; k++) yr[k] = c0 * xr[k];
             for (int64_t i = 1; i < p.n && i <= t; i++) {
@@ -226,6 +231,12 @@ void run_backward(const Layout& p, const Tensor& base, int64_t offset,
 
 // ---------------------------------------------------------------------------- shift_qkv
 // mixed [s, b, g, q + 2d] -> query [s, b, g, q] (a view of mixed), key, value [s, b, g, d]
+//
+// What it keeps for backward is a copy of the raw K and V ([s, b, g, 2, d], written
+// in the forward's pass), not mixed: attention keeps the shifted V (not a view of
+// mixed), so once Q and K are rotated nothing holds the QKV output and it is freed.
+// Saving mixed would keep the queries' share alive for the backward too. The
+// shifted K and V are tensors of their own: K's is freed after RoPE.
 struct ShiftQKV : public torch::autograd::Function<ShiftQKV> {
   static Layout kv_layout(const Tensor& mixed, int64_t q, int64_t n,
                           const std::optional<Tensor>& docs) {
@@ -234,42 +245,53 @@ struct ShiftQKV : public torch::autograd::Function<ShiftQKV> {
                   {mixed.stride(0), mixed.stride(1), mixed.stride(2), d}, n, docs);
   }
 
+  // the raw K/V copy [s, b, g, 2, d] (contiguous)
+  static Layout raw_layout(const Tensor& raw, int64_t n, const std::optional<Tensor>& docs) {
+    return layout({raw.size(0), raw.size(1), raw.size(2), 2, raw.size(4)},
+                  {raw.stride(0), raw.stride(1), raw.stride(2), raw.stride(3)}, n, docs);
+  }
+
   static variable_list forward(AutogradContext* ctx, const Tensor& mixed, const Tensor& coef_k,
                                const Tensor& coef_v, const std::optional<Tensor>& doc_ids,
                                int64_t query_width) {
     check_input(mixed, "shift_qkv");
     const auto coefs = coefficients({coef_k, coef_v}, mixed);
     const Layout p = kv_layout(mixed, query_width, coef_k.size(1), doc_ids);
-    Tensor y = at::empty({p.s, p.b, p.h, 2, p.d}, mixed.options());
+    Tensor key = at::empty({p.s, p.b, p.h, p.d}, mixed.options());
+    Tensor value = at::empty({p.s, p.b, p.h, p.d}, mixed.options());
+    Tensor raw = at::empty({p.s, p.b, p.h, 2, p.d}, mixed.options());
     AT_DISPATCH_FLOATING_TYPES(mixed.scalar_type(), "kvtrain_shift_qkv", [&] {
+      scalar_t* outs[2] = {key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>()};
       forward_kernel<scalar_t>(p, mixed.data_ptr<scalar_t>() + query_width,
-                               pointers<scalar_t>(coefs).data(), y.data_ptr<scalar_t>());
+                               pointers<scalar_t>(coefs).data(), outs, raw.data_ptr<scalar_t>());
     });
-    ctx->save_for_backward({mixed, coef_k, coef_v, doc_ids.value_or(Tensor())});
+    ctx->save_for_backward({raw, coef_k, coef_v, doc_ids.value_or(Tensor())});
     ctx->saved_data["query_width"] = query_width;
-    return {mixed.narrow(3, 0, query_width), y.select(3, 0), y.select(3, 1)};
+    ctx->saved_data["mixed_sizes"] = mixed.sizes().vec();
+    return {mixed.narrow(3, 0, query_width), key, value};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const Tensor &mixed = saved[0], &coef_k = saved[1], &coef_v = saved[2];
+    const Tensor &raw = saved[0], &coef_k = saved[1], &coef_v = saved[2];
     const std::optional<Tensor> docs =
         saved[3].defined() ? std::optional<Tensor>(saved[3]) : std::nullopt;
     const int64_t q = ctx->saved_data["query_width"].toInt();
+    const auto mixed_sizes = ctx->saved_data["mixed_sizes"].toIntVector();
     const bool need_mixed = ctx->needs_input_grad(0);
     const bool need_coef = ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
-    const auto coefs = coefficients({coef_k, coef_v}, mixed);
-    const Layout p = kv_layout(mixed, q, coef_k.size(1), docs);
-    const auto dys = output_grads(grads, 1, 2, mixed, {p.s, p.b, p.h, p.d});
+    const auto coefs = coefficients({coef_k, coef_v}, raw);
+    const Layout p = raw_layout(raw, coef_k.size(1), docs);
+    const auto dys = output_grads(grads, 1, 2, raw, {p.s, p.b, p.h, p.d});
     Tensor dmixed, dck, dcv, dq = grads[0];
-    if (need_mixed) dmixed = at::empty(mixed.sizes(), mixed.options());
+    if (need_mixed) dmixed = at::empty(mixed_sizes, raw.options());
     if (need_coef) {
-      dck = at::empty(coefs[0].sizes(), mixed.options());
-      dcv = at::empty(coefs[1].sizes(), mixed.options());
+      dck = at::empty(coefs[0].sizes(), raw.options());
+      dcv = at::empty(coefs[1].sizes(), raw.options());
     }
-    if (dq.defined() && (dq.scalar_type() != mixed.scalar_type() || dq.stride(-1) != 1))
-      dq = dq.to(mixed.scalar_type()).contiguous();
-    AT_DISPATCH_FLOATING_TYPES(mixed.scalar_type(), "kvtrain_shift_qkv_backward", [&] {
+    if (dq.defined() && (dq.scalar_type() != raw.scalar_type() || dq.stride(-1) != 1))
+      dq = dq.to(raw.scalar_type()).contiguous();
+    AT_DISPATCH_FLOATING_TYPES(raw.scalar_type(), "kvtrain_shift_qkv_backward", [&] {
       Grads<scalar_t> out;
       if (need_mixed) {
         const int64_t d = p.d;
@@ -284,7 +306,7 @@ struct ShiftQKV : public torch::autograd::Function<ShiftQKV> {
         }
       }
       if (need_coef) out.dcoef = {dck.data_ptr<scalar_t>(), dcv.data_ptr<scalar_t>()};
-      run_backward<scalar_t>(p, mixed, q, dys, coefs, out);
+      run_backward<scalar_t>(p, raw, 0, dys, coefs, out);
     });
     if (need_coef) {
       dck = dck.to(coef_k.scalar_type());
@@ -311,8 +333,9 @@ struct Shift : public torch::autograd::Function<Shift> {
     const Layout p = x_layout(x, coef.size(1), doc_ids);
     Tensor y = at::empty(x.sizes(), x.options());
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "kvtrain_shift", [&] {
-      forward_kernel<scalar_t>(p, x.data_ptr<scalar_t>(), pointers<scalar_t>(coefs).data(),
-                               y.data_ptr<scalar_t>());
+      scalar_t* outs[1] = {y.data_ptr<scalar_t>()};
+      forward_kernel<scalar_t>(p, x.data_ptr<scalar_t>(), pointers<scalar_t>(coefs).data(), outs,
+                               nullptr);
     });
     ctx->save_for_backward({x, coef, doc_ids.value_or(Tensor())});
     return y;
