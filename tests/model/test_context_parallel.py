@@ -240,7 +240,9 @@ def test_cp2_equals_cp1(references, cp2, case):
         assert sorted(grads) == sorted(ref_grads)
         assert sum("shift" in n for n in grads) == (4 if case[0] == "kv_shift" else 0)
         for name, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+            # relative to each gradient's size: some are ~1e-7 at init
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, msg=name,
+                                       atol=1e-5 * ref_grads[name].abs().max().item())
 
 
 def test_tp2_cp2_equals_tp1_cp1(references, tp2_cp2):
@@ -249,7 +251,9 @@ def test_tp2_cp2_equals_tp1_cp1(references, tp2_cp2):
         torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
         assert len(shift_grads) == 4
         for name, g in shift_grads.items():
-            torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+            # relative to each gradient's size: some are ~1e-7 at init
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, msg=name,
+                                       atol=1e-5 * ref_grads[name].abs().max().item())
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -146,7 +146,9 @@ def test_tp2_equals_tp1(tp_runs, sp, attention):
         checked = [n for n in grads if "shift" in n]
         assert len(checked) == (4 if attention == "kv_shift" else 0)
         for name, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+            # relative to each gradient's size: some are ~1e-7 at init
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, msg=name,
+                                       atol=1e-5 * ref_grads[name].abs().max().item())
 
 
 def test_kv_groups_must_divide_by_tp(tp_runs):

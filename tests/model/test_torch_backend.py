@@ -64,8 +64,13 @@ def assert_same(a, b):
     torch.testing.assert_close(lb, la, **TOL)
     torch.testing.assert_close(lossb, lossa, **TOL)
     assert ga.keys() == gb.keys()
-    for name in ga:
-        torch.testing.assert_close(gb[name], ga[name], **TOL, msg=name)
+    for name in ga:  # relative to each gradient's size: some are ~1e-7 at init
+        torch.testing.assert_close(gb[name], ga[name], **scaled(ga[name]), msg=name)
+
+
+def scaled(ref: torch.Tensor) -> dict:
+    """TOL for a gradient, its absolute part scaled by the gradient's largest value."""
+    return dict(atol=TOL["atol"] * ref.abs().max().item(), rtol=TOL["rtol"])
 
 
 def test_specs_differ_only_in_core_attention(mp1):
@@ -229,7 +234,7 @@ def test_tp2_sp_and_pp2_torch_equal_local_tp1(mp1):
                 param = SimpleNamespace(tensor_model_parallel=dims[name] is not None,
                                         partition_dim=dims[name])
                 expected = shard(name, ref_grads[name], param, rank, 2)
-                torch.testing.assert_close(g, expected, **TOL, msg=name)
+                torch.testing.assert_close(g, expected, **scaled(expected), msg=name)
     assert ranks[0]["pp"] is None
     assert ranks[1]["pp"] == pytest.approx(pp_ref, abs=1e-5)
 
