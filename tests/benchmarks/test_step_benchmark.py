@@ -73,6 +73,30 @@ def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
                ratio["step_time_paired_median"]) > 0
     assert 0.5 < ratio["peak_memory"] < 2.0  # same model but four scalars per KV head
     assert "kv_shift / vanilla: step time" in done.stdout
+    _check_device_summary(tmp_path, result)
+
+
+def _check_device_summary(tmp_path: Path, result: dict) -> None:
+    """benchmarks/device/summary.py (the GPU items' table) reads what step.py writes
+    and Megatron-LM's log lines (the format of megatron/training/training.py at
+    core_v0.16.1)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("h2048", "paper"):
+        (out / f"step-{name}.json").write_text(json.dumps(result))
+    (out / "checks.log").write_text("".join(
+        f" [2026-11-26] iteration {5 * i:>8d}/20 | elapsed time per iteration (ms): {ms:.1f} |"
+        f" throughput per GPU (TFLOP/s/GPU): 1.0 |\n" for i, ms in enumerate((900, 500, 520, 510))))
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device" / "summary.py"),
+                           str(out)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    ratio = result["ratio"]["step_time_median"]
+    h2048 = next(line for line in lines if line.startswith("h2048"))
+    assert f"time {ratio:.3f}" in h2048 and "(<= 1.01)" in h2048
+    megatron = 8 * 2048 / 0.510  # the median interval after the first
+    vanilla = result["arms"]["vanilla"]["tokens_per_s"]
+    assert f"Megatron-LM {megatron:.0f}: {vanilla / megatron:.3f}" in done.stdout
 
 
 @pytest.mark.parametrize("key", ["model.attention", "train.max_steps", "train.train_tokens"])
@@ -109,3 +133,15 @@ def test_on_a_gpu_memory_mfu_and_bf16_are_measured(tmp_path):
         if result["peak_tflops_per_device"]:  # a GPU the trainer knows the peak of
             assert 0 < arm["mfu"] < 1
     assert 0.5 < result["ratio"]["peak_memory"] < 2.0
+
+
+def test_device_checks_without_prepared_wheels_say_so_in_one_line(tmp_path):
+    """checks.sh, run where benchmarks/device/prepare.sh's .gpu/ was not carried."""
+    (tmp_path / "out").mkdir()
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "device" / "checks.sh")],
+                          cwd=tmp_path, env={**os.environ, "OUT": str(tmp_path / "out")},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stdout.strip().splitlines() == [
+        "checks.sh: .gpu/whl has no megatron-core wheel: run benchmarks/device/prepare.sh "
+        "here and carry .gpu"]

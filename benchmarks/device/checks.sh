@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU items of issue 12 in one call of the lent GPU machine (PyTorch + Triton,
+# no registry, no TE/flash-attn/apex), from the repo root, writing to $OUT:
+#
+#   here:  benchmarks/device/prepare.sh MEGATRON_LM_GIT_DIR     (once: fills .gpu/)
+#   there: bash benchmarks/device/checks.sh [PART ...]           (carry: .gpu)
+#
+# PARTs, in this order by default (each under its own time limit; a part whose
+# limit no longer fits in DEADLINE seconds from the start is skipped and says so):
+#   tests   the `gpu` tests (pytest -m gpu)                                 -> tests.log
+#   small   benchmarks/step.py configs/bench/small.yaml, torch backend      -> step-small.json
+#   h2048   benchmarks/step.py configs/bench/h2048.yaml, torch backend      -> step-h2048.json
+#   paper   the paper's 1.5B shape, torch backend (LAYERS of its 28 layers;
+#           default 28 on a card of > 120 GiB, else 12), micro 4, global 8   -> step-paper.json
+#   mlm     Megatron-LM's pretrain_gpt.py on the same shape, batch and card
+#           (--transformer-impl local, mock data, tied embeddings as the config)
+# Everything printed goes to $OUT/checks.log; $OUT/env.txt says what ran where, and
+# $OUT/summary.txt (benchmarks/device/summary.py) puts each target beside its goal.
+set -u
+: "${OUT:?set OUT to the folder that comes back}"
+DEADLINE=${DEADLINE:-540}
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(tests small h2048 paper mlm)
+start=$(date +%s)
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/checks.log"; }
+
+# run NAME LIMIT CMD...: CMD under LIMIT seconds, its output into checks.log
+run() {
+  local name=$1 limit=$2 left
+  shift 2
+  left=$((DEADLINE - ($(date +%s) - start)))
+  if [ "$limit" -gt "$left" ]; then log "$name: skipped (needs ${limit}s, ${left}s left)"; return; fi
+  log "$name: $*"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/checks.log" | tail -n 25
+  log "$name: exit ${PIPESTATUS[0]} after $(( $(date +%s) - start ))s"
+}
+
+ls .gpu/whl/megatron_core-0.16.1-*.whl >/dev/null 2>&1 \
+  || { echo "checks.sh: .gpu/whl has no megatron-core wheel: run benchmarks/device/prepare.sh here and carry .gpu"; exit 2; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .gpu/whl/*.whl || exit 2
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python3 -c 'import sys, torch, triton, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "megatron-core", m.__version__, "cuda", torch.version.cuda)'
+  git log -1 --format='kvtrain %H %s' 2>/dev/null || true
+  cat .gpu/megatron-lm/COMMIT 2>/dev/null | sed 's/^/megatron-lm core_v0.16.1 /'
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+gib=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)')
+LAYERS=${LAYERS:-$([ "$gib" -gt 120 ] && echo 28 || echo 12)}
+paper=(--set model.num_layers="$LAYERS" --set train.micro_batch_size=4
+       --set train.global_batch_size=8 --set train.peak_tflops_per_device=989)
+
+for part in "${parts[@]}"; do
+  case $part in
+    tests) run tests 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider -o addopts= \
+             --junit-xml="$OUT/tests.xml" ;;
+    small) run small 90 python3 benchmarks/step.py configs/bench/small.yaml --backend torch \
+             --json "$OUT/step-small.json" ;;
+    h2048) run h2048 120 python3 benchmarks/step.py configs/bench/h2048.yaml --backend torch \
+             --json "$OUT/step-h2048.json" ;;
+    paper) run "paper ($LAYERS layers)" 200 python3 benchmarks/step.py \
+             configs/paper/1.5b_kv_shift.yaml --backend torch "${paper[@]}" --steps 8 \
+             --warmup 2 --json "$OUT/step-paper.json" ;;
+    mlm)   run "megatron-lm ($LAYERS layers)" 200 env -C .gpu/megatron-lm torchrun \
+             --nproc-per-node 1 pretrain_gpt.py --transformer-impl local \
+             --num-layers "$LAYERS" --hidden-size 2048 --num-attention-heads 16 \
+             --ffn-hidden-size 5504 --seq-length 2048 --max-position-embeddings 2048 \
+             --position-embedding-type rope --rotary-base 100000 --swiglu \
+             --normalization RMSNorm --disable-bias-linear --attention-dropout 0 \
+             --hidden-dropout 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 36000 \
+             --micro-batch-size 4 --global-batch-size 8 --bf16 --use-distributed-optimizer \
+             --lr 2e-4 --min-lr 2e-4 --lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 \
+             --adam-beta2 0.95 --train-iters 20 --eval-iters 0 --log-interval 5 \
+             --log-throughput --no-gradient-accumulation-fusion --no-masked-softmax-fusion \
+             --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm ;;
+    *) log "unknown part $part (tests, small, h2048, paper, mlm)" ;;
+  esac
+done
+python3 benchmarks/device/summary.py "$OUT" | tee "$OUT/summary.txt"
+log "done after $(( $(date +%s) - start ))s"

@@ -1,0 +1,79 @@
+"""The GPU items of issue 12 from what benchmarks/device/checks.sh wrote: one table.
+
+    python benchmarks/device/summary.py DIR      (DIR: the call's $OUT, as it came back)
+
+Reads DIR/step-*.json (benchmarks/step.py) and Megatron-LM's iteration times from
+DIR/checks.log ("elapsed time per iteration (ms)", the first logged interval - warm-up
+- left out) and prints each target against its goal.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+GOALS = {"small": ("time", 1.03), "h2048": ("time", 1.01)}
+
+
+def step_rows(out: Path) -> list[str]:
+    rows = []
+    for path in sorted(out.glob("step-*.json")):
+        d = json.loads(path.read_text())
+        name = path.stem.removeprefix("step-")
+        r, arms = d["ratio"], d["arms"]
+        mfu = arms["vanilla"].get("mfu"), arms["kv_shift"].get("mfu")
+        goal = GOALS.get(name)
+        verdict = ""
+        if goal is not None:
+            verdict = "met" if r["step_time_median"] <= goal[1] else "NOT met"
+            verdict = f"time {verdict} (<= {goal[1]})"
+        memory = r.get("peak_memory")
+        rows.append(
+            f"{name:6s} {d['device_name']}: time {r['step_time_median']:.3f} "
+            f"(paired {r['step_time_paired_median']:.3f}), memory "
+            f"{memory if memory is None else f'{memory:.4f}'} "
+            f"({'met' if memory is not None and memory <= 1.005 else 'NOT met'} <= 1.005); "
+            f"tokens/s {arms['vanilla']['tokens_per_s']:.0f} / "
+            f"{arms['kv_shift']['tokens_per_s']:.0f}; "
+            f"MFU {'/'.join('-' if m is None else f'{100 * m:.1f}%' for m in mfu)}; "
+            f"backend {d['backend']['name']}, shift {d['backend'].get('shift_kernel')} {verdict}")
+    return rows
+
+
+def megatron_tokens_per_s(log: Path, tokens_per_iteration: int) -> float | None:
+    """Megatron-LM's steady tokens/s: the median of its logged intervals but the first."""
+    if not log.exists():
+        return None
+    times = [float(m) for m in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)",
+                                          log.read_text(errors="replace"))]
+    if len(times) < 2:
+        return None
+    return tokens_per_iteration / (statistics.median(times[1:]) / 1000)
+
+
+def main() -> int:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    for row in step_rows(out):
+        print(row)
+    paper = out / "step-paper.json"
+    mlm = megatron_tokens_per_s(out / "checks.log", 8 * 2048)
+    if paper.exists():
+        d = json.loads(paper.read_text())
+        ours = d["arms"]["vanilla"]["tokens_per_s"], d["arms"]["kv_shift"]["tokens_per_s"]
+        mfu = d["arms"]["kv_shift"].get("mfu")
+        print(f"paper  MFU (KV shift) {'-' if mfu is None else f'{100 * mfu:.1f}%'} "
+              f"({'met' if mfu is not None and mfu >= 0.45 else 'NOT met'} >= 45%)")
+        if mlm is None:
+            print("paper  Megatron-LM: no iteration times in checks.log")
+        else:
+            print(f"paper  tokens/s vanilla {ours[0]:.0f}, KV shift {ours[1]:.0f}, "
+                  f"Megatron-LM {mlm:.0f}: {ours[0] / mlm:.3f} / {ours[1] / mlm:.3f} x "
+                  f"({'met' if min(ours) >= mlm else 'NOT met'} >= 1.0)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
