@@ -209,10 +209,11 @@ class QKVShift(torch.autograd.Function):
         need_mixed = ctx.needs_input_grad[0]
         need_coef = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         if ctx.impl == "triton":
-            zeros = raw.new_zeros(raw.shape[:3] + raw.shape[4:])
-            dmixed, dck, dcv = triton_shift.qkv_backward(
-                raw, coef_k, coef_v, doc_ids, ctx.query_width, dq,
-                dk if dk is not None else zeros, dv if dv is not None else zeros)
+            if dk is None or dv is None:  # an output unused downstream
+                zeros = raw.new_zeros(raw.shape[:3] + raw.shape[4:])
+                dk, dv = (g if g is not None else zeros for g in (dk, dv))
+            dmixed, dck, dcv = triton_shift.qkv_backward(raw, coef_k, coef_v, doc_ids,
+                                                         ctx.query_width, dq, dk, dv)
         else:
             dmixed, dcoefs = _torch_qkv_grads(raw, coef_k, coef_v, doc_ids, ctx.query_width,
                                               (dq, dk, dv), need_mixed, need_coef)

@@ -51,8 +51,10 @@ def _launch(s: int, b: int, h: int, d: int, x: Tensor, coefs: list[Tensor],
     block_d = triton.next_power_of_2(d)
     block_t = max(16, 4096 // block_d)  # ~4k fp32 accumulators per program
     grid = (triton.cdiv(s, block_t), b, h)
-    # Rounded to x's dtype first, as shift_tokens does, then accumulated in fp32.
-    cs = [c.to(x.dtype).float().contiguous() for c in coefs]  # [h, w+1] each
+    # In x's dtype, as shift_tokens rounds them; the kernels load them as they are
+    # and accumulate in fp32 (no cast kernel per call when they already are: a
+    # launch costs more than the shift of a small layer).
+    cs = [c.to(x.dtype).contiguous() for c in coefs]  # [h, w+1] each
     docs = doc_ids if doc_ids is not None else cs[0]  # a valid pointer, never read
     doc_strides = (doc_ids.stride(0), doc_ids.stride(1)) if doc_ids is not None else (0, 0)
     return grid, block_t, block_d, cs, docs, doc_strides
@@ -113,8 +115,8 @@ def qkv_forward(mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional
 def qkv_backward(raw: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[Tensor],
                  query_width: int, dq: Optional[Tensor], dk: Tensor,
                  dv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(dmixed [s, b, g, q + 2d], dcoef_k, dcoef_v in fp32) from the raw K/V and the
-    gradients of Q (None: zero), K and V."""
+    """(dmixed [s, b, g, q + 2d], dcoef_k, dcoef_v in the coefficients' dtype) from the
+    raw K/V and the gradients of Q (None: zero), K and V."""
     dk, dv = _rows(dk), _rows(dv)
     s, b, g, _, d = raw.shape
     n = coef_k.shape[1]
@@ -131,7 +133,7 @@ def qkv_backward(raw: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[
         W=n - 1, HAS_DOC=doc_ids is not None, HAS_DQ=dq is not None,
         BLOCK_T=block_t, BLOCK_D=block_d, D=d,
     )
-    dcoef = partial.sum(dim=(0, 1))  # [g, 2, w+1]
+    dcoef = partial.sum(dim=(0, 1)).to(coef_k.dtype)  # [g, 2, w+1]: one cast for both
     return dmixed, dcoef[:, 0], dcoef[:, 1]
 
 
@@ -161,7 +163,7 @@ if triton is not None:
                 if i == 0:  # the block's own rows
                     tl.store(raw_ptr + t[:, None] * sr_s + dd[None, :], xv,
                              mask=in_seq[:, None] & d_ok[None, :])
-            acc += tl.load(c_ptr + i) * xv.to(tl.float32)
+            acc += tl.load(c_ptr + i).to(tl.float32) * xv.to(tl.float32)
         tl.store(y_ptr + t[:, None] * sy_s + dd[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=in_seq[:, None] & d_ok[None, :])
 
@@ -181,7 +183,7 @@ if triton is not None:
             ahead = _same_doc(doc_ptr, dst, in_seq & (dst < S), doc_t, sd_s, HAS_DOC)
             g = tl.load(g_ptr + dst[:, None] * sg_s + dd[None, :],
                         mask=ahead[:, None] & d_ok[None, :], other=0.0)
-            dx += tl.load(c_ptr + i) * g.to(tl.float32)
+            dx += tl.load(c_ptr + i).to(tl.float32) * g.to(tl.float32)
             # dcoef: the token i steps back, if it is in the same document.
             src = t - i
             back = _same_doc(doc_ptr, src, in_seq & (src >= 0), doc_t, sd_s, HAS_DOC)
