@@ -15,7 +15,8 @@ One program takes a block of tokens of one (batch, head): the shift's lags are
 rows of that block or of the one before, so every load is a row of ``d``
 contiguous values. Accumulation is in fp32; the coefficient gradient is one
 fp32 partial per program and lag, summed afterwards (no atomics: the result
-does not depend on the schedule).
+does not depend on the schedule). Offsets are int64 (a ``[b, s]``-strided
+gradient's batch stride times b passes 2^31 at long sequences).
 
 On the CPU, ``TRITON_INTERPRET=1`` runs the same source
 (tests/model/test_triton_interpreter.py).
@@ -200,7 +201,7 @@ if triton is not None:
         t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT]
         dd = tl.arange(0, BLOCK_D)
         in_seq = t < S
-        docs = doc_ptr + tl.program_id(1) * sd_b
+        docs = doc_ptr + tl.program_id(1).to(tl.int64) * sd_b
         doc_t = t  # unused without documents
         if HAS_DOC:
             doc_t = tl.load(docs + t * sd_s, mask=in_seq, other=0)
@@ -210,7 +211,7 @@ if triton is not None:
     def _shift_fwd_kernel(x_ptr, c_ptr, doc_ptr, y_ptr, S, sx_s, sx_b, sx_h, sy_s, sy_b, sy_h,
                           sd_s, sd_b, W: tl.constexpr, HAS_DOC: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
-        b, h = tl.program_id(1), tl.program_id(2)
+        b, h = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         t, dd, in_seq, d_ok, docs, doc_t = _block(S, sd_s, sd_b, doc_ptr, HAS_DOC, BLOCK_T,
                                                   BLOCK_D, D)
         _fwd_rows(x_ptr + b * sx_b + h * sx_h, sx_s, c_ptr + h * (W + 1),
@@ -222,7 +223,7 @@ if triton is not None:
                           sx_s, sx_b, sx_h, sg_s, sg_b, sg_h, so_s, so_b, so_h, sd_s, sd_b,
                           W: tl.constexpr, HAS_DOC: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
-        b, h = tl.program_id(1), tl.program_id(2)
+        b, h = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         t, dd, in_seq, d_ok, docs, doc_t = _block(S, sd_s, sd_b, doc_ptr, HAS_DOC, BLOCK_T,
                                                   BLOCK_D, D)
         # part [blocks, b, h, w+1]
@@ -238,7 +239,7 @@ if triton is not None:
                         W: tl.constexpr, HAS_DOC: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
         """K and V of one (batch, group) from their columns of mixed [s, b, g, q | d | d]."""
-        b, g = tl.program_id(1), tl.program_id(2)
+        b, g = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         t, dd, in_seq, d_ok, docs, doc_t = _block(S, sd_s, sd_b, doc_ptr, HAS_DOC, BLOCK_T,
                                                   BLOCK_D, D)
         rows = m_ptr + b * sm_b + g * sm_g + Q  # K's columns; V's follow
@@ -257,7 +258,7 @@ if triton is not None:
                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
         """The gradient of mixed for one (batch, group): Q's copied, K's and V's shifted
         back; the coefficients' partial sums."""
-        b, g = tl.program_id(1), tl.program_id(2)
+        b, g = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         t, dd, in_seq, d_ok, docs, doc_t = _block(S, sd_s, sd_b, doc_ptr, HAS_DOC, BLOCK_T,
                                                   BLOCK_D, D)
         dm = dm_ptr + b * sm_b + g * sm_g
