@@ -4,10 +4,13 @@
 #
 #   here:  benchmarks/device/prepare.sh MEGATRON_LM_GIT_DIR     (once: fills .gpu/)
 #   there: bash benchmarks/device/checks.sh [PART ...]           (carry: .gpu)
+#          e.g. run(command="bash benchmarks/device/checks.sh", carry=[".gpu"], timeout_s=580)
 #
 # PARTs, in this order by default (each under its own time limit; a part whose
 # limit no longer fits in DEADLINE seconds from the start is skipped and says so):
-#   tests   the `gpu` tests (pytest -m gpu)                                 -> tests.log
+#   tests   the `gpu` tests (pytest -m gpu)                      -> checks.log, tests.xml
+#   kernel  benchmarks/shift_kernel.py --qkv at the h2048 shape, bf16: the shift's own
+#           time against vanilla's split, per kernel                       -> checks.log
 #   small   benchmarks/step.py configs/bench/small.yaml, torch backend      -> step-small.json
 #   h2048   benchmarks/step.py configs/bench/h2048.yaml, torch backend      -> step-h2048.json
 #   paper   the paper's 1.5B shape, torch backend (LAYERS of its 28 layers;
@@ -20,7 +23,7 @@ set -u
 : "${OUT:?set OUT to the folder that comes back}"
 DEADLINE=${DEADLINE:-540}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests small h2048 paper mlm)
+[ ${#parts[@]} -gt 0 ] || parts=(tests kernel small h2048 paper mlm)
 start=$(date +%s)
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/checks.log"; }
 
@@ -57,6 +60,8 @@ for part in "${parts[@]}"; do
   case $part in
     tests) run tests 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider -o addopts= \
              --junit-xml="$OUT/tests.xml" ;;
+    kernel) run kernel 60 python3 benchmarks/shift_kernel.py --qkv --dtype bf16 --seq 2048 \
+             --batch 4 --heads 16 --dim 128 --repeat 51 ;;
     small) run small 90 python3 benchmarks/step.py configs/bench/small.yaml --backend torch \
              --json "$OUT/step-small.json" ;;
     h2048) run h2048 120 python3 benchmarks/step.py configs/bench/h2048.yaml --backend torch \
@@ -76,7 +81,7 @@ for part in "${parts[@]}"; do
              --adam-beta2 0.95 --train-iters 20 --eval-iters 0 --log-interval 5 \
              --log-throughput --no-gradient-accumulation-fusion --no-masked-softmax-fusion \
              --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm ;;
-    *) log "unknown part $part (tests, small, h2048, paper, mlm)" ;;
+    *) log "unknown part $part (tests, kernel, small, h2048, paper, mlm)" ;;
   esac
 done
 python3 benchmarks/device/summary.py "$OUT" | tee "$OUT/summary.txt"
