@@ -91,6 +91,12 @@ def test_qkv_shift_matches_shift_tokens_fp32(window, docs, impl):
     # the query's gradient through a reshape, V's through a transpose (as from SDPA)
     grads = [torch.randn(s, b, g, q), torch.randn(s, b, g, d),
              torch.randn(b, s, g, d).transpose(0, 1)]
+    assert_qkv_matches(impl, mixed, coefs, doc_ids, q, grads, coef_atol=1e-5)
+
+
+def assert_qkv_matches(impl, mixed, coefs, doc_ids, q, grads, coef_atol):
+    """``fused_shift_qkv`` (``impl``) against ``qkv_reference``: outputs and the QKV
+    output's gradient in fp32, the coefficients' gradients against fp64."""
     got = qkv_run(fused_shift_qkv, mixed, coefs, doc_ids, q, grads, impl)
     want = qkv_run(qkv_reference, mixed, coefs, doc_ids, q, grads)
     for mine, ref in zip(got[:4], want[:4]):
@@ -98,7 +104,7 @@ def test_qkv_shift_matches_shift_tokens_fp32(window, docs, impl):
     want_64 = qkv_run(qkv_reference, mixed.double(), [c.double() for c in coefs], doc_ids, q,
                       grads)
     for mine, ref in zip(got[4:], want_64[4:]):
-        torch.testing.assert_close(mine.double(), ref, atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(mine.double(), ref, atol=coef_atol, rtol=1e-6)
 
 
 @pytest.mark.parametrize("impl", CPU_KERNELS)
@@ -450,14 +456,7 @@ def test_triton_qkv_shift_matches_shift_tokens_fp32(triton_kernels, window, docs
     doc_ids = cuda_documents(s, b, docs)
     grads = [torch.randn(s, b, g, q, device="cuda"), torch.randn(s, b, g, d, device="cuda"),
              torch.randn(b, s, g, d, device="cuda").transpose(0, 1)]
-    got = qkv_run(fused_shift_qkv, mixed, coefs, doc_ids, q, grads, "triton")
-    want = qkv_run(qkv_reference, mixed, coefs, doc_ids, q, grads)
-    for mine, ref in zip(got[:4], want[:4]):
-        torch.testing.assert_close(mine, ref, **FP32)
-    want_64 = qkv_run(qkv_reference, mixed.double(), [c.double() for c in coefs], doc_ids, q,
-                      grads)
-    for mine, ref in zip(got[4:], want_64[4:]):
-        torch.testing.assert_close(mine.double(), ref, atol=1e-4, rtol=1e-6)
+    assert_qkv_matches("triton", mixed, coefs, doc_ids, q, grads, coef_atol=1e-4)
 
 
 @pytest.mark.gpu

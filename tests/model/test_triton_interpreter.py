@@ -32,6 +32,18 @@ from kvtrain.model.kv_shift import shift_tokens
 
 assert shift_kernels.triton_available(), "triton did not import"
 torch.manual_seed(0)
+
+
+def documents(kind, s, b):  # None, or [s, b] ids: one-token documents, some back to back
+    if kind == "none":
+        return None
+    ids = torch.zeros(s, b, dtype=torch.int64)
+    for row, starts in enumerate(([1, 2, 17, 40], [5, 6, s - 1])):
+        for t in starts:
+            ids[t:, row] += 1
+    return ids
+
+
 results = []
 for window in (1, 2, 3):
     for docs in ("none", "starts"):
@@ -40,12 +52,7 @@ for window in (1, 2, 3):
         mixed = torch.randn(s, b, h, 3 * d)
         x = mixed[..., d:2 * d]
         coef = torch.randn(h, window + 1)
-        ids = None
-        if docs == "starts":
-            ids = torch.zeros(s, b, dtype=torch.int64)
-            for row, starts in enumerate(([1, 2, 17, 40], [5, 6, s - 1])):
-                for t in starts:
-                    ids[t:, row] += 1
+        ids = documents(docs, s, b)
         dy = torch.randn(s, b, h, d)
         out = {}
         for name, fn in (("triton", lambda a, c: shift_kernels.fused_shift(a, c, ids, "triton")),
@@ -67,12 +74,7 @@ for window in (1, 3):
             qw = 3 * d
             mixed = torch.randn(s, b, g, qw + 2 * d)
             coefs = [torch.randn(g, window + 1) for _ in range(2)]
-            ids = None
-            if docs == "starts":
-                ids = torch.zeros(s, b, dtype=torch.int64)
-                for row, starts in enumerate(([1, 2, 17, 40], [5, 6, s - 1])):
-                    for t in starts:
-                        ids[t:, row] += 1
+            ids = documents(docs, s, b)
             dys = [torch.randn(s, b, g, qw), torch.randn(s, b, g, d),
                    torch.randn(b, s, g, d).transpose(0, 1)]
             used = [1, 2] if grads == "no_q" else [0, 1, 2]
