@@ -25,7 +25,8 @@ their ratio.
 Peak memory is what one arm adds to a process, from before its build to the
 end of its warm-up (weights, gradients, optimizer state and the steps'
 activations). Each arm is measured in a process of its own, started before
-this one builds anything (forked on the CPU, spawned on a GPU), so that both
+this one builds anything (on the CPU forked, both at once; on a GPU spawned, one
+after the other), so that both
 pay the same one-off costs - lazy imports, cuBLAS workspaces, megatron's
 global buffer of the local spec's attention scores - whichever is built first:
 
@@ -151,22 +152,27 @@ def _probe_child(cfg: RunConfig, warmup: int, pipe) -> None:
 
 
 def probe_memory(cfgs: dict[str, RunConfig], warmup: int) -> dict[str, Optional[int]]:
-    """Each arm's peak memory, measured in a process of its own (module docstring):
-    both at once, before this process builds or times anything. Forked on the
-    CPU (the children inherit the imports); spawned on a GPU (CUDA does not
-    survive a fork)."""
-    ctx = multiprocessing.get_context("spawn" if torch.cuda.is_available() else "fork")
+    """Each arm's peak memory, measured in a process of its own (module docstring),
+    before this process builds or times anything. On the CPU both at once, forked
+    (the children inherit the imports); on a GPU one after the other, spawned (CUDA
+    does not survive a fork, and two arms of a model sized to fill the card would
+    not fit on it together)."""
+    gpu = torch.cuda.is_available()
+    ctx = multiprocessing.get_context("spawn" if gpu else "fork")
     sys.stdout.flush()
     sys.stderr.flush()
-    children = {}
-    for arm in ARMS:
+    children: dict = {}
+    peaks = {}
+
+    def start(arm: str) -> None:
         receive, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_probe_child, args=(cfgs[arm], warmup, send))
         proc.start()
         send.close()  # the child's end: recv() sees EOF if the child dies
         children[arm] = (proc, receive)
-    peaks = {}
-    for arm, (proc, receive) in children.items():
+
+    def collect(arm: str) -> None:
+        proc, receive = children.pop(arm)
         try:
             status, value = receive.recv()
         except EOFError:
@@ -175,6 +181,13 @@ def probe_memory(cfgs: dict[str, RunConfig], warmup: int) -> dict[str, Optional[
         if status == "failed":
             raise RuntimeError(f"the memory probe of {arm} failed:\n{value}")
         peaks[arm] = value
+
+    for arm in ARMS:
+        start(arm)
+        if gpu:
+            collect(arm)
+    for arm in list(children):
+        collect(arm)
     return peaks
 
 

@@ -5,6 +5,10 @@ initialises torch.distributed in each (gloo on CPU), calls
 ``fn(rank, world_size, *args)`` and returns the list of the ranks' return
 values. An exception on any rank is re-raised in the caller with that rank's
 traceback. ``fn`` must be importable (a module-level function).
+
+``one_gpu=True`` puts every rank on GPU 0 over gloo (NCCL refuses two ranks on
+one device; gloo stages CUDA tensors through the host): collectives of CUDA
+tensors tested on a machine with one GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +21,24 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _init(one_gpu: bool) -> None:
+    """The ranks' process group: kvtrain's choice, or gloo with every rank on GPU 0."""
+    if not one_gpu:
+        from kvtrain.backend import init_process_group
+
+        init_process_group(timeout_minutes=5)
+        return
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
+            one_gpu: bool = False) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -27,9 +48,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
     torch.set_num_threads(1)
     try:
-        from kvtrain.backend import destroy_distributed, init_process_group
+        from kvtrain.backend import destroy_distributed
 
-        init_process_group(timeout_minutes=5)
+        _init(one_gpu)
         result = fn(rank, world_size, *args)
         # Serialise to bytes: tensors sent as-is go through shared-memory file
         # descriptors that vanish when this process exits before the parent reads.
@@ -45,7 +66,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             pass
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600,
+                    one_gpu: bool = False) -> list:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks."""
     import torch
 
@@ -55,7 +77,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, one_gpu),
+                    daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

@@ -58,6 +58,8 @@ def choose_kernel(requested: str, cuda: bool, dtype: torch.dtype) -> tuple[str, 
     key = f"model.kv_shift.kernel: {requested}"
     if requested == "torch":
         return "torch", key
+    if requested == "auto" and cuda and dtype == torch.float64:
+        return "torch", "auto: the Triton kernels accumulate in fp32, not fp64"
     if requested == "triton" or (requested == "auto" and cuda):
         if not cuda:
             raise ConfigError(f"{key} needs a GPU (use auto, native or torch on the CPU)")
@@ -87,8 +89,8 @@ def choose_kernel(requested: str, cuda: bool, dtype: torch.dtype) -> tuple[str, 
 def default_impl(x: Tensor) -> str:
     """The kernel ``auto`` takes for ``x``: Triton on a GPU where it imports, the
     native C++ operators on the CPU where they build and take x's dtype, else torch ops."""
-    if x.is_cuda:
-        return "triton" if triton_available() else "torch"
+    if x.is_cuda:  # fp64: torch ops (the Triton kernels accumulate in fp32)
+        return "triton" if triton_available() and x.dtype != torch.float64 else "torch"
     if native_shift.supports(x) and native_shift.unavailable_reason() is None:
         return "native"
     return "torch"

@@ -9,65 +9,35 @@ The cases are those of the CPU tests (``test_context_parallel.py``).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from kvtrain.testing import run_distributed
 
 from .test_context_parallel import attention_case, halo_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def _rank(rank: int, world: int, port: int, queue) -> None:
-    import torch.distributed as dist
+def _rank(rank: int, world: int) -> dict:
+    from megatron.core import parallel_state
 
-    try:
-        torch.cuda.set_device(0)  # both ranks on the one card
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
-        from megatron.core import parallel_state
+    from kvtrain.backend import init_model_parallel
 
-        from kvtrain.backend import init_model_parallel
-
-        init_model_parallel(context=world)
-        group = parallel_state.get_context_parallel_group()
-        halo = {(w, d): halo_case(group, w, d, "cuda") for w in (1, 2) for d in (False, True)}
-        attention = {d: attention_case(group, d, "cuda") for d in (False, True)}
-        cpu = lambda r: {k: tuple(t.cpu() for t in v) for k, v in r.items()}  # noqa: E731
-        queue.put((rank, {"halo": {k: cpu(v) for k, v in halo.items()},
-                          "attention": {k: cpu(v) for k, v in attention.items()}}))
-    except BaseException as e:  # the parent reports it
-        import traceback
-
-        queue.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    init_model_parallel(context=world)
+    group = parallel_state.get_context_parallel_group()
+    halo = {(w, d): halo_case(group, w, d, "cuda") for w in (1, 2) for d in (False, True)}
+    attention = {d: attention_case(group, d, "cuda") for d in (False, True)}
+    cpu = lambda r: {k: tuple(t.cpu() for t in v) for k, v in r.items()}  # noqa: E731
+    return {"halo": {k: cpu(v) for k, v in halo.items()},
+            "attention": {k: cpu(v) for k, v in attention.items()}}
 
 
 @pytest.fixture(scope="module")
 def two_ranks_one_gpu():
-    import torch.multiprocessing as mp
-
-    from kvtrain.backend import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
-    try:
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get() for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        os.environ.update(env)
-    failed = {r: v for r, v in results.items() if isinstance(v, str)}
-    assert not failed, failed
-    return [results[r] for r in range(2)]
+    # kvtrain.testing's loop: results as bytes (no shared-memory handles that die with
+    # a rank), a deadline and a dead rank noticed (no hang on an NCCL/CUDA abort)
+    return run_distributed(_rank, 2, timeout=300, one_gpu=True)
 
 
 def test_halo_on_gpu(two_ranks_one_gpu):

@@ -38,7 +38,8 @@ def values_and_grads(fn, x, coef, doc_ids, seed=0):
     x = x.detach().requires_grad_()
     coef = coef.detach().requires_grad_()
     y = fn(x, coef, doc_ids)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.dtype)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))
+    dy = dy.to(device=y.device, dtype=y.dtype)  # drawn on the CPU: the same values anywhere
     dx, dcoef = torch.autograd.grad(y, (x, coef), dy)
     return y, dx, dcoef
 

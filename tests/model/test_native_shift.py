@@ -175,6 +175,9 @@ def test_gpu_choice_follows_triton(monkeypatch):
 
     monkeypatch.setattr(kernels, "triton_available", lambda: True)
     assert choose_kernel("auto", True, torch.bfloat16) == ("triton", "auto: GPU")
+    # fp64 keeps fp64 accumulation: torch ops
+    assert choose_kernel("auto", True, torch.float64) == (
+        "torch", "auto: the Triton kernels accumulate in fp32, not fp64")
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
     assert choose_kernel("auto", True, torch.bfloat16) == ("torch",
                                                            "auto: Triton is not installed")

@@ -149,7 +149,10 @@ def interpreted():
     except ImportError:
         pytest.fail("triton is not installed: `make test` installs it (pyproject's dev extra) "
                     "so that the Triton shift kernels are checked on the CPU")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # a one-process group of its own: not the address of the one pytest may hold
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
