@@ -27,11 +27,17 @@ in 16-bit elements:
 * SwiGLU: fc1 output ``2f`` and fc2 input ``f``;
 
 that is ``2·sb·(6h + 2gd + 3f)`` bytes, plus flash attention's fp32
-log-sum-exp (``4·a·sb``), plus for KV shifting the unshifted projection
-output, ``h + 2gd`` elements: the shift keeps K and V for the coefficient
-gradients, and as views they hold on to the whole QKV output (measured with
-``torch.autograd.graph.saved_tensors_hooks`` on a GQA layer: exactly ``h + 2gd``
-more than vanilla). Flash attention stores no
+log-sum-exp (``4·a·sb``). On the ``torch`` backend vanilla's V is a view of
+the QKV output, and SDPA keeping V keeps all of it: ``h + gd`` more (Q and K
+of the projection). For KV shifting, the paper's K+V shift (one node in the
+QKV output, ``fused_shift_qkv``) keeps a copy of the raw K and V for the
+coefficient gradients, ``2gd``, and lets the QKV output go (attention keeps
+the shifted V, a tensor of its own); the other variants (Q shifted, one of K
+or V, context parallelism, MLA) save the raw tensors as views of the QKV
+output, ``h + 2gd``, and with GQA a shifted Q as a copy, ``h`` (for MLA the
+standard layer's count stands in). Both measured with ``torch.autograd.graph.saved_tensors_hooks``
+(tests/faults/test_backend_faults.py; ``benchmarks/shift_saved_bytes.py``).
+Flash attention stores no
 ``s×s`` matrix, so Korthikanti's ``5as/h`` term is absent (which is also why
 ``selective`` recomputation, megatron's core-attention recompute, saves
 nothing here). With TP ``t``: the norm tensors (``4h``) are split only with
@@ -76,7 +82,8 @@ about ±15% of the estimate. One calibration point: the paper (Table 13)
 measured 42,584 MiB peak for its BlaGPT-scale vanilla model at context 4096 on
 an A100 and 43,360 MiB with KV shifting (4 KV heads); ``kvtrain plan
 configs/blagpt/vanilla.yaml`` at 4096 tokens x 16 sequences per GPU estimates
-43,199 MiB (for KV shifting ours adds 3.6 GiB: our layer has 12 KV heads, theirs 4).
+44,498 MiB (te; 4.5% above), 46,917 MiB with KV shifting (+2.4 GiB: the raw
+K/V copy of 12 KV heads; the paper's layer has 4, and measured +776 MiB).
 """
 
 from __future__ import annotations
@@ -145,9 +152,7 @@ def layer_activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_len
     f = model.ffn_size
     e = activation_dtype_bytes(precision)
     norms = 4 * h / (t if parallel.sequence_parallel else 1)
-    split = (h + 2 * gd) + h + 3 * f
-    if model.attention == "kv_shift":
-        split += h + 2 * gd  # the QKV output, retained by the shift's saved K/V views
+    split = (h + 2 * gd) + h + 3 * f + kept_by_the_shift(model, parallel, backend, h, gd)
     elements = norms + split / t
     dropout_masks = sb * h * 2 / (t if parallel.sequence_parallel else 1) \
         if model.hidden_dropout > 0 else 0.0
@@ -161,6 +166,23 @@ def layer_activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_len
         # whole sequence for backward (te's ring re-sends them instead)
         attention += e * seq_length * micro_batch * 2 * gd / t
     return e * sb * elements + attention + dropout_masks
+
+
+def kept_by_the_shift(model: ModelConfig, parallel: ParallelConfig, backend: str, h: int,
+                      gd: int) -> int:
+    """Elements per token that attention's Q/K/V and the shift keep beyond the
+    rotated Q, K and the V attention gets (``h + 2gd``, counted by the caller)."""
+    if model.attention == "kv_shift":
+        if (parallel.context == 1 and model.mla is None
+                and sorted(model.kv_shift.shift) == ["k", "v"]):
+            return 2 * gd  # the raw K/V copy; the QKV output is freed
+        # The QKV output, held by the shift's raw K/V views; with GQA a shifted query
+        # is a copy (megatron's reshape of its view cannot be one) that the shift keeps
+        gqa = model.kv_heads < model.num_attention_heads
+        return h + 2 * gd + (h if "q" in model.kv_shift.shift and gqa else 0)
+    if backend == "torch" and parallel.context == 1:
+        return h + gd  # the QKV output's Q and K, held by V (a view that SDPA saves)
+    return 0  # te: counted without (see the calibration in the module docstring)
 
 
 def layer_input_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,

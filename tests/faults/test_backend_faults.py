@@ -266,6 +266,57 @@ def test_plan_counts_the_gathered_kv_of_torch_cp_attention():
     assert extra == pytest.approx(2 * t.seq_length * t.micro_batch_size * 2 * gd / p.tensor)
 
 
+def _kept_by_one_layer(attention: str, groups: int, shift: list) -> int:
+    """Bytes autograd keeps for backward over one layer of the torch backend (fp32,
+    RoPE, causal, no mask), parameters excluded."""
+    import torch
+
+    from kvtrain.config import ModelConfig
+    from kvtrain.config.schema import KVShiftConfig
+    from kvtrain.model.builder import build_gpt, transformer_config
+
+    cfg = ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=8,
+                      num_query_groups=groups, ffn_hidden_size=512, vocab_size=128,
+                      make_vocab_size_divisible_by=64, max_position_embeddings=64,
+                      attention=attention, kv_shift=KVShiftConfig(shift=shift))
+    model = build_gpt(cfg, transformer_config(cfg), backend="torch")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    hidden = torch.randn(64, 2, 256, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.decoder.layers[0](hidden, attention_mask=None,
+                                rotary_pos_emb=model.rotary_pos_emb(64))
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("groups", [4, 8])
+@pytest.mark.parametrize("shift", [["k", "v"], ["v"], ["q", "k", "v"]])
+def test_plan_counts_what_the_shift_keeps_on_torch(mp1, groups, shift):
+    """The plan's KV shift - vanilla difference per layer on the torch backend equals
+    what autograd keeps: the paper's K+V shift (one node in the QKV output) keeps
+    the raw K/V and lets the QKV output go (MHA: as much as vanilla, GQA: less);
+    the per-tensor variants keep the shifted V beyond vanilla."""
+    from kvtrain.config import ModelConfig
+    from kvtrain.config.schema import KVShiftConfig, ParallelConfig
+
+    measured = (_kept_by_one_layer("kv_shift", groups, shift)
+                - _kept_by_one_layer("vanilla", groups, shift))
+    planned = [layer_activation_bytes(
+        ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=8,
+                    num_query_groups=groups, ffn_hidden_size=512, attention=attention,
+                    kv_shift=KVShiftConfig(shift=shift)),
+        ParallelConfig(), 64, 2, "fp32", backend="torch")
+        for attention in ("kv_shift", "vanilla")]
+    # (to the bytes of a shifted query's coefficients, repeated per query head)
+    assert planned[0] - planned[1] == pytest.approx(measured, abs=256)
+
+
 # ----------------------------------------------------------------------------- item 11: plan memory
 def test_local_memory_adds_exactly_the_score_matrices():
     """Per layer on one GPU, bf16, no dropout: the local spec keeps softmax's fp32
