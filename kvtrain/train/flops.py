@@ -87,7 +87,8 @@ def training_flops_per_step(model: ModelConfig, seq_length: int, global_batch_si
 # Dense bf16 peak TFLOP/s (no sparsity) by device-name fragment, for MFU when
 # train.peak_tflops_per_device is not set. Order matters: first match wins.
 PEAK_BF16_TFLOPS = (
-    ("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("GH200", 989.0),
+    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+    ("H800 PCIe", 756.0), ("H800", 989.0), ("GH200", 989.0),
     ("B200", 2250.0), ("B100", 1750.0),
     ("A100", 312.0), ("A800", 312.0), ("A30", 165.0), ("A10", 125.0),
     ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
@@ -101,8 +102,12 @@ def guess_peak_tflops() -> float | None:
 
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
+    return peak_tflops_of(torch.cuda.get_device_name())
+
+
+def peak_tflops_of(device_name: str) -> float | None:
+    """Dense bf16 peak TFLOP/s of a GPU by its name (torch.cuda.get_device_name)."""
     for fragment, tflops in PEAK_BF16_TFLOPS:
-        if fragment in name:
+        if fragment in device_name:
             return tflops
     return None

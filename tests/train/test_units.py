@@ -36,6 +36,19 @@ def test_flops_count_the_real_architecture():
     assert training_flops_per_step(m, s, 4, v) == 4 * 3 * fl.forward
 
 
+def test_peak_of_the_gpu_names_torch_reports():
+    """MFU's default peak, by torch.cuda.get_device_name (dense bf16): the PCIe and
+    NVL Hopper cards are slower than the SXM ones whose names they contain."""
+    from kvtrain.train.flops import peak_tflops_of
+
+    assert peak_tflops_of("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops_of("NVIDIA H200") == 989.0
+    assert peak_tflops_of("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops_of("NVIDIA H100 NVL") == 835.0
+    assert peak_tflops_of("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops_of("NVIDIA GeForce RTX 4090") is None
+
+
 # ----------------------------------------------------------------------------- schedules
 def _schedule(tmp_cfg_overrides, steps):
     from kvtrain.train.optimizer import build_scheduler, current_lr
