@@ -272,7 +272,12 @@ def test_tp2_and_pp2_equal_tp1_and_checkpoint_loads_at_tp1(mp1, tmp_path):
     for rank, (loss2, grads2, *_) in enumerate(ranks):
         assert loss2 == pytest.approx(loss, abs=1e-5)
         for name, g in grads.items():  # each rank holds heads [2 rank, 2 rank + 2)
-            torch.testing.assert_close(grads2[name], g[2 * rank:2 * rank + 2], **TOL, msg=name)
+            # Relative to its size (~5e-6 here: below an absolute 1e-5, it went unchecked).
+            # A sum over tokens that nearly cancels: TP's other reduction order moves it
+            # ~6e-4 of itself in fp32, so 1e-3 of it.
+            ref = g[2 * rank:2 * rank + 2]
+            torch.testing.assert_close(grads2[name], ref, rtol=1e-3, msg=name,
+                                       atol=1e-3 * ref.abs().max().item())
     assert grads["decoder.layers.0.self_attention.shift_k"][1:3].abs().max() == 0  # unselected
     model = tp_case(1, tokens, labels, seed=99)[2]  # other weights: all must come from the file
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(),
