@@ -444,3 +444,22 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     assert "the launcher gave this process GPUs" in line and "torch sees no GPU" in line
     assert list(lost_gpu.items())[-1][0] in line
     assert not (tmp_path / "lost" / "checkpoints").exists()
+
+
+def test_the_calibration_point_in_the_memory_docstring_is_current():
+    """kvtrain/plan/memory.py quotes its estimate of the paper's BlaGPT-scale model
+    (Table 13: 4096 tokens x 16 sequences on one A100) beside the paper's measured
+    peak: the quoted estimates are what the plan gives today."""
+    import re
+
+    import kvtrain.plan.memory as memory
+
+    text = " ".join(memory.__doc__.split())
+    quoted = re.search(r"estimates ([\d,]+) MiB \(te; [^)]*\), ([\d,]+) MiB with KV shifting", text)
+    assert quoted, "the calibration sentence moved: update this test with it"
+    sets = ["train.seq_length=4096", "model.max_position_embeddings=4096",
+            "train.micro_batch_size=16", "train.global_batch_size=16"]
+    for arm, mib in zip(("vanilla", "kv_shift"), quoted.groups()):
+        cfg = load_config(f"configs/blagpt/{arm}.yaml", sets)
+        plan = make_plan(cfg, nodes=1, gpus_per_node=1, gpu="a100")
+        assert round(plan.memory.total / 2**20) == int(mib.replace(",", "")), arm
