@@ -48,7 +48,7 @@ def _rows(t: Tensor) -> Tensor:
 
 def _launch(s: int, b: int, h: int, d: int, x: Tensor, coefs: list[Tensor],
             doc_ids: Optional[Tensor]):
-    """Grid, block sizes, fp32 coefficients and document ids common to the kernels."""
+    """Grid, block sizes, coefficients (in x's dtype) and document ids of the kernels."""
     block_d = triton.next_power_of_2(d)
     block_t = max(16, 4096 // block_d)  # ~4k fp32 accumulators per program
     grid = (triton.cdiv(s, block_t), b, h)
