@@ -32,16 +32,24 @@ run() {
   local name=$1 limit=$2 left
   shift 2
   left=$((DEADLINE - ($(date +%s) - start)))
-  if [ "$limit" -gt "$left" ]; then log "$name: skipped (needs ${limit}s, ${left}s left)"; return; fi
+  if [ "$limit" -gt "$left" ]; then
+    skipped+=("$name"); log "$name: skipped (needs ${limit}s, ${left}s left)"; return
+  fi
   log "$name: $*"
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/checks.log" | tail -n 25
-  log "$name: exit ${PIPESTATUS[0]} after $(( $(date +%s) - start ))s"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || failed+=("$name")
+  log "$name: exit $rc after $(( $(date +%s) - start ))s"
 }
+failed=() skipped=()
 
 ls .gpu/whl/megatron_core-0.16.1-*.whl >/dev/null 2>&1 \
   || { echo "checks.sh: .gpu/whl has no megatron-core wheel: run benchmarks/device/prepare.sh here and carry .gpu"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .gpu/whl/*.whl || exit 2
+# Megatron-LM's start-up runs `make` in megatron/core/datasets; the wheel ships the
+# built helpers but no Makefile, and a failed make ends the run: a no-op target.
+printf 'all:\n\t@true\n' > /tmp/site/megatron/core/datasets/Makefile
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
@@ -85,4 +93,5 @@ for part in "${parts[@]}"; do
   esac
 done
 python3 benchmarks/device/summary.py "$OUT" | tee "$OUT/summary.txt"
-log "done after $(( $(date +%s) - start ))s"
+log "done after $(( $(date +%s) - start ))s; failed: ${failed[*]:-none}; skipped: ${skipped[*]:-none}"
+[ ${#failed[@]} -eq 0 ]

@@ -192,14 +192,18 @@ class QKVShift(torch.autograd.Function):
                 query_width: int, impl: str = "torch"):
         ctx.query_width, ctx.impl = query_width, impl
         ctx.set_materialize_grads(False)  # an unused output's gradient: None, not zeros
+        # The raw copy serves the coefficients' gradient alone: none for fixed ones.
+        keep_raw = coef_k.requires_grad or coef_v.requires_grad
+        s, b, g, width = mixed.shape
+        ctx.kv_shape = (s, b, g, 2, (width - query_width) // 2)
         if impl == "triton":
             key, value, raw = triton_shift.qkv_forward(mixed, coef_k, coef_v, doc_ids,
-                                                       query_width)
+                                                       query_width, keep_raw)
         else:
-            raw = _kv_block(mixed, query_width).clone(memory_format=torch.contiguous_format)
-            key, value = raw.unbind(-2)  # [s, b, g, d] each
-            key = _torch_forward(key, coef_k, doc_ids)
-            value = _torch_forward(value, coef_v, doc_ids)
+            kv = _kv_block(mixed, query_width)
+            raw = kv.clone(memory_format=torch.contiguous_format) if keep_raw else None
+            key = _torch_forward(kv[..., 0, :], coef_k, doc_ids)
+            value = _torch_forward(kv[..., 1, :], coef_v, doc_ids)
         ctx.save_for_backward(raw, coef_k, coef_v, doc_ids)
         # The query is handed on as a view of the input (autograd makes this node its
         # grad_fn, so its gradient comes back here and is written into dmixed).
@@ -208,17 +212,21 @@ class QKVShift(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor]):
         raw, coef_k, coef_v, doc_ids = ctx.saved_tensors
+        if dq is None and dk is None and dv is None:
+            return None, None, None, None, None, None
         need_mixed = ctx.needs_input_grad[0]
         need_coef = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         if ctx.impl == "triton":
             if dk is None or dv is None:  # an output unused downstream
-                zeros = raw.new_zeros(raw.shape[:3] + raw.shape[4:])
+                ref = next(x for x in (dk, dv, dq) if x is not None)
+                zeros = ref.new_zeros(ctx.kv_shape[:3] + ctx.kv_shape[4:])
                 dk, dv = (g if g is not None else zeros for g in (dk, dv))
-            dmixed, dck, dcv = triton_shift.qkv_backward(raw, coef_k, coef_v, doc_ids,
-                                                         ctx.query_width, dq, dk, dv)
+            dmixed, dck, dcv = triton_shift.qkv_backward(raw, ctx.kv_shape, coef_k, coef_v,
+                                                         doc_ids, ctx.query_width, dq, dk, dv)
         else:
-            dmixed, dcoefs = _torch_qkv_grads(raw, coef_k, coef_v, doc_ids, ctx.query_width,
-                                              (dq, dk, dv), need_mixed, need_coef)
+            dmixed, dcoefs = _torch_qkv_grads(raw, ctx.kv_shape, coef_k, coef_v, doc_ids,
+                                              ctx.query_width, (dq, dk, dv), need_mixed,
+                                              need_coef)
             dck, dcv = dcoefs if dcoefs is not None else (None, None)
         if need_coef:
             dck, dcv = dck.to(coef_k.dtype), dcv.to(coef_v.dtype)
@@ -232,18 +240,21 @@ def _kv_block(mixed: Tensor, query_width: int) -> Tensor:
     return mixed[..., query_width:].view(s, b, g, 2, (width - query_width) // 2)
 
 
-def _torch_qkv_grads(kv: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[Tensor],
-                     query_width: int, grads, need_mixed: bool, need_coef: bool):
-    """``QKVShift.backward`` on torch ops, from the raw K/V ``kv [s, b, g, 2, d]``:
-    (dmixed or None, (dcoef_k, dcoef_v) or None)."""
+def _torch_qkv_grads(kv: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef_v: Tensor,
+                     doc_ids: Optional[Tensor], query_width: int, grads, need_mixed: bool,
+                     need_coef: bool):
+    """``QKVShift.backward`` on torch ops, from the raw K/V ``kv [s, b, g, 2, d]``
+    (None where the coefficients need no gradient): (dmixed or None, (dcoef_k,
+    dcoef_v) or None)."""
     dq, dk, dv = grads
-    dy = torch.stack([g if g is not None else kv.new_zeros(kv.shape[:3] + kv.shape[4:])
-                      for g in (dk, dv)], -2)  # [s, b, g, 2, d]
+    ref = next(x for x in (dk, dv, dq) if x is not None)  # dtype and device
+    s, b, g, _, d = kv_shape
+    dy = torch.stack([x if x is not None else ref.new_zeros((s, b, g, d))
+                      for x in (dk, dv)], -2)  # [s, b, g, 2, d]
     coef = torch.stack([coef_k, coef_v], dim=1)  # [g, 2, n]
     dmixed = dcoefs = None
     if need_mixed:  # [s, b, g, q + 2d]: the query's gradient, then dx in place
-        s, b, g, _, d = kv.shape
-        dmixed = kv.new_empty((s, b, g, query_width + 2 * d))
+        dmixed = dy.new_empty((s, b, g, query_width + 2 * d))
         if dq is None:
             dmixed[..., :query_width].zero_()
         else:

@@ -94,46 +94,55 @@ def shift_backward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor],
 
 # ----------------------------------------------------------------------------- K, V in mixed
 def qkv_forward(mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[Tensor],
-                query_width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(key, value [s, b, g, d], raw K/V [s, b, g, 2, d]) from ``mixed [s, b, g, q + 2d]``."""
+                query_width: int, keep_raw: bool = True
+                ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(key, value [s, b, g, d], raw K/V [s, b, g, 2, d] or None without ``keep_raw``)
+    from ``mixed [s, b, g, q + 2d]``."""
     mixed = _rows(mixed)
     s, b, g, width = mixed.shape
     d = (width - query_width) // 2
     key, value = (torch.empty((s, b, g, d), dtype=mixed.dtype, device=mixed.device)
                   for _ in range(2))
-    raw = torch.empty((s, b, g, 2, d), dtype=mixed.dtype, device=mixed.device)
+    raw = torch.empty((s, b, g, 2, d), dtype=mixed.dtype, device=mixed.device) \
+        if keep_raw else None
+    raw_arg = raw if keep_raw else key.unsqueeze(3)  # a valid pointer, never written
     grid, block_t, block_d, (ck, cv), docs, doc_strides = _launch(
         s, b, g, d, mixed, [coef_k, coef_v], doc_ids)
     _qkv_fwd_kernel[grid](
-        mixed, ck, cv, docs, key, value, raw, s, query_width,
-        *mixed.stride()[:3], *key.stride()[:3], *raw.stride()[:4], *doc_strides,
-        W=coef_k.shape[1] - 1, HAS_DOC=doc_ids is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-        D=d,
+        mixed, ck, cv, docs, key, value, raw_arg, s, query_width,
+        *mixed.stride()[:3], *key.stride()[:3], *raw_arg.stride()[:4], *doc_strides,
+        W=coef_k.shape[1] - 1, HAS_DOC=doc_ids is not None, SAVE_RAW=keep_raw,
+        BLOCK_T=block_t, BLOCK_D=block_d, D=d,
     )
     return key, value, raw
 
 
-def qkv_backward(raw: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[Tensor],
-                 query_width: int, dq: Optional[Tensor], dk: Tensor,
-                 dv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def qkv_backward(raw: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef_v: Tensor,
+                 doc_ids: Optional[Tensor], query_width: int, dq: Optional[Tensor], dk: Tensor,
+                 dv: Tensor) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """(dmixed [s, b, g, q + 2d], dcoef_k, dcoef_v in the coefficients' dtype) from the
-    raw K/V and the gradients of Q (None: zero), K and V."""
+    raw K/V ``[s, b, g, 2, d]`` (``kv_shape``; None: no coefficient gradients) and the
+    gradients of Q (None: zero), K and V."""
     dk, dv = _rows(dk), _rows(dv)
-    s, b, g, _, d = raw.shape
+    s, b, g, _, d = kv_shape
     n = coef_k.shape[1]
     dmixed = torch.empty((s, b, g, query_width + 2 * d), dtype=dk.dtype, device=dk.device)
     grid, block_t, block_d, (ck, cv), docs, doc_strides = _launch(
-        s, b, g, d, raw, [coef_k, coef_v], doc_ids)
+        s, b, g, d, dk, [coef_k, coef_v], doc_ids)
     dq = _rows(dq) if dq is not None else None
     q_arg = dq if dq is not None else dmixed  # a valid pointer, never read
-    partial = torch.empty((grid[0], b, g, 2, n), dtype=torch.float32, device=raw.device)
+    raw_arg = raw if raw is not None else dk.unsqueeze(3)  # never read without raw
+    partial = torch.empty((grid[0], b, g, 2, n) if raw is not None else (1,),
+                          dtype=torch.float32, device=dk.device)
     _qkv_bwd_kernel[grid](
-        raw, dk, dv, q_arg, ck, cv, docs, dmixed, partial, s, query_width,
-        *raw.stride()[:4], *dk.stride()[:3], *dv.stride()[:3], *q_arg.stride()[:3],
+        raw_arg, dk, dv, q_arg, ck, cv, docs, dmixed, partial, s, query_width,
+        *raw_arg.stride()[:4], *dk.stride()[:3], *dv.stride()[:3], *q_arg.stride()[:3],
         *dmixed.stride()[:3], *doc_strides,
-        W=n - 1, HAS_DOC=doc_ids is not None, HAS_DQ=dq is not None,
+        W=n - 1, HAS_DOC=doc_ids is not None, HAS_DQ=dq is not None, COEF=raw is not None,
         BLOCK_T=block_t, BLOCK_D=block_d, D=d,
     )
+    if raw is None:
+        return dmixed, None, None
     dcoef = partial.sum(dim=(0, 1)).to(coef_k.dtype)  # [g, 2, w+1]: one cast for both
     return dmixed, dcoef[:, 0], dcoef[:, 1]
 
@@ -171,9 +180,9 @@ if triton is not None:
     @triton.jit
     def _bwd_rows(x_ptr, sx_s, g_ptr, sg_s, c_ptr, dx_ptr, so_s, part_ptr, doc_ptr, sd_s,
                   doc_t, t, dd, in_seq, d_ok, S, W: tl.constexpr, HAS_DOC: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        """dx_t = Σ_i c_i · dy_{t+i} into dx_ptr's rows; partial dcoef_i = Σ_block
-        dy_t · x_{t-i} into part_ptr[i]."""
+                  COEF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """dx_t = Σ_i c_i · dy_{t+i} into dx_ptr's rows; with ``COEF`` the partial
+        dcoef_i = Σ_block dy_t · x_{t-i} into part_ptr[i]."""
         rows_ok = in_seq[:, None] & d_ok[None, :]
         g_t = tl.load(g_ptr + t[:, None] * sg_s + dd[None, :], mask=rows_ok,
                       other=0.0).to(tl.float32)
@@ -185,12 +194,13 @@ if triton is not None:
             g = tl.load(g_ptr + dst[:, None] * sg_s + dd[None, :],
                         mask=ahead[:, None] & d_ok[None, :], other=0.0)
             dx += tl.load(c_ptr + i).to(tl.float32) * g.to(tl.float32)
-            # dcoef: the token i steps back, if it is in the same document.
-            src = t - i
-            back = _same_doc(doc_ptr, src, in_seq & (src >= 0), doc_t, sd_s, HAS_DOC)
-            xv = tl.load(x_ptr + src[:, None] * sx_s + dd[None, :],
-                         mask=back[:, None] & d_ok[None, :], other=0.0)
-            tl.store(part_ptr + i, tl.sum(tl.sum(g_t * xv.to(tl.float32), axis=1), axis=0))
+            if COEF:  # dcoef: the token i steps back, if it is in the same document.
+                src = t - i
+                back = _same_doc(doc_ptr, src, in_seq & (src >= 0), doc_t, sd_s, HAS_DOC)
+                xv = tl.load(x_ptr + src[:, None] * sx_s + dd[None, :],
+                             mask=back[:, None] & d_ok[None, :], other=0.0)
+                tl.store(part_ptr + i,
+                         tl.sum(tl.sum(g_t * xv.to(tl.float32), axis=1), axis=0))
         tl.store(dx_ptr + t[:, None] * so_s + dd[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=rows_ok)
 
@@ -231,12 +241,12 @@ if triton is not None:
                            * tl.num_programs(2) + h) * (W + 1)
         _bwd_rows(x_ptr + b * sx_b + h * sx_h, sx_s, dy_ptr + b * sg_b + h * sg_h, sg_s,
                   c_ptr + h * (W + 1), dx_ptr + b * so_b + h * so_h, so_s, part, docs, sd_s,
-                  doc_t, t, dd, in_seq, d_ok, S, W, HAS_DOC, BLOCK_T, BLOCK_D)
+                  doc_t, t, dd, in_seq, d_ok, S, W, HAS_DOC, True, BLOCK_T, BLOCK_D)
 
     @triton.jit
     def _qkv_fwd_kernel(m_ptr, ck_ptr, cv_ptr, doc_ptr, k_ptr, v_ptr, raw_ptr, S, Q,
                         sm_s, sm_b, sm_g, so_s, so_b, so_g, sr_s, sr_b, sr_g, sr_m, sd_s, sd_b,
-                        W: tl.constexpr, HAS_DOC: tl.constexpr,
+                        W: tl.constexpr, HAS_DOC: tl.constexpr, SAVE_RAW: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
         """K and V of one (batch, group) from their columns of mixed [s, b, g, q | d | d]."""
         b, g = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
@@ -246,18 +256,20 @@ if triton is not None:
         out = b * so_b + g * so_g
         raw = raw_ptr + b * sr_b + g * sr_g
         _fwd_rows(rows, sm_s, ck_ptr + g * (W + 1), k_ptr + out, so_s, raw, sr_s, docs, sd_s,
-                  doc_t, t, dd, in_seq, d_ok, W, HAS_DOC, True, BLOCK_T, BLOCK_D)
+                  doc_t, t, dd, in_seq, d_ok, W, HAS_DOC, SAVE_RAW, BLOCK_T, BLOCK_D)
         _fwd_rows(rows + D, sm_s, cv_ptr + g * (W + 1), v_ptr + out, so_s, raw + sr_m, sr_s,
-                  docs, sd_s, doc_t, t, dd, in_seq, d_ok, W, HAS_DOC, True, BLOCK_T, BLOCK_D)
+                  docs, sd_s, doc_t, t, dd, in_seq, d_ok, W, HAS_DOC, SAVE_RAW, BLOCK_T,
+                  BLOCK_D)
 
     @triton.jit
     def _qkv_bwd_kernel(raw_ptr, dk_ptr, dv_ptr, dq_ptr, ck_ptr, cv_ptr, doc_ptr, dm_ptr,
                         part_ptr, S, Q, sr_s, sr_b, sr_g, sr_m, sk_s, sk_b, sk_g,
                         sv_s, sv_b, sv_g, sq_s, sq_b, sq_g, sm_s, sm_b, sm_g, sd_s, sd_b,
                         W: tl.constexpr, HAS_DOC: tl.constexpr, HAS_DQ: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+                        COEF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                        D: tl.constexpr):
         """The gradient of mixed for one (batch, group): Q's copied, K's and V's shifted
-        back; the coefficients' partial sums."""
+        back; with ``COEF`` the coefficients' partial sums (from the raw K/V)."""
         b, g = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         t, dd, in_seq, d_ok, docs, doc_t = _block(S, sd_s, sd_b, doc_ptr, HAS_DOC, BLOCK_T,
                                                   BLOCK_D, D)
@@ -277,7 +289,7 @@ if triton is not None:
         raw = raw_ptr + b * sr_b + g * sr_g
         _bwd_rows(raw, sr_s, dk_ptr + b * sk_b + g * sk_g, sk_s, ck_ptr + g * (W + 1),
                   dm + Q, sm_s, part, docs, sd_s, doc_t, t, dd, in_seq, d_ok, S, W, HAS_DOC,
-                  BLOCK_T, BLOCK_D)
+                  COEF, BLOCK_T, BLOCK_D)
         _bwd_rows(raw + sr_m, sr_s, dv_ptr + b * sv_b + g * sv_g, sv_s, cv_ptr + g * (W + 1),
                   dm + Q + D, sm_s, part + W + 1, docs, sd_s, doc_t, t, dd, in_seq, d_ok, S,
-                  W, HAS_DOC, BLOCK_T, BLOCK_D)
+                  W, HAS_DOC, COEF, BLOCK_T, BLOCK_D)

@@ -27,17 +27,19 @@ in 16-bit elements:
 * SwiGLU: fc1 output ``2f`` and fc2 input ``f``;
 
 that is ``2·sb·(6h + 2gd + 3f)`` bytes, plus flash attention's fp32
-log-sum-exp (``4·a·sb``). On the ``torch`` backend vanilla's V is a view of
-the QKV output, and SDPA keeping V keeps all of it: ``h + gd`` more (Q and K
-of the projection). For KV shifting, the paper's K+V shift (one node in the
-QKV output, ``fused_shift_qkv``) keeps a copy of the raw K and V for the
-coefficient gradients, ``2gd``, and lets the QKV output go (attention keeps
-the shifted V, a tensor of its own); the other variants (Q shifted, one of K
-or V, context parallelism, MLA) save the raw tensors as views of the QKV
-output, ``h + 2gd``, and with GQA a shifted Q as a copy, ``h`` (for MLA the
-standard layer's count stands in). Both measured with ``torch.autograd.graph.saved_tensors_hooks``
-(tests/faults/test_backend_faults.py; ``benchmarks/shift_saved_bytes.py``).
-Flash attention stores no
+log-sum-exp (``4·a·sb``). Where attention keeps its V input as given (SDPA on
+the ``torch`` backend; megatron's local attention with MHA), vanilla's V, a
+view of the QKV output, keeps all of it: ``h + gd`` more (Q and K of the
+projection). For KV shifting, the paper's K+V shift (one node in the QKV
+output, ``fused_shift_qkv``) keeps a copy of the raw K and V for the
+coefficient gradients, ``2gd`` (none for fixed coefficients), and lets the QKV
+output go (attention keeps the shifted V, a tensor of its own); the other
+variants (Q shifted, one of K or V, context parallelism, MLA) save the raw
+tensors as views of the QKV output, ``h + 2gd`` (``gd`` less where an unshifted
+V is one of them), and with GQA a shifted Q as a copy, ``h`` (for MLA the
+standard layer's count stands in). All measured with
+``torch.autograd.graph.saved_tensors_hooks`` (tests/faults/test_backend_faults.py;
+``benchmarks/shift_saved_bytes.py``). Flash attention stores no
 ``s×s`` matrix, so Korthikanti's ``5as/h`` term is absent (which is also why
 ``selective`` recomputation, megatron's core-attention recompute, saves
 nothing here). With TP ``t``: the norm tensors (``4h``) are split only with
@@ -172,17 +174,22 @@ def kept_by_the_shift(model: ModelConfig, parallel: ParallelConfig, backend: str
                       gd: int) -> int:
     """Elements per token that attention's Q/K/V and the shift keep beyond the
     rotated Q, K and the V attention gets (``h + 2gd``, counted by the caller)."""
-    if model.attention == "kv_shift":
-        if (parallel.context == 1 and model.mla is None
-                and sorted(model.kv_shift.shift) == ["k", "v"]):
-            return 2 * gd  # the raw K/V copy; the QKV output is freed
-        # The QKV output, held by the shift's raw K/V views; with GQA a shifted query
-        # is a copy (megatron's reshape of its view cannot be one) that the shift keeps
-        gqa = model.kv_heads < model.num_attention_heads
-        return h + 2 * gd + (h if "q" in model.kv_shift.shift and gqa else 0)
-    if backend == "torch" and parallel.context == 1:
-        return h + gd  # the QKV output's Q and K, held by V (a view that SDPA saves)
-    return 0  # te: counted without (see the calibration in the module docstring)
+    gqa = model.kv_heads < model.num_attention_heads
+    # Whether attention keeps its V input as given, a view that keeps the whole QKV
+    # output: SDPA does, and megatron's local attention with MHA (with GQA it keeps an
+    # expanded copy); te is counted without (see the calibration above).
+    v_view = parallel.context == 1 and (backend == "torch" or (backend == "local" and not gqa))
+    shift = model.kv_shift.shift
+    if model.attention != "kv_shift":
+        return h + gd if v_view else 0  # the QKV output's Q and K, held by V
+    if parallel.context == 1 and model.mla is None and sorted(shift) == ["k", "v"]:
+        fixed = model.kv_shift.heads is not None and model.kv_shift.heads.fixed
+        return 0 if fixed else 2 * gd  # the raw K/V copy (for learned coefficients)
+    # The QKV output, held by the shift's raw views (V's share counted already where V
+    # is not shifted and attention keeps it as a view); with GQA a shifted query is a
+    # copy (megatron's reshape of its view cannot be one) that the shift keeps.
+    pinned = h + 2 * gd - (gd if "v" not in shift and v_view else 0)
+    return pinned + (h if "q" in shift and gqa else 0)
 
 
 def layer_input_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,

@@ -266,9 +266,9 @@ def test_plan_counts_the_gathered_kv_of_torch_cp_attention():
     assert extra == pytest.approx(2 * t.seq_length * t.micro_batch_size * 2 * gd / p.tensor)
 
 
-def _kept_by_one_layer(attention: str, groups: int, shift: list) -> int:
-    """Bytes autograd keeps for backward over one layer of the torch backend (fp32,
-    RoPE, causal, no mask), parameters excluded."""
+def _kept_by_one_layer(attention: str, groups: int, shift: list, backend: str) -> int:
+    """Bytes autograd keeps for backward over one layer (fp32, RoPE, causal, no
+    mask), parameters excluded."""
     import torch
 
     from kvtrain.config import ModelConfig
@@ -279,7 +279,7 @@ def _kept_by_one_layer(attention: str, groups: int, shift: list) -> int:
                       num_query_groups=groups, ffn_hidden_size=512, vocab_size=128,
                       make_vocab_size_divisible_by=64, max_position_embeddings=64,
                       attention=attention, kv_shift=KVShiftConfig(shift=shift))
-    model = build_gpt(cfg, transformer_config(cfg), backend="torch")
+    model = build_gpt(cfg, transformer_config(cfg), backend=backend)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
 
@@ -295,23 +295,24 @@ def _kept_by_one_layer(attention: str, groups: int, shift: list) -> int:
     return sum(kept.values())
 
 
+@pytest.mark.parametrize("backend", ["torch", "local"])
 @pytest.mark.parametrize("groups", [4, 8])
-@pytest.mark.parametrize("shift", [["k", "v"], ["v"], ["q", "k", "v"]])
-def test_plan_counts_what_the_shift_keeps_on_torch(mp1, groups, shift):
-    """The plan's KV shift - vanilla difference per layer on the torch backend equals
-    what autograd keeps: the paper's K+V shift (one node in the QKV output) keeps
-    the raw K/V and lets the QKV output go (MHA: as much as vanilla, GQA: less);
-    the per-tensor variants keep the shifted V beyond vanilla."""
+@pytest.mark.parametrize("shift", [["k", "v"], ["v"], ["k"], ["q", "k"], ["q", "k", "v"]])
+def test_plan_counts_what_the_shift_keeps(mp1, groups, shift, backend):
+    """The plan's KV shift - vanilla difference per layer equals what autograd keeps,
+    on both backends the CPU runs: the paper's K+V shift (one node in the QKV
+    output) keeps the raw K/V and lets the QKV output go; the per-tensor variants
+    keep it through their views, and a shifted GQA query as a copy."""
     from kvtrain.config import ModelConfig
     from kvtrain.config.schema import KVShiftConfig, ParallelConfig
 
-    measured = (_kept_by_one_layer("kv_shift", groups, shift)
-                - _kept_by_one_layer("vanilla", groups, shift))
+    measured = (_kept_by_one_layer("kv_shift", groups, shift, backend)
+                - _kept_by_one_layer("vanilla", groups, shift, backend))
     planned = [layer_activation_bytes(
         ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=8,
                     num_query_groups=groups, ffn_hidden_size=512, attention=attention,
                     kv_shift=KVShiftConfig(shift=shift)),
-        ParallelConfig(), 64, 2, "fp32", backend="torch")
+        ParallelConfig(), 64, 2, "fp32", backend=backend)
         for attention in ("kv_shift", "vanilla")]
     # (to the bytes of a shifted query's coefficients, repeated per query head)
     assert planned[0] - planned[1] == pytest.approx(measured, abs=256)

@@ -296,8 +296,9 @@ def sdpa_qkv_layer(mixed: torch.Tensor, query_width: int, impl) -> torch.Tensor:
     d = (mixed.shape[-1] - query_width) // 2
     if impl is None:
         q, k, v = mixed.split([query_width, d, d], dim=-1)
-    else:
-        coef = torch.full((mixed.shape[2], 2), 0.5, device=mixed.device, dtype=mixed.dtype)
+    else:  # learned coefficients (they need the raw K/V for their gradient)
+        coef = torch.full((mixed.shape[2], 2), 0.5, device=mixed.device, dtype=mixed.dtype,
+                          requires_grad=True)
         q, k, v = fused_shift_qkv(mixed, coef, coef, None, query_width, impl=impl)
     q = q.reshape(*q.shape[:2], -1, d)  # [s, b, heads, d]
     q, k = q * 1.5, k * 1.5  # stands for RoPE: new tensors that attention saves
@@ -322,6 +323,21 @@ def test_flash_style_layer_through_the_qkv_shift_keeps_no_more_than_vanilla(head
     one = s * b * g * d * 4  # bytes of one K or V, fp32
     coef_bytes = 2 * 2 * 4
     assert sum(shifted.values()) - vanilla == one - q_width // d * one + coef_bytes
+
+
+@pytest.mark.parametrize("impl", CPU_KERNELS)
+def test_fixed_coefficients_keep_no_raw_copy(impl):
+    """The raw K/V copy serves the coefficients' gradient alone: fixed coefficients
+    (``heads.fixed``, buffers) keep none, and the QKV output's gradient is unchanged."""
+    mixed = torch.randn(16, 2, 2, 24, requires_grad=True)
+    fixed = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
+    (q, k, v), seen, _ = saved_storages(
+        lambda: fused_shift_qkv(mixed, fixed, fixed, None, 8, impl=impl))
+    assert sum(seen.values()) <= fixed.untyped_storage().nbytes()  # no [s, b, g, 2, d] copy
+    grads = [torch.randn_like(t) for t in (q, k, v)]
+    got = torch.autograd.grad((q, k, v), mixed, grads)[0]
+    want = torch.autograd.grad(qkv_reference(mixed, fixed, fixed, None, 8), mixed, grads)[0]
+    torch.testing.assert_close(got, want, **FP32)
 
 
 def one_layer(attention: str, mask: torch.Tensor, s: int, b: int) -> dict[int, int]:

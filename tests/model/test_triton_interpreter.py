@@ -94,6 +94,17 @@ for window in (1, 3):
             qkv.append({"window": window, "docs": docs, "grads": grads, "q": err[0],
                         "k": err[1], "v": err[2], "dmixed": err[3], "dcoef": max(err[4:])})
 
+# Fixed coefficients (no gradient): no raw copy written or read, the QKV gradient alone.
+fixed = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
+m = mixed.clone().requires_grad_()
+ys = shift_kernels.fused_shift_qkv(m, fixed, fixed, None, qw, impl="triton")
+got = torch.autograd.grad(ys, m, dys)[0]
+m64 = mixed.double().requires_grad_()
+q, k, v = m64.split([qw, d, d], dim=-1)
+ys64 = (q, shift_tokens(k, fixed.double(), None), shift_tokens(v, fixed.double(), None))
+want = torch.autograd.grad(ys64, m64, [g.double() for g in dys])[0]
+fixed_err = (got.double() - want).abs().max().item()
+
 # The layer as a GPU run builds it (K and V shifted in the QKV output by the Triton
 # node, then RoPE and SDPA), against the torch-ops kernel: a packed two-document
 # batch, logits and every gradient.
@@ -135,7 +146,7 @@ layer = {"qkv_node": any("QKVShift" in n for n in nodes_t),
          "grads": max(((grads_t[n] - g).abs().max() / g.abs().max()).item()
                       for n, g in grads_r.items()),
          "shift_grads": sorted(n for n in grads_t if "shift" in n)}
-print(json.dumps({"shift": results, "qkv": qkv, "layer": layer}))
+print(json.dumps({"shift": results, "qkv": qkv, "fixed": fixed_err, "layer": layer}))
 """
 
 
@@ -175,6 +186,7 @@ def test_triton_qkv_kernels_match_shift_tokens(interpreted):
     for r in interpreted["qkv"]:
         assert r["q"] == 0 and r["k"] < 1e-5 and r["v"] < 1e-5 and r["dmixed"] < 1e-5, r
         assert r["dcoef"] < 1e-3, r
+    assert interpreted["fixed"] < 1e-5  # fixed coefficients: no raw copy, no partial sums
 
 
 def test_triton_layer_matches_the_torch_kernel(interpreted):

@@ -45,6 +45,7 @@ def test_peak_of_the_gpu_names_torch_reports():
     assert peak_tflops_of("NVIDIA H200") == 989.0
     assert peak_tflops_of("NVIDIA H100 PCIe") == 756.0
     assert peak_tflops_of("NVIDIA H100 NVL") == 835.0
+    assert peak_tflops_of("NVIDIA H200 NVL") == 835.0
     assert peak_tflops_of("NVIDIA A100-SXM4-80GB") == 312.0
     assert peak_tflops_of("NVIDIA GeForce RTX 4090") is None
 

@@ -245,10 +245,11 @@ struct ShiftQKV : public torch::autograd::Function<ShiftQKV> {
                   {mixed.stride(0), mixed.stride(1), mixed.stride(2), d}, n, docs);
   }
 
-  // the raw K/V copy [s, b, g, 2, d] (contiguous)
-  static Layout raw_layout(const Tensor& raw, int64_t n, const std::optional<Tensor>& docs) {
-    return layout({raw.size(0), raw.size(1), raw.size(2), 2, raw.size(4)},
-                  {raw.stride(0), raw.stride(1), raw.stride(2), raw.stride(3)}, n, docs);
+  // the raw K/V copy [s, b, g, 2, d] (contiguous) of a mixed of these sizes
+  static Layout raw_layout(const std::vector<int64_t>& mixed_sizes, int64_t q, int64_t n,
+                           const std::optional<Tensor>& docs) {
+    const int64_t b = mixed_sizes[1], g = mixed_sizes[2], d = (mixed_sizes[3] - q) / 2;
+    return layout({mixed_sizes[0], b, g, 2, d}, {b * g * 2 * d, g * 2 * d, 2 * d, d}, n, docs);
   }
 
   static variable_list forward(AutogradContext* ctx, const Tensor& mixed, const Tensor& coef_k,
@@ -259,11 +260,17 @@ struct ShiftQKV : public torch::autograd::Function<ShiftQKV> {
     const Layout p = kv_layout(mixed, query_width, coef_k.size(1), doc_ids);
     Tensor key = at::empty({p.s, p.b, p.h, p.d}, mixed.options());
     Tensor value = at::empty({p.s, p.b, p.h, p.d}, mixed.options());
-    Tensor raw = at::empty({p.s, p.b, p.h, 2, p.d}, mixed.options());
+    // The raw copy serves the coefficients' gradient alone: none without one (fixed
+    // coefficients); an empty tensor then carries the dtype to the backward.
+    const bool keep_raw = coef_k.requires_grad() || coef_v.requires_grad();
+    const std::vector<int64_t> raw_sizes =
+        keep_raw ? std::vector<int64_t>{p.s, p.b, p.h, 2, p.d} : std::vector<int64_t>{0};
+    Tensor raw = at::empty(raw_sizes, mixed.options());
     AT_DISPATCH_FLOATING_TYPES(mixed.scalar_type(), "kvtrain_shift_qkv", [&] {
       scalar_t* outs[2] = {key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>()};
       forward_kernel<scalar_t>(p, mixed.data_ptr<scalar_t>() + query_width,
-                               pointers<scalar_t>(coefs).data(), outs, raw.data_ptr<scalar_t>());
+                               pointers<scalar_t>(coefs).data(), outs,
+                               keep_raw ? raw.data_ptr<scalar_t>() : nullptr);
     });
     ctx->save_for_backward({raw, coef_k, coef_v, doc_ids.value_or(Tensor())});
     ctx->saved_data["query_width"] = query_width;
@@ -279,9 +286,10 @@ struct ShiftQKV : public torch::autograd::Function<ShiftQKV> {
     const int64_t q = ctx->saved_data["query_width"].toInt();
     const auto mixed_sizes = ctx->saved_data["mixed_sizes"].toIntVector();
     const bool need_mixed = ctx->needs_input_grad(0);
-    const bool need_coef = ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
+    const bool need_coef = (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) &&
+                           raw.numel() > 0;
     const auto coefs = coefficients({coef_k, coef_v}, raw);
-    const Layout p = raw_layout(raw, coef_k.size(1), docs);
+    const Layout p = raw_layout(mixed_sizes, q, coef_k.size(1), docs);
     const auto dys = output_grads(grads, 1, 2, raw, {p.s, p.b, p.h, p.d});
     Tensor dmixed, dck, dcv, dq = grads[0];
     if (need_mixed) dmixed = at::empty(mixed_sizes, raw.options());
