@@ -216,11 +216,11 @@ class QKVShift(torch.autograd.Function):
             return None, None, None, None, None, None
         need_mixed = ctx.needs_input_grad[0]
         need_coef = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        if dk is None or dv is None:  # K or V unused downstream: its gradient is zero
+            ref = dk if dk is not None else dv if dv is not None else dq
+            zeros = ref.new_zeros(ctx.kv_shape[:3] + ctx.kv_shape[4:])  # [s, b, g, d]
+            dk, dv = (g if g is not None else zeros for g in (dk, dv))
         if ctx.impl == "triton":
-            if dk is None or dv is None:  # an output unused downstream
-                ref = next(x for x in (dk, dv, dq) if x is not None)
-                zeros = ref.new_zeros(ctx.kv_shape[:3] + ctx.kv_shape[4:])
-                dk, dv = (g if g is not None else zeros for g in (dk, dv))
             dmixed, dck, dcv = triton_shift.qkv_backward(raw, ctx.kv_shape, coef_k, coef_v,
                                                          doc_ids, ctx.query_width, dq, dk, dv)
         else:
@@ -244,13 +244,11 @@ def _torch_qkv_grads(kv: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef
                      doc_ids: Optional[Tensor], query_width: int, grads, need_mixed: bool,
                      need_coef: bool):
     """``QKVShift.backward`` on torch ops, from the raw K/V ``kv [s, b, g, 2, d]``
-    (None where the coefficients need no gradient): (dmixed or None, (dcoef_k,
-    dcoef_v) or None)."""
+    (None where the coefficients need no gradient) and the gradients of Q (or None),
+    K and V: (dmixed or None, (dcoef_k, dcoef_v) or None)."""
     dq, dk, dv = grads
-    ref = next(x for x in (dk, dv, dq) if x is not None)  # dtype and device
     s, b, g, _, d = kv_shape
-    dy = torch.stack([x if x is not None else ref.new_zeros((s, b, g, d))
-                      for x in (dk, dv)], -2)  # [s, b, g, 2, d]
+    dy = torch.stack([dk, dv], -2)  # [s, b, g, 2, d]
     coef = torch.stack([coef_k, coef_v], dim=1)  # [g, 2, n]
     dmixed = dcoefs = None
     if need_mixed:  # [s, b, g, q + 2d]: the query's gradient, then dx in place
