@@ -87,7 +87,8 @@ def training_flops_per_step(model: ModelConfig, seq_length: int, global_batch_si
 # Dense bf16 peak TFLOP/s (no sparsity) by device-name fragment, for MFU when
 # train.peak_tflops_per_device is not set. Order matters: first match wins.
 PEAK_BF16_TFLOPS = (
-    ("H200 NVL", 835.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+    ("H200 NVL", 835.0), ("H200", 989.0),
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
     ("H800 PCIe", 756.0), ("H800", 989.0), ("GH200", 989.0),
     ("B200", 2250.0), ("B100", 1750.0),
     ("A100", 312.0), ("A800", 312.0), ("A30", 165.0), ("A10", 125.0),
