@@ -57,13 +57,17 @@ def test_matches_shift_tokens_fp32(window, docs, impl):
     s, b, h, d = 11, 2, 3, 8
     x = torch.randn(s, b, h, d)
     coef = torch.randn(h, window + 1)
-    doc_ids = documents(s, b, docs)
+    assert_shift_matches(impl, x, coef, documents(s, b, docs))
+
+
+def assert_shift_matches(impl, x, coef, doc_ids):
+    """``fused_shift`` (``impl``) against ``shift_tokens``: values and dx in fp32; dcoef
+    sums s·b·d products, whose fp32 order differs from autograd's, so it is held
+    against the float64 reference."""
     y, dx, dcoef = values_and_grads(partial(fused_shift, impl=impl), x, coef, doc_ids)
     y_ref, dx_ref, _ = values_and_grads(shift_tokens, x, coef, doc_ids)
     torch.testing.assert_close(y, y_ref, **FP32)
     torch.testing.assert_close(dx, dx_ref, **FP32)
-    # dcoef sums s·b·d products: fp32 summation order differs from autograd's, so
-    # it is held against the float64 reference.
     dcoef_64 = values_and_grads(shift_tokens, x.double(), coef.double(), doc_ids)[2]
     torch.testing.assert_close(dcoef.double(), dcoef_64, atol=1e-5, rtol=1e-6)
 
@@ -153,13 +157,7 @@ def test_window_longer_than_sequence_and_non_contiguous_input(impl):
     coef = torch.randn(2, 4, generator=gen)
     doc_ids = torch.tensor([[0], [1]]).expand(2, 3)  # stride 0 on batch
     for ids in (None, doc_ids):
-        y, dx, dcoef = values_and_grads(partial(fused_shift, impl=impl), k, coef, ids)
-        y_ref, dx_ref, _ = values_and_grads(shift_tokens, k, coef, ids)
-        torch.testing.assert_close(y, y_ref, **FP32)
-        torch.testing.assert_close(dx, dx_ref, **FP32)
-        # the coefficients' gradient sums s*b*d products: against fp64, not fp32's order
-        dcoef_64 = values_and_grads(shift_tokens, k.double(), coef.double(), ids)[2]
-        torch.testing.assert_close(dcoef.double(), dcoef_64, atol=1e-5, rtol=1e-6)
+        assert_shift_matches(impl, k, coef, ids)
 
 
 @pytest.mark.parametrize("impl", CPU_KERNELS)
