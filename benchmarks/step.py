@@ -37,6 +37,10 @@ global buffer of the local spec's attention scores - whichever is built first:
 
 Under ``torchrun`` (several ranks) memory is not measured.
 
+``--profile`` runs one more step of each arm under ``torch.profiler`` and adds
+where the time goes (kernels, host operators, what the shift adds) to the
+output and the JSON (``benchmarks/step_profile.py``).
+
 ``--backend B`` is ``--set model.backend=B``; data is mock (``data.type: mock``)
 unless ``--set data.type=...`` says otherwise. Under ``torchrun`` every rank runs
 both arms in lockstep; a step's time is the maximum over ranks.
@@ -360,6 +364,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per arm")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm (>= 1)")
     parser.add_argument("--json", help="where the result goes")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step per arm under torch.profiler (step_profile.py)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1")
@@ -409,7 +415,12 @@ def benchmark(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> dict:
             run = shifted_arm(arms).run
             print(f"step.py: {run.backend.describe()}, device {run.device}", flush=True)
         time_arms(arms, args.steps)
-        return report(args, arms, load_before)
+        result = report(args, arms, load_before)
+        if args.profile:
+            from benchmarks.step_profile import profiles
+
+            result["profile"] = profiles({arm.name: arm.step for arm in arms})
+        return result
     finally:
         dist.barrier()
         if env.rank == 0:
@@ -417,7 +428,9 @@ def benchmark(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> dict:
 
 
 def write_result(args: argparse.Namespace, cfg: RunConfig, result: dict) -> None:
-    print(table(result))
+    from benchmarks.step_profile import profile_table
+
+    print("\n".join(filter(None, [table(result), profile_table(result.get("profile"))])))
     name = f"step-{cfg.name}-{result['backend']['name']}.json"
     out = Path(args.json or Path("runs") / "bench" / name)
     out.parent.mkdir(parents=True, exist_ok=True)

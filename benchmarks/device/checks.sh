@@ -12,6 +12,7 @@
 #   kernel  benchmarks/shift_kernel.py --qkv at the h2048 shape, bf16: the shift's own
 #           time against vanilla's split, per kernel                       -> checks.log
 #   small   benchmarks/step.py configs/bench/small.yaml, torch backend      -> step-small.json
+#           (small, h2048 and paper add one profiled step per arm: --profile)
 #   h2048   benchmarks/step.py configs/bench/h2048.yaml, torch backend      -> step-h2048.json
 #   paper   the paper's 1.5B shape, torch backend (LAYERS of its 28 layers;
 #           default 28 on a card of > 120 GiB, else 12), micro 4, global 8   -> step-paper.json
@@ -71,12 +72,12 @@ for part in "${parts[@]}"; do
     kernel) run kernel 60 python3 benchmarks/shift_kernel.py --qkv --dtype bf16 --seq 2048 \
              --batch 4 --heads 16 --dim 128 --repeat 51 ;;
     small) run small 90 python3 benchmarks/step.py configs/bench/small.yaml --backend torch \
-             --json "$OUT/step-small.json" ;;
+             --profile --json "$OUT/step-small.json" ;;
     h2048) run h2048 120 python3 benchmarks/step.py configs/bench/h2048.yaml --backend torch \
-             --json "$OUT/step-h2048.json" ;;
+             --profile --json "$OUT/step-h2048.json" ;;
     paper) run "paper ($LAYERS layers)" 200 python3 benchmarks/step.py \
              configs/paper/1.5b_kv_shift.yaml --backend torch "${paper[@]}" --steps 8 \
-             --warmup 2 --json "$OUT/step-paper.json" ;;
+             --warmup 2 --profile --json "$OUT/step-paper.json" ;;
     mlm)   run "megatron-lm ($LAYERS layers)" 200 env -C .gpu/megatron-lm torchrun \
              --nproc-per-node 1 pretrain_gpt.py --transformer-impl local \
              --num-layers "$LAYERS" --hidden-size 2048 --num-attention-heads 16 \

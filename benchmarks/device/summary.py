@@ -2,7 +2,7 @@
 
     python benchmarks/device/summary.py DIR      (DIR: the call's $OUT, as it came back)
 
-Reads DIR/step-*.json (benchmarks/step.py) and Megatron-LM's iteration times from
+Reads DIR/step-*.json (benchmarks/step.py, with its ``--profile`` record) and Megatron-LM's iteration times from
 DIR/checks.log ("elapsed time per iteration (ms)", the first logged interval - warm-up
 - left out) and prints each target against its goal.
 """
@@ -40,7 +40,21 @@ def step_rows(out: Path) -> list[str]:
             f"{arms['kv_shift']['tokens_per_s']:.0f}; "
             f"MFU {'/'.join('-' if m is None else f'{100 * m:.1f}%' for m in mfu)}; "
             f"backend {d['backend']['name']}, shift {d['backend'].get('shift_kernel')} {verdict}")
+        if d.get("profile"):
+            rows.append(f"{'':6s} {profile_row(d['profile'])}")
     return rows
+
+
+def profile_row(profile: dict) -> str:
+    """``step.py --profile`` in one line: how busy the GPU was (a launch-bound step
+    is well below 100%), the kernels the shift adds or removes (their calls change)
+    and the kernel whose time grew most besides."""
+    busy = "/".join("-" if a["busy"] is None else f"{a['busy']:.0%}"
+                    for a in profile["arms"].values())
+    called = [row for row in profile["extra"] if row[2] != 0][:3]
+    grown = [row for row in profile["extra"] if row[2] == 0][:1]
+    return (f"GPU busy vanilla/KV shift {busy}; the shift changes: " + "; ".join(
+        f"{name[:48]} {ms:+.3f} ms ({calls:+d})" for name, ms, calls in called + grown))
 
 
 def megatron_tokens_per_s(log: Path, tokens_per_iteration: int) -> float | None:

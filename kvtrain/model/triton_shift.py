@@ -108,7 +108,7 @@ def qkv_forward(mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional
     raw_arg = raw if keep_raw else key.unsqueeze(3)  # a valid pointer, never written
     grid, block_t, block_d, (ck, cv), docs, doc_strides = _launch(
         s, b, g, d, mixed, [coef_k, coef_v], doc_ids)
-    _qkv_fwd_kernel[grid](
+    _qkv_shift_fwd_kernel[grid](
         mixed, ck, cv, docs, key, value, raw_arg, s, query_width,
         *mixed.stride()[:3], *key.stride()[:3], *raw_arg.stride()[:4], *doc_strides,
         W=coef_k.shape[1] - 1, HAS_DOC=doc_ids is not None, SAVE_RAW=keep_raw,
@@ -134,7 +134,7 @@ def qkv_backward(raw: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef_v:
     raw_arg = raw if raw is not None else dk.unsqueeze(3)  # never read without raw
     partial = torch.empty((grid[0], b, g, 2, n) if raw is not None else (1,),
                           dtype=torch.float32, device=dk.device)
-    _qkv_bwd_kernel[grid](
+    _qkv_shift_bwd_kernel[grid](
         raw_arg, dk, dv, q_arg, ck, cv, docs, dmixed, partial, s, query_width,
         *raw_arg.stride()[:4], *dk.stride()[:3], *dv.stride()[:3], *q_arg.stride()[:3],
         *dmixed.stride()[:3], *doc_strides,
@@ -244,7 +244,7 @@ if triton is not None:
                   doc_t, t, dd, in_seq, d_ok, S, W, HAS_DOC, True, BLOCK_T, BLOCK_D)
 
     @triton.jit
-    def _qkv_fwd_kernel(m_ptr, ck_ptr, cv_ptr, doc_ptr, k_ptr, v_ptr, raw_ptr, S, Q,
+    def _qkv_shift_fwd_kernel(m_ptr, ck_ptr, cv_ptr, doc_ptr, k_ptr, v_ptr, raw_ptr, S, Q,
                         sm_s, sm_b, sm_g, so_s, so_b, so_g, sr_s, sr_b, sr_g, sr_m, sd_s, sd_b,
                         W: tl.constexpr, HAS_DOC: tl.constexpr, SAVE_RAW: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
@@ -262,7 +262,7 @@ if triton is not None:
                   BLOCK_D)
 
     @triton.jit
-    def _qkv_bwd_kernel(raw_ptr, dk_ptr, dv_ptr, dq_ptr, ck_ptr, cv_ptr, doc_ptr, dm_ptr,
+    def _qkv_shift_bwd_kernel(raw_ptr, dk_ptr, dv_ptr, dq_ptr, ck_ptr, cv_ptr, doc_ptr, dm_ptr,
                         part_ptr, S, Q, sr_s, sr_b, sr_g, sr_m, sk_s, sk_b, sk_g,
                         sv_s, sv_b, sv_g, sq_s, sq_b, sq_g, sm_s, sm_b, sm_g, sd_s, sd_b,
                         W: tl.constexpr, HAS_DOC: tl.constexpr, HAS_DQ: tl.constexpr,

@@ -49,7 +49,7 @@ def _bench(tmp_path: Path, config: Path, *args: str) -> tuple[subprocess.Complet
 
 def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
     done, result = _bench(tmp_path, TINY, "--backend", "local",
-                          "--set", "train.global_batch_size=4")
+                          "--set", "train.global_batch_size=4", "--profile")
     assert result["backend"]["name"] == "local"
     assert result["backend"]["shift_kernel"] == "native (auto: CPU)"  # what the shift ran on
     assert result["device"] in ("cpu", "cuda")
@@ -73,7 +73,22 @@ def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
                ratio["step_time_paired_median"]) > 0
     assert 0.5 < ratio["peak_memory"] < 2.0  # same model but four scalars per KV head
     assert "kv_shift / vanilla: step time" in done.stdout
+    _check_profile(result["profile"], on_gpu=result["device"] == "cuda")
+    assert "profile: what the KV shift changes: " in done.stdout
     _check_device_summary(tmp_path, result)
+
+
+def _check_profile(profile: dict, on_gpu: bool) -> None:
+    """``--profile``: one profiled step per arm; the shift's own operator (the native
+    C++ one on the CPU, the Triton kernels on a GPU) is among what it changes."""
+    for arm in profile["arms"].values():
+        assert arm["wall_ms"] > 0 and arm["host_ops"] > 0 and len(arm["top"]) > 0
+        assert all(ms >= 0 and calls > 0 for _, ms, calls in arm["top"])
+        assert (arm["busy"] is not None) == on_gpu
+    shift_ops = [row for row in profile["extra"] if "shift" in row[0].lower()]
+    assert shift_ops and all(ms > 0 and calls > 0 for _, ms, calls in shift_ops), profile["extra"]
+    if not on_gpu:  # what the node replaces: vanilla's split, whose backward concatenates
+        assert any(name == "aten::cat" and calls < 0 for name, _, calls in profile["extra"])
 
 
 def _check_device_summary(tmp_path: Path, result: dict) -> None:
@@ -92,8 +107,11 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     ratio = result["ratio"]["step_time_median"]
-    h2048 = next(line for line in lines if line.startswith("h2048"))
-    assert f"time {ratio:.3f}" in h2048 and "(<= 1.01)" in h2048
+    h2048 = next(i for i, line in enumerate(lines) if line.startswith("h2048"))
+    assert f"time {ratio:.3f}" in lines[h2048] and "(<= 1.01)" in lines[h2048]
+    if "profile" in result:  # the profiled step's line follows
+        assert "GPU busy vanilla/KV shift" in lines[h2048 + 1]
+        assert "shift" in lines[h2048 + 1].split("the shift changes:")[1].lower()
     megatron = 8 * 2048 / 0.510  # the median interval after the first
     vanilla = result["arms"]["vanilla"]["tokens_per_s"]
     assert f"Megatron-LM {megatron:.0f}: {vanilla / megatron:.3f}" in done.stdout
