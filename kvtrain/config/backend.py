@@ -52,6 +52,10 @@ class BackendChoice:
     shift_kernel: Optional[str] = None
     """What computes the KV shift (``model.kv_shift.kernel`` resolved: ``native``,
     ``triton`` or ``torch``, and why); None for vanilla attention."""
+    multi_tensor: Optional[str] = None
+    """What computes the optimizer's multi-tensor ops (gradient norm, clipping):
+    ``transformer_engine``, ``apex`` or ``torch foreach (kvtrain)``
+    (``kvtrain.train.multi_tensor``); None before the optimizer is built."""
 
     def describe(self) -> str:
         """One line for stdout: ``backend torch (auto: no GPU; fused softmax: no)``,
@@ -61,11 +65,13 @@ class BackendChoice:
     def details(self) -> str:
         """Why this backend and its kernels: ``auto: no GPU; fused softmax: no``, plus
         ``; documents: <kernel>`` when documents are separated and ``; KV shift:
-        <kernel>`` for KV-shift attention."""
+        <kernel>`` for KV-shift attention, and ``; multi-tensor ops: <kernels>``
+        once the optimizer is built."""
         fused = "yes" if self.fused_softmax else "no"
         docs = f"; documents: {self.documents}" if self.documents else ""
         shift = f"; KV shift: {self.shift_kernel}" if self.shift_kernel else ""
-        return f"{self.reason}; fused softmax: {fused}{docs}{shift}"
+        multi = f"; multi-tensor ops: {self.multi_tensor}" if self.multi_tensor else ""
+        return f"{self.reason}; fused softmax: {fused}{docs}{shift}{multi}"
 
     @property
     def warning(self) -> Optional[str]:

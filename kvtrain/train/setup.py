@@ -143,6 +143,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     from kvtrain.data import build_datasets
     from kvtrain.model.builder import Numerics, transformer_config
 
+    from . import multi_tensor
     from .optimizer import build_optimizer, build_scheduler
 
     p, t = cfg.parallel, cfg.train
@@ -177,6 +178,8 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
         raise RuntimeError(f"megatron's data-parallel size {megatron_dp} differs from the "
                            f"layout's {layout.data_parallel}")
     steps = layout.total_steps
+    # megatron's fallback without TE/apex syncs the host per gradient tensor
+    backend = dataclasses.replace(backend, multi_tensor=multi_tensor.install())
     optimizer = build_optimizer(cfg, numerics, model)
     tconfig.grad_scale_func = optimizer.scale_loss  # fp16 loss scaling (1.0 otherwise)
     scheduler = build_scheduler(cfg, optimizer, steps)
