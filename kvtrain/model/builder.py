@@ -103,6 +103,9 @@ def transformer_config(
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
+        # the MLP runs the activation module of its spec (kvtrain's SwiGLU, in every
+        # backend's spec: kvtrain.model.swiglu); megatron's flag predates other modules
+        use_te_activation_func=True,
         add_bias_linear=False,
         add_qkv_bias=False,
         init_method_std=model.init_method_std,

@@ -35,6 +35,7 @@ from .attention import LocalDotProductAttention, TorchAttention
 from .kv_shift import KVShiftOptions, kv_shift_layer_spec
 from .mla import mla_layer_spec
 from .norm import RMSNorm
+from .swiglu import SwiGLU
 
 Backend = Literal["auto", "local", "te", "torch"]
 
@@ -101,17 +102,27 @@ def vanilla_layer_spec(backend: Backend = "auto", mla: bool = False) -> ModuleSp
     """
     name = resolve_backend(backend)
     if mla:
-        return mla_layer_spec(name, CORE_ATTENTION.get(name))
+        return with_swiglu(mla_layer_spec(name, CORE_ATTENTION.get(name)))
     if name == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        return with_swiglu(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False))
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
     spec.submodules.self_attention.submodules.core_attention = CORE_ATTENTION[name]
+    return with_swiglu(spec)
+
+
+def with_swiglu(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with kvtrain's SwiGLU in its MLP's activation slot (the builder's
+    config has megatron run that slot: ``use_te_activation_func``)."""
+    mlp = spec.submodules.mlp.submodules
+    if not hasattr(mlp, "activation_func"):  # e.g. TE's fused MLP: no slot to fill
+        raise ValueError(f"the MLP of this layer spec has no activation slot: {mlp}")
+    mlp.activation_func = SwiGLU
     return spec
 
 
