@@ -16,6 +16,7 @@ from kvtrain.config.schema import KVShiftConfig
 from kvtrain.model.builder import build_gpt, transformer_config
 from kvtrain.model.kv_shift import effective_coefficients, shift_tokens
 from kvtrain.model.shift_kernels import FusedShift, QKVShift, fused_shift, fused_shift_qkv
+from tests.asserts import assert_close_to_scale
 
 FP32 = dict(atol=1e-6, rtol=1e-6)
 CPU_KERNELS = ["torch", "native"]
@@ -179,7 +180,7 @@ def test_coefficient_modes_through_effective_coefficients(mode, impl):
     torch.testing.assert_close(y, y_ref, **FP32)
     torch.testing.assert_close(dx, dx_ref, **FP32)
     # the parameter's gradient sums s*b*d products in fp32 in another order: to its scale
-    torch.testing.assert_close(dp, dp_ref, atol=1e-6 * dp_ref.abs().max().item(), rtol=1e-6)
+    assert_close_to_scale(dp, dp_ref, 1e-6)
 
 
 @pytest.mark.parametrize("impl", CPU_KERNELS)
@@ -206,8 +207,7 @@ def test_bf16_within_bf16_tolerance(docs):
     got = values_and_grads(fused_shift, x, coef, doc_ids)
     assert all(g.dtype == torch.bfloat16 for g in got)
     for g, t in zip(got, truth):
-        scale = t.abs().max().item()
-        torch.testing.assert_close(g.float(), t, atol=2e-2 * scale, rtol=2e-2)
+        assert_close_to_scale(g.float(), t, 2e-2)
 
 
 @pytest.mark.parametrize("impl", CPU_KERNELS)
@@ -224,8 +224,7 @@ def test_qkv_shift_bf16_within_bf16_tolerance(docs, impl):
     got = qkv_run(fused_shift_qkv, mixed, coefs, doc_ids, q, grads, impl)
     assert all(t.dtype == torch.bfloat16 for t in got)
     for mine, want in zip(got, truth):
-        scale = want.abs().max().item()
-        torch.testing.assert_close(mine.float(), want, atol=2e-2 * scale, rtol=2e-2)
+        assert_close_to_scale(mine.float(), want, 2e-2)
 
 
 @pytest.mark.parametrize("impl", CPU_KERNELS)
@@ -423,8 +422,7 @@ def test_model_with_fused_shift_equals_reference(mp1, monkeypatch, shift, window
     torch.testing.assert_close(fused_out, ref_out, atol=1e-5, rtol=1e-5)
     assert any(n.endswith(f"shift_{shift[0]}") for n in fused_grads)
     for name, grad in ref_grads.items():  # at init some gradients are ~1e-7: relative
-        torch.testing.assert_close(fused_grads[name], grad, atol=1e-5 * grad.abs().max().item(),
-                                   rtol=1e-5, msg=name)
+        assert_close_to_scale(fused_grads[name], grad, 1e-5, msg=name)
 
 
 # ----------------------------------------------------------------------------- GPU: the Triton kernels
@@ -467,7 +465,7 @@ def test_triton_bf16_within_bf16_tolerance(triton_kernels, docs):
     got = values_and_grads(fused_shift, x, coef, doc_ids)  # Triton is the default on CUDA
     assert all(g.dtype == torch.bfloat16 for g in got)
     for g, t in zip(got, truth):
-        torch.testing.assert_close(g.float(), t, atol=2e-2 * t.abs().max().item(), rtol=2e-2)
+        assert_close_to_scale(g.float(), t, 2e-2)
 
 
 def cuda_documents(s: int, b: int, kind: str):
@@ -501,7 +499,7 @@ def test_triton_qkv_shift_bf16_within_bf16_tolerance(triton_kernels, docs):
     got = qkv_run(fused_shift_qkv, mixed, coefs, doc_ids, q, grads)  # auto: Triton on CUDA
     assert all(t.dtype == torch.bfloat16 for t in got)
     for mine, t in zip(got, truth):
-        torch.testing.assert_close(mine.float(), t, atol=2e-2 * t.abs().max().item(), rtol=2e-2)
+        assert_close_to_scale(mine.float(), t, 2e-2)
 
 
 @pytest.mark.gpu
