@@ -34,16 +34,40 @@ projection). For KV shifting, the paper's K+V shift (one node in the QKV
 output, ``fused_shift_qkv``) keeps a copy of the raw K and V for the
 coefficient gradients, ``2gd`` (none for fixed coefficients), and lets the QKV
 output go (attention keeps the shifted V, a tensor of its own); the other
-variants (Q shifted, one of K or V, context parallelism, MLA) save the raw
+variants (Q shifted, one of K or V, context parallelism) save the raw
 tensors as views of the QKV output, ``h + 2gd`` (``gd`` less where an unshifted
-V is one of them), and with GQA a shifted Q as a copy, ``h`` (for MLA the
-standard layer's count stands in). All measured with
+V is one of them), and with GQA a shifted Q as a copy, ``h``. All measured with
 ``torch.autograd.graph.saved_tensors_hooks`` (tests/faults/test_backend_faults.py;
 ``benchmarks/shift_saved_bytes.py``). Flash attention stores no
 ``s×s`` matrix, so Korthikanti's ``5as/h`` term is absent (which is also why
 ``selective`` recomputation, megatron's core-attention recompute, saves
 nothing here). With TP ``t``: the norm tensors (``4h``) are split only with
 sequence parallel (Korthikanti eq. 4 vs 5); the rest is always split by ``t``.
+
+Multi-latent attention (``model.mla``; ``n`` heads, K/V latent ``r``, query latent
+``r_q`` or none, per head Q/K widths ``d_q = qk_head_dim + qk_pos_emb_head_dim``
+and V width ``d_v``) keeps, in place of the standard Q, K, V and output:
+
+* the K/V latent: the down projection's output ``r + d_pe``, held whole by the
+  latent norm's input (a view of it that leaves out the RoPE key's columns), and
+  the norm's output ``r`` (the up projection's input); with a query latent, its
+  norm's input and output, ``2·r_q``. Like the layer norms, these are split by
+  ``t`` only with SP (the local spec's SP scatter frees the ``d_pe`` columns; te's
+  fused norm keeps them);
+* attention's Q and K (``n·d_q`` each: RoPE'd part and the rest concatenated into
+  tensors of their own), V (``n·d_v``, a contiguous copy of the up projection's
+  view) and output ``n·d_v``, split by ``t``. Nothing holds the projections'
+  per-head outputs, so they are freed;
+* KV shifting (per tensor, every kernel): the shift saves its raw input, the
+  whole unshifted key (``n·d_q``: its shifted part is a view of it) for ``k`` and
+  the unshifted V copy (``n·d_v``) for ``v``, also with fixed coefficients and
+  when ``kv_shift.heads`` selects a few heads (the shift runs on all of them);
+
+that is ``2r + d_pe + 2r_q + n·(2d_q + 2d_v)`` plus ``n·d_q`` / ``n·d_v`` shifted,
+and flash attention's log-sum-exp of ``n`` heads as above (``local``: the scores
+of ``n`` heads instead). Measured against the standard layer
+(tests/faults/test_backend_faults.py). MLA refuses context parallelism, so the
+plan has no MLA CP case.
 
 The ``local`` backend (megatron's own ``DotProductAttention``, no flash)
 materialises the ``[b, a/t, s, s]`` scores: a buffer of them in the activation
@@ -154,8 +178,12 @@ def layer_activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_len
     f = model.ffn_size
     e = activation_dtype_bytes(precision)
     norms = 4 * h / (t if parallel.sequence_parallel else 1)
-    split = (h + 2 * gd) + h + 3 * f + kept_by_the_shift(model, parallel, backend, h, gd)
-    elements = norms + split / t
+    if model.mla is None:
+        attention_elements = ((h + 2 * gd) + h + kept_by_the_shift(model, parallel, backend, h,
+                                                                   gd)) / t
+    else:
+        attention_elements = mla_attention_elements(model, parallel)
+    elements = norms + attention_elements + 3 * f / t
     dropout_masks = sb * h * 2 / (t if parallel.sequence_parallel else 1) \
         if model.hidden_dropout > 0 else 0.0
     if backend == "local":
@@ -182,7 +210,7 @@ def kept_by_the_shift(model: ModelConfig, parallel: ParallelConfig, backend: str
     shift = model.kv_shift.shift
     if model.attention != "kv_shift":
         return h + gd if v_view else 0  # the QKV output's Q and K, held by V
-    if parallel.context == 1 and model.mla is None and sorted(shift) == ["k", "v"]:
+    if parallel.context == 1 and sorted(shift) == ["k", "v"]:
         fixed = model.kv_shift.heads is not None and model.kv_shift.heads.fixed
         return 0 if fixed else 2 * gd  # the raw K/V copy (for learned coefficients)
     # The QKV output, held by the shift's raw views (V's share counted already where V
@@ -190,6 +218,26 @@ def kept_by_the_shift(model: ModelConfig, parallel: ParallelConfig, backend: str
     # copy (megatron's reshape of its view cannot be one) that the shift keeps.
     pinned = h + 2 * gd - (gd if "v" not in shift and v_view else 0)
     return pinned + (h if "q" in shift and gqa else 0)
+
+
+def mla_attention_elements(model: ModelConfig, parallel: ParallelConfig) -> float:
+    """Elements per token that one MLA layer's attention keeps for backward on one
+    GPU, besides the layer norm's input and output (module doc): the latents, the
+    per-head Q, K, V and output, and what the KV shift keeps."""
+    m = model.mla
+    t = parallel.tensor
+    # The K/V latent norm's input is a view of the down projection's output, which
+    # holds the RoPE key's columns too; the up projections save the norms' outputs.
+    latents = 2 * m.kv_lora_rank + m.qk_pos_emb_head_dim + 2 * (m.q_lora_rank or 0)
+    heads = 2 * m.q_head_dim + 2 * m.v_head_dim  # Q, K; V and attention's output
+    if model.attention == "kv_shift":
+        # The per-tensor shift saves its input for the coefficient gradients, even
+        # fixed ones: all of the unshifted key (the shifted part is a view of it)
+        # and the V copy that the up projection's view was turned into.
+        shift = model.kv_shift.shift
+        heads += (m.q_head_dim if "k" in shift else 0) + (m.v_head_dim if "v" in shift else 0)
+    sp = t if parallel.sequence_parallel else 1  # the latents are replicated over TP
+    return latents / sp + model.num_attention_heads * heads / t
 
 
 def layer_input_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,

@@ -267,18 +267,24 @@ def test_plan_counts_the_gathered_kv_of_torch_cp_attention():
 
 
 def _kept_by_one_layer(attention: str, groups: int, shift: list, backend: str) -> int:
-    """Bytes autograd keeps for backward over one layer (fp32, RoPE, causal, no
-    mask), parameters excluded."""
-    import torch
-
+    """Bytes autograd keeps for backward over one standard layer (see _kept_bytes)."""
     from kvtrain.config import ModelConfig
     from kvtrain.config.schema import KVShiftConfig
+
+    return _kept_bytes(ModelConfig(
+        num_layers=1, hidden_size=256, num_attention_heads=8, num_query_groups=groups,
+        ffn_hidden_size=512, vocab_size=128, make_vocab_size_divisible_by=64,
+        max_position_embeddings=64, attention=attention, kv_shift=KVShiftConfig(shift=shift)),
+        backend)
+
+
+def _kept_bytes(cfg, backend: str, seq: int = 64, batch: int = 2) -> int:
+    """Bytes autograd keeps for backward over the first layer of ``cfg`` (fp32, RoPE,
+    causal, no mask): the distinct storages saved, parameters excluded."""
+    import torch
+
     from kvtrain.model.builder import build_gpt, transformer_config
 
-    cfg = ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=8,
-                      num_query_groups=groups, ffn_hidden_size=512, vocab_size=128,
-                      make_vocab_size_divisible_by=64, max_position_embeddings=64,
-                      attention=attention, kv_shift=KVShiftConfig(shift=shift))
     model = build_gpt(cfg, transformer_config(cfg), backend=backend)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
@@ -288,10 +294,11 @@ def _kept_by_one_layer(attention: str, groups: int, shift: list, backend: str) -
             kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    hidden = torch.randn(64, 2, 256, requires_grad=True)
+    # MLA computes its own RoPE (its layer takes no rotary_pos_emb)
+    rope = {} if cfg.mla is not None else {"rotary_pos_emb": model.rotary_pos_emb(seq)}
+    hidden = torch.randn(seq, batch, cfg.hidden_size, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.decoder.layers[0](hidden, attention_mask=None,
-                                rotary_pos_emb=model.rotary_pos_emb(64))
+        model.decoder.layers[0](hidden, attention_mask=None, **rope)
     return sum(kept.values())
 
 
@@ -316,6 +323,37 @@ def test_plan_counts_what_the_shift_keeps(mp1, groups, shift, backend):
         for attention in ("kv_shift", "vanilla")]
     # (to the bytes of a shifted query's coefficients, repeated per query head)
     assert planned[0] - planned[1] == pytest.approx(measured, abs=256)
+
+
+@pytest.mark.parametrize("backend", ["torch", "local"])
+@pytest.mark.parametrize("q_lora_rank", [None, 40])
+@pytest.mark.parametrize("attention", ["vanilla", "kv_shift"])
+def test_plan_counts_what_mla_keeps(mp1, attention, q_lora_rank, backend):
+    """The plan's MLA layer (latents, per-head Q, K, V and output, the shift's raw K
+    and V) is what autograd keeps, measured against a standard layer of the same
+    width, heads and FFN: what both keep outside attention cancels (the layer norms,
+    SwiGLU, the local spec's causal mask; RoPE's per-position tables too, the RoPE
+    width being the standard head width, 32). The CPU's RMSNorm is composite ops
+    that also keep x·rstd and rstd (the plan counts a norm's input and output; CUDA's
+    fused kernel keeps rstd besides): the latent norms' share is taken out. On torch
+    V is as wide as Q and K: the CPU's flash kernel takes equal widths only (its
+    math fallback keeps s x s probabilities); the GPU's keep Q, K, V, the output and
+    the log-sum-exp either way."""
+    from kvtrain.config import MLAConfig, ModelConfig
+    from kvtrain.config.schema import ParallelConfig
+
+    seq, batch = 64, 2
+    standard = ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=8,
+                           ffn_hidden_size=512, vocab_size=128, make_vocab_size_divisible_by=64,
+                           max_position_embeddings=seq)
+    latent = MLAConfig(q_lora_rank=q_lora_rank, kv_lora_rank=48, qk_head_dim=16,
+                       qk_pos_emb_head_dim=32, v_head_dim=48 if backend == "torch" else 24)
+    mla = replace(standard, attention=attention, mla=latent)
+    measured = _kept_bytes(mla, backend, seq, batch) - _kept_bytes(standard, backend, seq, batch)
+    composite = 4 * seq * batch * sum(width + 1 for width in (48, q_lora_rank) if width)
+    planned = [layer_activation_bytes(cfg, ParallelConfig(), seq, batch, "fp32", backend=backend)
+               for cfg in (mla, standard)]
+    assert planned[0] - planned[1] == measured - composite
 
 
 # ----------------------------------------------------------------------------- item 11: plan memory
