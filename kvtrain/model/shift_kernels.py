@@ -124,13 +124,15 @@ def _checked_impl(x: Tensor, impl: Optional[str]) -> str:
 
 
 class FusedShift(torch.autograd.Function):
-    """``y = shift(x, coef, doc_ids)`` saving only ``x``, ``coef`` and ``doc_ids``."""
+    """``y = shift(x, coef, doc_ids)`` saving only ``x`` (for the coefficients'
+    gradient: not for fixed coefficients), ``coef`` and ``doc_ids``."""
 
     @staticmethod
     def forward(ctx, x: Tensor, coef: Tensor, doc_ids: Optional[Tensor], impl: str) -> Tensor:
         ctx.impl = impl
-        # The input tensor itself (no copy): a view into the QKV output.
-        ctx.save_for_backward(x, coef, doc_ids)
+        # The input tensor itself (no copy; often a view that holds the QKV output),
+        # and only where the coefficients learn: dx needs the coefficients alone.
+        ctx.save_for_backward(x if coef.requires_grad else None, coef, doc_ids)
         if impl == "triton":
             return triton_shift.shift_forward(x, coef, doc_ids)
         return _torch_forward(x, coef, doc_ids)
@@ -141,7 +143,7 @@ class FusedShift(torch.autograd.Function):
         need_x, need_coef = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.impl == "triton":
             dx, dcoef = triton_shift.shift_backward(x, coef, doc_ids, dy)
-            dcoef = dcoef.to(coef.dtype)
+            dcoef = dcoef.to(coef.dtype) if dcoef is not None else None
         else:
             dx, dcoef = _torch_grads(x, coef, doc_ids, dy, need_x, need_coef)
         return (dx if need_x else None), (dcoef if need_coef else None), None, None

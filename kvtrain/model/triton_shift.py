@@ -75,21 +75,25 @@ def shift_forward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]) -> Tensor:
     return y
 
 
-def shift_backward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor],
-                   dy: Tensor) -> tuple[Tensor, Tensor]:
-    """(dx, dcoef in fp32)."""
-    x, dy = _rows(x), _rows(dy)
-    s, b, h, d = x.shape
+def shift_backward(x: Optional[Tensor], coef: Tensor, doc_ids: Optional[Tensor],
+                   dy: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """(dx, dcoef in fp32); without ``x`` (fixed coefficients) dx alone: (dx, None)."""
+    dy = _rows(dy)
+    coef_grad = x is not None
+    x = _rows(x) if coef_grad else dy  # without x: a valid pointer, never read
+    s, b, h, d = dy.shape
     n = coef.shape[1]
     dx = torch.empty((s, b, h, d), dtype=dy.dtype, device=dy.device)
-    grid, block_t, block_d, (c,), docs, doc_strides = _launch(s, b, h, d, x, [coef], doc_ids)
-    partial = torch.empty((grid[0], b, h, n), dtype=torch.float32, device=x.device)
+    grid, block_t, block_d, (c,), docs, doc_strides = _launch(s, b, h, d, dy, [coef], doc_ids)
+    partial = torch.empty((grid[0], b, h, n) if coef_grad else (1,), dtype=torch.float32,
+                          device=dy.device)
     _shift_bwd_kernel[grid](
         x, dy, c, docs, dx, partial, s,
         *x.stride()[:3], *dy.stride()[:3], *dx.stride()[:3], *doc_strides,
-        W=n - 1, HAS_DOC=doc_ids is not None, BLOCK_T=block_t, BLOCK_D=block_d, D=d,
+        W=n - 1, HAS_DOC=doc_ids is not None, COEF=coef_grad, BLOCK_T=block_t,
+        BLOCK_D=block_d, D=d,
     )
-    return dx, partial.sum(dim=(0, 1))  # [h, w+1]
+    return dx, partial.sum(dim=(0, 1)) if coef_grad else None  # [h, w+1]
 
 
 # ----------------------------------------------------------------------------- K, V in mixed
@@ -231,7 +235,7 @@ if triton is not None:
     @triton.jit
     def _shift_bwd_kernel(x_ptr, dy_ptr, c_ptr, doc_ptr, dx_ptr, part_ptr, S,
                           sx_s, sx_b, sx_h, sg_s, sg_b, sg_h, so_s, so_b, so_h, sd_s, sd_b,
-                          W: tl.constexpr, HAS_DOC: tl.constexpr,
+                          W: tl.constexpr, HAS_DOC: tl.constexpr, COEF: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
         b, h = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         t, dd, in_seq, d_ok, docs, doc_t = _block(S, sd_s, sd_b, doc_ptr, HAS_DOC, BLOCK_T,
@@ -241,7 +245,7 @@ if triton is not None:
                            * tl.num_programs(2) + h) * (W + 1)
         _bwd_rows(x_ptr + b * sx_b + h * sx_h, sx_s, dy_ptr + b * sg_b + h * sg_h, sg_s,
                   c_ptr + h * (W + 1), dx_ptr + b * so_b + h * so_h, so_s, part, docs, sd_s,
-                  doc_t, t, dd, in_seq, d_ok, S, W, HAS_DOC, True, BLOCK_T, BLOCK_D)
+                  doc_t, t, dd, in_seq, d_ok, S, W, HAS_DOC, COEF, BLOCK_T, BLOCK_D)
 
     @triton.jit
     def _qkv_shift_fwd_kernel(m_ptr, ck_ptr, cv_ptr, doc_ptr, k_ptr, v_ptr, raw_ptr, S, Q,

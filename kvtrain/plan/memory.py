@@ -36,7 +36,9 @@ coefficient gradients, ``2gd`` (none for fixed coefficients), and lets the QKV
 output go (attention keeps the shifted V, a tensor of its own); the other
 variants (Q shifted, one of K or V, context parallelism) save the raw
 tensors as views of the QKV output, ``h + 2gd`` (``gd`` less where an unshifted
-V is one of them), and with GQA a shifted Q as a copy, ``h``. All measured with
+V is one of them), and with GQA a shifted Q as a copy, ``h``. The raw tensors
+serve the coefficients' gradient alone, so with fixed coefficients
+(``kv_shift.heads.fixed``) no variant keeps them. All measured with
 ``torch.autograd.graph.saved_tensors_hooks`` (tests/faults/test_backend_faults.py;
 ``benchmarks/shift_saved_bytes.py``). Flash attention stores no
 ``s×s`` matrix, so Korthikanti's ``5as/h`` term is absent (which is also why
@@ -60,8 +62,8 @@ and V width ``d_v``) keeps, in place of the standard Q, K, V and output:
   per-head outputs, so they are freed;
 * KV shifting (per tensor, every kernel): the shift saves its raw input, the
   whole unshifted key (``n·d_q``: its shifted part is a view of it) for ``k`` and
-  the unshifted V copy (``n·d_v``) for ``v``, also with fixed coefficients and
-  when ``kv_shift.heads`` selects a few heads (the shift runs on all of them);
+  the unshifted V copy (``n·d_v``) for ``v``, also when ``kv_shift.heads`` selects
+  a few heads (the shift runs on all of them), none with fixed coefficients;
 
 that is ``2r + d_pe + 2r_q + n·(2d_q + 2d_v)`` plus ``n·d_q`` / ``n·d_v`` shifted,
 and flash attention's log-sum-exp of ``n`` heads as above (``local``: the scores
@@ -210,9 +212,11 @@ def kept_by_the_shift(model: ModelConfig, parallel: ParallelConfig, backend: str
     shift = model.kv_shift.shift
     if model.attention != "kv_shift":
         return h + gd if v_view else 0  # the QKV output's Q and K, held by V
+    fixed = model.kv_shift.heads is not None and model.kv_shift.heads.fixed
     if parallel.context == 1 and sorted(shift) == ["k", "v"]:
-        fixed = model.kv_shift.heads is not None and model.kv_shift.heads.fixed
         return 0 if fixed else 2 * gd  # the raw K/V copy (for learned coefficients)
+    if fixed:  # the shift keeps no input: only an unshifted V (a view) holds the output
+        return h + gd if v_view and "v" not in shift else 0
     # The QKV output, held by the shift's raw views (V's share counted already where V
     # is not shifted and attention keeps it as a view); with GQA a shifted query is a
     # copy (megatron's reshape of its view cannot be one) that the shift keeps.
@@ -230,10 +234,11 @@ def mla_attention_elements(model: ModelConfig, parallel: ParallelConfig) -> floa
     # holds the RoPE key's columns too; the up projections save the norms' outputs.
     latents = 2 * m.kv_lora_rank + m.qk_pos_emb_head_dim + 2 * (m.q_lora_rank or 0)
     heads = 2 * m.q_head_dim + 2 * m.v_head_dim  # Q, K; V and attention's output
-    if model.attention == "kv_shift":
-        # The per-tensor shift saves its input for the coefficient gradients, even
-        # fixed ones: all of the unshifted key (the shifted part is a view of it)
-        # and the V copy that the up projection's view was turned into.
+    fixed = model.kv_shift.heads is not None and model.kv_shift.heads.fixed
+    if model.attention == "kv_shift" and not fixed:
+        # The per-tensor shift saves its input for the coefficient gradients (none
+        # for fixed ones): all of the unshifted key (the shifted part is a view of
+        # it) and the V copy that the up projection's view was turned into.
         shift = model.kv_shift.shift
         heads += (m.q_head_dim if "k" in shift else 0) + (m.v_head_dim if "v" in shift else 0)
     sp = t if parallel.sequence_parallel else 1  # the latents are replicated over TP

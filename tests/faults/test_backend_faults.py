@@ -266,16 +266,24 @@ def test_plan_counts_the_gathered_kv_of_torch_cp_attention():
     assert extra == pytest.approx(2 * t.seq_length * t.micro_batch_size * 2 * gd / p.tensor)
 
 
-def _kept_by_one_layer(attention: str, groups: int, shift: list, backend: str) -> int:
+def _kept_by_one_layer(attention: str, groups: int, shift: list, backend: str,
+                       fixed: bool = False) -> int:
     """Bytes autograd keeps for backward over one standard layer (see _kept_bytes)."""
     from kvtrain.config import ModelConfig
-    from kvtrain.config.schema import KVShiftConfig
 
     return _kept_bytes(ModelConfig(
         num_layers=1, hidden_size=256, num_attention_heads=8, num_query_groups=groups,
         ffn_hidden_size=512, vocab_size=128, make_vocab_size_divisible_by=64,
-        max_position_embeddings=64, attention=attention, kv_shift=KVShiftConfig(shift=shift)),
+        max_position_embeddings=64, attention=attention, kv_shift=_shift_config(shift, fixed)),
         backend)
+
+
+def _shift_config(shift: list, fixed: bool):
+    from kvtrain.config.model import ShiftHeadsConfig
+    from kvtrain.config.schema import KVShiftConfig
+
+    # fixed: every head of the shifted tensors takes the previous token (Appendix J)
+    return KVShiftConfig(shift=shift, heads=ShiftHeadsConfig(fixed=True) if fixed else None)
 
 
 def _kept_bytes(cfg, backend: str, seq: int = 64, batch: int = 2) -> int:
@@ -305,20 +313,22 @@ def _kept_bytes(cfg, backend: str, seq: int = 64, batch: int = 2) -> int:
 @pytest.mark.parametrize("backend", ["torch", "local"])
 @pytest.mark.parametrize("groups", [4, 8])
 @pytest.mark.parametrize("shift", [["k", "v"], ["v"], ["k"], ["q", "k"], ["q", "k", "v"]])
-def test_plan_counts_what_the_shift_keeps(mp1, groups, shift, backend):
+@pytest.mark.parametrize("fixed", [False, True])
+def test_plan_counts_what_the_shift_keeps(mp1, groups, shift, backend, fixed):
     """The plan's KV shift - vanilla difference per layer equals what autograd keeps,
     on both backends the CPU runs: the paper's K+V shift (one node in the QKV
     output) keeps the raw K/V and lets the QKV output go; the per-tensor variants
-    keep it through their views, and a shifted GQA query as a copy."""
+    keep it through their views, and a shifted GQA query as a copy; with fixed
+    coefficients none of them keeps its input."""
     from kvtrain.config import ModelConfig
-    from kvtrain.config.schema import KVShiftConfig, ParallelConfig
+    from kvtrain.config.schema import ParallelConfig
 
-    measured = (_kept_by_one_layer("kv_shift", groups, shift, backend)
+    measured = (_kept_by_one_layer("kv_shift", groups, shift, backend, fixed)
                 - _kept_by_one_layer("vanilla", groups, shift, backend))
     planned = [layer_activation_bytes(
         ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=8,
                     num_query_groups=groups, ffn_hidden_size=512, attention=attention,
-                    kv_shift=KVShiftConfig(shift=shift)),
+                    kv_shift=_shift_config(shift, fixed)),
         ParallelConfig(), 64, 2, "fp32", backend=backend)
         for attention in ("kv_shift", "vanilla")]
     # (to the bytes of a shifted query's coefficients, repeated per query head)
@@ -327,7 +337,7 @@ def test_plan_counts_what_the_shift_keeps(mp1, groups, shift, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "local"])
 @pytest.mark.parametrize("q_lora_rank", [None, 40])
-@pytest.mark.parametrize("attention", ["vanilla", "kv_shift"])
+@pytest.mark.parametrize("attention", ["vanilla", "kv_shift", "fixed"])
 def test_plan_counts_what_mla_keeps(mp1, attention, q_lora_rank, backend):
     """The plan's MLA layer (latents, per-head Q, K, V and output, the shift's raw K
     and V) is what autograd keeps, measured against a standard layer of the same
@@ -340,7 +350,8 @@ def test_plan_counts_what_mla_keeps(mp1, attention, q_lora_rank, backend):
     math fallback keeps s x s probabilities); the GPU's keep Q, K, V, the output and
     the log-sum-exp either way."""
     from kvtrain.config import MLAConfig, ModelConfig
-    from kvtrain.config.schema import ParallelConfig
+    from kvtrain.config.model import ShiftHeadsConfig
+    from kvtrain.config.schema import KVShiftConfig, ParallelConfig
 
     seq, batch = 64, 2
     standard = ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=8,
@@ -348,12 +359,16 @@ def test_plan_counts_what_mla_keeps(mp1, attention, q_lora_rank, backend):
                            max_position_embeddings=seq)
     latent = MLAConfig(q_lora_rank=q_lora_rank, kv_lora_rank=48, qk_head_dim=16,
                        qk_pos_emb_head_dim=32, v_head_dim=48 if backend == "torch" else 24)
-    mla = replace(standard, attention=attention, mla=latent)
+    # fixed: the paper's MLA config (Appendix J: K of head 0, V of head 1, fixed)
+    shift = KVShiftConfig(heads=ShiftHeadsConfig(k=[0], v=[1], fixed=attention == "fixed"))
+    mla = replace(standard, attention="vanilla" if attention == "vanilla" else "kv_shift",
+                  mla=latent, kv_shift=shift)
     measured = _kept_bytes(mla, backend, seq, batch) - _kept_bytes(standard, backend, seq, batch)
     composite = 4 * seq * batch * sum(width + 1 for width in (48, q_lora_rank) if width)
     planned = [layer_activation_bytes(cfg, ParallelConfig(), seq, batch, "fp32", backend=backend)
                for cfg in (mla, standard)]
-    assert planned[0] - planned[1] == measured - composite
+    # (to the bytes of the selected heads' coefficients, [n, 2] each)
+    assert planned[0] - planned[1] == pytest.approx(measured - composite, abs=256)
 
 
 # ----------------------------------------------------------------------------- item 11: plan memory

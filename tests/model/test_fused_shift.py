@@ -283,8 +283,9 @@ def sdpa_layer(mixed: torch.Tensor, shift) -> torch.Tensor:
     """The attention of a flash-style backend: split Q/K/V views, (shift), rotate, SDPA."""
     q, k, v = mixed.split([16, 8, 8], dim=-1)  # [s, b, groups, .]
     q = q.reshape(*q.shape[:2], -1, 8)  # [s, b, heads, d]
-    if shift is not None:
-        k, v = shift(k, torch.full((2, 2), 0.5)), shift(v, torch.full((2, 2), 0.5))
+    if shift is not None:  # learned coefficients (they need the raw K/V for their gradient)
+        coefs = [torch.full((2, 2), 0.5, requires_grad=True) for _ in range(2)]
+        k, v = shift(k, coefs[0]), shift(v, coefs[1])
     q, k = q * 1.5, k * 1.5  # stands for RoPE: new tensors that attention saves
     return F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
                                           is_causal=True, enable_gqa=True)
@@ -348,6 +349,22 @@ def test_fixed_coefficients_keep_no_raw_copy(impl):
     grads = [torch.randn_like(t) for t in (q, k, v)]
     got = torch.autograd.grad((q, k, v), mixed, grads)[0]
     want = torch.autograd.grad(qkv_reference(mixed, fixed, fixed, None, 8), mixed, grads)[0]
+    torch.testing.assert_close(got, want, **FP32)
+
+
+@pytest.mark.parametrize("impl", CPU_KERNELS)
+def test_fixed_coefficients_keep_no_input_per_tensor(impl):
+    """The per-tensor shift (MLA, one-tensor variants, CP) keeps its input for the
+    coefficients' gradient alone: none with fixed ones, so the input (often a view
+    that holds the QKV output) is not pinned; dx is unchanged."""
+    x = torch.randn(16, 2, 2, 8, requires_grad=True)
+    fixed = torch.tensor([[0.25, 0.75], [1.0, 0.0]])
+    y, seen, _ = saved_storages(lambda: fused_shift(x, fixed, None, impl=impl))
+    assert x.untyped_storage().data_ptr() not in seen
+    assert sum(seen.values()) <= fixed.untyped_storage().nbytes()
+    grad = torch.randn_like(y)
+    got = torch.autograd.grad(y, x, grad)[0]
+    want = torch.autograd.grad(shift_tokens(x, fixed, None), x, grad)[0]
     torch.testing.assert_close(got, want, **FP32)
 
 

@@ -104,6 +104,12 @@ q, k, v = m64.split([qw, d, d], dim=-1)
 ys64 = (q, shift_tokens(k, fixed.double(), None), shift_tokens(v, fixed.double(), None))
 want = torch.autograd.grad(ys64, m64, [g.double() for g in dys])[0]
 fixed_err = (got.double() - want).abs().max().item()
+# ... and per tensor (MLA, one-tensor variants): x not kept, dx alone
+x = mixed[..., qw:qw + d].clone().requires_grad_()
+got = torch.autograd.grad(shift_kernels.fused_shift(x, fixed, None, "triton"), x, dys[1])[0]
+x64 = x.detach().double().requires_grad_()
+want = torch.autograd.grad(shift_tokens(x64, fixed.double(), None), x64, dys[1].double())[0]
+fixed_err = max(fixed_err, (got.double() - want).abs().max().item())
 
 # The layer as a GPU run builds it (K and V shifted in the QKV output by the Triton
 # node, then RoPE and SDPA), against the torch-ops kernel: a packed two-document

@@ -345,7 +345,12 @@ struct Shift : public torch::autograd::Function<Shift> {
       forward_kernel<scalar_t>(p, x.data_ptr<scalar_t>(), pointers<scalar_t>(coefs).data(), outs,
                                nullptr);
     });
-    ctx->save_for_backward({x, coef, doc_ids.value_or(Tensor())});
+    // x serves the coefficients' gradient alone: an empty tensor (x's dtype) instead
+    // for fixed coefficients, so that nothing holds x (e.g. the QKV output) for backward
+    const bool keep_x = coef.requires_grad();
+    ctx->save_for_backward({keep_x ? x : at::empty({0}, x.options()), coef,
+                            doc_ids.value_or(Tensor())});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
     return y;
   }
 
@@ -354,12 +359,17 @@ struct Shift : public torch::autograd::Function<Shift> {
     const Tensor &x = saved[0], &coef = saved[1];
     const std::optional<Tensor> docs =
         saved[2].defined() ? std::optional<Tensor>(saved[2]) : std::nullopt;
+    const auto sizes = ctx->saved_data["x_sizes"].toIntVector();
+    const bool have_x = x.numel() > 0;  // else: fixed coefficients, dx alone
     const auto coefs = coefficients({coef}, x);
-    const Layout p = x_layout(x, coef.size(1), docs);
-    const auto dys = output_grads(grads, 0, 1, x, x.sizes());
+    // without x, a layout of its sizes: the kernel reads x only for the coefficients
+    const Layout p = have_x ? x_layout(x, coef.size(1), docs)
+                            : layout({sizes[0], sizes[1], sizes[2], 1, sizes[3]},
+                                     {0, 0, 0, 0}, coef.size(1), docs);
+    const auto dys = output_grads(grads, 0, 1, x, sizes);
     Tensor dx, dcoef;
-    if (ctx->needs_input_grad(0)) dx = at::empty(x.sizes(), x.options());
-    if (ctx->needs_input_grad(1)) dcoef = at::empty(coefs[0].sizes(), x.options());
+    if (ctx->needs_input_grad(0)) dx = at::empty(sizes, x.options());
+    if (ctx->needs_input_grad(1) && have_x) dcoef = at::empty(coefs[0].sizes(), x.options());
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "kvtrain_shift_backward", [&] {
       Grads<scalar_t> out;
       if (dx.defined()) {
