@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # command -> (module with run(args), one-line help)
@@ -33,9 +34,30 @@ def _runner(command: str):
     module = COMMANDS[command][0]
 
     def run(args) -> int:
-        return importlib.import_module(module).run(args)
+        try:
+            return importlib.import_module(module).run(args)
+        except OSError as e:
+            # A path that cannot be read or written (an output under a file, a
+            # full disk): what the user can fix is the path, not the code.
+            print(f"kvtrain data {command}: error: {os_error_text(e)}", file=sys.stderr)
+            return 1
 
     return run
+
+
+def os_error_text(e: OSError) -> str:
+    """``PATH: reason`` of an OSError (a rename names its target)."""
+    path = e.filename2 if e.filename2 is not None else e.filename
+    if path is None:
+        return e.strerror or str(e)
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        # a folder made, or a file opened, through a path part that is a file
+        part = os.fspath(path)
+        while part and not os.path.lexists(part) and os.path.dirname(part) != part:
+            part = os.path.dirname(part)
+        if os.path.lexists(part) and not os.path.isdir(part):
+            return f"{part} is a file, not a folder"
+    return f"{path}: {e.strerror or e}"
 
 
 def _inputs(p: argparse.ArgumentParser) -> None:

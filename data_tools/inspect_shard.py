@@ -51,6 +51,23 @@ def _load_tokenizer(path: str | None, meta: dict | None, warn):
         return None
 
 
+def _read_meta(path: str, warn) -> dict | None:
+    """preprocess's record of the shard; damaged, it is a warning: the data is the shard."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        warn(f"{path}: not read (not JSON: {e})" if isinstance(e, ValueError)
+             else f"{path}: not read ({e.strerror})")
+        return None
+    if not isinstance(meta, dict):
+        warn(f"{path}: not read (not a JSON object)")
+        return None
+    return meta
+
+
 def inspect(prefix: str, tokenizer: str | None = None, docs: int = 3, max_chars: int = 400,
             out=print) -> int:
     """Print the report for one dataset; returns the exit status."""
@@ -73,10 +90,8 @@ def inspect(prefix: str, tokenizer: str | None = None, docs: int = 3, max_chars:
     out("document length histogram (tokens):")
     for line in histogram(lengths):
         out(line)
-    meta = None
-    if os.path.exists(r.prefix + ".meta.json"):
-        with open(r.prefix + ".meta.json") as f:
-            meta = json.load(f)
+    meta = _read_meta(r.prefix + ".meta.json", lambda m: out(f"warning: {m}"))
+    if meta is not None:
         counts = meta.get("counts", {})
         if "fingerprint" in meta:
             n_in = len(meta["fingerprint"].get("inputs", []))

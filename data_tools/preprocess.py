@@ -64,16 +64,6 @@ def no_documents_message(inputs: list[readers.InputFile], counts: Counts) -> str
     return f"no documents in {names}: {skipped}; no shard written"
 
 
-def _remove_outputs(plan: list["Shard"]) -> None:
-    """Deletes the (empty) shards of ``plan`` and their meta files."""
-    for shard in plan:
-        for path in (bin_path(shard.prefix), idx_path(shard.prefix), shard.meta_path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-
 @dataclass
 class Shard:
     index: int
@@ -181,24 +171,21 @@ def _work_items(shards: list[Shard], json_key: str, text_mode: str, chunk_bytes:
 class _ShardSink:
     """Receives the encoded chunks in order and writes them to their shards:
     opens a shard's writer at its first result, commits it and writes its
-    meta at its ShardEnd, discards it on abort."""
+    meta at its ShardEnd, discards it on abort. A shard without documents is
+    held back until ``finish``: when no shard has any, nothing is committed
+    and what the output prefix held before is left as it was."""
 
     def __init__(self, plan: list[Shard], fps: dict, dtype: type, tok: SentencePieceTokenizer):
         self.shards = {s.index: s for s in plan}
         self.fps, self.dtype, self.tok = fps, dtype, tok
         self.writer: IndexedWriter | None = None
         self.counts = Counts()  # of the shard being written
+        self.held: list[tuple[Shard, IndexedWriter, Counts]] = []  # empty, not committed
 
     def _open(self, shard: Shard) -> IndexedWriter:
         for name in (bin_path(shard.prefix), idx_path(shard.prefix),
                      shard.prefix + ".lengths", shard.prefix + ".docs"):
             remove_stale_temps(name)
-        # Invalidate first: from here until the new meta lands, this shard
-        # does not count as complete, whatever is on disk.
-        try:
-            os.unlink(shard.meta_path)
-        except FileNotFoundError:
-            pass
         self.counts = Counts()
         return IndexedWriter(shard.prefix, self.dtype)
 
@@ -213,18 +200,40 @@ class _ShardSink:
         shard = self.shards[index]
         if self.writer is None:  # a shard whose inputs hold no line at all
             self.writer = self._open(shard)
-        bin_bytes, idx_bytes = self.writer.commit()
-        self.writer = None
-        meta = {"fingerprint": self.fps[index], "counts": self.counts.to_dict(),
+        writer, self.writer = self.writer, None
+        if self.counts.documents:
+            self._commit(shard, writer, self.counts)
+        else:
+            self.held.append((shard, writer, self.counts))
+
+    def _commit(self, shard: Shard, writer: IndexedWriter, counts: Counts) -> None:
+        # Invalidate first: from here until the new meta lands, this shard
+        # does not count as complete, whatever is on disk.
+        try:
+            os.unlink(shard.meta_path)
+        except FileNotFoundError:
+            pass
+        bin_bytes, idx_bytes = writer.commit()
+        meta = {"fingerprint": self.fps[shard.index], "counts": counts.to_dict(),
                 "bin_bytes": bin_bytes, "idx_bytes": idx_bytes,
                 "tokenizer": os.path.abspath(self.tok.model_path),
                 "vocab_size": self.tok.vocab_size}
         atomic_write_bytes(shard.meta_path, (json.dumps(meta, indent=1) + "\n").encode())
 
+    def finish(self, keep_empty: bool) -> None:
+        """Commits the held empty shards (other shards have documents), or discards them."""
+        while self.held:
+            shard, writer, counts = self.held.pop(0)
+            if keep_empty:
+                self._commit(shard, writer, counts)
+            else:
+                writer.abort()
+
     def abort(self) -> None:
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
+        self.finish(keep_empty=False)
 
 
 def _kept_counts(plan: list, todo: list) -> Counts:
@@ -260,7 +269,7 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
     included), outputs (shard prefixes), resumed, dtype, elapsed, first_bad.
 
     Raises StrictError (strict mode), readers.InputError (unreadable input),
-    NoDocumentsError (no input holds a document; its empty shards are removed)."""
+    NoDocumentsError (no input holds a document; nothing is written)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     if text_mode == "file" and any(i.format != "text" for i in inputs):
         raise ValueError("--text-mode file reads text files whole; some inputs are not text")
@@ -302,6 +311,7 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
                            res.disk_bytes, res.counts)
             done_bytes += res.disk_bytes
             bar.update(run_counts, done_bytes)
+        sink.finish(keep_empty=total.documents + run_counts.documents > 0)
     except BaseException:
         sink.abort()
         if pool is not None:
@@ -315,7 +325,6 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
         pool.join()
     total.merge(run_counts)
     if total.documents == 0:
-        _remove_outputs(plan)
         raise NoDocumentsError(no_documents_message(inputs, total))
     return {"counts": total, "outputs": [s.prefix for s in plan],
             "resumed": len(plan) - len(todo), "dtype": np.dtype(dtype).name,
@@ -325,6 +334,8 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
 def run(args) -> int:
     """CLI entry (see data_tools.cli)."""
     try:
+        if not args.chunk_mb > 0:  # 0 would read nothing and report "no records"
+            raise ValueError(f"--chunk-mb must be positive, got {args.chunk_mb}")
         inputs = readers.discover(args.input, args.format)
         result = preprocess(
             inputs, args.tokenizer, args.output_prefix, json_key=args.json_key,

@@ -193,6 +193,45 @@ class _CountingReader(io.RawIOBase):
         return n
 
 
+class _ZstdFrames(io.RawIOBase):
+    """The zstd frames of a file, one after another (``zstd -c a b``); a file
+    that ends inside a frame is an error. (zstandard's ``stream_reader`` returns
+    what a truncated file decompresses to as if it were all of it.)"""
+
+    def __init__(self, source, decompressor) -> None:
+        self._source, self._decompressor = source, decompressor
+        self._obj = decompressor.decompressobj()
+        self._in_frame = False  # bytes fed to the current frame, its end not seen
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def _feed(self, data: bytes) -> None:
+        out = []
+        while data:
+            out.append(self._obj.decompress(data))
+            self._in_frame = not self._obj.eof
+            if self._in_frame:
+                break
+            # the next frame starts with what this one left over
+            data, self._obj = self._obj.unused_data, self._decompressor.decompressobj()
+        self._out, self._pos = b"".join(out), 0
+
+    def readinto(self, b) -> int:
+        while self._pos >= len(self._out):
+            block = self._source.read(1 << 20)
+            if not block:
+                if self._in_frame:  # worded like gzip's error for a truncated file
+                    raise EOFError("compressed file ended inside a zstd frame")
+                return 0
+            self._feed(block)
+        n = min(len(b), len(self._out) - self._pos)
+        b[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
 def _open_stream(inp: InputFile):
     raw = open(inp.path, "rb")
     counter = _CountingReader(raw)
@@ -203,7 +242,7 @@ def _open_stream(inp: InputFile):
             import zstandard
         except ImportError:
             raise InputError(f"{inp.path}: reading .zst needs the 'zstandard' package") from None
-        stream = zstandard.ZstdDecompressor().stream_reader(counter, read_across_frames=True)
+        stream = _ZstdFrames(counter, zstandard.ZstdDecompressor())
     else:
         stream = counter
     return raw, counter, stream

@@ -42,8 +42,7 @@ def resolve_model_path(path: str | os.PathLike) -> str:
     """Accept ``PREFIX``, ``PREFIX.model`` or ``PREFIX.json`` for a tokenizer."""
     path = os.fspath(path)
     if path.endswith(".json") and os.path.isfile(path):
-        with open(path) as f:
-            model = json.load(f).get("model", "")
+        model = _read_sidecar(path).get("model", "")
         candidate = os.path.join(os.path.dirname(path), os.path.basename(model))
         if model and os.path.isfile(candidate):
             return candidate
@@ -53,6 +52,17 @@ def resolve_model_path(path: str | os.PathLike) -> str:
     if os.path.isfile(path + ".model"):
         return path + ".model"
     raise FileNotFoundError(f"no sentencepiece model at {path} (nor {path}.model)")
+
+
+def _read_sidecar(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            side = json.load(f)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"{path}: not a tokenizer sidecar (not JSON: {e})") from None
+    if not isinstance(side, dict):
+        raise ValueError(f"{path}: not a tokenizer sidecar (not a JSON object)")
+    return side
 
 
 class SentencePieceTokenizer:
@@ -67,7 +77,11 @@ class SentencePieceTokenizer:
         import sentencepiece as spm  # deferred: `kvtrain data --help` stays instant
 
         self.model_path = resolve_model_path(model_path)
-        self._sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        except RuntimeError as e:  # sentencepiece's C++ status, e.g. a corpus given as -t
+            why = "could not parse it" if "parse" in str(e) else str(e).strip().splitlines()[0]
+            raise ValueError(f"{self.model_path}: not a sentencepiece model ({why})") from None
         if self._sp.eos_id() < 0:
             raise ValueError(f"{self.model_path}: the model has no EOS piece to use as EOD")
 

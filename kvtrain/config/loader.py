@@ -68,9 +68,13 @@ def read_yaml(path: str | Path) -> dict:
     """Reads a YAML mapping, keeping key lines; errors name the file and line."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x})") \
+            from None
     loader = _LineLoader(text)
     loader.name = str(path)
     try:
@@ -234,7 +238,8 @@ def apply_override(data: dict, assignment: str, cls: type) -> None:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {path}: cannot parse value {raw!r}: {e}") from None
+        why = getattr(e, "problem", None) or first_line(e)  # str(e) spans lines
+        raise ConfigError(f"--set {path}: cannot parse value {raw!r}: {why}") from None
     node = data
     section = cls
     for i, part in enumerate(parts):
@@ -248,6 +253,9 @@ def apply_override(data: dict, assignment: str, cls: type) -> None:
             raise ConfigError(f"--set: unknown key '{dotted}'{hint}")
         tp = _unwrap_optional(hints[part])
         if i == len(parts) - 1:
+            # Checked here, so that a bad value is blamed on the --set and not
+            # on the line of the file it replaces.
+            _convert(hints[part], value, dotted, "--set", None)
             node[part] = value
         else:
             if not dataclasses.is_dataclass(tp):

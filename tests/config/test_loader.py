@@ -108,3 +108,23 @@ def test_round_trip(tmp_path):
     cfg = load_config(None, ["model.attention=kv_shift", "model.kv_shift.mode=clamp"])
     again = load_config(write(tmp_path, dump_yaml(cfg)))
     assert to_dict(again) == to_dict(cfg)
+
+
+def test_a_config_that_is_not_text_is_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"model:\n  num_layers: 2 \xff\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}:2: not UTF-8 text (byte 0xff)"
+
+
+def test_bad_override_values_are_one_line_naming_the_override(tmp_path):
+    """A --set value is blamed on the --set, not on the file line it replaces."""
+    path = write(tmp_path, "optimizer:\n  lr: 1.0e-3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["optimizer.lr=abc"])
+    assert str(e.value) == "--set: optimizer.lr: expected float, got 'abc'"
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.num_layers=[1"])
+    assert str(e.value).startswith("--set model.num_layers: cannot parse value '[1': ")
+    assert "\n" not in str(e.value)

@@ -91,3 +91,60 @@ def test_demo_corpus_is_deterministic(tmp_path):
     assert not [t.splitlines()[0] for t in texts if any(p in t for p in local)]
     ids = [json.loads(line)["id"] for line in outs[0].splitlines()]
     assert len(set(ids)) == len(ids)
+
+
+def _one_error_line(proc, command: str) -> str:
+    """The one line a data command fails with (exit 1, no traceback)."""
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert "Traceback" not in err and "\n" not in err, err
+    assert err.startswith(f"kvtrain data {command}: error: "), err
+    return err
+
+
+def test_output_paths_that_cannot_be_written_are_one_line(tmp_path):
+    """An output under a file (a typo in -o) fails in one line naming the path,
+    for every command that writes, and leaves no temporary file behind."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    tok, shard = h.tokenizer(), tmp_path / "s"
+    h.kvtrain("data", "preprocess", "-i", str(corpus), "-t", tok, "-o", str(shard), "-j", "0")
+    for command, args in (
+            ("demo-corpus", ["-o", f"{blocker}/c.jsonl", "--max-mb", "0.01"]),
+            ("demo-corpus", ["-o", str(tmp_path)]),
+            ("train-tokenizer", ["-i", str(corpus), "--vocab-size", "300", "-o", f"{blocker}/t"]),
+            ("preprocess", ["-i", str(corpus), "-t", tok, "-o", f"{blocker}/p", "-j", "0"]),
+            ("merge", ["-o", f"{blocker}/m", f"{shard}_text_document"])):
+        err = _one_error_line(h.kvtrain("data", command, *args, check=False), command)
+        assert err.endswith(f"{blocker} is a file, not a folder"
+                            if str(blocker) in args[args.index("-o") + 1] else f"{tmp_path}: Is a directory"), err
+    assert sorted(os.listdir(tmp_path)) == [
+        "c.jsonl", "file", "s_text_document.bin", "s_text_document.idx",
+        "s_text_document.meta.json"]
+
+
+def test_preprocess_option_and_tokenizer_mistakes_are_one_line(tmp_path):
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    err = _one_error_line(h.kvtrain("data", "preprocess", "-i", str(corpus), "-t", str(corpus),
+                                    "-o", str(tmp_path / "p"), check=False), "preprocess")
+    assert err.endswith(f"{corpus}: not a sentencepiece model (could not parse it)")
+    err = _one_error_line(h.kvtrain("data", "preprocess", "-i", str(corpus), "-t", h.tokenizer(),
+                                    "-o", str(tmp_path / "p"), "--chunk-mb", "0", check=False),
+                          "preprocess")
+    assert err.endswith("--chunk-mb must be positive, got 0.0")
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
+
+
+def test_inspect_with_a_damaged_meta_file_still_reports(tmp_path):
+    """The .meta.json next to a shard is a record, not the data: damaged, it is
+    one warning naming it and the report goes on."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    h.kvtrain("data", "preprocess", "-i", str(corpus), "-t", h.tokenizer(),
+              "-o", str(tmp_path / "s"), "-j", "0")
+    meta = tmp_path / "s_text_document.meta.json"
+    meta.write_text('{"counts": ')
+    proc = h.kvtrain("data", "inspect", str(tmp_path / "s"), "--docs", "1", check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert f"warning: {meta}: not read (not JSON: " in proc.stdout
+    assert "check      OK" in proc.stdout and "--- document 0:" in proc.stdout

@@ -244,3 +244,44 @@ def test_progress_line_and_summary():
     text = summary(c, 2.0, dtype="uint16", outputs=["/o/p_text_document"])
     assert "1,500 written, 3 skipped (invalid_utf8 1, missing_key 2)" in text
     assert "1.00M tokens/s" in text and "/o/p_text_document.bin/.idx" in text
+
+
+def test_a_run_without_documents_keeps_the_shard_already_there(tmp_path):
+    """Rerun into the same prefix with an input that turned out empty: an error,
+    and the shard (and its meta) a previous run wrote are untouched."""
+    from data_tools.preprocess import NoDocumentsError
+
+    good = run(h.write_jsonl(tmp_path / "good.jsonl", h.DOCS), tmp_path / "p")
+    files = {p: open(p, "rb").read() for prefix in good["outputs"]
+             for p in (prefix + ".bin", prefix + ".idx", prefix + ".meta.json")}
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n')
+    with pytest.raises(NoDocumentsError, match="no shard written"):
+        run(empty, tmp_path / "p")
+    assert {p: open(p, "rb").read() for p in files} == files
+    assert sorted(os.listdir(tmp_path)) == ["empty.jsonl", "good.jsonl"] + sorted(
+        os.path.basename(p) for p in files)
+
+
+def test_truncated_zstd_is_an_error_and_frames_concatenate(tmp_path):
+    """A .zst cut inside a frame (a partial download) names the file, like a
+    truncated .gz, instead of passing for a shorter corpus; concatenated frames
+    (``zstd -c a b``) read as one file."""
+    import zstandard
+
+    docs = h.synthetic_docs(400)
+    data = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    frame = zstandard.ZstdCompressor().compress(data)
+    cut = tmp_path / "cut.jsonl.zst"
+    cut.write_bytes(frame[: len(frame) * 2 // 3])
+    with pytest.raises(readers.InputError) as e:
+        run(cut, tmp_path / "out")
+    assert str(e.value) == (f"{cut}: cannot read: EOFError: compressed file ended inside a "
+                            "zstd frame")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("out")]
+    two = tmp_path / "two.jsonl.zst"
+    head = data[: data.index(b"\n", 1000) + 1]  # a frame shorter than one read
+    two.write_bytes(frame + frame + zstandard.ZstdCompressor(level=9).compress(head) + frame)
+    res = run(two, tmp_path / "two", chunk_bytes=4096)
+    expected = docs + docs + docs[: head.count(b"\n")] + docs
+    assert h.shard_docs(res["outputs"][0]) == h.encode_expected(h.tokenizer(), expected)

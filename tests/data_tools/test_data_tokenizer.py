@@ -115,3 +115,17 @@ def test_train_with_no_text_fails_clearly(tmp_path):
     with pytest.raises(ValueError, match="no text to train on"):
         train(readers.discover([str(empty)]), str(tmp_path / "t"), 300, log=lambda m: None)
     assert sorted(os.listdir(tmp_path)) == ["e.jsonl"]
+
+
+def test_a_file_that_is_not_a_tokenizer_is_named(tmp_path):
+    """preprocess -t with a corpus, or a damaged .model / sidecar: one line naming the file."""
+    not_model = tmp_path / "corpus.model"
+    not_model.write_text('{"text": "not a model"}\n')
+    with pytest.raises(ValueError) as e:
+        SentencePieceTokenizer(not_model)
+    assert str(e.value) == f"{not_model}: not a sentencepiece model (could not parse it)"
+    sidecar = tmp_path / "tok.json"
+    sidecar.write_text("{not json")
+    with pytest.raises(ValueError) as e:
+        SentencePieceTokenizer(sidecar)
+    assert str(e.value).startswith(f"{sidecar}: not a tokenizer sidecar (not JSON: ")
