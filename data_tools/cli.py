@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 # command -> (module with run(args), one-line help)
@@ -52,10 +51,9 @@ def os_error_text(e: OSError) -> str:
         return e.strerror or str(e)
     if isinstance(e, (FileExistsError, NotADirectoryError)):
         # a folder made, or a file opened, through a path part that is a file
-        part = os.fspath(path)
-        while part and not os.path.lexists(part) and os.path.dirname(part) != part:
-            part = os.path.dirname(part)
-        if os.path.lexists(part) and not os.path.isdir(part):
+        from data_tools.fileio import file_in_the_way
+
+        if (part := file_in_the_way(path)) is not None:
             return f"{part} is a file, not a folder"
     return f"{path}: {e.strerror or e}"
 

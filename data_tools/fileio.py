@@ -83,6 +83,16 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[
     fsync_dir(os.path.dirname(path))
 
 
+def file_in_the_way(path: str | os.PathLike) -> str | None:
+    """The part of ``path`` that is a file where a folder would have to be (or
+    ``path`` itself when it is a file), else None: an output folder that
+    cannot be made, named before anything is written."""
+    part = os.path.abspath(os.fspath(path))
+    while not os.path.lexists(part) and os.path.dirname(part) != part:
+        part = os.path.dirname(part)
+    return part if os.path.lexists(part) and not os.path.isdir(part) else None
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_open(path, "wb") as f:
         f.write(data)

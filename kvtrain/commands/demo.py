@@ -207,6 +207,20 @@ def finished_at(config: Path, run_dir: Path, arm: str, overrides: list[str],
     return done if done is not None and done >= cfg.train.max_steps else None
 
 
+def check_before_building(config: Path, run_dir: Path, overrides: list[str], nproc: int) -> None:
+    """A bad --set or a --run-dir that is a file: one line before the data is
+    built and before --fresh clears the arms (the data overrides come later:
+    they only point at the data)."""
+    from data_tools.fileio import file_in_the_way
+    from kvtrain.config import ConfigError, load_config
+
+    if blocker := file_in_the_way(run_dir):
+        where = "" if blocker == os.path.abspath(run_dir) else f": {blocker}"
+        raise ConfigError(f"--run-dir {run_dir}{where} is a file, not a folder")
+    for arm in ARMS:
+        load_config(config, overrides + [f"model.attention={arm}"], world_size=nproc)
+
+
 def _workers(requested: Optional[int], nproc: int) -> int:
     if requested is not None:
         return max(1, min(requested, len(ARMS)))
@@ -220,10 +234,9 @@ def run(args) -> int:
     if not config.exists():
         print(f"kvtrain demo: config {config} not found (use --config)", file=sys.stderr)
         return 2
-    overrides = prepare_data(run_dir / "data", args.synthetic)
-    if args.steps is not None:
-        overrides.append(f"train.max_steps={args.steps}")
-    overrides += args.overrides
+    user = ([f"train.max_steps={args.steps}"] if args.steps is not None else []) + args.overrides
+    check_before_building(config, run_dir, user, args.nproc)
+    overrides = prepare_data(run_dir / "data", args.synthetic) + user
     if args.fresh:
         for arm in ARMS:
             _clear_run(run_dir / arm)

@@ -70,8 +70,23 @@ def _write(path: str, results, loaded, options) -> None:
             "temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k,
             "seed": options.seed}
     text = "".join(json.dumps({**g.record(), **meta}) + "\n" for g in results)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write_text(path, text)
     print(f"kvtrain generate: wrote {len(results)} generations to {path}", flush=True)
+
+
+def check_out(path: str | None) -> None:
+    """--out must be writable, known before the model is loaded and the prompts
+    generated (a missing folder is made at the end)."""
+    from data_tools.fileio import file_in_the_way
+    from kvtrain.config import ConfigError
+
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"--out {path} is a folder, not a file")
+    if blocker := file_in_the_way(os.path.dirname(os.path.abspath(path))):
+        raise ConfigError(f"--out {path}: {blocker} is a file, not a folder")
 
 
 def check_tensor_parallel(cfg, world: int) -> None:
@@ -95,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompt, args.prompts)
     if not prompts:
         raise ConfigError("no prompt: give --prompt TEXT or --prompts FILE")
+    check_out(args.out)
     from kvtrain.commands.train import quiet_imports
 
     quiet_imports()

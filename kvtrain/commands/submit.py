@@ -11,6 +11,7 @@ process per CPU of the node unless ``--nproc-per-node``).
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -74,12 +75,49 @@ def repo_root() -> Path:
     raise SystemExit("kvtrain submit: launch/slurm.sbatch not found (run from the kvtrain checkout)")
 
 
+TIME_FORMS = "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+
+
+def slurm_seconds(text: str) -> int | None:
+    """Seconds of a SLURM time limit (``sbatch --time``), None for no limit
+    (0, UNLIMITED, INFINITE); a ConfigError when it is none of SLURM's forms."""
+    from kvtrain.config import ConfigError
+
+    if text.strip().upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if m is None:
+        raise ConfigError(f"--time {text!r} is not a SLURM time limit ({TIME_FORMS})")
+    days, first, second, third = (int(g) if g is not None else None for g in m.groups())
+    if days is not None:  # D-HH[:MM[:SS]]
+        seconds = days * 86400 + first * 3600 + (second or 0) * 60 + (third or 0)
+    elif third is not None:  # HH:MM:SS
+        seconds = first * 3600 + second * 60 + third
+    else:  # MM[:SS]
+        seconds = first * 60 + (second or 0)
+    return seconds or None
+
+
+def check_time(time: str | None, signal_seconds: int) -> None:
+    """The stop signal must come after the start: at or before it, every job
+    would save and requeue at once, over and over (up to --max-requeues)."""
+    from kvtrain.config import ConfigError
+
+    limit = slurm_seconds(time) if time else None
+    if limit is not None and signal_seconds >= limit:
+        raise ConfigError(
+            f"--signal-seconds {signal_seconds} is not shorter than --time {time} ({limit} s): "
+            "every job would be told to stop as it starts (lower --signal-seconds or raise "
+            "--time)")
+
+
 def build(args) -> tuple[list[str], dict[str, str]]:
     """The sbatch command line and the environment it needs (also for tests)."""
     from kvtrain.config import ConfigError, load_config
 
     if args.nodes < 1 or args.chain < 1 or args.gpus_per_node < 0:
         raise ConfigError("--nodes and --chain must be >= 1 and --gpus-per-node >= 0")
+    check_time(args.time, args.signal_seconds)
     nproc = args.nproc_per_node or (args.gpus_per_node or None)
     world = args.nodes * nproc if nproc else None
     cfg = load_config(args.config, args.overrides, world_size=world)

@@ -51,4 +51,19 @@ def run(args) -> int:
     quiet_imports()
     from kvtrain.train import resolve_run_dir, train
 
-    return train(cfg, resolve_run_dir(cfg, args.run_dir))
+    run_dir = resolve_run_dir(cfg, args.run_dir)
+    check_output_folders(cfg, run_dir, "--run-dir" if args.run_dir else "run_dir")
+    return train(cfg, run_dir)
+
+
+def check_output_folders(cfg, run_dir, run_dir_key: str) -> None:
+    """A file where a folder of the run would go (a typo in --run-dir or a
+    *.dir key) is one line here, not a traceback from every rank."""
+    from data_tools.fileio import file_in_the_way
+    from kvtrain.config import ConfigError
+
+    for key, path in ((run_dir_key, run_dir), ("checkpoint.dir", cfg.checkpoint.dir),
+                      ("data.cache_dir", cfg.data.cache_dir), ("wandb.dir", cfg.wandb.dir)):
+        if path is not None and (blocker := file_in_the_way(os.path.expanduser(path))):
+            where = "" if blocker == os.path.abspath(os.path.expanduser(path)) else f": {blocker}"
+            raise ConfigError(f"{key} {path}{where} is a file, not a folder")

@@ -114,22 +114,23 @@ def _unavailable(manager, name: str, error: Exception) -> ConfigError:
     what = f"dataset {dataset}" if dataset else "its dataset"
     if isinstance(error, ConnectionError) or "offline" in str(error).lower():
         why = "not in the local datasets cache (kvtrain eval never downloads)"
-    else:
-        why = first_line(error)
-    return ConfigError(f"task '{name}': {what} is not available offline: {why}")
+        return ConfigError(f"task '{name}': {what} is not available offline: {why}")
+    while error.__cause__ is not None:  # datasets wraps the reader's error ("raise ... from")
+        error = error.__cause__
+    return ConfigError(f"task '{name}': {what} cannot be read: {first_line(error)}")
 
 
 @contextlib.contextmanager
-def _errors_only(logger: str = "lm_eval") -> Iterator[None]:
+def _errors_only(logger: str = "lm_eval", level: int = logging.ERROR) -> Iterator[None]:
     """lm-eval logs at WARNING every default it fills into a task's metrics while
     building tasks; a refused task must be one line, so only errors show here."""
     log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.ERROR)
+    before = log.level
+    log.setLevel(level)
     try:
         yield
     finally:
-        log.setLevel(level)
+        log.setLevel(before)
 
 
 def _build(manager, names: list[str]) -> list:
@@ -137,7 +138,8 @@ def _build(manager, names: list[str]) -> list:
     loaded = []
     for name in names:
         try:
-            with _errors_only():
+            # datasets logs a reader's error before raising it: the one line names it
+            with _errors_only(), _errors_only("datasets", logging.CRITICAL):
                 built = manager.load([name])
         except KeyError:
             where = (f"nor in --include-path {manager.include_path}" if manager.include_path

@@ -100,8 +100,9 @@ def tiny_hf_llama(folder: Path) -> Path:
 
 def write_tasks(root: Path) -> Path:
     """``root/tasks``: kvt_mc, kvt_ll (data in ``root``), kvt_gone (its data file
-    is missing), kvt_hub (a hub dataset not in the local cache), kvt_grp (a group
-    of kvt_mc and kvt_ll, its accuracy averaged over their examples)."""
+    is missing), kvt_bad (its data file has a broken line), kvt_hub (a hub
+    dataset not in the local cache), kvt_grp (a group of kvt_mc and kvt_ll, its
+    accuracy averaged over their examples)."""
     tasks = root / "tasks"
     tasks.mkdir(parents=True)
     cache = root / "datasets_cache"  # the json loader's arrow files stay in tmp
@@ -111,6 +112,9 @@ def write_tasks(root: Path) -> Path:
         LL_YAML.format(name="kvt_ll", data=write_jsonl(root / "ll.jsonl", LL), cache=cache))
     (tasks / "gone.yaml").write_text(
         LL_YAML.format(name="kvt_gone", data=root / "gone.jsonl", cache=cache))
+    bad = root / "bad.jsonl"  # a line cut short, as by a copy that failed
+    bad.write_text(json.dumps(LL[0]) + "\n" + json.dumps(LL[1])[:20] + "\n")
+    (tasks / "bad.yaml").write_text(LL_YAML.format(name="kvt_bad", data=bad, cache=cache))
     (tasks / "hub.yaml").write_text(HUB_YAML)
     (tasks / "group.yaml").write_text(GROUP_YAML)
     return tasks

@@ -83,6 +83,20 @@ def test_missing_dataset_is_one_line(local, capsys, monkeypatch):
     assert "task 'kvt_gone'" in err and "gone.jsonl" in err and "Traceback" not in err
 
 
+def test_malformed_data_file_is_one_line_naming_the_cause(local, capsys, monkeypatch):
+    """A broken line in a task's data file is named as such, not as "not
+    available offline" (the cause was only in a log line of datasets)."""
+    watch = NetworkWatch(monkeypatch)
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_bad", "--include-path",
+                                   str(local["tasks"])], capsys)
+    assert code == 2 and watch.attempts == []
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kvtrain: config error: task 'kvt_bad': dataset json data_files ")
+    assert " cannot be read: ArrowInvalid: JSON parse error: " in last, last  # pyarrow's words
+    assert last.endswith(" in row 1"), last
+    assert "Traceback" not in err and "Failed to load JSON" not in err, err
+
+
 def test_dataset_not_in_the_local_cache_is_one_line(local, capsys, monkeypatch):
     """A task whose hub dataset is not cached: named, no download tried."""
     watch = NetworkWatch(monkeypatch)

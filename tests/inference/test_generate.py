@@ -157,6 +157,26 @@ def test_bad_input_is_one_line(mp1, arm_runs, capsys, argv, message):
     assert err.startswith("kvtrain: config error: ") and message in err and "\n" not in err
 
 
+def test_an_out_path_that_cannot_be_written_is_refused_before_generating(tmp_path, capsys):
+    """--out is checked before the model is loaded (it was a traceback after
+    every prompt had been generated); a missing folder is made."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    for out, message in ((tmp_path, f"--out {tmp_path} is a folder, not a file"),
+                         (blocker / "g.jsonl",
+                          f"--out {blocker}/g.jsonl: {blocker} is a file, not a folder")):
+        # the source is not a run: the --out check comes first, before any loading
+        assert main(["generate", str(tmp_path / "run"), "--prompt", "1", "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip() == f"kvtrain: config error: {message}"
+
+
+def test_out_in_a_new_folder(mp1, arm_runs, tmp_path):
+    out = tmp_path / "new" / "sub" / "g.jsonl"
+    assert main(["generate", str(arm_runs["kv_shift"]), "--prompt", "1 2", "--max-new-tokens",
+                 "2", "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 1
+
+
 def test_not_a_run_is_one_line(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "--prompt", "1"]) == 2
     err = capsys.readouterr().err.strip()

@@ -184,3 +184,30 @@ def test_signal_to_torchrun_sh_stops_at_a_step_with_a_checkpoint(tmp_path, train
     assert "stopped on request, torchrun exit code 0" in output
     latest = (run_dir / "checkpoints" / "latest").read_text()
     assert f"{stopped:07d}" in latest, latest
+
+
+@pytest.mark.parametrize("time,message", [
+    ("1h", "--time '1h' is not a SLURM time limit (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM "
+           "or D-HH:MM:SS)"),
+    ("1:00:00:00", "--time '1:00:00:00' is not a SLURM time limit"),
+    ("00:04:00", "--signal-seconds 300 is not shorter than --time 00:04:00 (240 s): every job "
+                 "would be told to stop as it starts (lower --signal-seconds or raise --time)"),
+])
+def test_submit_refuses_a_bad_time_limit_in_one_line(capsys, time, message):
+    """Checked in the dry run too; a signal at or before the start would make
+    every job save and requeue at once, over and over."""
+    from kvtrain.cli import main
+
+    assert main(["submit", str(REPO / "configs/tiny.yaml"), "--gpus-per-node", "0", "--nproc-per-node",
+                 "1", "--time", time, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvtrain: config error: {message}") and "\n" not in err, err
+
+
+@pytest.mark.parametrize("time,seconds", [("90", 5400), ("30:00", 1800), ("24:00:00", 86400),
+                                          ("2-12", 216000), ("1-00:30", 88200),
+                                          ("1-00:00:10", 86410), ("UNLIMITED", None)])
+def test_slurm_time_limits(time, seconds):
+    from kvtrain.commands.submit import slurm_seconds
+
+    assert slurm_seconds(time) == seconds

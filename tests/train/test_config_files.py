@@ -136,3 +136,27 @@ def test_problems_found_at_startup_are_one_line_too(tmp_path, corpus, cache_dir)
         assert rest[0].startswith("kvtrain: config error: "), rest[0]
         for fragment in cases[name][1]:
             assert fragment in rest[0], rest[0]
+
+
+@pytest.mark.parametrize("where", ["--run-dir", "under --run-dir", "checkpoint.dir",
+                                   "data.cache_dir", "wandb.dir"])
+def test_an_output_folder_that_is_a_file_is_one_line(tmp_path, capsys, where):
+    """A typo that points a folder of the run at a file is one line before
+    anything starts (it was a traceback from every rank)."""
+    from kvtrain.cli import main
+
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    path = write_config(tmp_path / "c.yaml", BASE)
+    run_dir = blocker if where == "--run-dir" else blocker / "run" if where.startswith(
+        "under") else tmp_path / "run"
+    args = ["train", str(path), "--run-dir", str(run_dir)]
+    if "." in where:
+        args += ["--set", f"{where}={blocker}/sub"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    key = "--run-dir" if "run-dir" in where else where
+    value = run_dir if "run-dir" in where else f"{blocker}/sub"
+    where = "" if value == blocker else f": {blocker}"
+    assert err == f"kvtrain: config error: {key} {value}{where} is a file, not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "notes.txt"]

@@ -291,3 +291,27 @@ def test_bf16_and_async_save_on_gpu(tmp_path, cache_dir):
     assert latest(run_dir) == "iter_0000020"
     resumed = run(train_args(config, run_dir, "train.max_steps=22"))
     assert resumed.returncode == 0 and "at iteration 20" in resumed.stdout
+
+
+@pytest.mark.parametrize("mistake", ["bad-set", "run-dir-is-a-file"])
+def test_demo_mistakes_are_one_line_before_anything_is_built_or_cleared(tmp_path, capsys,
+                                                                        mistake):
+    """A bad --set is found before the data is built and before --fresh clears
+    the arms (it was found after both: their checkpoints were already gone)."""
+    from kvtrain.cli import main
+
+    demo = tmp_path / "demo"
+    kept = demo / "vanilla" / "checkpoints" / "iter_0000003" / "kvtrain_checkpoint.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}")
+    if mistake == "bad-set":
+        args, message = ["--run-dir", str(demo), "--set", "train.max_step=3"], (
+            "kvtrain: config error: --set: unknown key 'train.max_step' "
+            "(did you mean 'train.max_steps'?)")
+    else:
+        (tmp_path / "notes.txt").write_text("x")
+        args = ["--run-dir", str(tmp_path / "notes.txt")]
+        message = f"kvtrain: config error: --run-dir {tmp_path / 'notes.txt'} is a file, not a folder"
+    assert main(["demo", "--fresh", *args]) == 2
+    assert capsys.readouterr().err.strip() == message
+    assert kept.read_text() == "{}" and sorted(p.name for p in demo.iterdir()) == ["vanilla"]
