@@ -24,7 +24,8 @@ in 16-bit elements:
 * norm inputs and outputs (2 norms): ``4h``;
 * Q, K, V after RoPE (what flash attention saves): ``h + 2·g·d``;
 * attention output (input of the output projection): ``h``;
-* SwiGLU: fc1 output ``2f`` and fc2 input ``f``;
+* SwiGLU: fc1 output ``2f`` and fc2 input ``f`` (kvtrain's one-node SwiGLU,
+  ``kvtrain.model.swiglu``; megatron's eager one would keep ``5f``);
 
 that is ``2·sb·(6h + 2gd + 3f)`` bytes, plus flash attention's fp32
 log-sum-exp (``4·a·sb``). Where attention keeps its V input as given (SDPA on
