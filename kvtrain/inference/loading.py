@@ -13,6 +13,8 @@ or a single-process generation needs.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,12 +66,29 @@ def find_checkpoint(source: str | Path) -> Path:
         if problem:
             raise ConfigError(f"checkpoint {source} is damaged: {problem}")
         return source
+    skipped = []  # damaged complete checkpoints passed over: said, not silent
     for root in _checkpoint_roots(source):
         hint, _ = read_tracker(root)
         for candidate in ([hint] if hint else []) + checkpoint_folders(root):
-            if is_complete(candidate) and not check_checkpoint(candidate, "sizes").problem:
+            if not is_complete(candidate):
+                continue
+            problem = check_checkpoint(candidate, "sizes").problem
+            if not problem:
+                for path, why in skipped:
+                    _warn(f"checkpoint {path} is damaged ({why}); using {candidate}")
                 return candidate
+            if (candidate, problem) not in skipped:
+                skipped.append((candidate, problem))
+    if skipped:
+        path, why = skipped[0]
+        raise ConfigError(f"{source}: every complete checkpoint is damaged ({path}: {why})")
     raise ConfigError(f"{source} holds no complete kvtrain checkpoint")
+
+
+def _warn(message: str) -> None:
+    """One line on stderr, from the first rank only (every rank looks the checkpoint up)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"kvtrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def saved_config(checkpoint: str | Path) -> tuple[RunConfig, int]:

@@ -29,7 +29,7 @@ from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
 from .processes import bind_to_launcher
 from .resume import resume
-from .runlock import hold_run_folder
+from .runlock import hold_run_folder, removed_on_bad_input
 from .setup import Run, backend_event, build_run, run_record, write_run_config
 from .signals import StopRequests
 from .step import ForwardStep, StepResult, sync_params, train_step
@@ -226,25 +226,27 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     hooks = hooks or RunHooks()
     bind_to_launcher()  # this rank dies with its launcher, its helpers with it
     init_process_group(cfg.train.dist_timeout_minutes, device=cfg.train.device)
+    fresh = not Path(run_dir).exists()
     lock = hold_run_folder(Path(run_dir))  # one writer per run folder (collective)
     stop = StopRequests(cfg.train.exit_duration_minutes).install()
-    run = build_run(cfg, Path(run_dir))
-    rank0 = run.rank == 0
-    if rank0:
-        text = write_run_config(cfg, run.run_dir, run.resolved)
-        say(f"kvtrain: run folder {run.run_dir.resolve()}\n--- resolved config ---\n{text}"
-            f"--- layout: world {run.world_size} = TP {cfg.parallel.tensor} x PP "
-            f"{cfg.parallel.pipeline} x DP {run.dp_size}; {run.num_microbatches} micro batches "
-            f"per step; {run.total_steps} steps")
-        say(f"kvtrain: {run.backend.describe()}, device {run.device}")
-        if run.backend.warning:
-            say(f"kvtrain: warning: {run.backend.warning}")
-    ckpt = Checkpointer(run.checkpoint_dir, run.model, run.optimizer, run.scheduler,
-                        run_record(cfg, run.resolved), keep_last=cfg.checkpoint.keep_last,
-                        async_save=cfg.checkpoint.async_save, hooks=hooks)
-    c = cfg.checkpoint  # a damaged candidate is skipped with a warning (checkpoint.resume)
-    resumed = resume(ckpt, plan_resume(c.resume, run.checkpoint_dir), c.verify,
-                     c.load_optimizer, c.load_rng)
+    with removed_on_bad_input(Path(run_dir), fresh, lock):  # refused: no new folder left
+        run = build_run(cfg, Path(run_dir))
+        rank0 = run.rank == 0
+        if rank0:
+            text = write_run_config(cfg, run.run_dir, run.resolved)
+            say(f"kvtrain: run folder {run.run_dir.resolve()}\n--- resolved config ---\n"
+                f"{text}--- layout: world {run.world_size} = TP {cfg.parallel.tensor} x PP "
+                f"{cfg.parallel.pipeline} x DP {run.dp_size}; {run.num_microbatches} micro "
+                f"batches per step; {run.total_steps} steps")
+            say(f"kvtrain: {run.backend.describe()}, device {run.device}")
+            if run.backend.warning:
+                say(f"kvtrain: warning: {run.backend.warning}")
+        ckpt = Checkpointer(run.checkpoint_dir, run.model, run.optimizer, run.scheduler,
+                            run_record(cfg, run.resolved), keep_last=cfg.checkpoint.keep_last,
+                            async_save=cfg.checkpoint.async_save, hooks=hooks)
+        c = cfg.checkpoint  # a damaged candidate is skipped with a warning (checkpoint.resume)
+        resumed = resume(ckpt, plan_resume(c.resume, run.checkpoint_dir), c.verify,
+                         c.load_optimizer, c.load_rng)
     state = resumed.state
     if resumed.path is not None:
         note = "" if state.extra.get("rng_restored") else " (RNG states not restored: layout changed)"

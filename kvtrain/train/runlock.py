@@ -20,10 +20,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from kvtrain.config import ConfigError
 
@@ -96,4 +98,20 @@ def hold_run_folder(run_dir: Path) -> Optional[RunLock]:
     return lock
 
 
-__all__ = ["LOCK_FILE", "RunLock", "hold_run_folder", "try_lock"]
+@contextmanager
+def removed_on_bad_input(run_dir: Path, fresh: bool, lock: Optional[RunLock]) -> Iterator[None]:
+    """A start refused for bad input (a ``ConfigError``: a missing shard, a bad
+    tokenizer, a checkpoint that does not fit) leaves no new folder behind: the
+    lock holder releases the lock and removes ``run_dir`` if this start made it
+    (``fresh``: it did not exist before); a folder that existed keeps everything."""
+    try:
+        yield
+    except ConfigError:
+        if lock is not None:
+            lock.release()
+            if fresh:
+                shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+__all__ = ["LOCK_FILE", "RunLock", "hold_run_folder", "removed_on_bad_input", "try_lock"]

@@ -91,6 +91,12 @@ def test_trainer_refuses_a_short_bin_in_one_line(tmp_path, corpus, cache_dir):
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and prefix + ".bin" in lines[0], result.stderr
+    assert not (tmp_path / "run").exists()  # the folder this start made is gone again
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    again = run(["train", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "kept")],
+                timeout=120)
+    assert again.returncode == 2 and (tmp_path / "kept" / "notes.txt").read_text() == "mine"
 
 
 def test_check_shard_accepts_a_sound_shard(corpus):

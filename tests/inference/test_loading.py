@@ -42,7 +42,7 @@ def test_bad_sources_are_one_line(run_dir, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-7])  # truncated
     with pytest.raises(ConfigError, match="is damaged"):
         find_checkpoint(ckpt)
-    with pytest.raises(ConfigError, match="holds no complete kvtrain checkpoint"):
+    with pytest.raises(ConfigError, match="every complete checkpoint is damaged .*iter_0000000"):
         find_checkpoint(run_dir)  # the only checkpoint is damaged
     (ckpt / "common.pt").write_bytes(b"not a pickle")
     with pytest.raises(ConfigError, match="cannot read its common state"):
@@ -64,3 +64,19 @@ def test_checkpoint_dir_elsewhere_and_no_latest(run_dir, tmp_path):
     (elsewhere / "latest").unlink()
     (run_dir / "config.yaml").write_text(f"checkpoint:\n  dir: {elsewhere}\n")
     assert find_checkpoint(run_dir) == elsewhere / "iter_0000000"
+
+
+def test_a_damaged_latest_falls_back_with_a_warning(run_dir, capsys):
+    """The newest checkpoint damaged: the previous complete one is used, and said."""
+    import shutil
+
+    ckpt = run_dir / "checkpoints" / "iter_0000000"
+    newer = ckpt.with_name("iter_0000005")
+    shutil.copytree(ckpt, newer)
+    (newer.parent / "latest").write_text(newer.name + "\n")
+    shard = next(newer.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-7])
+    assert find_checkpoint(run_dir) == ckpt
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvtrain: warning: checkpoint ") and "iter_0000005 is damaged" in line
+    assert line.endswith(f"using {ckpt}")
