@@ -37,6 +37,8 @@ def _entries(prof, on_gpu: bool) -> dict[str, tuple[float, int]]:
     """name -> (self ms, calls): kernels on a GPU, host operators on the CPU."""
     entries: dict[str, tuple[float, int]] = {}
     for event in prof.key_averages():
+        if getattr(event, "is_user_annotation", False):
+            continue  # record_function ranges (e.g. Optimizer.step) span kernels and gaps
         if on_gpu:
             if event.device_type != DeviceType.CUDA:
                 continue

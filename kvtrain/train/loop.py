@@ -226,10 +226,9 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     hooks = hooks or RunHooks()
     bind_to_launcher()  # this rank dies with its launcher, its helpers with it
     init_process_group(cfg.train.dist_timeout_minutes, device=cfg.train.device)
-    fresh = not Path(run_dir).exists()
     lock = hold_run_folder(Path(run_dir))  # one writer per run folder (collective)
     stop = StopRequests(cfg.train.exit_duration_minutes).install()
-    with removed_on_bad_input(Path(run_dir), fresh, lock):  # refused: no new folder left
+    with removed_on_bad_input(Path(run_dir), lock):  # refused: no new folder left
         run = build_run(cfg, Path(run_dir))
         rank0 = run.rank == 0
         if rank0:

@@ -36,8 +36,9 @@ _held: dict[str, "RunLock"] = {}  # one lock per folder and process (re-entrant)
 class RunLock:
     """The lock of one run folder, held by this process."""
 
-    def __init__(self, path: Path, fd: int):
+    def __init__(self, path: Path, fd: int, fresh: bool = False):
         self.path, self.fd = path, fd
+        self.fresh = fresh  # this process made the run folder (an atomic mkdir)
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -60,7 +61,12 @@ def _holder(fd: int) -> str:
 
 def try_lock(run_dir: Path) -> tuple[Optional[RunLock], str]:
     """(the lock, "") or (None, who holds it)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir()
+        fresh = True
+    except FileExistsError:
+        fresh = False
     path = (run_dir / LOCK_FILE).resolve()
     if str(path) in _held:
         return _held[str(path)], ""
@@ -74,7 +80,7 @@ def try_lock(run_dir: Path) -> tuple[Optional[RunLock], str]:
     info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-    lock = _held[str(path)] = RunLock(path, fd)
+    lock = _held[str(path)] = RunLock(path, fd, fresh)
     return lock, ""
 
 
@@ -98,19 +104,33 @@ def hold_run_folder(run_dir: Path) -> Optional[RunLock]:
     return lock
 
 
+# what a start writes into its run folder before the first step
+START_FILES = (LOCK_FILE, "config.yaml")
+START_FOLDERS = ("data_cache", "checkpoints")
+
+
 @contextmanager
-def removed_on_bad_input(run_dir: Path, fresh: bool, lock: Optional[RunLock]) -> Iterator[None]:
+def removed_on_bad_input(run_dir: Path, lock: Optional[RunLock]) -> Iterator[None]:
     """A start refused for bad input (a ``ConfigError``: a missing shard, a bad
-    tokenizer, a checkpoint that does not fit) leaves no new folder behind: the
-    lock holder releases the lock and removes ``run_dir`` if this start made it
-    (``fresh``: it did not exist before); a folder that existed keeps everything."""
+    tokenizer, a checkpoint that does not fit) leaves no new folder behind: when
+    this process made ``run_dir`` (``lock.fresh``), the lock holder removes what
+    the start wrote there (``START_FILES``, ``START_FOLDERS``), then the folder if
+    that emptied it, and only then lets the lock go. Anything else in it, and
+    every folder that existed before, stays."""
     try:
         yield
     except ConfigError:
+        if lock is not None and lock.fresh:
+            for name in START_FOLDERS:
+                shutil.rmtree(run_dir / name, ignore_errors=True)
+            for name in START_FILES:
+                (run_dir / name).unlink(missing_ok=True)
+            try:
+                run_dir.rmdir()
+            except OSError:  # not empty: something else is there, and it stays
+                pass
         if lock is not None:
             lock.release()
-            if fresh:
-                shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
 

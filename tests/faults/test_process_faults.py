@@ -122,3 +122,32 @@ def test_run_lock_names_its_holder_and_a_dead_holders_lock_is_taken_over(tmp_pat
     lock = hold_run_folder(tmp_path)  # the holder died: its lock is free
     assert lock is not None
     lock.release()
+
+
+def test_a_refused_start_removes_only_what_it_wrote_into_a_folder_it_made(tmp_path):
+    """``removed_on_bad_input``: the folder this process made (atomic mkdir) goes
+    with the start's own files; anything else keeps it; a folder that existed
+    keeps everything."""
+    import pytest
+
+    from kvtrain.config import ConfigError
+    from kvtrain.train.runlock import removed_on_bad_input, try_lock
+
+    def refused(run_dir, extra=()):
+        lock, _ = try_lock(run_dir)
+        (run_dir / "data_cache").mkdir(exist_ok=True)
+        (run_dir / "config.yaml").write_text("name: x\n")
+        for name in extra:
+            (run_dir / name).write_text("{}")
+        with pytest.raises(ConfigError):
+            with removed_on_bad_input(run_dir, lock):
+                raise ConfigError("a missing shard")
+        assert lock.fd == -1  # released
+        return lock.fresh
+
+    assert refused(tmp_path / "new") and not (tmp_path / "new").exists()
+    assert refused(tmp_path / "other", ["metrics.jsonl"])  # not the start's: stays
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["metrics.jsonl"]
+    (tmp_path / "old").mkdir()
+    assert not refused(tmp_path / "old")
+    assert {p.name for p in (tmp_path / "old").iterdir()} >= {"config.yaml", "data_cache"}

@@ -351,6 +351,7 @@ struct Shift : public torch::autograd::Function<Shift> {
     ctx->save_for_backward({keep_x ? x : at::empty({0}, x.options()), coef,
                             doc_ids.value_or(Tensor())});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["keep_x"] = keep_x;
     return y;
   }
 
@@ -360,7 +361,7 @@ struct Shift : public torch::autograd::Function<Shift> {
     const std::optional<Tensor> docs =
         saved[2].defined() ? std::optional<Tensor>(saved[2]) : std::nullopt;
     const auto sizes = ctx->saved_data["x_sizes"].toIntVector();
-    const bool have_x = x.numel() > 0;  // else: fixed coefficients, dx alone
+    const bool have_x = ctx->saved_data["keep_x"].toBool();  // else: fixed, dx alone
     const auto coefs = coefficients({coef}, x);
     // without x, a layout of its sizes: the kernel reads x only for the coefficients
     const Layout p = have_x ? x_layout(x, coef.size(1), docs)
