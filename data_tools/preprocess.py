@@ -336,6 +336,10 @@ def run(args) -> int:
     try:
         if not args.chunk_mb > 0:  # 0 would read nothing and report "no records"
             raise ValueError(f"--chunk-mb must be positive, got {args.chunk_mb}")
+        if args.shards is not None and args.shards < 1:  # 0 silently meant the default
+            raise ValueError(f"--shards must be at least 1, got {args.shards}")
+        if args.workers is not None and args.workers < 0:  # -1 silently meant 0 (inline)
+            raise ValueError(f"--workers must be 0 (no subprocess) or more, got {args.workers}")
         inputs = readers.discover(args.input, args.format)
         result = preprocess(
             inputs, args.tokenizer, args.output_prefix, json_key=args.json_key,

@@ -24,7 +24,7 @@ import sys
 import time
 
 from data_tools import readers
-from data_tools.fileio import atomic_write_bytes
+from data_tools.fileio import atomic_write_bytes, file_in_the_way
 from data_tools.tokenizer import SentencePieceTokenizer, sidecar_path
 
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
@@ -109,7 +109,8 @@ def train(inputs: list[readers.InputFile], output_prefix: str, vocab_size: int, 
         raise ValueError("--text-mode file reads text files whole; some inputs are not text")
     output_prefix = os.path.abspath(output_prefix)
     folder = os.path.dirname(output_prefix)
-    os.makedirs(folder, exist_ok=True)
+    if (blocker := file_in_the_way(folder)) is not None:  # before minutes of training
+        raise ValueError(f"{blocker} is a file, not a folder")
     t0 = time.time()
     sentences = SentenceStream(inputs, json_key=json_key, text_mode=text_mode,
                                max_documents=max_documents, report=log)
@@ -132,6 +133,7 @@ def train(inputs: list[readers.InputFile], output_prefix: str, vocab_size: int, 
         raise ValueError("no text to train on: every input document was skipped or empty")
     log(f"train-tokenizer: {stats['documents']} documents, {stats['sentences']} lines, "
         f"{stats['characters'] / 1e6:.1f}M characters, vocab {vocab_size}")
+    os.makedirs(folder, exist_ok=True)  # only now: a failed training leaves no folder
     atomic_write_bytes(output_prefix + ".model", model.getvalue())
     tok = SentencePieceTokenizer(output_prefix + ".model")
     sp = tok.processor

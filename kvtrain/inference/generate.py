@@ -164,6 +164,8 @@ def read_prompts(texts: Sequence[str] = (), file: Optional[str] = None) -> list[
         else:
             raise ConfigError(f"--prompts {path} line {n}: expected a JSON string or an object "
                               f"with a \"prompt\" string")
+    if len(prompts) == len(texts):
+        raise ConfigError(f"--prompts {path}: no prompt in it (empty or blank lines only)")
     return prompts
 
 

@@ -133,6 +133,13 @@ def test_preprocess_option_and_tokenizer_mistakes_are_one_line(tmp_path):
                                     "-o", str(tmp_path / "p"), "--chunk-mb", "0", check=False),
                           "preprocess")
     assert err.endswith("--chunk-mb must be positive, got 0.0")
+    for option, value, why in (("--shards", "0", "--shards must be at least 1, got 0"),
+                               ("-j", "-1", "--workers must be 0 (no subprocess) or more, "
+                                            "got -1")):
+        err = _one_error_line(h.kvtrain("data", "preprocess", "-i", str(corpus), "-t",
+                                        h.tokenizer(), "-o", str(tmp_path / "p"), option, value,
+                                        check=False), "preprocess")
+        assert err.endswith(why), err
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
 
 

@@ -114,6 +114,9 @@ def test_train_with_no_text_fails_clearly(tmp_path):
     empty.write_text('{"text": ""}\n{"other": "x"}\n')
     with pytest.raises(ValueError, match="no text to train on"):
         train(readers.discover([str(empty)]), str(tmp_path / "t"), 300, log=lambda m: None)
+    with pytest.raises(ValueError, match="no text to train on"):  # no folder made for it
+        train(readers.discover([str(empty)]), str(tmp_path / "new" / "t"), 300,
+              log=lambda m: None)
     assert sorted(os.listdir(tmp_path)) == ["e.jsonl"]
 
 

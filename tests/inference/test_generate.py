@@ -230,3 +230,18 @@ def test_rows_waiting_in_their_prompt_while_the_others_are_done(mp1, arm_runs):
         alone = generate_ids(loaded.model, prompts[1:], opts, codec.eod, codec.vocab_size,
                              first_index=1)
         assert batch[1] == alone[0]
+
+
+def test_an_empty_prompts_file_is_named(tmp_path):
+    """An empty --prompts file is its own line (was "no prompt: give --prompt ...")."""
+    import re
+
+    from kvtrain.config import ConfigError
+    from kvtrain.inference.generate import read_prompts
+
+    for name, text in (("p.txt", ""), ("p.jsonl", "\n  \n")):
+        (tmp_path / name).write_text(text)
+        for given in ([], ["a prompt"]):
+            with pytest.raises(ConfigError, match=re.escape(f"--prompts {tmp_path / name}: "
+                                                            "no prompt in it")):
+                read_prompts(given, str(tmp_path / name))
