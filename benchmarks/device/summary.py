@@ -68,8 +68,33 @@ def megatron_tokens_per_s(log: Path, tokens_per_iteration: int) -> float | None:
     return tokens_per_iteration / (statistics.median(times[1:]) / 1000)
 
 
+def tests_row(xml: Path) -> str | None:
+    """The `gpu` tests' counts from pytest's JUnit XML, and the failed ones by name."""
+    if not xml.exists():
+        return None
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(xml).getroot()
+    except ET.ParseError as e:
+        return f"tests  {xml.name} unreadable: {e}"
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    count = {k: sum(int(s.get(k, 0)) for s in suites)
+             for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{case.get('classname', '')}.{case.get('name', '')}"
+              for case in root.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    passed = count["tests"] - count["failures"] - count["errors"] - count["skipped"]
+    row = (f"tests  gpu: {passed} passed, {count['failures'] + count['errors']} failed, "
+           f"{count['skipped']} skipped")
+    return row + (f": {', '.join(failed)}" if failed else "")
+
+
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    tests = tests_row(out / "tests.xml")
+    if tests:
+        print(tests)
     for row in step_rows(out):
         print(row)
     paper = out / "step-paper.json"

@@ -99,6 +99,12 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     out.mkdir()
     for name in ("h2048", "paper"):
         (out / f"step-{name}.json").write_text(json.dumps(result))
+    (out / "tests.xml").write_text(  # pytest's JUnit XML, as `pytest --junit-xml` writes it
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" '
+        'failures="1" skipped="1" tests="4"><testcase classname="tests.a" name="test_x"/>'
+        '<testcase classname="tests.a" name="test_y"><failure message="boom"/></testcase>'
+        '<testcase classname="tests.b" name="test_z"><skipped/></testcase>'
+        '<testcase classname="tests.b" name="test_w"/></testsuite></testsuites>')
     (out / "checks.log").write_text("".join(
         f" [2026-11-26] iteration {5 * i:>8d}/20 | elapsed time per iteration (ms): {ms:.1f} |"
         f" throughput per GPU (TFLOP/s/GPU): 1.0 |\n" for i, ms in enumerate((900, 500, 520, 510))))
@@ -106,6 +112,7 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
                            str(out)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
+    assert lines[0] == "tests  gpu: 2 passed, 1 failed, 1 skipped: tests.a.test_y"
     ratio = result["ratio"]["step_time_median"]
     h2048 = next(i for i, line in enumerate(lines) if line.startswith("h2048"))
     assert f"time {ratio:.3f}" in lines[h2048] and "(<= 1.01)" in lines[h2048]
