@@ -6,8 +6,9 @@
 #   there: bash benchmarks/device/checks.sh [PART ...]           (carry: .gpu)
 #          e.g. run(command="bash benchmarks/device/checks.sh", carry=[".gpu"], timeout_s=580)
 #
-# PARTs, in this order by default (each under its own time limit; a part whose
-# limit no longer fits in DEADLINE seconds from the start is skipped and says so):
+# PARTs, in this order by default (each under its own time limit, cut to what is
+# left of DEADLINE seconds from the start; a part with under 60 s left is skipped
+# and says so):
 #   tests   the `gpu` tests (pytest -m gpu)                      -> checks.log, tests.xml
 #   kernel  benchmarks/shift_kernel.py --qkv at the h2048 shape, bf16: the shift's own
 #           time against vanilla's split, per kernel                       -> checks.log
@@ -28,15 +29,17 @@ parts=("$@")
 start=$(date +%s)
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/checks.log"; }
 
-# run NAME LIMIT CMD...: CMD under LIMIT seconds, its output into checks.log
+# run NAME LIMIT CMD...: CMD under LIMIT seconds (or what is left of DEADLINE),
+# its output into checks.log
 run() {
   local name=$1 limit=$2 left
   shift 2
   left=$((DEADLINE - ($(date +%s) - start)))
-  if [ "$limit" -gt "$left" ]; then
-    skipped+=("$name"); log "$name: skipped (needs ${limit}s, ${left}s left)"; return
+  if [ "$left" -lt 60 ]; then
+    skipped+=("$name"); log "$name: skipped (${left}s left of DEADLINE ${DEADLINE}s)"; return
   fi
-  log "$name: $*"
+  [ "$limit" -le "$left" ] || limit=$left
+  log "$name (limit ${limit}s): $*"
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/checks.log" | tail -n 25
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || failed+=("$name")
