@@ -72,8 +72,10 @@ of ``n`` heads instead). Measured against the standard layer
 (tests/faults/test_backend_faults.py). MLA refuses context parallelism, so the
 plan has no MLA CP case.
 
-The ``local`` backend (megatron's own ``DotProductAttention``, no flash)
-materialises the ``[b, a/t, s, s]`` scores: a buffer of them in the activation
+The ``local`` backend (megatron's own ``DotProductAttention``, no flash) keeps,
+with GQA, K and V repeated to every query head (``2(h - gd)`` more than the
+rotated K and V) and materialises the ``[b, a/t, s, s]`` scores: a buffer of
+them in the activation
 dtype (megatron's global memory buffer, one per GPU, reused by every layer), and
 per layer what the backward pass keeps: the softmax's fp32 output (scores are
 upcast, ``attention_softmax_in_fp32``), the probabilities in the activation dtype
@@ -182,8 +184,11 @@ def layer_activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_len
     e = activation_dtype_bytes(precision)
     norms = 4 * h / (t if parallel.sequence_parallel else 1)
     if model.mla is None:
-        attention_elements = ((h + 2 * gd) + h + kept_by_the_shift(model, parallel, backend, h,
-                                                                   gd)) / t
+        # the local spec's attention repeats K and V to every query head (GQA) and
+        # keeps those copies instead of the rotated K and V: 2(h - gd) more
+        expanded = 2 * (h - gd) if backend == "local" else 0
+        attention_elements = ((h + 2 * gd) + h + expanded
+                              + kept_by_the_shift(model, parallel, backend, h, gd)) / t
     else:
         attention_elements = mla_attention_elements(model, parallel)
     elements = norms + attention_elements + 3 * f / t

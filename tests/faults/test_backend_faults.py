@@ -336,6 +336,30 @@ def test_plan_counts_what_the_shift_keeps(mp1, groups, shift, backend, fixed):
 
 
 @pytest.mark.parametrize("backend", ["torch", "local"])
+@pytest.mark.parametrize("groups", [8, 4])
+@pytest.mark.parametrize("attention", ["vanilla", "kv_shift"])
+def test_plan_counts_a_whole_layer(mp1, attention, groups, backend):
+    """The plan's bytes for one whole layer are what autograd keeps, to the byte, once
+    what only the CPU keeps is added: torch's composite RMSNorm also keeps x·rstd and
+    rstd per norm (CUDA's fused kernel keeps rstd), megatron's unfused RoPE keeps
+    its cos/sin tables (two per rotated tensor, [s, 1, 1, d] each; per position, not
+    per token), and the local spec a [s, s] causal mask (bool)."""
+    from kvtrain.config import ModelConfig
+    from kvtrain.config.schema import ParallelConfig
+
+    seq, batch, h, heads = 64, 2, 256, 8
+    cfg = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=heads,
+                      num_query_groups=groups, ffn_hidden_size=512, vocab_size=128,
+                      make_vocab_size_divisible_by=64, max_position_embeddings=seq,
+                      attention=attention)
+    planned = layer_activation_bytes(cfg, ParallelConfig(), seq, batch, "fp32", backend=backend)
+    cpu_only = (4 * seq * batch * 2 * (h + 1)  # 2 norms: x·rstd [s, b, h] and rstd [s, b, 1]
+                + 4 * 4 * seq * (h // heads)   # RoPE: cos and sin for Q and for K
+                + (seq * seq if backend == "local" else 0))  # the causal mask
+    assert _kept_bytes(cfg, backend, seq, batch) == planned + cpu_only
+
+
+@pytest.mark.parametrize("backend", ["torch", "local"])
 @pytest.mark.parametrize("q_lora_rank", [None, 40])
 @pytest.mark.parametrize("attention", ["vanilla", "kv_shift", "fixed"])
 def test_plan_counts_what_mla_keeps(mp1, attention, q_lora_rank, backend):
