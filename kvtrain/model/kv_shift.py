@@ -418,7 +418,12 @@ class KVShiftMLASelfAttention(KVShiftMixin, MLAttention):
         doc_ids = self._resolve_doc_ids(key.shape[0], key.shape[1])
         if "k" in self.kv_shift.shift:
             d = self.config.qk_head_dim  # the no-RoPE part, per head
-            key = torch.cat([self._shift("k", key[..., :d], doc_ids), key[..., d:]], dim=-1)
+            nope = key[..., :d]
+            if not self.kv_shift.fixed:
+                # the shift keeps its input for the coefficients' gradient: a copy of
+                # this part, not a view that would hold the RoPE key's columns too
+                nope = nope.contiguous()
+            key = torch.cat([self._shift("k", nope, doc_ids), key[..., d:]], dim=-1)
         if "v" in self.kv_shift.shift:
             value = self._shift("v", value, doc_ids)
         if thd:

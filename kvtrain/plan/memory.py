@@ -61,10 +61,11 @@ and V width ``d_v``) keeps, in place of the standard Q, K, V and output:
   tensors of their own), V (``n·d_v``, a contiguous copy of the up projection's
   view) and output ``n·d_v``, split by ``t``. Nothing holds the projections'
   per-head outputs, so they are freed;
-* KV shifting (per tensor, every kernel): the shift saves its raw input, the
-  whole unshifted key (``n·d_q``: its shifted part is a view of it) for ``k`` and
-  the unshifted V copy (``n·d_v``) for ``v``, also when ``kv_shift.heads`` selects
-  a few heads (the shift runs on all of them), none with fixed coefficients;
+* KV shifting (per tensor, every kernel): the shift saves its raw input, a copy
+  of the key's no-RoPE part (``n·qk_head_dim``; a view would hold the RoPE key's
+  columns too) for ``k`` and the unshifted V copy (``n·d_v``) for ``v``, also when
+  ``kv_shift.heads`` selects a few heads (the shift runs on all of them), none
+  with fixed coefficients;
 
 that is ``2r + d_pe + 2r_q + n·(2d_q + 2d_v)`` plus ``n·d_q`` / ``n·d_v`` shifted,
 and flash attention's log-sum-exp of ``n`` heads as above (``local``: the scores
@@ -243,10 +244,10 @@ def mla_attention_elements(model: ModelConfig, parallel: ParallelConfig) -> floa
     fixed = model.kv_shift.heads is not None and model.kv_shift.heads.fixed
     if model.attention == "kv_shift" and not fixed:
         # The per-tensor shift saves its input for the coefficient gradients (none
-        # for fixed ones): all of the unshifted key (the shifted part is a view of
-        # it) and the V copy that the up projection's view was turned into.
+        # for fixed ones): a copy of the key's no-RoPE part, and the V copy that the
+        # up projection's view was turned into.
         shift = model.kv_shift.shift
-        heads += (m.q_head_dim if "k" in shift else 0) + (m.v_head_dim if "v" in shift else 0)
+        heads += (m.qk_head_dim if "k" in shift else 0) + (m.v_head_dim if "v" in shift else 0)
     sp = t if parallel.sequence_parallel else 1  # the latents are replicated over TP
     return latents / sp + model.num_attention_heads * heads / t
 
