@@ -23,6 +23,8 @@ A save that fails (a full disk, a quota, a read-only filesystem) stops the
 run: its ``.incomplete`` folder is removed, ``latest`` still names the
 previous checkpoint, and ``CheckpointError`` says why in one line (the OS
 error, e.g. "No space left on device", which megatron often buries or loses).
+When it fails on one rank while the marker is made, every rank stops with that
+rank's reason (``save_agreement``), none waits in a collective for it.
 Training on would fail every later save just the same, and a stop on a signal
 must not exit 0 without its checkpoint; Megatron-LM stops too.
 
@@ -92,6 +94,7 @@ from .integrity import (
     save_failure_reason, set_aside,
 )
 from .optimizer import inner_optimizers
+from .save_agreement import SaveFailed, gather_or_fail, on_rank0_or_fail
 from .step import sync_params
 
 log = logging.getLogger(__name__)
@@ -375,7 +378,9 @@ class Checkpointer:
             yield
         except (Exception, CheckpointException) as e:  # torch's is a BaseException
             work, iteration = self._pending
-            reason = save_failure_reason(e, self.root)  # before the removal frees space
+            # which rank failed and why, the same on every rank; else the OS error
+            # (found before the removal frees space)
+            reason = str(e) if isinstance(e, SaveFailed) else save_failure_reason(e, self.root)
             shutil.rmtree(work, ignore_errors=True)
             raise CheckpointError(
                 f"saving the checkpoint of iteration {iteration} ({work.name}) failed: {reason}; "
@@ -384,29 +389,34 @@ class Checkpointer:
 
     def _mark_complete(self, work: Path, state: TrainState, seconds: float) -> None:
         """Runs on every rank once all shards are written (megatron's finalize, which
-        writes metadata.json, has gathered every rank's results before this)."""
+        writes metadata.json, has gathered every rank's results before this). A step
+        that fails on any rank stops every rank with its reason (``save_agreement``)."""
         dist.barrier()
-        self.hooks.shards_written(work, state.iteration)
-        # Each rank checksums the shards it wrote (still in its page cache).
-        checksums = [None] * dist.get_world_size()
-        dist.all_gather_object(checksums, own_shards(work, self.rank))
-        if self.rank == 0:
-            known = {k: v for part in checksums for k, v in part.items()}
-            info = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
-                    "layout": current_layout(), "format": "torch_dist",
-                    "version": FORMAT_VERSION, "saved_at": time.time(),
-                    "save_seconds": round(seconds, 3),
-                    "manifest": build_manifest(work, known)}
-            atomic_write_text(work / MARKER, json.dumps(info, indent=1) + "\n")
-            final = self.root / checkpoint_name(state.iteration)
-            if final.exists():  # same iteration from a history not loaded: kept aside
-                set_aside(self.root, [final])
-            os.replace(work, final)
-            fsync_dir(os.fspath(self.root))
-            atomic_write_text(self.root / TRACKER, final.name + "\n")
-            self._cleanup(keep=final)
-        dist.barrier()
+
+        def own_part() -> dict:
+            self.hooks.shards_written(work, state.iteration)
+            return own_shards(work, self.rank)  # checksums, while in the page cache
+
+        checksums = gather_or_fail(own_part, self.root)
+        on_rank0_or_fail(lambda: self._publish(work, state, seconds, checksums), self.root)
         self.hooks.checkpoint_saved(self.root / checkpoint_name(state.iteration), state.iteration)
+
+    def _publish(self, work: Path, state: TrainState, seconds: float, checksums: list) -> None:
+        """Rank 0: the marker with the manifest, the rename to ``iter_N``, then ``latest``."""
+        known = {k: v for part in checksums for k, v in part.items()}
+        info = {"iteration": state.iteration, "consumed_samples": state.consumed_samples,
+                "layout": current_layout(), "format": "torch_dist",
+                "version": FORMAT_VERSION, "saved_at": time.time(),
+                "save_seconds": round(seconds, 3),
+                "manifest": build_manifest(work, known)}
+        atomic_write_text(work / MARKER, json.dumps(info, indent=1) + "\n")
+        final = self.root / checkpoint_name(state.iteration)
+        if final.exists():  # same iteration from a history not loaded: kept aside
+            set_aside(self.root, [final])
+        os.replace(work, final)
+        fsync_dir(os.fspath(self.root))
+        atomic_write_text(self.root / TRACKER, final.name + "\n")
+        self._cleanup(keep=final)
 
     def _cleanup(self, keep: Path) -> None:
         """Rank 0: drops half-written saves and complete checkpoints beyond keep_last."""

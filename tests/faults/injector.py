@@ -8,10 +8,13 @@
     {"nonfinite_grad_steps": [5]}  the gradients of step 5 become inf (finite loss)
     {"stop_after": 3}          step 3 carries a stop request (like SIGTERM)
     {"kill_at_step": 4}        SIGKILL at the start of step 4 (nothing saved for it)
+    {"fail_in_save": [4, 1]}   rank 1 fails (EIO) after iteration 4's shards are
+                               written, as a rank whose disk fails while it reads them back
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from pathlib import Path
@@ -27,13 +30,15 @@ def _die() -> None:
 class Faults(RunHooks):
     def __init__(self, kill_in_save: Optional[int] = None, kill_after_save: Optional[int] = None,
                  nonfinite_steps: Iterable[int] = (), stop_after: Optional[int] = None,
-                 kill_at_step: Optional[int] = None, nonfinite_grad_steps: Iterable[int] = ()):
+                 kill_at_step: Optional[int] = None, nonfinite_grad_steps: Iterable[int] = (),
+                 fail_in_save: Optional[tuple[int, int]] = None):
         self.kill_in_save = kill_in_save
         self.kill_after_save = kill_after_save
         self.nonfinite_steps = frozenset(nonfinite_steps)
         self.stop_after = stop_after
         self.kill_at_step = kill_at_step
         self.nonfinite_grad_steps = frozenset(nonfinite_grad_steps)
+        self.fail_in_save = tuple(fail_in_save) if fail_in_save else None
 
     def loss(self, iteration, loss_sum):
         if iteration in self.nonfinite_steps:
@@ -58,6 +63,11 @@ class Faults(RunHooks):
     def shards_written(self, work: Path, iteration: int) -> None:
         if iteration == self.kill_in_save:
             _die()
+        if self.fail_in_save is not None and self.fail_in_save[0] == iteration:
+            import torch.distributed as dist
+
+            if dist.get_rank() == self.fail_in_save[1]:
+                raise OSError(errno.EIO, "Input/output error", str(work))
 
     def checkpoint_saved(self, path: Path, iteration: int) -> None:
         if iteration == self.kill_after_save:

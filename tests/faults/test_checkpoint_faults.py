@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -306,3 +307,32 @@ def test_save_failure_reason_finds_the_os_error(tmp_path):
     assert "No space left on device" in save_failure_reason(wrapped, tmp_path)
     # nothing in the chain and room on the disk: the exception's first line
     assert save_failure_reason(RuntimeError("boom\nmore"), tmp_path) == "RuntimeError: boom"
+
+
+def test_a_save_failing_on_one_rank_stops_every_rank_with_its_reason(tmp_path, cache_dir):
+    """Two ranks. A rank that fails after writing its shards (rank 1, EIO), and rank 0
+    failing to move ``latest`` (a folder is in its way): every rank stops with the
+    same one line naming the failing rank and the OS error, instead of the others
+    waiting in a collective or reporting a closed connection; ``latest`` keeps
+    naming the last complete checkpoint."""
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        None, cache_dir, train={"max_steps": 4}, checkpoint={"save_interval": 2,
+                                                             "keep_last": None}))
+    (tmp_path / "in_the_way" / "checkpoints" / "latest").mkdir(parents=True)
+    jobs = [{"config": str(config), "run_dir": str(tmp_path / "rank1"), "expect": 2,
+             "faults": {"fail_in_save": [4, 1]}},
+            {"config": str(config), "run_dir": str(tmp_path / "in_the_way"), "expect": 2}]
+    result = run_driver(jobs, tmp_path / "plan.json", nproc=2, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    # (the two ranks share the pipe: their lines may run together)
+    errors = re.findall(r"kvtrain: checkpoint error: (.*?) is unchanged", out)
+    assert len(errors) == 4, out[-4000:]  # two ranks, two jobs
+    rank1 = [e for e in errors if _it(4) in e]
+    assert len(rank1) == 2 and all("rank 1: Input/output error" in e for e in rank1), errors
+    rank0 = [e for e in errors if _it(2) in e]
+    assert len(rank0) == 2 and all("rank 0: " in e and "Is a directory" in e for e in rank0)
+    ck = tmp_path / "rank1" / CK
+    assert (ck / "latest").read_text().strip() == _it(2) and not (ck / _it(4)).exists()
+    assert not list(ck.glob("*.incomplete"))
