@@ -93,6 +93,16 @@ def file_in_the_way(path: str | os.PathLike) -> str | None:
     return part if os.path.lexists(part) and not os.path.isdir(part) else None
 
 
+def not_a_folder(path: str | os.PathLike) -> str | None:
+    """Why the folder ``path`` cannot be used, in words: ``"PATH is a file, not a
+    folder"`` or ``"PATH: PART is a file, not a folder"`` (None: it can)."""
+    blocker = file_in_the_way(path)
+    if blocker is None:
+        return None
+    where = "" if blocker == os.path.abspath(os.fspath(path)) else f": {blocker}"
+    return f"{os.fspath(path)}{where} is a file, not a folder"
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_open(path, "wb") as f:
         f.write(data)

@@ -211,12 +211,11 @@ def check_before_building(config: Path, run_dir: Path, overrides: list[str], npr
     """A bad --set or a --run-dir that is a file: one line before the data is
     built and before --fresh clears the arms (the data overrides come later:
     they only point at the data)."""
-    from data_tools.fileio import file_in_the_way
+    from data_tools.fileio import not_a_folder
     from kvtrain.config import ConfigError, load_config
 
-    if blocker := file_in_the_way(run_dir):
-        where = "" if blocker == os.path.abspath(run_dir) else f": {blocker}"
-        raise ConfigError(f"--run-dir {run_dir}{where} is a file, not a folder")
+    if why := not_a_folder(run_dir):
+        raise ConfigError(f"--run-dir {why}")
     for arm in ARMS:
         load_config(config, overrides + [f"model.attention={arm}"], world_size=nproc)
 

@@ -59,11 +59,10 @@ def run(args) -> int:
 def check_output_folders(cfg, run_dir, run_dir_key: str) -> None:
     """A file where a folder of the run would go (a typo in --run-dir or a
     *.dir key) is one line here, not a traceback from every rank."""
-    from data_tools.fileio import file_in_the_way
+    from data_tools.fileio import not_a_folder
     from kvtrain.config import ConfigError
 
     for key, path in ((run_dir_key, run_dir), ("checkpoint.dir", cfg.checkpoint.dir),
                       ("data.cache_dir", cfg.data.cache_dir), ("wandb.dir", cfg.wandb.dir)):
-        if path is not None and (blocker := file_in_the_way(os.path.expanduser(path))):
-            where = "" if blocker == os.path.abspath(os.path.expanduser(path)) else f": {blocker}"
-            raise ConfigError(f"{key} {path}{where} is a file, not a folder")
+        if path is not None and (why := not_a_folder(os.path.expanduser(path))):
+            raise ConfigError(f"{key} {why}")

@@ -44,8 +44,7 @@ def coefficients_per_tensor(ks: "KVShiftConfig") -> int:
 
 def shift_coefficients(model: "ModelConfig") -> int:
     """Learnable KV-shift scalars per KV head (4 for the paper's K and V, window 1)."""
-    heads = model.kv_shift.heads
-    if model.attention != "kv_shift" or (heads is not None and heads.fixed):
+    if model.attention != "kv_shift" or model.kv_shift.fixed:
         return 0
     return coefficients_per_tensor(model.kv_shift) * len(model.kv_shift.shift)
 

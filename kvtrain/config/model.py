@@ -43,6 +43,11 @@ class KVShiftConfig:
     ``torch`` - torch ops, anywhere; ``auto`` - triton on a GPU where it
     imports, native on the CPU where it builds, else torch."""
 
+    @property
+    def fixed(self) -> bool:
+        """The coefficients are fixed, not learned (``heads.fixed``)."""
+        return self.heads is not None and self.heads.fixed
+
 
 @dataclass
 class ShiftHeadsConfig:

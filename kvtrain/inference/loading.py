@@ -56,7 +56,9 @@ def find_checkpoint(source: str | Path) -> Path:
     the one ``latest`` names, else the newest complete checkpoint folder.
     ConfigError (one line) when there is none."""
     from kvtrain.train.checkpoint import is_complete
-    from kvtrain.train.integrity import MARKER, check_checkpoint, checkpoint_folders, read_tracker
+    from kvtrain.train.integrity import (
+        MARKER, check_checkpoint, checkpoint_folders, read_tracker, warn,
+    )
 
     source = Path(source).expanduser()
     if not source.exists():
@@ -74,8 +76,10 @@ def find_checkpoint(source: str | Path) -> Path:
                 continue
             problem = check_checkpoint(candidate, "sizes").problem
             if not problem:
-                for path, why in skipped:
-                    _warn(f"checkpoint {path} is damaged ({why}); using {candidate}")
+                if os.environ.get("RANK", "0") == "0":  # every rank looks it up: one says it
+                    for path, why in skipped:
+                        print(warn(f"checkpoint {path} is damaged ({why}); using {candidate}"),
+                              file=sys.stderr, flush=True)
                 return candidate
             if (candidate, problem) not in skipped:
                 skipped.append((candidate, problem))
@@ -83,12 +87,6 @@ def find_checkpoint(source: str | Path) -> Path:
         path, why = skipped[0]
         raise ConfigError(f"{source}: every complete checkpoint is damaged ({path}: {why})")
     raise ConfigError(f"{source} holds no complete kvtrain checkpoint")
-
-
-def _warn(message: str) -> None:
-    """One line on stderr, from the first rank only (every rank looks the checkpoint up)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"kvtrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def saved_config(checkpoint: str | Path) -> tuple[RunConfig, int]:

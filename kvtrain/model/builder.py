@@ -47,13 +47,12 @@ def kv_shift_options(model: ModelConfig, seed: int,
     """The layer options of ``model.kv_shift``; ``kernel`` (resolved by the trainer,
     ``shift_kernels.choose_kernel``) overrides its ``kernel``."""
     ks = model.kv_shift
-    heads, fixed = (), False
+    heads = ()
     if ks.heads is not None:
         heads = tuple((t, tuple(getattr(ks.heads, t))) for t in ks.shift
                       if getattr(ks.heads, t) is not None)
-        fixed = ks.heads.fixed
     return KVShiftOptions(shift=tuple(ks.shift), window=ks.window, mode=ks.mode, seed=seed,
-                          heads=heads, fixed=fixed, kernel=kernel or ks.kernel)
+                          heads=heads, fixed=ks.fixed, kernel=kernel or ks.kernel)
 
 
 def mla_settings(model: ModelConfig) -> dict:

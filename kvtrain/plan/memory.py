@@ -219,10 +219,9 @@ def kept_by_the_shift(model: ModelConfig, parallel: ParallelConfig, backend: str
     shift = model.kv_shift.shift
     if model.attention != "kv_shift":
         return h + gd if v_view else 0  # the QKV output's Q and K, held by V
-    fixed = model.kv_shift.heads is not None and model.kv_shift.heads.fixed
     if parallel.context == 1 and sorted(shift) == ["k", "v"]:
-        return 0 if fixed else 2 * gd  # the raw K/V copy (for learned coefficients)
-    if fixed:  # the shift keeps no input: only an unshifted V (a view) holds the output
+        return 0 if model.kv_shift.fixed else 2 * gd  # the raw K/V copy (learned coefficients)
+    if model.kv_shift.fixed:  # the shift keeps no input: only an unshifted V (a view) holds the output
         return h + gd if v_view and "v" not in shift else 0
     # The QKV output, held by the shift's raw views (V's share counted already where V
     # is not shifted and attention keeps it as a view); with GQA a shifted query is a
@@ -241,8 +240,7 @@ def mla_attention_elements(model: ModelConfig, parallel: ParallelConfig) -> floa
     # holds the RoPE key's columns too; the up projections save the norms' outputs.
     latents = 2 * m.kv_lora_rank + m.qk_pos_emb_head_dim + 2 * (m.q_lora_rank or 0)
     heads = 2 * m.q_head_dim + 2 * m.v_head_dim  # Q, K; V and attention's output
-    fixed = model.kv_shift.heads is not None and model.kv_shift.heads.fixed
-    if model.attention == "kv_shift" and not fixed:
+    if model.attention == "kv_shift" and not model.kv_shift.fixed:
         # The per-tensor shift saves its input for the coefficient gradients (none
         # for fixed ones): a copy of the key's no-RoPE part, and the V copy that the
         # up projection's view was turned into.

@@ -94,7 +94,7 @@ from .integrity import (
     save_failure_reason, set_aside,
 )
 from .optimizer import inner_optimizers
-from .save_agreement import SaveFailed, gather_or_fail, on_rank0_or_fail
+from .save_agreement import gather_or_fail, on_rank0_or_fail
 from .step import sync_params
 
 log = logging.getLogger(__name__)
@@ -378,9 +378,7 @@ class Checkpointer:
             yield
         except (Exception, CheckpointException) as e:  # torch's is a BaseException
             work, iteration = self._pending
-            # which rank failed and why, the same on every rank; else the OS error
-            # (found before the removal frees space)
-            reason = str(e) if isinstance(e, SaveFailed) else save_failure_reason(e, self.root)
+            reason = save_failure_reason(e, self.root)  # before the removal frees space
             shutil.rmtree(work, ignore_errors=True)
             raise CheckpointError(
                 f"saving the checkpoint of iteration {iteration} ({work.name}) failed: {reason}; "

@@ -301,12 +301,20 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^\n:']+)")
 
 
+class SaveFailed(Exception):
+    """A save failed on some rank; ``str`` says which ranks and why, and every rank
+    raises it (``kvtrain.train.save_agreement``)."""
+
+
 def save_failure_reason(exc: BaseException, folder: Path) -> str:
-    """Why a save failed, in a few words: the operating system's error when one
+    """Why a save failed, in a few words: the failing ranks' reasons when the ranks
+    agreed on them (:class:`SaveFailed`); the operating system's error when one
     is in the exception chain (megatron re-raises it as "Worker failure:
     [Errno 28] ..." or loses it: torch.save on a full disk says "unexpected pos
     704 vs 598"), else what a small write into ``folder`` fails with now, else
     the exception's first line."""
+    if isinstance(exc, SaveFailed):
+        return str(exc)
     for e in _chain(exc):
         if isinstance(e, OSError) and e.strerror:
             return e.strerror

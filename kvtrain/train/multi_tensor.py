@@ -8,8 +8,8 @@ copies main params into model params in some optimizers) with
 back to ``megatron.core.utils.local_multi_tensor_l2_norm``, which launches a
 norm kernel per gradient tensor and then builds ``torch.tensor`` from the list
 of their CUDA results: **a device-to-host copy and a stream sync per tensor**,
-every step (about 250 for the paper's 28-layer 1.5B model; every KV-shift
-coefficient tensor adds one), plus ``local_multi_tensor_scale``, two kernels
+every step (about 170 for the paper's 28-layer 1.5B model, 225 with KV shift:
+every coefficient tensor adds one), plus ``local_multi_tensor_scale``, two kernels
 per tensor.
 
 :func:`install` replaces those two fallbacks, where megatron chose them, with

@@ -17,13 +17,9 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from .integrity import save_failure_reason
+from .integrity import SaveFailed, save_failure_reason
 
 T = TypeVar("T")
-
-
-class SaveFailed(Exception):
-    """A save failed on some rank; ``str`` says which ranks and why (raised on all)."""
 
 
 def _why(rank: int, error: BaseException, root: Path) -> str:
