@@ -109,3 +109,27 @@ def test_on_a_gpu_the_norm_and_the_scale_never_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert got.device.type == "cuda"
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("module,kind", [
+    ("transformer_engine.pytorch.optimizers", "transformer_engine"), ("amp_C", "apex")])
+def test_with_te_or_apex_their_kernels_stay(module, kind):
+    """Where megatron found TE's or apex's kernels, install leaves them in place and
+    says whose they are (stand-ins here: neither installs on these machines)."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    def fused(*args):
+        raise AssertionError("not called here")
+
+    fused.__module__ = module
+    saved = (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl,
+             optimizer.multi_tensor_scale_impl)
+    clip_grads.l2_norm_impl = clip_grads.multi_tensor_scale_impl = fused
+    optimizer.multi_tensor_scale_impl = fused
+    try:
+        assert multi_tensor.install() == kind
+        assert clip_grads.l2_norm_impl is fused and clip_grads.multi_tensor_scale_impl is fused
+        assert optimizer.multi_tensor_scale_impl is fused
+    finally:
+        (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl,
+         optimizer.multi_tensor_scale_impl) = saved
