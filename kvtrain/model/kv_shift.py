@@ -141,6 +141,19 @@ def initial_parameter(num_heads: int, opts: KVShiftOptions, layer_number: int,
 
 
 # ----------------------------------------------------------------------------- megatron modules
+class _CallState:
+    """What one forward call tells the shift, read by the hooks megatron's forward
+    calls (``get_query_key_value_tensors``): kept in a plain object, since setting
+    a module attribute goes through ``nn.Module.__setattr__`` (a microsecond each,
+    four per layer per call: host time a small GPU step cannot hide)."""
+
+    __slots__ = ("doc_ids", "inference")
+
+    def __init__(self) -> None:
+        self.doc_ids: Optional[tuple] = None  # (kind, value) of this forward's documents
+        self.inference = None  # megatron's inference context while decoding
+
+
 class KVShiftMixin:
     """The KV shift of an attention module: coefficients, documents, decoding, checkpoints.
 
@@ -170,11 +183,13 @@ class KVShiftMixin:
         local = groups // tp_size
         self._tp_slice = slice(tp_rank * local, (tp_rank + 1) * local)
         device = next(self.parameters()).device  # the projections exist already
+        self._head_masks: dict[str, str] = {}  # tensor -> name of its head-selection buffer
         for tensor in kv_shift.shift:
             selected = kv_shift.selected_heads(tensor)
             if selected is not None:  # bool [local]: which of this rank's heads shift
                 mask = torch.zeros(groups, dtype=torch.bool)
                 mask[list(selected)] = True
+                self._head_masks[tensor] = f"_heads_{tensor}"
                 self.register_buffer(f"_heads_{tensor}", mask[self._tp_slice].to(device),
                                      persistent=False)
             if kv_shift.fixed:
@@ -189,8 +204,7 @@ class KVShiftMixin:
             fixed = torch.tensor([0.0, 1.0]).expand(local, 2)
             self.register_buffer("_fixed_coef", fixed.to(device, config.params_dtype),
                                  persistent=False)
-        self._doc_ids: Optional[tuple] = None  # (kind, value) of this forward's documents
-        self._inference = None
+        self._call = _CallState()
 
     # -- the shift ---------------------------------------------------------------
     def coefficients(self, tensor: str) -> Tensor:
@@ -199,8 +213,8 @@ class KVShiftMixin:
             coef = self._fixed_coef
         else:
             coef = effective_coefficients(getattr(self, PARAM_NAMES[tensor]), self.kv_shift.mode)
-        mask = getattr(self, f"_heads_{tensor}", None)
-        if mask is not None:  # the heads not selected keep their own token
+        if tensor in self._head_masks:  # the heads not selected keep their own token
+            mask = getattr(self, self._head_masks[tensor])
             identity = torch.zeros_like(coef)
             identity[:, 0] = 1.0
             coef = torch.where(mask[:, None], coef, identity)
@@ -222,11 +236,11 @@ class KVShiftMixin:
     def _global_doc_ids(self) -> Optional[Tensor]:
         """Under context parallelism: ``[b, S]`` document ids of the whole sequence
         (the halo's documents), or None."""
-        if self._inference is not None and not self.training:
+        if self._call.inference is not None and not self.training:
             raise ValueError("KV-shift decoding with context parallelism is not supported")
-        if self._doc_ids is None:
+        if self._call.doc_ids is None:
             return None
-        kind, value = self._doc_ids
+        kind, value = self._call.doc_ids
         if kind != "ids":
             raise ValueError("KV shift with context parallelism takes packed documents as "
                              "kvtrain's DocumentParams only (not THD or a mask)")
@@ -235,31 +249,31 @@ class KVShiftMixin:
     def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
         # get_query_key_value_tensors does not see the mask, packing or the
         # inference context: note them here for the shift.
-        self._inference = kwargs.get("inference_context") or kwargs.get("inference_params")
+        call = self._call
+        call.inference = kwargs.get("inference_context") or kwargs.get("inference_params")
         if len(args) >= 2 and args[1] is not None:  # (key_value_states, inference_context, ...)
-            self._inference = args[1]
-        self._doc_ids = None
+            call.inference = args[1]
+        call.doc_ids = None
         if isinstance(packed_seq_params, DocumentParams):  # the trainer's packed documents
-            self._doc_ids = ("ids", packed_seq_params)
+            call.doc_ids = ("ids", packed_seq_params)
         elif packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q_padded
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
-            self._doc_ids = ("thd", cu)
+            call.doc_ids = ("thd", cu)
         elif attention_mask is not None:  # a caller's own mask (megatron's inference wrappers)
-            self._doc_ids = ("mask", attention_mask)
+            call.doc_ids = ("mask", attention_mask)
         try:
             return super().forward(hidden_states, attention_mask, *args,
                                    packed_seq_params=packed_seq_params, **kwargs)
         finally:
-            self._doc_ids = None
-            self._inference = None
+            call.doc_ids = call.inference = None
 
     def _resolve_doc_ids(self, s: int, b: int) -> Optional[Tensor]:
         """``[s, b]`` document ids of the tokens being shifted (None: one document)."""
-        if self._doc_ids is None:
+        if self._call.doc_ids is None:
             return None
-        kind, value = self._doc_ids
+        kind, value = self._call.doc_ids
         if kind == "ids":
             return value.doc_ids.transpose(0, 1)  # [b, s] -> [s, b]
         if kind == "thd":
@@ -268,7 +282,7 @@ class KVShiftMixin:
 
     # -- incremental decoding ------------------------------------------------------
     def _decoding(self) -> bool:
-        ctx = self._inference
+        ctx = self._call.inference
         if ctx is None or self.training:
             return False
         if not ctx.is_static_batching():
@@ -287,7 +301,7 @@ class KVShiftMixin:
         indexed ``[:, batch]`` like megatron's own entries, so that
         ``swap_key_value_dict`` (beam search) reorders it with the KV cache.
         """
-        ctx = self._inference
+        ctx = self._call.inference
         w = self.kv_shift.window
         slot = f"kv_shift.{name}.{self.layer_number}"
         start = ctx.batch_size_offset
