@@ -19,13 +19,17 @@
 #           default 28 on a card of > 120 GiB, else 12), micro 4, global 8   -> step-paper.json
 #   mlm     Megatron-LM's pretrain_gpt.py on the same shape, batch and card
 #           (--transformer-impl local, mock data, tied embeddings as the config)
+#   kernels the small shape with the shift on torch ops instead of Triton, and
+#           configs/bench/host.yaml (a host-bound step) with each: which kernel a
+#           launch-bound step should take      -> step-small-torchops.json,
+#                                                  step-host-{triton,torchops}.json
 # Everything printed goes to $OUT/checks.log; $OUT/env.txt says what ran where, and
 # $OUT/summary.txt (benchmarks/device/summary.py) puts each target beside its goal.
 set -u
 : "${OUT:?set OUT to the folder that comes back}"
 DEADLINE=${DEADLINE:-540}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests kernel small h2048 paper mlm)
+[ ${#parts[@]} -gt 0 ] || parts=(tests kernel small h2048 paper mlm kernels)
 start=$(date +%s)
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/checks.log"; }
 
@@ -59,7 +63,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   python3 -c 'import sys, torch, triton, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "megatron-core", m.__version__, "cuda", torch.version.cuda)'
   git log -1 --format='kvtrain %H %s' 2>/dev/null || true
-  cat .gpu/megatron-lm/COMMIT 2>/dev/null | sed 's/^/megatron-lm core_v0.16.1 /'
+  sed 's/^/megatron-lm core_v0.16.1 /' .gpu/megatron-lm/COMMIT 2>/dev/null
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
@@ -93,7 +97,16 @@ for part in "${parts[@]}"; do
              --adam-beta2 0.95 --train-iters 20 --eval-iters 0 --log-interval 5 \
              --log-throughput --no-gradient-accumulation-fusion --no-masked-softmax-fusion \
              --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm ;;
-    *) log "unknown part $part (tests, kernel, small, h2048, paper, mlm)" ;;
+    kernels)
+           run small-torchops 60 python3 benchmarks/step.py configs/bench/small.yaml \
+             --backend torch --set model.kv_shift.kernel=torch \
+             --json "$OUT/step-small-torchops.json"
+           for k in triton torch; do
+             run "host ($k)" 60 python3 benchmarks/step.py configs/bench/host.yaml \
+               --backend torch --set model.kv_shift.kernel=$k --steps 200 --warmup 10 \
+               --json "$OUT/step-host-${k/torch/torchops}.json"
+           done ;;
+    *) log "unknown part $part (tests, kernel, small, h2048, paper, mlm, kernels)" ;;
   esac
 done
 python3 benchmarks/device/summary.py "$OUT" | tee "$OUT/summary.txt"

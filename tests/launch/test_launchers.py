@@ -24,6 +24,7 @@ def test_shellcheck_passes():
     if not ensure_tools(["shellcheck"], ["shellcheck"]):
         pytest.skip("shellcheck is not installed and cannot be installed here")
     files = sorted(str(p) for p in (REPO / "launch").iterdir() if p.is_file())
+    files += sorted(str(p) for p in (REPO / "benchmarks" / "device").glob("*.sh"))
     assert files
     out = subprocess.run(["shellcheck", "--external-sources", *files], capture_output=True,
                          text=True, timeout=120)
