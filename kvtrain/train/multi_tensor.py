@@ -32,8 +32,10 @@ def foreach_l2_norm(chunk_size: int, noop_flag: Tensor, tensor_lists: list[list[
     tensors = tensor_lists[0]
     if not tensors:
         return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
-    norms = torch._foreach_norm(tensors)  # one 0-dim norm per tensor, in its dtype
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    # one 0-dim fp32 norm per tensor (low-precision grads accumulate in fp32, as
+    # megatron's kernels do), then one norm of them: no op per tensor on the host
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    total = torch.linalg.vector_norm(torch.stack(norms))
     return total.reshape(1), None
 
 
