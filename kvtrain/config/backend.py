@@ -56,6 +56,10 @@ class BackendChoice:
     """What computes the optimizer's multi-tensor ops (gradient norm, clipping):
     ``transformer_engine``, ``apex`` or ``torch foreach (kvtrain)``
     (``kvtrain.train.multi_tensor``); None before the optimizer is built."""
+    rope: Optional[str] = None
+    """What rotates queries and keys (``model.rope_kernel`` resolved: ``triton`` or
+    ``torch``, and why; ``kvtrain.model.rope``); None where not resolved (tools
+    that only read a config)."""
 
     def describe(self) -> str:
         """One line for stdout: ``backend torch (auto: no GPU; fused softmax: no)``,
@@ -65,13 +69,14 @@ class BackendChoice:
     def details(self) -> str:
         """Why this backend and its kernels: ``auto: no GPU; fused softmax: no``, plus
         ``; documents: <kernel>`` when documents are separated and ``; KV shift:
-        <kernel>`` for KV-shift attention, and ``; multi-tensor ops: <kernels>``
-        once the optimizer is built."""
+        <kernel>`` for KV-shift attention, ``; RoPE: <kernel>``, and ``; multi-tensor
+        ops: <kernels>`` once the optimizer is built."""
         fused = "yes" if self.fused_softmax else "no"
         docs = f"; documents: {self.documents}" if self.documents else ""
         shift = f"; KV shift: {self.shift_kernel}" if self.shift_kernel else ""
+        rope = f"; RoPE: {self.rope}" if self.rope else ""
         multi = f"; multi-tensor ops: {self.multi_tensor}" if self.multi_tensor else ""
-        return f"{self.reason}; fused softmax: {fused}{docs}{shift}{multi}"
+        return f"{self.reason}; fused softmax: {fused}{docs}{shift}{rope}{multi}"
 
     @property
     def warning(self) -> Optional[str]:

@@ -144,6 +144,12 @@ class ModelConfig:
     """Positional encoding: RoPE, or none (used by analysis tests)."""
     rotary_base: int = 100000
     """RoPE base (the paper uses 100000)."""
+    rope_kernel: Literal["auto", "triton", "torch"] = "auto"
+    """What rotates queries and keys (resolved once per start, printed and recorded
+    with the backend): ``triton`` - one pass over memory each way (GPU, not MLA;
+    kvtrain.model.rope); ``torch`` - megatron's torch ops (~12 passes forward,
+    ~10 backward per tensor); ``auto`` - ``triton`` for the ``torch`` backend on a
+    GPU where Triton imports, else ``torch``."""
     norm_epsilon: float = 1e-5
     """RMSNorm epsilon."""
     init_method_std: float = 0.02

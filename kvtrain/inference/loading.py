@@ -145,7 +145,11 @@ def load_model(source: str | Path, backend: str = "auto",
         from kvtrain.model.shift_kernels import choose_kernel
 
         shift_kernel = choose_kernel("auto", torch.cuda.is_available(), dtype)[0]
-    model = build_gpt(cfg.model, transformer_config(cfg.model, parallel, numerics),
+    from kvtrain.model.rope import choose_rope
+
+    rope_kernel = choose_rope("auto", name, torch.cuda.is_available(), cfg.model.mla is not None)[0]
+    model = build_gpt(cfg.model, transformer_config(cfg.model, parallel, numerics,
+                                                    rope_fusion=rope_kernel == "triton"),
                       seed=cfg.train.seed, backend=name, shift_kernel=shift_kernel)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -19,6 +19,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from kvtrain.config.schema import ModelConfig, ParallelConfig
 
 from .init_streams import own_streams, seeded_layer_spec
+from . import rope
 from .kv_shift import KVShiftOptions
 from .specs import Backend, block_spec, fused_softmax_available, layer_spec, resolve_backend
 
@@ -77,9 +78,16 @@ def transformer_config(
     numerics: Numerics = Numerics(),
     use_cpu_initialization: Optional[bool] = None,
     perform_initialization: bool = True,
+    rope_fusion: bool = False,
 ) -> TransformerConfig:
-    """The ``TransformerConfig`` of a Llama-style decoder (RMSNorm, SwiGLU, no biases)."""
+    """The ``TransformerConfig`` of a Llama-style decoder (RMSNorm, SwiGLU, no biases).
+
+    ``rope_fusion`` (``rope.choose_rope`` took ``triton``): megatron applies RoPE with
+    the kernel in its fused-RoPE slot, kvtrain's where TE left it empty
+    (``kvtrain.model.rope``); else with its torch ops."""
     parallel = parallel or ParallelConfig()
+    if rope_fusion:
+        rope.install()
     on_gpu = torch.cuda.is_available()
     if use_cpu_initialization is None:
         use_cpu_initialization = not on_gpu
@@ -127,7 +135,7 @@ def transformer_config(
         bias_activation_fusion=False,
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=fused_softmax_available(),
-        apply_rope_fusion=False,
+        apply_rope_fusion=rope_fusion,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=use_cpu_initialization,

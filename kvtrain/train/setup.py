@@ -154,8 +154,8 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     numerics = Numerics.from_precision(t.precision)
     if numerics.fp16 and not torch.cuda.is_available():
         raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
-    backend, shift_kernel = _resolve_backend(cfg, numerics)  # once per run: every chunk
-    tconfig = transformer_config(cfg.model, p, numerics)
+    backend, shift_kernel, rope_fusion = _resolve_backend(cfg, numerics)  # once per run
+    tconfig = transformer_config(cfg.model, p, numerics, rope_fusion=rope_fusion)
     # Set before DDP is built (DDP reads it): gradients are divided by the token
     # count of the global batch in finalize_model_grads, not by DP size.
     tconfig.calculate_per_token_loss = True
@@ -203,23 +203,32 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     )
 
 
-def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Optional[str]]:
-    """The run's backend on this machine, with how it keeps documents apart and what
-    computes the KV shift (refusing what it cannot do), and the shift's kernel."""
+def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Optional[str], bool]:
+    """The run's backend on this machine, with how it keeps documents apart, what
+    computes the KV shift and RoPE (refusing what it cannot do); the shift's kernel,
+    and whether RoPE takes megatron's fused slot."""
     from kvtrain.config.backend import check_document_masks, document_attention
+    from kvtrain.model import rope
     from kvtrain.model.shift_kernels import choose_kernel
     from kvtrain.model.specs import backend_choice
 
+    cuda = torch.cuda.is_available()
     backend = backend_choice(cfg.model.backend)
     check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
     if cfg.data.reset_attention_mask:
         backend = dataclasses.replace(backend, documents=document_attention(
-            backend.name, torch.cuda.is_available(), cfg.model.attention_dropout))
+            backend.name, cuda, cfg.model.attention_dropout))
+    rope_kernel, why = rope.choose_rope(cfg.model.rope_kernel, backend.name, cuda,
+                                        mla=cfg.model.mla is not None)
+    fused = rope_kernel == "triton"
+    if fused and rope.install() != "triton":
+        why += "; megatron's fused-RoPE slot holds Transformer Engine's kernel"
+        rope_kernel = "transformer_engine"
+    backend = dataclasses.replace(backend, rope=f"{rope_kernel} ({why})")
     if cfg.model.attention != "kv_shift":
-        return backend, None
-    kernel, why = choose_kernel(cfg.model.kv_shift.kernel, torch.cuda.is_available(),
-                                numerics.params_dtype)
-    return dataclasses.replace(backend, shift_kernel=f"{kernel} ({why})"), kernel
+        return backend, None, fused
+    kernel, why = choose_kernel(cfg.model.kv_shift.kernel, cuda, numerics.params_dtype)
+    return dataclasses.replace(backend, shift_kernel=f"{kernel} ({why})"), kernel, fused
 
 
 def _documents(cfg: RunConfig, datasets, backend: str) -> Optional[Callable]:

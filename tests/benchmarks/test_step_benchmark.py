@@ -170,3 +170,21 @@ def test_device_checks_without_prepared_wheels_say_so_in_one_line(tmp_path):
     assert done.stdout.strip().splitlines() == [
         "checks.sh: .gpu/whl has no megatron-core wheel: run benchmarks/device/prepare.sh "
         "here and carry .gpu"]
+
+
+def test_device_smoke_turns_off_a_kernel_that_fails(tmp_path):
+    """benchmarks/device/smoke.py (checks.sh's first step on a lent GPU): each Triton
+    kernel that cannot run gives the --set that turns it off, and the script itself
+    does not fail. Without a GPU both fail here; with one both run."""
+    import torch
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device" / "smoke.py")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    if torch.cuda.is_available():
+        assert lines[-1] == "smoke-off:", lines
+    else:
+        assert lines[-1] == ("smoke-off: --set model.kv_shift.kernel=torch "
+                             "--set model.rope_kernel=torch"), lines
+        assert sum("triton FAILED" in line for line in lines) == 2, lines

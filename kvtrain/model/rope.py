@@ -1,0 +1,117 @@
+"""Which code applies RoPE to queries and keys (``model.rope_kernel``), and the
+fused one kvtrain brings.
+
+megatron's attention calls ``rope_utils.apply_rotary_pos_emb``; with
+``apply_rope_fusion`` that calls ``rope_utils.fused_apply_rotary_pos_emb``,
+Transformer Engine's kernel where TE is installed and None without it. Without
+TE, kvtrain fills that slot with :func:`fused_rope` (one Triton pass each way,
+``kvtrain.model.triton_rope``) and sets ``apply_rope_fusion`` on the runs that
+chose it; megatron then keeps to its own torch ops wherever the fused kernel
+does not apply (``mscale != 1``, mRoPE), and MLA and packed THD sequences never
+take it (``choose_rope``).
+
+Choices (``auto | triton | torch``), resolved once per start and recorded with
+the backend:
+
+* ``auto``: ``triton`` for the ``torch`` backend on a GPU where Triton imports,
+  else ``torch``. The ``te`` and ``local`` backends keep megatron's RoPE under
+  ``auto`` (``local`` is the reference; TE's own fused RoPE is not switched on
+  by kvtrain);
+* ``triton``: the fused kernel (a GPU, not MLA), refused in one line elsewhere;
+* ``torch``: megatron's torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import triton_rope
+
+KERNELS = ("auto", "triton", "torch")
+
+
+def choose_rope(requested: str, backend: str, cuda: bool, mla: bool) -> tuple[str, str]:
+    """The RoPE kernel for ``model.rope_kernel: requested`` on ``backend``: (name, why).
+    ConfigError when the requested one cannot run here."""
+    from kvtrain.config import ConfigError
+
+    key = f"model.rope_kernel: {requested}"
+    if requested not in KERNELS:
+        raise ConfigError(f"model.rope_kernel must be auto, triton or torch, got {requested!r}")
+    if requested == "torch":
+        return "torch", key
+    if requested == "triton":
+        if not cuda:
+            raise ConfigError(f"{key} needs a GPU (use auto or torch on the CPU)")
+        if mla:
+            raise ConfigError(f"{key}: multi-latent attention applies its own RoPE "
+                              f"(use auto or torch with model.mla)")
+        if not triton_rope.available():
+            raise ConfigError(f"{key}, but Triton is not installed (use torch)")
+        return "triton", key
+    if not cuda:
+        return "torch", "auto: no GPU"
+    if mla:
+        return "torch", "auto: multi-latent attention"
+    if backend != "torch":
+        return "torch", f"auto: the {backend} backend keeps megatron's RoPE"
+    if not triton_rope.available():
+        return "torch", "auto: Triton is not installed"
+    return "triton", "auto: GPU"
+
+
+def install() -> str:
+    """Fills megatron's fused-RoPE slot with :func:`fused_rope` where TE left it empty
+    (before a ``TransformerConfig`` with ``apply_rope_fusion`` is made: it checks
+    the slot), and says what the slot holds: ``triton`` (kvtrain's), or
+    ``transformer_engine`` where TE's kernel was there and stays."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_rope
+    return "triton" if rope_utils.fused_apply_rotary_pos_emb is fused_rope else "transformer_engine"
+
+
+def fused_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
+    """megatron's ``fused_apply_rotary_pos_emb`` contract: ``t [s, b, h, d]`` rotated by
+    the angles ``freqs [s, 1, 1, r]`` (``r <= d``, even); a new tensor."""
+    if interleaved:
+        raise ValueError("kvtrain's fused RoPE rotates halves, not interleaved pairs "
+                         "(rotary_interleaved: use model.rope_kernel: torch)")
+    s, _, _, d = t.shape
+    r = freqs.shape[-1]
+    if (freqs.dim() != 4 or freqs.shape[0] != s or freqs.shape[1] != 1
+            or freqs.shape[2] != 1 or r % 2 or r > d):
+        raise ValueError(f"fused RoPE expects freqs [s, 1, 1, r] with r even and <= d for "
+                         f"t {tuple(t.shape)}, got {tuple(freqs.shape)}")
+    if freqs.requires_grad:
+        raise ValueError("fused RoPE takes fixed angles (freqs without gradient)")
+    return FusedRoPE.apply(t, freqs)
+
+
+class FusedRoPE(torch.autograd.Function):
+    """``y = rope(t, freqs)``; saves only the angles (the backward is the transposed
+    rotation of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, freqs: Tensor) -> Tensor:
+        freqs = _angles(freqs)
+        ctx.save_for_backward(freqs)
+        return triton_rope.rotate(_rows(t), freqs)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        (freqs,) = ctx.saved_tensors
+        return triton_rope.rotate(_rows(dy), freqs, inverse=True), None
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` with a unit stride in d (the kernel indexes s, b, h by stride)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _angles(freqs: Tensor) -> Tensor:
+    """fp32 angles with a unit stride in r (megatron's are already)."""
+    freqs = freqs.float()
+    return freqs if freqs.stride(-1) == 1 else freqs.contiguous()

@@ -1,0 +1,96 @@
+"""RoPE in one pass over memory (Triton): what ``model.rope_kernel: triton`` (``auto``
+on the torch backend on a GPU) rotates queries and keys with. ``rope`` wraps it in
+an autograd node and hands it to megatron.
+
+Without Transformer Engine, megatron-core 0.16.1 applies RoPE with torch ops
+(``rope_utils._apply_rotary_pos_emb_bshd``): cos and sin of the angles, two
+products, a negation, two concatenations and a sum, each a pass over the
+tensor: ~12 passes forward and ~10 backward for Q and again for K, every layer
+(and ~14 operator calls forward, each a kernel launch). This kernel reads each
+row once and writes it once, in either direction.
+
+One program takes one token of one sequence: all its heads. The angles of the
+token (``freqs [s, 1, 1, r]``, fp32, megatron's layout: the two halves of r
+carry the same frequencies) are loaded once and their cos/sin serve every head.
+With ``r < d`` (``rotary_percent``) the last ``d - r`` values pass unchanged.
+Non-interleaved rotation (megatron's default) only::
+
+    out[:r/2] = x1·cos(f1) - x2·sin(f1),  out[r/2:r] = x2·cos(f2) + x1·sin(f2)
+
+and the backward, the transposed rotation::
+
+    dx1 = g1·cos(f1) + g2·sin(f2),        dx2 = g2·cos(f2) - g1·sin(f1)
+
+Arithmetic is fp32 and the result is rounded once (megatron's torch ops round
+cos/sin and each product to the tensor's dtype first). On the CPU,
+``TRITON_INTERPRET=1`` runs the same source (tests/model/test_rope.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:  # Triton ships with CUDA builds of PyTorch; the CPU build runs megatron's RoPE.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def rotate(t: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
+    """``t [s, b, h, d]`` (a unit stride in d) rotated by ``freqs [s, 1, 1, r]`` (fp32),
+    or by the transposed rotation (``inverse``, the backward): a new contiguous tensor."""
+    s, b, h, d = t.shape
+    r = freqs.shape[-1]
+    out = torch.empty((s, b, h, d), dtype=t.dtype, device=t.device)
+    half = r // 2
+    _rope_kernel[(s, b)](
+        t, freqs, out, *t.stride()[:3], freqs.stride(0), *out.stride()[:3],
+        H=h, HALF=half, D=d, BLOCK_H=triton.next_power_of_2(h),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_PASS=triton.next_power_of_2(max(d - r, 1)), INVERSE=inverse,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_kernel(t_ptr, f_ptr, o_ptr, st_s, st_b, st_h, sf_s, so_s, so_b, so_h,
+                     H: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                     BLOCK_PASS: tl.constexpr, INVERSE: tl.constexpr):
+        pos = tl.program_id(0).to(tl.int64)
+        seq = tl.program_id(1).to(tl.int64)
+        heads = tl.arange(0, BLOCK_H)
+        cols = tl.arange(0, BLOCK_HALF)
+        ok_h = heads < H
+        ok_c = cols < HALF
+        f1 = tl.load(f_ptr + pos * sf_s + cols, mask=ok_c, other=0.0).to(tl.float32)
+        f2 = tl.load(f_ptr + pos * sf_s + HALF + cols, mask=ok_c, other=0.0).to(tl.float32)
+        c1, s1 = tl.cos(f1)[None, :], tl.sin(f1)[None, :]
+        c2, s2 = tl.cos(f2)[None, :], tl.sin(f2)[None, :]
+        rows_in = t_ptr + pos * st_s + seq * st_b + heads[:, None] * st_h  # [BLOCK_H, 1]
+        rows_out = o_ptr + pos * so_s + seq * so_b + heads[:, None] * so_h
+        ok = ok_h[:, None] & ok_c[None, :]
+        x1 = tl.load(rows_in + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(rows_in + HALF + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        if INVERSE:
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        tl.store(rows_out + cols[None, :], y1.to(o_ptr.dtype.element_ty), mask=ok)
+        tl.store(rows_out + HALF + cols[None, :], y2.to(o_ptr.dtype.element_ty), mask=ok)
+        if D > 2 * HALF:  # the values past the rotary dims pass unchanged
+            rest = tl.arange(0, BLOCK_PASS)
+            ok_p = ok_h[:, None] & (rest < D - 2 * HALF)[None, :]
+            p = tl.load(rows_in + 2 * HALF + rest[None, :], mask=ok_p)
+            tl.store(rows_out + 2 * HALF + rest[None, :], p, mask=ok_p)

@@ -1,0 +1,209 @@
+"""kvtrain's fused RoPE (``kvtrain.model.rope``, ``model.rope_kernel``).
+
+The Triton kernel runs in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``,
+a process of its own: the interpreter is chosen when ``triton.jit`` decorates the
+kernel, at import): values and gradients against megatron's torch-ops RoPE in
+fp64, and whole models with the kernel in megatron's fused-RoPE slot against
+megatron's ops. Compilation for a GPU and speed are the ``gpu`` tests' part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtrain.config import ConfigError
+from kvtrain.model.rope import choose_rope
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHECK = r'''
+import json, torch
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from kvtrain.model import rope
+torch.manual_seed(0)
+cases = []
+for s, b, h, d, r, dtype, strided in [(37, 2, 3, 40, 40, torch.float32, False),
+                                       (37, 2, 3, 40, 20, torch.float32, True),
+                                       (16, 1, 8, 64, 64, torch.float32, True),
+                                       (33, 3, 5, 32, 32, torch.bfloat16, False)]:
+    base = torch.randn(s, b, h, 3 * d)
+    x = base[..., d:2 * d] if strided else base[..., :d].contiguous()
+    freqs = torch.randn(s, 1, 1, r // 2) * 3
+    freqs = torch.cat([freqs, freqs], dim=-1)  # megatron's layout: both halves the same
+    dy = torch.randn(s, b, h, d)
+    a = x.to(dtype).detach().requires_grad_()
+    y = rope.fused_rope(a, freqs)
+    (dx,) = torch.autograd.grad(y, a, dy.to(dtype))
+    ref_in = x.to(dtype).double().detach().requires_grad_()
+    ref = _apply_rotary_pos_emb_bshd(ref_in, freqs.double())
+    (ref_dx,) = torch.autograd.grad(ref, ref_in, dy.double())
+    theirs = _apply_rotary_pos_emb_bshd(x.to(dtype), freqs)  # megatron's ops, in dtype
+    cases.append({"d": d, "r": r, "dtype": str(dtype), "strided": strided,
+                  "scale": ref.abs().max().item(), "dx_scale": ref_dx.abs().max().item(),
+                  "megatron_y": (theirs.double() - ref).abs().max().item(),
+                  "y": (y.double() - ref).abs().max().item(),
+                  "dx": (dx.double() - ref_dx).abs().max().item(),
+                  "contiguous": y.is_contiguous(), "dtype_out": str(y.dtype),
+                  "node": y.grad_fn.name()})
+
+# A whole model with megatron's fused-RoPE slot holding kvtrain's kernel, against
+# megatron's torch ops: logits and every gradient (vanilla and KV shift).
+from kvtrain.backend import init_distributed, init_model_parallel, set_seed
+from kvtrain.config import ModelConfig
+from kvtrain.model.builder import build_gpt, transformer_config
+
+init_distributed(seed=1)
+init_model_parallel(1, 1)
+tokens = torch.randint(0, 64, (2, 24))
+pos = torch.arange(24)[None].expand_as(tokens)
+models = {}
+for attention in ("vanilla", "kv_shift"):
+    runs = {}
+    for fusion in (True, False):
+        set_seed(7)
+        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                          vocab_size=64, max_position_embeddings=32, attention=attention)
+        tc = transformer_config(cfg, rope_fusion=fusion)
+        model = build_gpt(cfg, tc, backend="torch")
+        out = model(tokens, pos, None)
+        out.float().pow(2).mean().backward()
+        names, stack, seen = [], [out.grad_fn], set()
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            names.append(fn.name())
+            stack.extend(f for f, _ in fn.next_functions)
+        runs[fusion] = (out.detach(), {n: p.grad for n, p in model.named_parameters()},
+                        sum("FusedRoPE" in n for n in names), tc.apply_rope_fusion)
+    (o_f, g_f, n_f, flag_f), (o_r, g_r, n_r, flag_r) = runs[True], runs[False]
+    models[attention] = {"logits": (o_f - o_r).abs().max().item(),
+                         "grads": max(((g_f[n] - g).abs().max() / g.abs().max()).item()
+                                      for n, g in g_r.items()),
+                         "fused_nodes": n_f, "unfused_nodes": n_r,
+                         "flags": [flag_f, flag_r]}
+print(json.dumps({"cases": cases, "models": models}))
+'''
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """The check's results from a process with ``TRITON_INTERPRET=1``."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        pytest.skip("the dev extra installs Triton on Linux x86_64 only")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.fail("triton is not installed: `make test` installs it (pyproject's dev extra)")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_kernel_matches_megatrons_rope(interpreted):
+    """fp32: within fp32 rounding of megatron's RoPE in fp64 (all of d rotated, half of
+    it with the rest passed through, d not a power of two, 3 and 5 heads, strided
+    input); bf16: rounded once, no further from fp64 than megatron's bf16 ops."""
+    assert len(interpreted["cases"]) == 4
+    for c in interpreted["cases"]:
+        assert c["node"] == "FusedRoPEBackward" and c["contiguous"], c
+        if c["dtype"] == "torch.float32":
+            assert c["y"] < 1e-6 * c["scale"] and c["dx"] < 1e-6 * c["scale"], c
+        else:
+            # within a bf16 ulp of the largest value (Triton's interpreter may truncate
+            # where a GPU rounds to nearest); megatron's ops round four times
+            assert c["dtype_out"] == "torch.bfloat16", c
+            assert c["y"] <= 2 ** -7 * c["scale"] and c["dx"] <= 2 ** -7 * c["dx_scale"], c
+            assert c["y"] <= c["megatron_y"], c
+
+
+def test_models_with_the_fused_slot_match_megatrons_ops(interpreted):
+    """A whole model, vanilla and KV shift: with ``rope_fusion`` megatron calls the
+    kernel for Q and K of every layer (4 nodes in 2 layers) and the logits and every
+    gradient equal those of its own ops."""
+    for attention in ("vanilla", "kv_shift"):
+        m = interpreted["models"][attention]
+        assert m["flags"] == [True, False], m
+        assert m["fused_nodes"] == 4 and m["unfused_nodes"] == 0, m
+        assert m["logits"] < 1e-6 and m["grads"] < 1e-5, m
+
+
+@pytest.mark.parametrize("requested, backend, cuda, mla, want", [
+    ("auto", "torch", False, False, ("torch", "auto: no GPU")),
+    ("auto", "torch", True, False, ("triton", "auto: GPU")),
+    ("auto", "torch", True, True, ("torch", "auto: multi-latent attention")),
+    ("auto", "local", True, False, ("torch", "auto: the local backend keeps megatron's RoPE")),
+    ("auto", "te", True, False, ("torch", "auto: the te backend keeps megatron's RoPE")),
+    ("torch", "torch", True, False, ("torch", "model.rope_kernel: torch")),
+    ("triton", "local", True, False, ("triton", "model.rope_kernel: triton")),
+])
+def test_choice(requested, backend, cuda, mla, want):
+    assert choose_rope(requested, backend, cuda, mla) == want
+
+
+@pytest.mark.parametrize("cuda, mla, words", [(False, False, "needs a GPU"),
+                                              (True, True, "multi-latent attention")])
+def test_triton_where_it_cannot_run_is_refused_in_one_line(cuda, mla, words):
+    with pytest.raises(ConfigError) as e:
+        choose_rope("triton", "torch", cuda, mla)
+    assert "model.rope_kernel: triton" in str(e.value) and words in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_cpu_run_records_megatrons_rope(single_rank, tmp_path):
+    """What a run on this machine prints and records: RoPE on megatron's ops."""
+    from kvtrain.config import load_config
+    from kvtrain.train.setup import build_run
+
+    cfg = load_config(str(REPO / "configs" / "bench" / "host.yaml"), [
+        "data.type=mock", "train.max_steps=1", "model.attention=vanilla"])
+    run = build_run(cfg, tmp_path)
+    assert run.backend.rope == "torch (auto: no GPU)"
+    assert "; RoPE: torch (auto: no GPU)" in run.backend.describe()
+    assert run.backend.as_dict()["rope"] == "torch (auto: no GPU)"
+    assert not run.model[0].config.apply_rope_fusion
+
+
+@pytest.mark.gpu
+def test_a_gpu_run_rotates_with_the_kernel_and_matches_megatrons_ops(single_rank):
+    """On a GPU the torch backend takes the fused kernel (bf16 and fp32 models against
+    megatron's ops: logits within each dtype's rounding)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kvtrain.backend import set_seed
+    from kvtrain.config import ModelConfig
+    from kvtrain.model.builder import Numerics, build_gpt, transformer_config
+    from megatron.core.transformer.module import Float16Module
+
+    assert choose_rope("auto", "torch", True, False)[0] == "triton"
+    tokens = torch.randint(0, 256, (2, 128), device="cuda")
+    pos = torch.arange(128, device="cuda")[None].expand_as(tokens)
+    for numerics, tol in ((Numerics(), 1e-4), (Numerics.from_precision("bf16"), 5e-2)):
+        outs = {}
+        for fusion in (True, False):
+            set_seed(3)
+            cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8,
+                              num_query_groups=4, vocab_size=256,
+                              max_position_embeddings=128, attention="kv_shift")
+            tc = transformer_config(cfg, numerics=numerics, rope_fusion=fusion)
+            model = build_gpt(cfg, tc, backend="torch").cuda()
+            if numerics.bf16:
+                model = Float16Module(tc, model)
+            out = model(tokens, pos, None).float()
+            out.pow(2).mean().backward()
+            outs[fusion] = out.detach()
+        scale = outs[False].abs().max()
+        assert (outs[True] - outs[False]).abs().max() <= tol * scale
