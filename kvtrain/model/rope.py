@@ -74,16 +74,17 @@ def install() -> str:
 
 
 def fused_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
-    """megatron's ``fused_apply_rotary_pos_emb`` contract: ``t [s, b, h, d]`` rotated by
-    the angles ``freqs [s, 1, 1, r]`` (``r <= d``, even); a new tensor."""
+    """megatron's ``fused_apply_rotary_pos_emb`` contract (TE's): ``t [s, b, h, d]``
+    rotated by the angles ``freqs [s', 1, 1, r]`` of its positions (``s' >= s``: the
+    first s rows; ``r <= d``, even); a new tensor."""
     if interleaved:
         raise ValueError("kvtrain's fused RoPE rotates halves, not interleaved pairs "
                          "(rotary_interleaved: use model.rope_kernel: torch)")
     s, _, _, d = t.shape
     r = freqs.shape[-1]
-    if (freqs.dim() != 4 or freqs.shape[0] != s or freqs.shape[1] != 1
+    if (freqs.dim() != 4 or freqs.shape[0] < s or freqs.shape[1] != 1
             or freqs.shape[2] != 1 or r % 2 or r > d):
-        raise ValueError(f"fused RoPE expects freqs [s, 1, 1, r] with r even and <= d for "
+        raise ValueError(f"fused RoPE expects freqs [>= s, 1, 1, r] with r even and <= d for "
                          f"t {tuple(t.shape)}, got {tuple(freqs.shape)}")
     if freqs.requires_grad:
         raise ValueError("fused RoPE takes fixed angles (freqs without gradient)")

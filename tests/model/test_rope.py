@@ -36,16 +36,16 @@ for s, b, h, d, r, dtype, strided in [(37, 2, 3, 40, 40, torch.float32, False),
                                        (33, 3, 5, 32, 32, torch.bfloat16, False)]:
     base = torch.randn(s, b, h, 3 * d)
     x = base[..., d:2 * d] if strided else base[..., :d].contiguous()
-    freqs = torch.randn(s, 1, 1, r // 2) * 3
+    freqs = torch.randn(s + 3 * strided, 1, 1, r // 2) * 3  # longer than t: its first s rows
     freqs = torch.cat([freqs, freqs], dim=-1)  # megatron's layout: both halves the same
     dy = torch.randn(s, b, h, d)
     a = x.to(dtype).detach().requires_grad_()
     y = rope.fused_rope(a, freqs)
     (dx,) = torch.autograd.grad(y, a, dy.to(dtype))
     ref_in = x.to(dtype).double().detach().requires_grad_()
-    ref = _apply_rotary_pos_emb_bshd(ref_in, freqs.double())
+    ref = _apply_rotary_pos_emb_bshd(ref_in, freqs[:s].double())
     (ref_dx,) = torch.autograd.grad(ref, ref_in, dy.double())
-    theirs = _apply_rotary_pos_emb_bshd(x.to(dtype), freqs)  # megatron's ops, in dtype
+    theirs = _apply_rotary_pos_emb_bshd(x.to(dtype), freqs[:s])  # megatron's ops, in dtype
     cases.append({"d": d, "r": r, "dtype": str(dtype), "strided": strided,
                   "scale": ref.abs().max().item(), "dx_scale": ref_dx.abs().max().item(),
                   "megatron_y": (theirs.double() - ref).abs().max().item(),
