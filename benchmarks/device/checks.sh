@@ -19,10 +19,11 @@
 #           default 28 on a card of > 120 GiB, else 12), micro 4, global 8   -> step-paper.json
 #   mlm     Megatron-LM's pretrain_gpt.py on the same shape, batch and card
 #           (--transformer-impl local, mock data, tied embeddings as the config)
-#   kernels the small shape with the shift on torch ops instead of Triton, and
-#           configs/bench/host.yaml (a host-bound step) with each: which kernel a
-#           launch-bound step should take      -> step-small-torchops.json,
-#                                                  step-host-{triton,torchops}.json
+#   kernels the small shape with the shift on torch ops instead of Triton, h2048 with
+#           megatron's RoPE instead of the Triton kernel (what the fused RoPE gains),
+#           and configs/bench/host.yaml (a host-bound step) with each shift kernel:
+#           which one a launch-bound step should take -> step-small-torchops.json,
+#           step-h2048-ropetorch.json, step-host-{triton,torchops}.json
 # First benchmarks/device/smoke.py compiles and runs each Triton kernel once; one that
 # fails is turned off (--set ...=torch) for the timed runs, said in checks.log and
 # $OUT/smoke.txt. Everything printed goes to $OUT/checks.log; $OUT/env.txt says what ran where, and
@@ -109,6 +110,9 @@ for part in "${parts[@]}"; do
            run small-torchops 60 python3 benchmarks/step.py configs/bench/small.yaml \
              --backend torch --set model.kv_shift.kernel=torch \
              --json "$OUT/step-small-torchops.json"
+           run h2048-ropetorch 120 python3 benchmarks/step.py configs/bench/h2048.yaml \
+             --backend torch "${off[@]}" --set model.rope_kernel=torch \
+             --json "$OUT/step-h2048-ropetorch.json"
            for k in triton torch; do
              run "host ($k)" 60 python3 benchmarks/step.py configs/bench/host.yaml \
                --backend torch --set model.kv_shift.kernel=$k --steps 200 --warmup 10 \
