@@ -108,14 +108,15 @@ for part in "${parts[@]}"; do
              --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm ;;
     kernels)
            run small-torchops 60 python3 benchmarks/step.py configs/bench/small.yaml \
-             --backend torch --set model.kv_shift.kernel=torch \
+             --backend torch "${off[@]}" --set model.kv_shift.kernel=torch \
              --json "$OUT/step-small-torchops.json"
            run h2048-ropetorch 120 python3 benchmarks/step.py configs/bench/h2048.yaml \
              --backend torch "${off[@]}" --set model.rope_kernel=torch \
              --json "$OUT/step-h2048-ropetorch.json"
            for k in triton torch; do
              run "host ($k)" 60 python3 benchmarks/step.py configs/bench/host.yaml \
-               --backend torch --set model.kv_shift.kernel=$k --steps 200 --warmup 10 \
+               --backend torch "${off[@]}" --set model.kv_shift.kernel=$k --steps 200 \
+               --warmup 10 \
                --json "$OUT/step-host-${k/torch/torchops}.json"
            done ;;
     *) log "unknown part $part (tests, kernel, small, h2048, paper, mlm, kernels)" ;;
