@@ -488,12 +488,14 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     from kvtrain.model.shift_kernels import choose_kernel
     from kvtrain.model.specs import backend_choice
     from kvtrain.train import multi_tensor
+    from kvtrain.train.optimizer import adam_kernel, megatron_adam_class
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     kernel, why = choose_kernel("auto", cuda, torch.bfloat16 if cuda else torch.float32)
     expected = dataclasses.replace(backend_choice("auto"), shift_kernel=f"{kernel} ({why})",
-                                   multi_tensor=multi_tensor.install())
+                                   multi_tensor=multi_tensor.install(),
+                                   optimizer=adam_kernel(megatron_adam_class()))
     cfg = tiny_config(None, cache_dir, train={"max_steps": 2}, checkpoint={"save_interval": 2})
     assert cfg["model"]["attention"] == "kv_shift"
     path = write_config(tmp_path / "cfg.yaml", cfg)
@@ -502,14 +504,15 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     assert f"kvtrain: {expected.describe()}, device {device}" in ok.stdout
     if device == "cpu":
         assert ("kvtrain: backend torch (auto: no GPU; fused softmax: no; "
-                "KV shift: native (auto: CPU); multi-tensor ops: torch foreach (kvtrain)), "
-                "device cpu") in ok.stdout
+                "KV shift: native (auto: CPU); multi-tensor ops: torch foreach (kvtrain); "
+                "optimizer: torch fused AdamW (kvtrain)), device cpu") in ok.stdout
     events = [r for r in metrics(tmp_path / "run", kind="event") if "backend" in r]
     assert [(e["iteration"], e["backend"], e["device"]) for e in events] == \
         [(0, expected.as_dict(), device)]
     saved = tmp_path / "run" / "config.yaml"
     assert f"# backend: {expected.name} ({expected.reason}" in saved.read_text()
-    assert f"; KV shift: {expected.shift_kernel}; multi-tensor ops: " in saved.read_text()
+    assert (f"; KV shift: {expected.shift_kernel}; multi-tensor ops: {expected.multi_tensor}; "
+            f"optimizer: {expected.optimizer})\n") in saved.read_text()
     assert load_config(saved).model.backend == "auto"  # still a config kvtrain train reads
     assert yaml.safe_load(saved.read_text())["model"]["backend"] == "auto"
     (common,) = (tmp_path / "run" / "checkpoints").glob("*/common.pt")
