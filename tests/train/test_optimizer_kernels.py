@@ -56,14 +56,15 @@ def test_every_run_takes_fused_adamw_and_records_it(single_rank, tmp_path, cache
 
 def test_fused_steps_follow_foreach_steps(single_rank, tmp_path, cache_dir):
     """Five fp32 steps of the fused kernel and of the foreach path from the same weights
-    on the same batches. They are not bit-identical (the kernel rounds its update
-    differently). Measured on this model over these steps: the weights differ by at
-    most 1.2e-7 (one fp32 ulp at |w| ~ 1, where the norm weights are), the moments by
-    at most 6.3e-7 of their largest value, the losses not at all (by 2e-8 of theirs at
-    step 6). The bounds are ~10x that: weights 1e-6, a 3000th of one update at lr
-    3e-3, which a missed weight decay (lr * 0.1 * |w|) or a bias correction off by a
-    step exceeds; moments 1e-5; losses 1e-6."""
-    cfg = tiny_config(None, cache_dir)
+    on the same batches (the profiler shows each arm on its own kernel). They are not
+    bit-identical on the CPU (the kernel rounds its update differently). Measured on
+    this model over these steps: the weights differ by at most 1.2e-7 (one fp32 ulp
+    at |w| ~ 1, where the norm weights are), the moments by at most 6.3e-7 of their
+    largest value, the losses not at all (by 2e-8 of theirs at step 6). The bounds
+    are ~10x that: weights 1e-6, a 3000th of one update at lr 3e-3, which a missed
+    weight decay (lr * 0.1 * |w|) or a bias correction off by a step exceeds;
+    moments 1e-5; losses 1e-6."""
+    cfg = tiny_config(None, cache_dir, train={"precision": "fp32"})  # bf16 rounds it away
     fused, foreach = _run(cfg, tmp_path / "fused"), _run(cfg, tmp_path / "foreach")
     _use_foreach(foreach.optimizer)
     assert torch.equal(_flat(fused), _flat(foreach))
@@ -74,7 +75,6 @@ def test_fused_steps_follow_foreach_steps(single_rank, tmp_path, cache_dir):
     assert calls["aten::_fused_adamw_"] == 0 and calls["aten::_foreach_lerp_"] >= 1
     for a, b in zip(ours, theirs, strict=True):
         assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=0)
-    assert not torch.equal(_flat(fused), _flat(foreach))  # the kernels differ
     torch.testing.assert_close(_flat(fused), _flat(foreach), rtol=0, atol=1e-6)
     for inner, other in zip(inner_optimizers(fused.optimizer), inner_optimizers(foreach.optimizer)):
         for p, q in zip(inner.state, other.state, strict=True):
