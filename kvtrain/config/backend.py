@@ -56,6 +56,11 @@ class BackendChoice:
     """What computes the optimizer's multi-tensor ops (gradient norm, clipping):
     ``transformer_engine``, ``apex`` or ``torch foreach (kvtrain)``
     (``kvtrain.train.multi_tensor``); None before the optimizer is built."""
+    optimizer: Optional[str] = None
+    """What computes the optimizer's update: ``torch fused AdamW (kvtrain)``,
+    ``transformer_engine FusedAdam``, ``apex FusedAdam``, or ``torch foreach AdamW
+    (kvtrain): <why not fused>`` (``kvtrain.train.optimizer.use_fused_adamw``); None
+    before the optimizer is built."""
     rope: Optional[str] = None
     """What rotates queries and keys (``model.rope_kernel`` resolved: ``triton`` or
     ``torch``, and why; ``kvtrain.model.rope``); None where not resolved (tools
@@ -70,13 +75,14 @@ class BackendChoice:
         """Why this backend and its kernels: ``auto: no GPU; fused softmax: no``, plus
         ``; documents: <kernel>`` when documents are separated and ``; KV shift:
         <kernel>`` for KV-shift attention, ``; RoPE: <kernel>``, and ``; multi-tensor
-        ops: <kernels>`` once the optimizer is built."""
+        ops: <kernels>; optimizer: <update>`` once the optimizer is built."""
         fused = "yes" if self.fused_softmax else "no"
         docs = f"; documents: {self.documents}" if self.documents else ""
         shift = f"; KV shift: {self.shift_kernel}" if self.shift_kernel else ""
         rope = f"; RoPE: {self.rope}" if self.rope else ""
         multi = f"; multi-tensor ops: {self.multi_tensor}" if self.multi_tensor else ""
-        return f"{self.reason}; fused softmax: {fused}{docs}{shift}{rope}{multi}"
+        update = f"; optimizer: {self.optimizer}" if self.optimizer else ""
+        return f"{self.reason}; fused softmax: {fused}{docs}{shift}{rope}{multi}{update}"
 
     @property
     def warning(self) -> Optional[str]:

@@ -50,7 +50,9 @@ each is handled:
    one *shared* step tensor in every parameter's state, so AdamW's in-place
    ``step += 1`` advances it once per parameter per update, corrupting bias
    correction. ``_fix_adam_steps`` gives every parameter its own tensor holding
-   the restored update count.
+   the restored update count, where the group's kernel reads it (the parameter's
+   device for fused AdamW). The param groups come back from the checkpoint with
+   their ``fused``/``foreach`` flags; the run's own are kept (``kernel_flags_kept``).
 3. The writer's spawn-context ``multiprocessing.Manager`` re-imports the main
    module; a training script without a ``__main__`` guard would re-run itself
    in that child and hang the save. ``ensure_writer_queue`` gives synchronous
@@ -93,7 +95,7 @@ from .integrity import (
     INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, build_manifest, own_shards,
     save_failure_reason, set_aside,
 )
-from .optimizer import inner_optimizers
+from .optimizer import adam_step, inner_optimizers, kernel_flags_kept
 from .save_agreement import gather_or_fail, on_rank0_or_fail
 from .step import sync_params
 
@@ -321,7 +323,9 @@ class Checkpointer:
 
     def _fix_adam_steps(self) -> None:
         """trap 2b/2c: one step tensor of its own per parameter, equal to the number
-        of updates applied (= the scheduler's count; skipped steps advance neither)."""
+        of updates applied (= the scheduler's count; skipped steps advance neither),
+        on the device the group's kernel reads it from (``optimizer.adam_step``: the
+        parameter's for fused AdamW, whatever device the checkpoint's step was on)."""
         updates = float(self.scheduler.num_steps)
         for inner in inner_optimizers(self.optimizer):
             for group in inner.param_groups:
@@ -330,9 +334,8 @@ class Checkpointer:
                     if not state:
                         continue
                     old = state.get("step")
-                    dtype = old.dtype if torch.is_tensor(old) else torch.float32
-                    device = old.device if torch.is_tensor(old) else torch.device("cpu")
-                    state["step"] = torch.tensor(updates, dtype=dtype, device=device)
+                    state["step"] = adam_step(group, p, updates,
+                                              old.dtype if torch.is_tensor(old) else None)
 
     # -- save ---------------------------------------------------------------------
     def save(self, state: TrainState) -> Path:
@@ -467,7 +470,7 @@ class Checkpointer:
             for i, m in enumerate(self.modules):
                 m.load_state_dict(loaded[f"model{i}"], strict=True)
         if load_optimizer:
-            with _step_free_param_state_load(self.optimizer):
+            with _step_free_param_state_load(self.optimizer), kernel_flags_kept(self.optimizer):
                 self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
             self._fix_adam_steps()

@@ -1,5 +1,5 @@
-"""AdamW (megatron's distributed optimizer), the LR schedule, and one guarded
-optimizer step.
+"""AdamW (megatron's distributed optimizer; torch's fused kernel where megatron
+falls back to torch's AdamW), the LR schedule, and one guarded optimizer step.
 
 Weight decay: megatron's default param-group rule takes decay off 1-D
 parameters (norm weights) and biases. The KV-shift coefficients are 2-D
@@ -13,10 +13,13 @@ always built here.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch import Tensor
+from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
 
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
@@ -59,23 +62,112 @@ def megatron_optimizer_config(cfg: RunConfig, numerics: Numerics) -> MegatronOpt
     )
 
 
-def build_optimizer(cfg: RunConfig, numerics: Numerics, model_chunks: list):
-    """megatron's (distributed) AdamW over the DDP-wrapped ``model_chunks``."""
+def build_optimizer(cfg: RunConfig, numerics: Numerics, model_chunks: list) -> tuple[Any, str]:
+    """megatron's (distributed) AdamW over the DDP-wrapped ``model_chunks``, and what
+    computes its update (:func:`use_fused_adamw`)."""
     optimizer = get_megatron_optimizer(
         megatron_optimizer_config(cfg, numerics),
         model_chunks,
         config_overrides=no_weight_decay_overrides(cfg.model.kv_shift.weight_decay),
     )
-    if not torch.cuda.is_available():
-        # torch's AdamW takes its multi-tensor (foreach) path only for CUDA tensors
-        # by default; on the CPU it loops over parameters in Python, a dozen small
-        # ops each (a third of the demo's optimizer time, and every extra tensor,
-        # like the KV-shift coefficients, pays it again)
-        for inner in inner_optimizers(optimizer):
-            for group in inner.param_groups:
-                if "foreach" in group:
-                    group["foreach"] = True
-    return optimizer
+    return optimizer, use_fused_adamw(optimizer)
+
+
+FUSED = "torch fused AdamW (kvtrain)"
+FOREACH = "torch foreach AdamW (kvtrain)"
+
+
+def use_fused_adamw(optimizer) -> str:
+    """Puts megatron's fallback (torch's AdamW, without TE or apex) on torch's fused
+    kernel; returns what computes the update.
+
+    torch picks its ``foreach`` path by default on a GPU: eight multi-tensor kernels
+    over the fp32 main params and moments per step, the ``step`` counters read on the
+    host per tensor (kvtrain forced the same path on the CPU, where torch's default
+    is a Python loop over parameters). ``fused`` is one kernel, one pass, on the GPU
+    and on the CPU (3x faster there at the demo shape, ``docs/performance.md``,
+    ``benchmarks/optimizer_step.py``). Where torch's own check
+    (``_device_dtype_check_for_fused``, what ``Adam._init_group`` runs) refuses a
+    parameter, every group takes the foreach path and the reason is returned.
+    TE's and apex's FusedAdam are left as megatron built them. megatron's build
+    creates no state (AdamW makes it at the first step, megatron's dummy step and
+    ``init_state_fn`` run only for a load); a step that exists already is moved
+    where the chosen kernel reads it.
+    """
+    inners = inner_optimizers(optimizer)
+    theirs = [adam_kernel(type(inner)) for inner in inners
+              if not isinstance(inner, torch.optim.Adam)]
+    if theirs or not inners:
+        return ", ".join(dict.fromkeys(theirs)) or adam_kernel(megatron_adam_class())
+    why = fused_refusal([group for inner in inners for group in inner.param_groups])
+    for inner in inners:
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = why is None, why is not None
+            for p in group["params"]:
+                step = inner.state.get(p, {}).get("step")
+                if step is not None:
+                    inner.state[p]["step"] = adam_step(group, p, float(step), step.dtype)
+    return FUSED if why is None else f"{FOREACH}: {why}"
+
+
+def fused_refusal(groups: list[dict]) -> Optional[str]:
+    """Why torch's fused AdamW would refuse these param groups (None: it takes them),
+    by torch's own rules: no ``differentiable`` groups (``Adam.__init__``), floating
+    point parameters on a device with fused kernels (``_device_dtype_check_for_fused``)."""
+    for group in groups:
+        if group.get("differentiable"):
+            return "`fused` does not support `differentiable`"
+        for p in group["params"]:
+            try:
+                _device_dtype_check_for_fused(p)
+            except RuntimeError as e:
+                return str(e)
+    return None
+
+
+def adam_step(group: dict, param: Tensor, value: float,
+              dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A step tensor for ``param`` of ``group`` holding ``value``, where torch's Adam
+    keeps it (note [special device hosting for step], ``torch/optim/adam.py``): on the
+    parameter's device in fp32 for fused and capturable groups, whose kernels read it
+    there (a CPU step fails a fused step on a GPU); a CPU scalar otherwise."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(value, dtype=torch.float32, device=param.device)
+    return torch.tensor(value, dtype=dtype or _get_scalar_dtype(), device="cpu")
+
+
+@contextmanager
+def kernel_flags_kept(optimizer):
+    """Keeps the run's ``fused``/``foreach`` flags through a checkpoint load: torch's
+    ``load_state_dict`` replaces every param group by the checkpoint's, flags
+    included, so a checkpoint of a foreach run (kvtrain before the fused kernel, or
+    another machine's) would set this start's choice (:func:`use_fused_adamw`) aside."""
+    keys = ("fused", "foreach")
+    inners = inner_optimizers(optimizer)
+    kept = [[{k: g[k] for k in keys if k in g} for g in inner.param_groups] for inner in inners]
+    try:
+        yield
+    finally:
+        for inner, flags in zip(inners, kept):
+            for group, own in zip(inner.param_groups, flags):
+                group.update(own)
+
+
+def adam_kernel(cls: type) -> str:
+    """What computes the update of an optimizer class megatron built: :data:`FUSED`
+    for torch's Adam/AdamW, else its package and name (``transformer_engine FusedAdam``,
+    ``apex FusedAdam``)."""
+    if issubclass(cls, torch.optim.Adam):
+        return FUSED
+    return f"{cls.__module__.split('.')[0]} {cls.__name__}"
+
+
+def megatron_adam_class() -> type:
+    """The Adam class megatron-core builds here: TE's or apex's FusedAdam where one
+    imports, else torch's AdamW (``USING_PYTORCH_OPTIMIZER``)."""
+    from megatron.core import optimizer
+
+    return torch.optim.AdamW if optimizer.USING_PYTORCH_OPTIMIZER else optimizer.Adam
 
 
 def resolved_min_lr(cfg: RunConfig) -> float:

@@ -178,9 +178,11 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
         raise RuntimeError(f"megatron's data-parallel size {megatron_dp} differs from the "
                            f"layout's {layout.data_parallel}")
     steps = layout.total_steps
-    # megatron's fallback without TE/apex syncs the host per gradient tensor
-    backend = dataclasses.replace(backend, multi_tensor=multi_tensor.install())
-    optimizer = build_optimizer(cfg, numerics, model)
+    # megatron's fallback without TE/apex syncs the host per gradient tensor and
+    # updates on torch's foreach AdamW: kvtrain's foreach ops, torch's fused AdamW
+    multi = multi_tensor.install()
+    optimizer, update = build_optimizer(cfg, numerics, model)
+    backend = dataclasses.replace(backend, multi_tensor=multi, optimizer=update)
     tconfig.grad_scale_func = optimizer.scale_loss  # fp16 loss scaling (1.0 otherwise)
     scheduler = build_scheduler(cfg, optimizer, steps)
 

@@ -48,10 +48,13 @@ def _bench(tmp_path: Path, config: Path, *args: str) -> tuple[subprocess.Complet
 
 
 def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
+    from kvtrain.train.optimizer import adam_kernel, megatron_adam_class
+
     done, result = _bench(tmp_path, TINY, "--backend", "local",
                           "--set", "train.global_batch_size=4", "--profile")
     assert result["backend"]["name"] == "local"
     assert result["backend"]["shift_kernel"] == "native (auto: CPU)"  # what the shift ran on
+    assert result["backend"]["optimizer"] == adam_kernel(megatron_adam_class())  # and the update
     assert result["device"] in ("cpu", "cuda")
     assert result["world_size"] == 1 and result["steps"] == 2 and result["warmup"] == 1
     assert result["tokens_per_step"] == 4 * 32  # global batch 4 x seq 32 (tiny.yaml)

@@ -489,6 +489,7 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     from kvtrain.model.shift_kernels import choose_kernel
     from kvtrain.model.specs import backend_choice
     from kvtrain.train import multi_tensor
+    from kvtrain.train.optimizer import adam_kernel, megatron_adam_class
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -496,7 +497,8 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     backend = backend_choice("auto")
     rope = "{} ({})".format(*choose_rope("auto", backend.name, cuda, mla=False))
     expected = dataclasses.replace(backend, shift_kernel=f"{kernel} ({why})", rope=rope,
-                                   multi_tensor=multi_tensor.install())
+                                   multi_tensor=multi_tensor.install(),
+                                   optimizer=adam_kernel(megatron_adam_class()))
     cfg = tiny_config(None, cache_dir, train={"max_steps": 2}, checkpoint={"save_interval": 2})
     assert cfg["model"]["attention"] == "kv_shift"
     path = write_config(tmp_path / "cfg.yaml", cfg)
@@ -506,15 +508,15 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     if device == "cpu":
         assert ("kvtrain: backend torch (auto: no GPU; fused softmax: no; "
                 "KV shift: native (auto: CPU); RoPE: torch (auto: no GPU); "
-                "multi-tensor ops: torch foreach (kvtrain)), "
-                "device cpu") in ok.stdout
+                "multi-tensor ops: torch foreach (kvtrain); "
+                "optimizer: torch fused AdamW (kvtrain)), device cpu") in ok.stdout
     events = [r for r in metrics(tmp_path / "run", kind="event") if "backend" in r]
     assert [(e["iteration"], e["backend"], e["device"]) for e in events] == \
         [(0, expected.as_dict(), device)]
     saved = tmp_path / "run" / "config.yaml"
     assert f"# backend: {expected.name} ({expected.reason}" in saved.read_text()
     assert (f"; KV shift: {expected.shift_kernel}; RoPE: {rope}; multi-tensor ops: "
-            in saved.read_text())
+            f"{expected.multi_tensor}; optimizer: {expected.optimizer})\n") in saved.read_text()
     assert load_config(saved).model.backend == "auto"  # still a config kvtrain train reads
     assert yaml.safe_load(saved.read_text())["model"]["backend"] == "auto"
     (common,) = (tmp_path / "run" / "checkpoints").glob("*/common.pt")

@@ -62,9 +62,9 @@ def test_adam_steps_are_per_parameter_after_resume(single_rank, tmp_path, cache_
     assert len(states) > 1
     assert len({id(s["step"]) for s in states}) == len(states)  # one tensor per parameter
     assert set(adam_steps(fresh.optimizer)) == {3.0}
-    # the multi-tensor AdamW on the CPU (see build_optimizer), kept through the load
-    assert all(group["foreach"] for inner in inner_optimizers(fresh.optimizer)
-               for group in inner.param_groups)
+    # the fused AdamW (see build_optimizer), kept through the load
+    assert all(group["fused"] and not group["foreach"]
+               for inner in inner_optimizers(fresh.optimizer) for group in inner.param_groups)
     _steps(fresh, 1)
     assert set(adam_steps(fresh.optimizer)) == {4.0}  # a shared tensor would jump by #params
     assert fresh.scheduler.num_steps == 4
