@@ -31,6 +31,8 @@ from kvtrain.config.schema import RunConfig
 from kvtrain.model.builder import Numerics
 from kvtrain.model.kv_shift import is_kv_shift_param
 
+from . import shard_copies
+
 
 def no_weight_decay_overrides(decay_kv_shift: bool) -> dict[ParamKey, ParamGroupOverride]:
     """Param-group overrides: ``wd_mult=0`` for norms (1-D), biases and, unless
@@ -70,6 +72,7 @@ def build_optimizer(cfg: RunConfig, numerics: Numerics, model_chunks: list) -> t
         model_chunks,
         config_overrides=no_weight_decay_overrides(cfg.model.kv_shift.weight_decay),
     )
+    shard_copies.install(optimizer)  # megatron's per-parameter Python loops, batched
     return optimizer, use_fused_adamw(optimizer)
 
 
