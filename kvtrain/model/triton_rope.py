@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .triton_shift import next_pow2
+
 try:  # Triton ships with CUDA builds of PyTorch; the CPU build runs megatron's RoPE.
     import triton
     import triton.language as tl
@@ -52,9 +54,8 @@ def rotate(t: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
     half = r // 2
     _rope_kernel[(s, b)](
         t, freqs, out, *t.stride()[:3], freqs.stride(0), *out.stride()[:3],
-        H=h, HALF=half, D=d, BLOCK_H=triton.next_power_of_2(h),
-        BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_PASS=triton.next_power_of_2(max(d - r, 1)), INVERSE=inverse,
+        H=h, HALF=half, D=d, BLOCK_H=next_pow2(h), BLOCK_HALF=next_pow2(half),
+        BLOCK_PASS=next_pow2(max(d - r, 1)), INVERSE=inverse,
     )
     return out
 

@@ -41,6 +41,16 @@ def available() -> bool:
     return triton is not None
 
 
+def next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` in plain Python: Triton's is a ``ConstexprFunction``,
+    ~1.4 µs a call on the host, paid per launch by a step that cannot hide it."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _rows(t: Tensor) -> Tensor:
     """``t`` with a unit stride in d (the kernels index s, b, h by stride, d by 1)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -49,9 +59,9 @@ def _rows(t: Tensor) -> Tensor:
 def _launch(s: int, b: int, h: int, d: int, x: Tensor, coefs: list[Tensor],
             doc_ids: Optional[Tensor]):
     """Grid, block sizes, coefficients (in x's dtype) and document ids of the kernels."""
-    block_d = triton.next_power_of_2(d)
+    block_d = next_pow2(d)
     block_t = max(16, 4096 // block_d)  # ~4k fp32 accumulators per program
-    grid = (triton.cdiv(s, block_t), b, h)
+    grid = (_cdiv(s, block_t), b, h)
     # In x's dtype, as shift_tokens rounds them; the kernels load them as they are
     # and accumulate in fp32 (no cast kernel per call when they already are: a
     # launch costs more than the shift of a small layer).
