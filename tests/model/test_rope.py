@@ -9,12 +9,6 @@ megatron's ops. Compilation for a GPU and speed are the ``gpu`` tests' part.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +16,8 @@ import torch
 from kvtrain.config import ConfigError
 from kvtrain.model.rope import choose_rope
 
-REPO = Path(__file__).resolve().parents[2]
+
+from .interpreter import REPO, run_interpreted
 
 CHECK = r'''
 import json, torch
@@ -59,6 +54,7 @@ for s, b, h, d, r, dtype, strided in [(37, 2, 3, 40, 40, torch.float32, False),
 from kvtrain.backend import init_distributed, init_model_parallel, set_seed
 from kvtrain.config import ModelConfig
 from kvtrain.model.builder import build_gpt, transformer_config
+from tests.model.interpreter import autograd_nodes
 
 init_distributed(seed=1)
 init_model_parallel(1, 1)
@@ -75,14 +71,7 @@ for attention in ("vanilla", "kv_shift"):
         model = build_gpt(cfg, tc, backend="torch")
         out = model(tokens, pos, None)
         out.float().pow(2).mean().backward()
-        names, stack, seen = [], [out.grad_fn], set()
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            names.append(fn.name())
-            stack.extend(f for f, _ in fn.next_functions)
+        names = autograd_nodes(out)
         runs[fusion] = (out.detach(), {n: p.grad for n, p in model.named_parameters()},
                         sum("FusedRoPE" in n for n in names), tc.apply_rope_fusion)
     (o_f, g_f, n_f, flag_f), (o_r, g_r, n_r, flag_r) = runs[True], runs[False]
@@ -98,19 +87,7 @@ print(json.dumps({"cases": cases, "models": models}))
 @pytest.fixture(scope="module")
 def interpreted():
     """The check's results from a process with ``TRITON_INTERPRET=1``."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        pytest.skip("the dev extra installs Triton on Linux x86_64 only")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.fail("triton is not installed: `make test` installs it (pyproject's dev extra)")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_interpreted(CHECK)
 
 
 def test_kernel_matches_megatrons_rope(interpreted):

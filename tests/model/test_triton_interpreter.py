@@ -13,16 +13,9 @@ import of ``shift_kernels``, so the check runs in a fresh interpreter process.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from .interpreter import run_interpreted
 
 CHECK = r"""
 import json, sys
@@ -118,6 +111,7 @@ from kvtrain.backend import init_distributed, init_model_parallel, set_seed
 from kvtrain.config import ModelConfig
 from kvtrain.config.schema import KVShiftConfig
 from kvtrain.model.builder import build_gpt, transformer_config
+from tests.model.interpreter import autograd_nodes
 
 init_distributed(seed=1)
 init_model_parallel(1, 1)
@@ -134,16 +128,7 @@ for kernel in ("triton", "torch"):
     model = build_gpt(cfg, transformer_config(cfg), backend="torch")
     out = model(tokens, pos, mask)
     out.float().pow(2).mean().backward()
-    nodes = []
-    fn = out.grad_fn
-    stack, seen = [fn], set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        nodes.append(fn.name())
-        stack.extend(f for f, _ in fn.next_functions)
+    nodes = autograd_nodes(out)
     runs[kernel] = (out.detach(), {n: p.grad for n, p in model.named_parameters()}, nodes)
 (out_t, grads_t, nodes_t), (out_r, grads_r, _) = runs["triton"], runs["torch"]
 layer = {"qkv_node": any("QKVShift" in n for n in nodes_t),
@@ -159,21 +144,7 @@ print(json.dumps({"shift": results, "qkv": qkv, "fixed": fixed_err, "layer": lay
 @pytest.fixture(scope="module")
 def interpreted():
     """The check's results from a process with ``TRITON_INTERPRET=1``."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        pytest.skip("the dev extra installs Triton on Linux x86_64 only")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.fail("triton is not installed: `make test` installs it (pyproject's dev extra) "
-                    "so that the Triton shift kernels are checked on the CPU")
-    # a one-process group of its own: not the address of the one pytest may hold
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-c", CHECK], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_interpreted(CHECK)
 
 
 def test_triton_kernels_match_shift_tokens(interpreted):
