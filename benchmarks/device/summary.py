@@ -62,6 +62,27 @@ def profile_row(profile: dict) -> str:
         f"{name[:48]} {ms:+.3f} ms ({calls:+d})" for name, ms, calls in called + grown))
 
 
+# (run, its variant): what one setting gains, vanilla and KV shift (checks.sh kernels)
+VARIANTS = (("h2048", "h2048-ropetorch", "Triton RoPE over megatron's"),
+            ("small", "small-torchops", "Triton shift over torch ops"),
+            ("host-triton", "host-torchops", "Triton shift over torch ops"))
+
+
+def variant_rows(out: Path) -> list[str]:
+    """Tokens/s of a run over its variant's, per arm: ``> 1`` means the run's setting
+    is faster (e.g. the Triton RoPE against megatron's torch ops)."""
+    rows = []
+    for run, other, what in VARIANTS:
+        a, b = out / f"step-{run}.json", out / f"step-{other}.json"
+        if not (a.exists() and b.exists()):
+            continue
+        ours, theirs = (json.loads(p.read_text())["arms"] for p in (a, b))
+        gain = "/".join(f"{ours[arm]['tokens_per_s'] / theirs[arm]['tokens_per_s']:.3f}"
+                        for arm in ("vanilla", "kv_shift"))
+        rows.append(f"{run:6s} {what}: tokens/s x {gain} (vanilla/KV shift)")
+    return rows
+
+
 def megatron_tokens_per_s(log: Path, tokens_per_iteration: int) -> float | None:
     """Megatron-LM's steady tokens/s: the median of its logged intervals but the first."""
     if not log.exists():
@@ -100,7 +121,7 @@ def main() -> int:
     tests = tests_row(out / "tests.xml")
     if tests:
         print(tests)
-    for row in step_rows(out):
+    for row in step_rows(out) + variant_rows(out):
         print(row)
     paper = out / "step-paper.json"
     mlm = megatron_tokens_per_s(out / "checks.log", 8 * 2048)

@@ -102,6 +102,10 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     out.mkdir()
     for name in ("h2048", "paper"):
         (out / f"step-{name}.json").write_text(json.dumps(result))
+    slower = json.loads(json.dumps(result))  # the variant (megatron's RoPE) at 4/5 the speed
+    for arm in slower["arms"].values():
+        arm["tokens_per_s"] *= 0.8
+    (out / "step-h2048-ropetorch.json").write_text(json.dumps(slower))
     (out / "tests.xml").write_text(  # pytest's JUnit XML, as `pytest --junit-xml` writes it
         '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" '
         'failures="1" skipped="1" tests="4"><testcase classname="tests.a" name="test_x"/>'
@@ -117,11 +121,12 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     lines = done.stdout.splitlines()
     assert lines[0] == "tests  gpu: 2 passed, 1 failed, 1 skipped: tests.a.test_y"
     ratio = result["ratio"]["step_time_median"]
-    h2048 = next(i for i, line in enumerate(lines) if line.startswith("h2048"))
+    h2048 = next(i for i, line in enumerate(lines) if line.startswith("h2048 "))
     assert f"time {ratio:.3f}" in lines[h2048] and "(<= 1.01)" in lines[h2048]
     if "profile" in result:  # the profiled step's line follows
         assert "GPU busy vanilla/KV shift" in lines[h2048 + 1]
         assert "shift" in lines[h2048 + 1].split("the shift changes:")[1].lower()
+    assert "h2048  Triton RoPE over megatron's: tokens/s x 1.250/1.250 (vanilla/KV shift)" in lines
     megatron = 8 * 2048 / 0.510  # the median interval after the first
     vanilla = result["arms"]["vanilla"]["tokens_per_s"]
     assert f"Megatron-LM {megatron:.0f}: {vanilla / megatron:.3f}" in done.stdout
