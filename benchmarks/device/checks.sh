@@ -73,6 +73,7 @@ cat "$OUT/env.txt"
 # the Triton kernels have to compile here: one that fails is turned off for the
 # timed runs (and the log says so) rather than failing every one of them
 python3 benchmarks/device/smoke.py 2>&1 | tee -a "$OUT/checks.log" > "$OUT/smoke.txt"
+grep -q '^smoke-off:' "$OUT/smoke.txt" || log "smoke.py gave no verdict: the Triton kernels stay on"
 read -r -a off <<< "$(sed -n 's/^smoke-off: *//p' "$OUT/smoke.txt")"
 [ ${#off[@]} -eq 0 ] || log "Triton kernels turned off for the timed runs: ${off[*]}"
 
@@ -114,6 +115,9 @@ for part in "${parts[@]}"; do
              --backend torch "${off[@]}" --set model.rope_kernel=torch \
              --json "$OUT/step-h2048-ropetorch.json"
            for k in triton torch; do
+             if [ "$k" = triton ] && [[ " ${off[*]} " == *" model.kv_shift.kernel=torch "* ]]; then
+               log "host (triton): skipped (smoke turned the Triton shift off)"; continue
+             fi
              run "host ($k)" 60 python3 benchmarks/step.py configs/bench/host.yaml \
                --backend torch "${off[@]}" --set model.kv_shift.kernel=$k --steps 200 \
                --warmup 10 \

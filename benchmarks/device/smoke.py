@@ -1,11 +1,13 @@
-"""Do kvtrain's Triton kernels compile and run on this GPU? One line per kernel.
+"""Do kvtrain's Triton kernels compile, run and agree with the torch ops on this GPU?
+One line per kernel.
 
     python benchmarks/device/smoke.py        (exit 0; prints the --set options that
                                               turn off a kernel that failed)
 
 ``checks.sh`` runs it first on a lent GPU: a kernel that fails to compile there
 would otherwise fail every timed run of the call. Each kernel runs forward and
-backward once on a small bf16 input; a failure is printed with its first line,
+backward once on a small fp32 input against the torch ops it replaces (within
+1e-4 of scale); a failure or a disagreement is printed with its first line,
 and the matching ``--set model...=torch`` is printed on the last line for the
 timed runs to take (and for the note to say so).
 """
@@ -18,23 +20,40 @@ import traceback
 import torch
 
 
+def _agree(run, reference, inputs: list) -> None:
+    """``run`` and ``reference`` on copies of ``inputs`` (fp32): outputs and input
+    gradients within 1e-4 of their scale, else AssertionError."""
+    results = []
+    for fn in (run, reference):
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        outs = fn(*xs)
+        torch.autograd.backward(outs, [torch.ones_like(o) * (i + 1) for i, o in enumerate(outs)])
+        results.append([*outs, *(x.grad for x in xs)])
+    for got, want in zip(*results):
+        err = (got - want).abs().max().item()
+        assert err <= 1e-4 * max(want.abs().max().item(), 1.0), f"off by {err:.3g}"
+
+
 def _shift() -> None:
     from kvtrain.model.shift_kernels import fused_shift_qkv
 
-    mixed = torch.randn(64, 2, 4, 3 * 64, device="cuda", dtype=torch.bfloat16,
-                        requires_grad=True)
-    coef = torch.rand(4, 2, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    q, k, v = fused_shift_qkv(mixed, coef, coef.detach().clone().requires_grad_(), None,
-                              query_width=64, impl="triton")
-    (q.float().sum() + k.float().sum() + v.float().sum()).backward()
+    def shift(impl):
+        return lambda m, ck, cv: fused_shift_qkv(m, ck, cv, None, query_width=64, impl=impl)
+
+    inputs = [torch.randn(64, 2, 4, 3 * 64, device="cuda"), torch.rand(4, 2, device="cuda"),
+              torch.rand(4, 2, device="cuda")]
+    _agree(shift("triton"), shift("torch"), inputs)
 
 
 def _rope() -> None:
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
     from kvtrain.model.rope import fused_rope
 
-    t = torch.randn(64, 2, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    freqs = torch.rand(64, 1, 1, 64, device="cuda")
-    fused_rope(t, freqs).float().sum().backward()
+    freqs = torch.rand(64, 1, 1, 32, device="cuda") * 64
+    freqs = torch.cat([freqs, freqs], dim=-1)
+    _agree(lambda t: (fused_rope(t, freqs),), lambda t: (_apply_rotary_pos_emb_bshd(t, freqs),),
+           [torch.randn(64, 2, 4, 64, device="cuda")])
 
 
 KERNELS = {"model.kv_shift.kernel": _shift, "model.rope_kernel": _rope}

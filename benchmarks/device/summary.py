@@ -62,24 +62,27 @@ def profile_row(profile: dict) -> str:
         f"{name[:48]} {ms:+.3f} ms ({calls:+d})" for name, ms, calls in called + grown))
 
 
-# (run, its variant): what one setting gains, vanilla and KV shift (checks.sh kernels)
-VARIANTS = (("h2048", "h2048-ropetorch", "Triton RoPE over megatron's"),
-            ("small", "small-torchops", "Triton shift over torch ops"),
-            ("host-triton", "host-torchops", "Triton shift over torch ops"))
+# (run, its variant, the backend field they differ in): checks.sh's kernels part
+VARIANTS = (("h2048", "h2048-ropetorch", "rope"),
+            ("small", "small-torchops", "shift_kernel"),
+            ("host-triton", "host-torchops", "shift_kernel"))
 
 
 def variant_rows(out: Path) -> list[str]:
-    """Tokens/s of a run over its variant's, per arm: ``> 1`` means the run's setting
-    is faster (e.g. the Triton RoPE against megatron's torch ops)."""
+    """Tokens/s of a run over its variant's, per arm (``> 1``: the run's kernel is
+    faster), with the kernels each ran as their JSON records them (the smoke step
+    may have turned a Triton kernel off)."""
     rows = []
-    for run, other, what in VARIANTS:
+    for run, other, field in VARIANTS:
         a, b = out / f"step-{run}.json", out / f"step-{other}.json"
         if not (a.exists() and b.exists()):
             continue
-        ours, theirs = (json.loads(p.read_text())["arms"] for p in (a, b))
-        gain = "/".join(f"{ours[arm]['tokens_per_s'] / theirs[arm]['tokens_per_s']:.3f}"
+        ours, theirs = (json.loads(p.read_text()) for p in (a, b))
+        gain = "/".join(f"{ours['arms'][arm]['tokens_per_s'] / theirs['arms'][arm]['tokens_per_s']:.3f}"
                         for arm in ("vanilla", "kv_shift"))
-        rows.append(f"{run:6s} {what}: tokens/s x {gain} (vanilla/KV shift)")
+        kernels = [str(d["backend"].get(field)).split(" (")[0] for d in (ours, theirs)]
+        rows.append(f"{run:6s} {field} {kernels[0]} over {kernels[1]}: tokens/s x {gain} "
+                    f"(vanilla/KV shift)")
     return rows
 
 

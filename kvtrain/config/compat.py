@@ -10,7 +10,9 @@ key (or a section above it). What changed is then printed and recorded.
 
 Everything else may change on a resume without a word: the parallel layout
 (checkpoints reshard), the schedule, the optimizer's hyper-parameters, the
-intervals, logging, and ``model.backend`` (the same weights on other kernels).
+intervals, logging, and ``model.backend`` and the kernel choices
+(``model.rope_kernel``, ``model.kv_shift.kernel``: the same weights on other
+kernels). A key newer than the checkpoint compares as its default.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from .loader import ConfigError
 # Sections or keys compared on resume (a section compares every key below it).
 COMPARED = ("model", "train.seq_length", "data.type", "data.paths", "data.split",
             "data.tokenizer", "data.seed", "data.induction", "data.ngram")
-IGNORED = ("model.backend",)  # how the model runs, not what it is
+# how the model runs, not what it is (the same weights on other kernels)
+IGNORED = ("model.backend", "model.rope_kernel", "model.kv_shift.kernel")
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,22 @@ def _compared(config: dict) -> dict[str, Any]:
 
 
 def config_changes(saved: dict, current: dict) -> list[Change]:
-    """The compared keys whose values differ between two run configs."""
+    """The compared keys whose values differ between two run configs. A key the
+    saved config lacks (added to kvtrain after the checkpoint was written) counts
+    as its default: the run that wrote it behaved as that."""
     a, b = _compared(saved), _compared(current)
+    defaults = _defaults()
+    a.update({k: defaults[k] for k in b if k not in a and k in defaults})
     return [Change(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k)]
+
+
+def _defaults() -> dict[str, Any]:
+    """The compared keys of a default config, flattened."""
+    from .loader import to_dict
+    from .schema import RunConfig
+
+    return _compared(to_dict(RunConfig()))
 
 
 def _allowed(key: str, allowed: list[str]) -> bool:

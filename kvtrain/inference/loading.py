@@ -148,6 +148,8 @@ def load_model(source: str | Path, backend: str = "auto",
     from kvtrain.model.rope import choose_rope
 
     rope_kernel = choose_rope("auto", name, torch.cuda.is_available(), cfg.model.mla is not None)[0]
+    if cfg.model.position_embedding != "rope":
+        rope_kernel = "none"
     model = build_gpt(cfg.model, transformer_config(cfg.model, parallel, numerics,
                                                     rope_fusion=rope_kernel == "triton"),
                       seed=cfg.train.seed, backend=name, shift_kernel=shift_kernel)

@@ -7,8 +7,9 @@ Transformer Engine's kernel where TE is installed and None without it. Without
 TE, kvtrain fills that slot with :func:`fused_rope` (one Triton pass each way,
 ``kvtrain.model.triton_rope``) and sets ``apply_rope_fusion`` on the runs that
 chose it; megatron then keeps to its own torch ops wherever the fused kernel
-does not apply (``mscale != 1``, mRoPE), and MLA and packed THD sequences never
-take it (``choose_rope``).
+does not apply (``mscale != 1``, mRoPE). MLA never takes it (``choose_rope``),
+and packed THD sequences, which only the ``te`` backend makes, meet TE's own
+kernels there.
 
 Choices (``auto | triton | torch``), resolved once per start and recorded with
 the backend:

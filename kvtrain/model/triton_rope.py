@@ -69,7 +69,7 @@ if triton is not None:
                      BLOCK_PASS: tl.constexpr, INVERSE: tl.constexpr):
         pos = tl.program_id(0).to(tl.int64)
         seq = tl.program_id(1).to(tl.int64)
-        heads = tl.arange(0, BLOCK_H)
+        heads = tl.arange(0, BLOCK_H).to(tl.int64)  # h * stride: past 2^31 for [b, h, s, d]
         cols = tl.arange(0, BLOCK_HALF)
         ok_h = heads < H
         ok_c = cols < HALF

@@ -19,7 +19,12 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
+from torch.optim.optimizer import _get_scalar_dtype
+
+try:  # torch's own rule for fused optimizers (torch >= 2.4; private, so guarded)
+    from torch.optim.optimizer import _device_dtype_check_for_fused
+except ImportError:  # pragma: no cover - depends on the torch version
+    _device_dtype_check_for_fused = None
 
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
@@ -98,8 +103,7 @@ def use_fused_adamw(optimizer) -> str:
     where the chosen kernel reads it.
     """
     inners = inner_optimizers(optimizer)
-    theirs = [adam_kernel(type(inner)) for inner in inners
-              if not isinstance(inner, torch.optim.Adam)]
+    theirs = [adam_kernel(type(inner)) for inner in inners if not torch_adam(type(inner))]
     if theirs or not inners:
         return ", ".join(dict.fromkeys(theirs)) or adam_kernel(megatron_adam_class())
     why = fused_refusal([group for inner in inners for group in inner.param_groups])
@@ -117,6 +121,8 @@ def fused_refusal(groups: list[dict]) -> Optional[str]:
     """Why torch's fused AdamW would refuse these param groups (None: it takes them),
     by torch's own rules: no ``differentiable`` groups (``Adam.__init__``), floating
     point parameters on a device with fused kernels (``_device_dtype_check_for_fused``)."""
+    if _device_dtype_check_for_fused is None:
+        return "this torch has no fused AdamW check (torch < 2.4)"
     for group in groups:
         if group.get("differentiable"):
             return "`fused` does not support `differentiable`"
@@ -160,9 +166,14 @@ def adam_kernel(cls: type) -> str:
     """What computes the update of an optimizer class megatron built: :data:`FUSED`
     for torch's Adam/AdamW, else its package and name (``transformer_engine FusedAdam``,
     ``apex FusedAdam``)."""
-    if issubclass(cls, torch.optim.Adam):
+    if torch_adam(cls):
         return FUSED
     return f"{cls.__module__.split('.')[0]} {cls.__name__}"
+
+
+def torch_adam(cls: type) -> bool:
+    """torch's Adam or AdamW (AdamW derives from Adam only since torch 2.7)."""
+    return issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))
 
 
 def megatron_adam_class() -> type:

@@ -48,6 +48,30 @@ def test_compared_keys():
     assert [c.key for c in config_changes(SAVED, changed(train__seed=2))] == ["data.seed"]
 
 
+def test_kernel_choices_may_change_on_resume():
+    """Which kernels compute the shift and RoPE is how the model runs, not what it is:
+    a run turning a kernel off (a GPU where the Triton one fails) resumes as before."""
+    saved = changed(model__rope_kernel="auto", model__kv_shift__kernel="auto")
+    assert config_changes(saved, changed(model__rope_kernel="torch",
+                                         model__kv_shift__kernel="torch")) == []
+
+
+def test_keys_newer_than_the_checkpoint_take_their_defaults():
+    """A checkpoint written before a model key existed (session 6's has no
+    ``model.rope_kernel``, or ``model.kv_shift.mode`` missing here) compares as
+    that key's default: it resumes; a value other than the default is a change."""
+    from kvtrain.config.loader import to_dict
+    from kvtrain.config.schema import RunConfig
+
+    current = to_dict(RunConfig())
+    older = to_dict(RunConfig())
+    del older["model"]["kv_shift"]["mode"]
+    assert config_changes(older, current) == []
+    current["model"]["kv_shift"]["mode"] = "gate"
+    assert [str(c) for c in config_changes(older, current)] == [
+        "model.kv_shift.mode: 'free' -> 'gate'"]
+
+
 def test_refused_and_allowed_changes():
     new = changed(train__seq_length=64, model__attention="vanilla")
     with pytest.raises(ConfigError, match=r"model.attention: 'kv_shift' -> 'vanilla'; "

@@ -152,24 +152,35 @@ def test_a_cpu_run_records_megatrons_rope(single_rank, tmp_path):
     assert "; RoPE: torch (auto: no GPU)" in run.backend.describe()
     assert run.backend.as_dict()["rope"] == "torch (auto: no GPU)"
     assert not run.model[0].config.apply_rope_fusion
+    nope = build_run(load_config(str(REPO / "configs" / "bench" / "host.yaml"), [
+        "data.type=mock", "train.max_steps=1", "model.position_embedding=none"]), tmp_path / "b")
+    assert nope.backend.rope == "none (model.position_embedding: none)"
 
 
 @pytest.mark.gpu
-def test_a_gpu_run_rotates_with_the_kernel_and_matches_megatrons_ops(single_rank):
-    """On a GPU the torch backend takes the fused kernel (bf16 and fp32 models against
-    megatron's ops: logits within each dtype's rounding)."""
+def test_a_gpu_run_rotates_with_the_kernel_and_matches_megatrons_ops(single_rank, monkeypatch):
+    """On a GPU the torch backend takes the compiled kernel (kvtrain's, for Q and K of
+    every layer): fp32 and bf16 models against megatron's ops, logits and every
+    gradient within each dtype's rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.module import Float16Module
+
     from kvtrain.backend import set_seed
     from kvtrain.config import ModelConfig
     from kvtrain.model.builder import Numerics, build_gpt, transformer_config
-    from megatron.core.transformer.module import Float16Module
+    from kvtrain.model.rope import fused_rope
+
+    from .interpreter import autograd_nodes
 
     assert choose_rope("auto", "torch", True, False)[0] == "triton"
+    # kvtrain's kernel in the slot even where TE's would hold it
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", fused_rope)
     tokens = torch.randint(0, 256, (2, 128), device="cuda")
     pos = torch.arange(128, device="cuda")[None].expand_as(tokens)
     for numerics, tol in ((Numerics(), 1e-4), (Numerics.from_precision("bf16"), 5e-2)):
-        outs = {}
+        runs = {}
         for fusion in (True, False):
             set_seed(3)
             cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8,
@@ -181,6 +192,11 @@ def test_a_gpu_run_rotates_with_the_kernel_and_matches_megatrons_ops(single_rank
                 model = Float16Module(tc, model)
             out = model(tokens, pos, None).float()
             out.pow(2).mean().backward()
-            outs[fusion] = out.detach()
-        scale = outs[False].abs().max()
-        assert (outs[True] - outs[False]).abs().max() <= tol * scale
+            kernels = sum(n == "FusedRoPEBackward" for n in autograd_nodes(out))
+            runs[fusion] = (out.detach(), {n: p.grad.float() for n, p in model.named_parameters()},
+                            kernels)
+        (out_f, grads_f, n_f), (out_r, grads_r, n_r) = runs[True], runs[False]
+        assert (n_f, n_r) == (4, 0)  # Q and K of 2 layers
+        assert (out_f - out_r).abs().max() <= tol * out_r.abs().max()
+        for name, g in grads_r.items():
+            assert (grads_f[name] - g).abs().max() <= tol * g.abs().max(), name

@@ -245,3 +245,16 @@ def test_on_a_gpu_fused_adamw_steps_on_the_gpu_and_resumes(single_rank, tmp_path
         _steps(fresh, 1)
         assert set(adam_steps(fresh.optimizer)) == {4.0}
         assert torch.equal(_flat(fresh), _flat(run)), root
+
+
+def test_torchs_adamw_is_recognised_where_it_is_not_an_adam(single_rank, tmp_path, cache_dir,
+                                                           monkeypatch):
+    """Before torch 2.7 ``AdamW`` was no subclass of ``Adam``: its optimizers must still
+    take the fused kernel (seen as torch's own, not as a foreign FusedAdam left alone).
+    Simulated by an ``Adam`` that AdamW does not derive from."""
+    run = _run(tiny_config(None, cache_dir), tmp_path)
+    _use_foreach(run.optimizer)
+    monkeypatch.setattr(torch.optim, "Adam", type("Adam", (torch.optim.Optimizer,), {}))
+    assert not isinstance(inner_optimizers(run.optimizer)[0], torch.optim.Adam)
+    assert use_fused_adamw(run.optimizer) == FUSED
+    assert all(g["fused"] is True and g["foreach"] is False for g in _groups(run.optimizer))
