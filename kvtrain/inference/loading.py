@@ -145,11 +145,9 @@ def load_model(source: str | Path, backend: str = "auto",
         from kvtrain.model.shift_kernels import choose_kernel
 
         shift_kernel = choose_kernel("auto", torch.cuda.is_available(), dtype)[0]
-    from kvtrain.model.rope import choose_rope
+    from kvtrain.model.rope import choose_for
 
-    rope_kernel = choose_rope("auto", name, torch.cuda.is_available(), cfg.model.mla is not None)[0]
-    if cfg.model.position_embedding != "rope":
-        rope_kernel = "none"
+    rope_kernel = choose_for(cfg.model, name, torch.cuda.is_available())[0]
     model = build_gpt(cfg.model, transformer_config(cfg.model, parallel, numerics,
                                                     rope_fusion=rope_kernel == "triton"),
                       seed=cfg.train.seed, backend=name, shift_kernel=shift_kernel)

@@ -62,6 +62,14 @@ def choose_rope(requested: str, backend: str, cuda: bool, mla: bool) -> tuple[st
     return "triton", "auto: GPU"
 
 
+def choose_for(model, backend: str, cuda: bool, requested: str = "auto") -> tuple[str, str]:
+    """:func:`choose_rope` for ``model`` (a ``ModelConfig``): ``none`` where it has no
+    rotary position embedding, MLA's own RoPE for MLA."""
+    if model.position_embedding != "rope":
+        return "none", f"model.position_embedding: {model.position_embedding}"
+    return choose_rope(requested, backend, cuda, mla=model.mla is not None)
+
+
 def install() -> str:
     """Fills megatron's fused-RoPE slot with :func:`fused_rope` where TE left it empty
     (before a ``TransformerConfig`` with ``apply_rope_fusion`` is made: it checks
@@ -100,17 +108,12 @@ class FusedRoPE(torch.autograd.Function):
     def forward(ctx, t: Tensor, freqs: Tensor) -> Tensor:
         freqs = _angles(freqs)
         ctx.save_for_backward(freqs)
-        return triton_rope.rotate(_rows(t), freqs)
+        return triton_rope.rotate(t, freqs)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         (freqs,) = ctx.saved_tensors
-        return triton_rope.rotate(_rows(dy), freqs, inverse=True), None
-
-
-def _rows(t: Tensor) -> Tensor:
-    """``t`` with a unit stride in d (the kernel indexes s, b, h by stride)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+        return triton_rope.rotate(dy, freqs, inverse=True), None
 
 
 def _angles(freqs: Tensor) -> Tensor:

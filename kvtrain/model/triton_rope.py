@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_shift import next_pow2
+from .triton_shift import next_pow2, rows
 
 try:  # Triton ships with CUDA builds of PyTorch; the CPU build runs megatron's RoPE.
     import triton
@@ -46,8 +46,9 @@ def available() -> bool:
 
 
 def rotate(t: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
-    """``t [s, b, h, d]`` (a unit stride in d) rotated by ``freqs [s, 1, 1, r]`` (fp32),
+    """``t [s, b, h, d]`` rotated by ``freqs [>= s, 1, 1, r]`` (fp32, a unit stride in r),
     or by the transposed rotation (``inverse``, the backward): a new contiguous tensor."""
+    t = rows(t)
     s, b, h, d = t.shape
     r = freqs.shape[-1]
     out = torch.empty((s, b, h, d), dtype=t.dtype, device=t.device)

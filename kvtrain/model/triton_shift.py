@@ -51,7 +51,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _rows(t: Tensor) -> Tensor:
+def rows(t: Tensor) -> Tensor:
     """``t`` with a unit stride in d (the kernels index s, b, h by stride, d by 1)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -73,7 +73,7 @@ def _launch(s: int, b: int, h: int, d: int, x: Tensor, coefs: list[Tensor],
 
 # ----------------------------------------------------------------------------- one tensor
 def shift_forward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]) -> Tensor:
-    x = _rows(x)
+    x = rows(x)
     s, b, h, d = x.shape
     y = torch.empty((s, b, h, d), dtype=x.dtype, device=x.device)
     grid, block_t, block_d, (c,), docs, doc_strides = _launch(s, b, h, d, x, [coef], doc_ids)
@@ -88,9 +88,9 @@ def shift_forward(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor]) -> Tensor:
 def shift_backward(x: Optional[Tensor], coef: Tensor, doc_ids: Optional[Tensor],
                    dy: Tensor) -> tuple[Tensor, Optional[Tensor]]:
     """(dx, dcoef in fp32); without ``x`` (fixed coefficients) dx alone: (dx, None)."""
-    dy = _rows(dy)
+    dy = rows(dy)
     coef_grad = x is not None
-    x = _rows(x) if coef_grad else dy  # without x: a valid pointer, never read
+    x = rows(x) if coef_grad else dy  # without x: a valid pointer, never read
     s, b, h, d = dy.shape
     n = coef.shape[1]
     dx = torch.empty((s, b, h, d), dtype=dy.dtype, device=dy.device)
@@ -112,7 +112,7 @@ def qkv_forward(mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional
                 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(key, value [s, b, g, d], raw K/V [s, b, g, 2, d] or None without ``keep_raw``)
     from ``mixed [s, b, g, q + 2d]``."""
-    mixed = _rows(mixed)
+    mixed = rows(mixed)
     s, b, g, width = mixed.shape
     d = (width - query_width) // 2
     key, value = (torch.empty((s, b, g, d), dtype=mixed.dtype, device=mixed.device)
@@ -137,13 +137,13 @@ def qkv_backward(raw: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef_v:
     """(dmixed [s, b, g, q + 2d], dcoef_k, dcoef_v in the coefficients' dtype) from the
     raw K/V ``[s, b, g, 2, d]`` (``kv_shape``; None: no coefficient gradients) and the
     gradients of Q (None: zero), K and V."""
-    dk, dv = _rows(dk), _rows(dv)
+    dk, dv = rows(dk), rows(dv)
     s, b, g, _, d = kv_shape
     n = coef_k.shape[1]
     dmixed = torch.empty((s, b, g, query_width + 2 * d), dtype=dk.dtype, device=dk.device)
     grid, block_t, block_d, (ck, cv), docs, doc_strides = _launch(
         s, b, g, d, dk, [coef_k, coef_v], doc_ids)
-    dq = _rows(dq) if dq is not None else None
+    dq = rows(dq) if dq is not None else None
     q_arg = dq if dq is not None else dmixed  # a valid pointer, never read
     raw_arg = raw if raw is not None else dk.unsqueeze(3)  # never read without raw
     partial = torch.empty((grid[0], b, g, 2, n) if raw is not None else (1,),

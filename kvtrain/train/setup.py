@@ -220,10 +220,7 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Optional[
     if cfg.data.reset_attention_mask:
         backend = dataclasses.replace(backend, documents=document_attention(
             backend.name, cuda, cfg.model.attention_dropout))
-    rope_kernel, why = rope.choose_rope(cfg.model.rope_kernel, backend.name, cuda,
-                                        mla=cfg.model.mla is not None)
-    if cfg.model.position_embedding != "rope":
-        rope_kernel, why = "none", f"model.position_embedding: {cfg.model.position_embedding}"
+    rope_kernel, why = rope.choose_for(cfg.model, backend.name, cuda, cfg.model.rope_kernel)
     fused = rope_kernel == "triton"
     if fused and rope.install() != "triton":
         why += "; megatron's fused-RoPE slot holds Transformer Engine's kernel"

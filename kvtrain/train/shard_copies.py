@@ -14,8 +14,8 @@ The shards are fixed views of buffers that megatron allocates once, so
 attribute set per parameter for the gradients, and one multi-tensor copy for
 the parameters (none where the main shard *is* the parameter's memory, as for
 fp32 parameters). The values are megatron's bit for bit. It applies to the
-plain case kvtrain runs (no FSDP, fp8, precision-aware optimizer or MXFP8
-buffer reuse); any other keeps megatron's methods.
+plain case kvtrain runs (fp32 gradient buffers; no FSDP, fp8, precision-aware
+optimizer or MXFP8 buffer reuse); any other keeps megatron's methods.
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ class ShardCopies:
 
     def grads_to_main(self) -> None:
         """megatron's ``_copy_model_grads_to_main_grads``: each main shard's ``grad``
-        is its slice of the reduced gradient buffer (fp32; cast where it is not)."""
+        is its slice of the reduced fp32 gradient buffer (megatron's ``.float()`` of it
+        is the same tensor)."""
         for main, grad in self.grads:
-            main.grad = grad if grad.dtype == torch.float32 else grad.float()
+            main.grad = grad
 
     def main_to_model(self) -> None:
         """megatron's ``_copy_main_params_to_model_params``: the updated main shards
@@ -76,8 +77,10 @@ def applies(opt) -> bool:
     if (ddp.use_megatron_fsdp or config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
             or config.reuse_grad_buf_for_mxfp8_param_ag):
         return False
-    groups = opt.model_float16_groups + opt.model_fp32_groups
-    return not any(is_float8tensor(p) for group in groups for p in group)
+    params = [p for group in opt.model_float16_groups + opt.model_fp32_groups for p in group]
+    # gradient buffers reduced in fp32 (kvtrain's grad_reduce_in_fp32), so a main
+    # shard's gradient is a view, not a cast to redo every step
+    return not any(is_float8tensor(p) or p.main_grad.dtype != torch.float32 for p in params)
 
 
 def install(optimizer) -> int:

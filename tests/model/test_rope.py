@@ -200,3 +200,30 @@ def test_a_gpu_run_rotates_with_the_kernel_and_matches_megatrons_ops(single_rank
         assert (out_f - out_r).abs().max() <= tol * out_r.abs().max()
         for name, g in grads_r.items():
             assert (grads_f[name] - g).abs().max() <= tol * g.abs().max(), name
+
+
+def test_install_fills_an_empty_slot_and_leaves_tes_kernel(monkeypatch):
+    """Without TE the slot gets kvtrain's kernel; where TE's kernel is there it stays,
+    and the run records that (``transformer_engine``)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from kvtrain.model import rope
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    assert rope.install() == "triton" and rope_utils.fused_apply_rotary_pos_emb is rope.fused_rope
+
+    def te_kernel(t, freqs, interleaved=False):  # a stand-in for TE's
+        return t
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", te_kernel)
+    assert rope.install() == "transformer_engine"
+    assert rope_utils.fused_apply_rotary_pos_emb is te_kernel
+
+
+def test_models_without_rotary_embeddings_take_none():
+    from kvtrain.config import ModelConfig
+    from kvtrain.model.rope import choose_for
+
+    assert choose_for(ModelConfig(position_embedding="none"), "torch", True) == (
+        "none", "model.position_embedding: none")
+    assert choose_for(ModelConfig(), "torch", True) == ("triton", "auto: GPU")

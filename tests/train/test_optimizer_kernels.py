@@ -258,3 +258,12 @@ def test_torchs_adamw_is_recognised_where_it_is_not_an_adam(single_rank, tmp_pat
     assert not isinstance(inner_optimizers(run.optimizer)[0], torch.optim.Adam)
     assert use_fused_adamw(run.optimizer) == FUSED
     assert all(g["fused"] is True and g["foreach"] is False for g in _groups(run.optimizer))
+
+
+def test_a_torch_without_the_fused_check_stays_on_foreach(monkeypatch):
+    """torch < 2.4 has no ``_device_dtype_check_for_fused``: foreach, with the reason."""
+    from kvtrain.train import optimizer
+
+    monkeypatch.setattr(optimizer, "_device_dtype_check_for_fused", None)
+    group = {"params": [torch.zeros(2)]}
+    assert optimizer.fused_refusal([group]) == "this torch has no fused AdamW check (torch < 2.4)"

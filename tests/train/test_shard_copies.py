@@ -106,3 +106,23 @@ def test_at_dp2_each_rank_copies_its_own_shards_as_megatron(single_rank, tmp_pat
 
     cfg = tiny_config(None, cache_dir, train={"precision": "bf16"})
     assert run_distributed(_dp_worker, 2, cfg, str(tmp_path)) == [(True, True), (True, True)]
+
+
+@pytest.mark.parametrize("case", ["fsdp", "precision_aware", "bf16_grad_buffers"])
+def test_cases_it_does_not_cover_keep_megatrons_copies(single_rank, tmp_path, cache_dir,
+                                                       monkeypatch, case):
+    """Megatron FSDP, the precision-aware optimizer and gradient buffers not in fp32
+    (a main shard's gradient would be a cast, not a view) keep megatron's methods."""
+    run = _megatrons(_run(tiny_config(None, cache_dir, train={"precision": "bf16"}), tmp_path))
+    (opt,) = _distributed(run)
+    assert shard_copies.applies(opt)
+    if case == "fsdp":
+        monkeypatch.setattr(opt.ddp_config, "use_megatron_fsdp", True)
+    elif case == "precision_aware":
+        monkeypatch.setattr(type(opt.config), "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                            property(lambda self: True), raising=False)
+    else:
+        param = opt.model_float16_groups[0][0]
+        monkeypatch.setattr(param, "main_grad", param.main_grad.bfloat16())
+    assert not shard_copies.applies(opt)
+    assert shard_copies.install(run.optimizer) == 0
