@@ -12,6 +12,8 @@
 #   tests   the `gpu` tests (pytest -m gpu)                      -> checks.log, tests.xml
 #   kernel  benchmarks/shift_kernel.py --qkv at the h2048 shape, bf16: the shift's own
 #           time against vanilla's split, per kernel                       -> checks.log
+#           benchmarks/cross_entropy.py at the paper's logits (8192 x 36000, bf16):
+#           megatron's loss against the fused one                  -> cross-entropy.json
 #   small   benchmarks/step.py configs/bench/small.yaml, torch backend      -> step-small.json
 #           (small, h2048 and paper add one profiled step per arm: --profile)
 #   h2048   benchmarks/step.py configs/bench/h2048.yaml, torch backend      -> step-h2048.json
@@ -87,7 +89,13 @@ for part in "${parts[@]}"; do
     tests) run tests 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider -o addopts= \
              --junit-xml="$OUT/tests.xml" ;;
     kernel) run kernel 60 python3 benchmarks/shift_kernel.py --qkv --dtype bf16 --seq 2048 \
-             --batch 4 --heads 16 --dim 128 --repeat 51 ;;
+             --batch 4 --heads 16 --dim 128 --repeat 51
+           if [[ " ${off[*]} " == *" model.cross_entropy_kernel=torch "* ]]; then
+             log "cross-entropy: skipped (smoke turned the fused loss off)"
+           else
+             run cross-entropy 60 python3 benchmarks/cross_entropy.py \
+               --json "$OUT/cross-entropy.json"
+           fi ;;
     small) run small 90 python3 benchmarks/step.py configs/bench/small.yaml --backend torch \
              "${off[@]}" --profile --json "$OUT/step-small.json" ;;
     h2048) run h2048 120 python3 benchmarks/step.py configs/bench/h2048.yaml --backend torch \

@@ -56,7 +56,21 @@ def _rope() -> None:
            [torch.randn(64, 2, 4, 64, device="cuda")])
 
 
-KERNELS = {"model.kv_shift.kernel": _shift, "model.rope_kernel": _rope}
+def _cross_entropy() -> None:
+    from kvtrain.model.cross_entropy import vocab_parallel_cross_entropy
+
+    labels = torch.randint(0, 5000, (64, 2), device="cuda")
+
+    def megatrons(x):  # the loss megatron computes, on torch ops
+        return (torch.logsumexp(x, -1) - x.gather(-1, labels[..., None])[..., 0],)
+
+    # x * 1: the fused loss writes its gradient over its logits, not over the leaf
+    _agree(lambda x: (vocab_parallel_cross_entropy(x * 1, labels),), megatrons,
+           [torch.randn(64, 2, 5000, device="cuda") * 3])
+
+
+KERNELS = {"model.kv_shift.kernel": _shift, "model.rope_kernel": _rope,
+           "model.cross_entropy_kernel": _cross_entropy}
 
 
 def main() -> int:

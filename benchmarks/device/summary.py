@@ -2,7 +2,8 @@
 
     python benchmarks/device/summary.py DIR      (DIR: the call's $OUT, as it came back)
 
-Reads DIR/step-*.json (benchmarks/step.py, with its ``--profile`` record) and Megatron-LM's iteration times from
+Reads DIR/step-*.json (benchmarks/step.py, with its ``--profile`` record),
+DIR/cross-entropy.json (benchmarks/cross_entropy.py) and Megatron-LM's iteration times from
 DIR/checks.log ("elapsed time per iteration (ms)", the first logged interval - warm-up
 - left out) and prints each target against its goal.
 """
@@ -86,6 +87,19 @@ def variant_rows(out: Path) -> list[str]:
     return rows
 
 
+def cross_entropy_row(path: Path) -> str | None:
+    """benchmarks/cross_entropy.py's medians: megatron's loss over the fused one."""
+    if not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    gib = 1 << 30
+    peak = d["peak_bytes_above_logits"]
+    return (f"loss   {d['tokens']} x {d['padded_vocab']} {d['dtype']}: megatron "
+            f"{d['ms']['megatron']:.2f} ms / {peak['megatron'] / gib:.2f} GiB, fused "
+            f"{d['ms']['fused']:.2f} ms / {peak['fused'] / gib:.2f} GiB "
+            f"(time x {d['time_ratio']:.2f})")
+
+
 def megatron_tokens_per_s(log: Path, tokens_per_iteration: int) -> float | None:
     """Megatron-LM's steady tokens/s: the median of its logged intervals but the first."""
     if not log.exists():
@@ -126,6 +140,9 @@ def main() -> int:
         print(tests)
     for row in step_rows(out) + variant_rows(out):
         print(row)
+    loss = cross_entropy_row(out / "cross-entropy.json")
+    if loss:
+        print(loss)
     paper = out / "step-paper.json"
     mlm = megatron_tokens_per_s(out / "checks.log", 8 * 2048)
     if paper.exists():

@@ -65,6 +65,9 @@ class BackendChoice:
     """What rotates queries and keys (``model.rope_kernel`` resolved: ``triton`` or
     ``torch``, and why; ``kvtrain.model.rope``); None where not resolved (tools
     that only read a config)."""
+    cross_entropy: Optional[str] = None
+    """What computes the loss (``model.cross_entropy_kernel`` resolved: ``triton`` or
+    ``torch``, and why; ``kvtrain.model.cross_entropy``); None where not resolved."""
 
     def describe(self) -> str:
         """One line for stdout: ``backend torch (auto: no GPU; fused softmax: no)``,
@@ -74,15 +77,18 @@ class BackendChoice:
     def details(self) -> str:
         """Why this backend and its kernels: ``auto: no GPU; fused softmax: no``, plus
         ``; documents: <kernel>`` when documents are separated and ``; KV shift:
-        <kernel>`` for KV-shift attention, ``; RoPE: <kernel>``, and ``; multi-tensor
-        ops: <kernels>; optimizer: <update>`` once the optimizer is built."""
+        <kernel>`` for KV-shift attention, ``; RoPE: <kernel>``, ``; cross-entropy:
+        <kernel>``, and ``; multi-tensor ops: <kernels>; optimizer: <update>`` once
+        the optimizer is built."""
         fused = "yes" if self.fused_softmax else "no"
         docs = f"; documents: {self.documents}" if self.documents else ""
         shift = f"; KV shift: {self.shift_kernel}" if self.shift_kernel else ""
         rope = f"; RoPE: {self.rope}" if self.rope else ""
+        loss = f"; cross-entropy: {self.cross_entropy}" if self.cross_entropy else ""
         multi = f"; multi-tensor ops: {self.multi_tensor}" if self.multi_tensor else ""
         update = f"; optimizer: {self.optimizer}" if self.optimizer else ""
-        return f"{self.reason}; fused softmax: {fused}{docs}{shift}{rope}{multi}{update}"
+        return (f"{self.reason}; fused softmax: {fused}{docs}{shift}{rope}{loss}{multi}"
+                f"{update}")
 
     @property
     def warning(self) -> Optional[str]:

@@ -11,8 +11,8 @@ key (or a section above it). What changed is then printed and recorded.
 Everything else may change on a resume without a word: the parallel layout
 (checkpoints reshard), the schedule, the optimizer's hyper-parameters, the
 intervals, logging, and ``model.backend`` and the kernel choices
-(``model.rope_kernel``, ``model.kv_shift.kernel``: the same weights on other
-kernels). A key newer than the checkpoint compares as its default.
+(``model.rope_kernel``, ``model.kv_shift.kernel``,
+``model.cross_entropy_kernel``: the same weights on other kernels). A key newer than the checkpoint compares as its default.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from .loader import ConfigError
 COMPARED = ("model", "train.seq_length", "data.type", "data.paths", "data.split",
             "data.tokenizer", "data.seed", "data.induction", "data.ngram")
 # how the model runs, not what it is (the same weights on other kernels)
-IGNORED = ("model.backend", "model.rope_kernel", "model.kv_shift.kernel")
+IGNORED = ("model.backend", "model.rope_kernel", "model.kv_shift.kernel",
+           "model.cross_entropy_kernel")
 
 
 @dataclass(frozen=True)

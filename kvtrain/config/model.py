@@ -150,6 +150,13 @@ class ModelConfig:
     kvtrain.model.rope); ``torch`` - megatron's torch ops (~12 passes forward,
     ~10 backward per tensor); ``auto`` - ``triton`` for the ``torch`` backend on a
     GPU where Triton imports, else ``torch``."""
+    cross_entropy_kernel: Literal["auto", "triton", "torch"] = "auto"
+    """What computes the loss over the vocab-parallel logits (resolved once per
+    start, printed and recorded with the backend): ``triton`` - one pass over the
+    logits each way, the logits kept in their dtype and overwritten by their
+    gradient (GPU; kvtrain.model.cross_entropy); ``torch`` - megatron's (an fp32
+    copy, ~10 passes, its fp32 softmax kept); ``auto`` - ``triton`` for the
+    ``torch`` backend on a GPU where Triton imports, else ``torch``."""
     norm_epsilon: float = 1e-5
     """RMSNorm epsilon."""
     init_method_std: float = 0.02

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from kvtrain.config.schema import ModelConfig, ParallelConfig
 
+from .cross_entropy import GPTModel
 from .init_streams import own_streams, seeded_layer_spec
 from . import rope
 from .kv_shift import KVShiftOptions
@@ -157,10 +157,13 @@ def build_gpt(
     backend: Backend = "auto",
     parallel_output: bool = True,
     shift_kernel: Optional[str] = None,
+    cross_entropy: str = "torch",
 ) -> GPTModel:
     """The GPTModel chunk of this rank's pipeline stage (``vp_stage`` for interleaving).
 
-    ``shift_kernel`` is the KV shift's resolved kernel (None: ``model.kv_shift.kernel``).
+    ``shift_kernel`` is the KV shift's resolved kernel (None: ``model.kv_shift.kernel``);
+    ``cross_entropy`` the loss's (``cross_entropy.choose_cross_entropy``: ``torch`` is
+    megatron's, ``triton`` kvtrain's fused one).
 
     ``seed`` sets the initial weights: the KV-shift coefficients (the same values
     whatever the TP/PP layout) and every other weight, drawn from streams of
@@ -192,6 +195,7 @@ def build_gpt(
             position_embedding_type=model.position_embedding,
             rotary_base=model.rotary_base,
             vp_stage=vp_stage,
+            cross_entropy=cross_entropy,
         )
 
 

@@ -106,7 +106,9 @@ Pipeline (1F1B): the first stage keeps ``min(m, p)`` micro batches in flight,
 so its activations are those of ``L/p · min(m, p)`` layers (Korthikanti §4.2.3:
 ``L`` layers' worth when ``m ≥ p``); with the interleaved schedule this grows by
 ``1 + (p-1)/(p·v)``. The last stage keeps one micro batch in flight plus the
-logits: ``s·b·V/t`` in bf16 and the fp32 softmax of the cross entropy.
+logits: ``s·b·V/t`` in bf16 and, with megatron's cross-entropy, their fp32 copy
+(its softmax, kept for the backward); kvtrain's fused loss (the ``torch``
+backend's on a GPU) keeps the bf16 logits alone (``logit_bytes``).
 
 Overhead: CUDA context, NCCL and cuBLAS/TE workspaces and allocator
 fragmentation, taken as 3 GiB plus 5% of the rest. Expect real usage within
@@ -258,6 +260,17 @@ def layer_input_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: 
     return activation_dtype_bytes(precision) * sb * model.hidden_size / t
 
 
+def logit_bytes(model: ModelConfig, precision: str, backend: str) -> int:
+    """Bytes per logit at the loss's peak. kvtrain's fused loss (the ``torch`` backend
+    on a GPU, ``model.cross_entropy_kernel`` not ``torch``) keeps the logits alone;
+    megatron's holds them and their fp32 copy, the softmax it keeps (fp32 logits are
+    shifted in place: one tensor)."""
+    act = activation_dtype_bytes(precision)
+    if backend == "torch" and model.cross_entropy_kernel != "torch":
+        return act
+    return 4 if act == 4 else act + 4
+
+
 def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
                      micro_batch: int, num_microbatches: int, recompute: str, stage: int = 0,
                      precision: str = "bf16", backend: str = "te") -> dict[str, float]:
@@ -288,10 +301,10 @@ def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: i
     else:  # none / selective (the same with flash attention, see the module doc)
         per_layer = full
     logits = 0.0
-    if stage == p - 1:  # bf16 logits and the fp32 softmax of the cross entropy
+    if stage == p - 1:
         t = parallel.tensor
         sb = seq_length * micro_batch / parallel.context
-        logits = sb * model.padded_vocab_size(t) / t * (2 + 4)
+        logits = sb * model.padded_vocab_size(t) / t * logit_bytes(model, precision, backend)
     kept = layers * in_flight * per_layer
     return {"total": kept + working + logits, "layers": kept, "working": working,
             "logits": logits, "per_layer": per_layer, "in_flight": in_flight}

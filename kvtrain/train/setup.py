@@ -86,8 +86,20 @@ def backend_event(run: Run, iteration: int) -> dict:
             "message": f"{run.backend.describe()}, device {run.device}", **run.resolved}
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The kernels a run resolved once at its start (recorded on its ``BackendChoice``)."""
+
+    shift: Optional[str] = None
+    """The KV shift's (``native``, ``triton``, ``torch``); None for vanilla attention."""
+    rope_fusion: bool = False
+    """RoPE takes megatron's fused slot (kvtrain's Triton kernel or TE's)."""
+    cross_entropy: str = "torch"
+    """The loss's: ``triton`` (kvtrain's fused one) or ``torch`` (megatron's)."""
+
+
 def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
-                 shift_kernel: Optional[str] = None) -> list:
+                 kernels: Kernels = Kernels()) -> list:
     """GPTModel chunks of this rank (one per virtual stage), wrapped for mixed
     precision and in megatron's DistributedDataParallel."""
     from megatron.core import tensor_parallel
@@ -101,7 +113,7 @@ def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
     for vp_stage in range(p.virtual_pipeline or 1):
         chunk = build_gpt(cfg.model, tconfig, seed=cfg.train.seed, backend=backend,
                           vp_stage=vp_stage if p.virtual_pipeline else None,
-                          shift_kernel=shift_kernel)
+                          shift_kernel=kernels.shift, cross_entropy=kernels.cross_entropy)
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if torch.cuda.is_available():
@@ -154,15 +166,15 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     numerics = Numerics.from_precision(t.precision)
     if numerics.fp16 and not torch.cuda.is_available():
         raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
-    backend, shift_kernel, rope_fusion = _resolve_backend(cfg, numerics)  # once per run
-    tconfig = transformer_config(cfg.model, p, numerics, rope_fusion=rope_fusion)
+    backend, kernels = _resolve_backend(cfg, numerics)  # once per run
+    tconfig = transformer_config(cfg.model, p, numerics, rope_fusion=kernels.rope_fusion)
     # Set before DDP is built (DDP reads it): gradients are divided by the token
     # count of the global batch in finalize_model_grads, not by DP size.
     tconfig.calculate_per_token_loss = True
     # Without this, data-parallel gradients are never all-reduced (megatron's DDP
     # hooks only accumulate when overlap is off).
     tconfig.finalize_model_grads_func = finalize_model_grads
-    model = _build_model(cfg, tconfig, numerics, backend.name, shift_kernel)
+    model = _build_model(cfg, tconfig, numerics, backend.name, kernels)
     if p.overlap_grad_reduce:
         # as Megatron-LM: no grad sync inside the micro-batch loop, and with PP the
         # stages launch their reduce-scatters in step (its align_grad_reduce default)
@@ -205,12 +217,13 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     )
 
 
-def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Optional[str], bool]:
-    """The run's backend on this machine, with how it keeps documents apart, what
-    computes the KV shift and RoPE (refusing what it cannot do); the shift's kernel,
-    and whether RoPE takes megatron's fused slot."""
+def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
+    """The run's backend on this machine, with how it keeps documents apart and what
+    computes the KV shift, RoPE and the loss (refusing what it cannot do); and those
+    kernels, for the model's builder."""
     from kvtrain.config.backend import check_document_masks, document_attention
     from kvtrain.model import rope
+    from kvtrain.model.cross_entropy import choose_cross_entropy
     from kvtrain.model.shift_kernels import choose_kernel
     from kvtrain.model.specs import backend_choice
 
@@ -225,11 +238,14 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Optional[
     if fused and rope.install() != "triton":
         why += "; megatron's fused-RoPE slot holds Transformer Engine's kernel"
         rope_kernel = "transformer_engine"
-    backend = dataclasses.replace(backend, rope=f"{rope_kernel} ({why})")
+    loss, loss_why = choose_cross_entropy(cfg.model.cross_entropy_kernel, backend.name, cuda)
+    backend = dataclasses.replace(backend, rope=f"{rope_kernel} ({why})",
+                                  cross_entropy=f"{loss} ({loss_why})")
     if cfg.model.attention != "kv_shift":
-        return backend, None, fused
+        return backend, Kernels(None, fused, loss)
     kernel, why = choose_kernel(cfg.model.kv_shift.kernel, cuda, numerics.params_dtype)
-    return dataclasses.replace(backend, shift_kernel=f"{kernel} ({why})"), kernel, fused
+    return (dataclasses.replace(backend, shift_kernel=f"{kernel} ({why})"),
+            Kernels(kernel, fused, loss))
 
 
 def _documents(cfg: RunConfig, datasets, backend: str) -> Optional[Callable]:

@@ -116,6 +116,11 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     (out / "checks.log").write_text("".join(
         f" [2026-11-26] iteration {5 * i:>8d}/20 | elapsed time per iteration (ms): {ms:.1f} |"
         f" throughput per GPU (TFLOP/s/GPU): 1.0 |\n" for i, ms in enumerate((900, 500, 520, 510))))
+    gib = 1 << 30  # benchmarks/cross_entropy.py's JSON (its keys, made-up values)
+    (out / "cross-entropy.json").write_text(json.dumps({
+        "tokens": 8192, "padded_vocab": 36096, "dtype": "bf16",
+        "ms": {"megatron": 6.0, "fused": 1.5}, "time_ratio": 4.0,
+        "peak_bytes_above_logits": {"megatron": int(2.2 * gib), "fused": int(0.01 * gib)}}))
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device" / "summary.py"),
                            str(out)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -130,6 +135,8 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     rope = result["backend"]["rope"].split(" (")[0]  # what the CPU run recorded: torch
     assert (f"h2048  rope {rope} over torch: tokens/s x 1.250/1.250 (vanilla/KV shift)"
             in lines), lines
+    assert ("loss   8192 x 36096 bf16: megatron 6.00 ms / 2.20 GiB, fused 1.50 ms / 0.01 GiB "
+            "(time x 4.00)") in lines, lines
     megatron = 8 * 2048 / 0.510  # the median interval after the first
     vanilla = result["arms"]["vanilla"]["tokens_per_s"]
     assert f"Megatron-LM {megatron:.0f}: {vanilla / megatron:.3f}" in done.stdout
@@ -197,5 +204,6 @@ def test_device_smoke_turns_off_a_kernel_that_fails(tmp_path):
         assert lines[-1] == "smoke-off:", lines
     else:
         assert lines[-1] == ("smoke-off: --set model.kv_shift.kernel=torch "
-                             "--set model.rope_kernel=torch"), lines
-        assert sum("triton FAILED" in line for line in lines) == 2, lines
+                             "--set model.rope_kernel=torch "
+                             "--set model.cross_entropy_kernel=torch"), lines
+        assert sum("triton FAILED" in line for line in lines) == 3, lines

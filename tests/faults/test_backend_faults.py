@@ -470,11 +470,14 @@ def test_plan_memory_follows_the_backend_and_says_which():
     assert auto.memory.attention == "te" and local.memory.attention == "local"
     assert "attention memory: te spec assumed (model.backend auto" in render(auto)
     assert "attention memory: local spec (model.backend local): s x s scores" in render(local)
-    # torch keeps what flash attention keeps, like te
+    # torch keeps what flash attention keeps, like te; its fused loss keeps the bf16
+    # logits alone (2 bytes each), megatron's their fp32 softmax too (6)
     torch_plan = make_plan(load_config(PAPER_6_7B, sel + ["model.backend=torch"]), nodes=8,
                            gpu="a100")
     assert torch_plan.memory.attention == "torch"
-    assert torch_plan.memory.activations == auto.memory.activations
+    assert auto.memory.logits > 0 and torch_plan.memory.logits * 3 == auto.memory.logits
+    assert torch_plan.memory.activations == (auto.memory.activations - auto.memory.logits
+                                             + torch_plan.memory.logits)
     assert "attention memory: torch spec (model.backend torch): SDPA flash kernels, no s x s " \
         "scores" in render(torch_plan)
 
@@ -485,6 +488,7 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
 
     import torch
 
+    from kvtrain.model.cross_entropy import choose_cross_entropy
     from kvtrain.model.rope import choose_rope
     from kvtrain.model.shift_kernels import choose_kernel
     from kvtrain.model.specs import backend_choice
@@ -496,7 +500,9 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     kernel, why = choose_kernel("auto", cuda, torch.bfloat16 if cuda else torch.float32)
     backend = backend_choice("auto")
     rope = "{} ({})".format(*choose_rope("auto", backend.name, cuda, mla=False))
+    loss = "{} ({})".format(*choose_cross_entropy("auto", backend.name, cuda))
     expected = dataclasses.replace(backend, shift_kernel=f"{kernel} ({why})", rope=rope,
+                                   cross_entropy=loss,
                                    multi_tensor=multi_tensor.install(),
                                    optimizer=adam_kernel(megatron_adam_class()))
     cfg = tiny_config(None, cache_dir, train={"max_steps": 2}, checkpoint={"save_interval": 2})
@@ -508,14 +514,15 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     if device == "cpu":
         assert ("kvtrain: backend torch (auto: no GPU; fused softmax: no; "
                 "KV shift: native (auto: CPU); RoPE: torch (auto: no GPU); "
-                "multi-tensor ops: torch foreach (kvtrain); "
+                "cross-entropy: torch (auto: no GPU); multi-tensor ops: torch foreach (kvtrain); "
                 "optimizer: torch fused AdamW (kvtrain)), device cpu") in ok.stdout
     events = [r for r in metrics(tmp_path / "run", kind="event") if "backend" in r]
     assert [(e["iteration"], e["backend"], e["device"]) for e in events] == \
         [(0, expected.as_dict(), device)]
     saved = tmp_path / "run" / "config.yaml"
     assert f"# backend: {expected.name} ({expected.reason}" in saved.read_text()
-    assert (f"; KV shift: {expected.shift_kernel}; RoPE: {rope}; multi-tensor ops: "
+    assert (f"; KV shift: {expected.shift_kernel}; RoPE: {rope}; cross-entropy: {loss}; "
+            f"multi-tensor ops: "
             f"{expected.multi_tensor}; optimizer: {expected.optimizer})\n") in saved.read_text()
     assert load_config(saved).model.backend == "auto"  # still a config kvtrain train reads
     assert yaml.safe_load(saved.read_text())["model"]["backend"] == "auto"

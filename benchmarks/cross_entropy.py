@@ -1,0 +1,113 @@
+"""megatron's vocab-parallel cross-entropy against kvtrain's fused one
+(``model.cross_entropy_kernel``), forward and backward, on one GPU.
+
+    python benchmarks/cross_entropy.py [--tokens 8192] [--vocab 36000] [--dtype bf16]
+                                       [--rounds 20] [--json PATH]
+
+Defaults: the paper's 1.5B run (vocabulary 36000, padded to 36096; one micro batch
+of 4 x 2048 tokens). Each round times one forward and backward of each loss on
+fresh logits (the order flips every round) and records the memory the loss
+allocated above its logits at its peak. Prints the medians and their ratios
+(megatron / fused); ``--json`` writes them. A GPU only: the fused loss is a
+Triton kernel (the CPU's tests run it in Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+LOSSES = ("megatron", "fused")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def loss_fn(name: str):
+    if name == "fused":
+        from kvtrain.model.cross_entropy import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.vocab_parallel_cross_entropy
+
+
+def one_round(name: str, base: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """ms of one forward and backward of ``name``'s loss on a copy of ``base``, and the
+    bytes it allocated above the logits at its peak."""
+    fn = loss_fn(name)
+    logits = base.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    loss = fn(logits, labels)
+    torch.autograd.grad(loss.sum(), logits)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), torch.cuda.max_memory_allocated() - held
+
+
+def measure(tokens: int, vocab: int, dtype: str, rounds: int) -> dict:
+    from kvtrain.backend import init_distributed
+
+    init_distributed(seed=0)  # megatron's loss reads its TP group (1 rank)
+    padded = -(-vocab // 128) * 128  # megatron's padding (TP 1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(tokens, 1, padded, device="cuda", generator=gen).mul_(3).to(DTYPES[dtype])
+    labels = torch.randint(0, vocab, (tokens, 1), device="cuda", generator=gen)
+    for name in LOSSES:  # compile and warm up
+        one_round(name, base, labels)
+    times: dict = {name: [] for name in LOSSES}
+    peaks: dict = {name: [] for name in LOSSES}
+    for i in range(rounds):
+        for name in LOSSES[::-1] if i % 2 else LOSSES:
+            ms, peak = one_round(name, base, labels)
+            times[name].append(ms)
+            peaks[name].append(peak)
+    ms = {name: statistics.median(v) for name, v in times.items()}
+    peak = {name: max(v) for name, v in peaks.items()}
+    return {"tokens": tokens, "vocab": vocab, "padded_vocab": padded, "dtype": dtype,
+            "rounds": rounds, "device": torch.cuda.get_device_name(),
+            "logits_bytes": base.numel() * base.element_size(),
+            "ms": ms, "peak_bytes_above_logits": peak,
+            "time_ratio": ms["megatron"] / ms["fused"],
+            "memory_ratio": peak["megatron"] / max(peak["fused"], 1)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=36000)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/cross_entropy.py needs a GPU: the fused loss is a Triton kernel "
+              "(tests/model/test_cross_entropy.py runs it in Triton's interpreter)")
+        return 2
+    r = measure(args.tokens, args.vocab, args.dtype, args.rounds)
+    gib = 1 << 30
+    print(f"cross-entropy of {r['tokens']} tokens x {r['padded_vocab']} ({r['dtype']}, "
+          f"logits {r['logits_bytes'] / gib:.2f} GiB), {r['device']}, median of {r['rounds']}")
+    for name in LOSSES:
+        print(f"  {name:9s} forward+backward {r['ms'][name]:7.3f} ms, "
+              f"peak above the logits {r['peak_bytes_above_logits'][name] / gib:.2f} GiB")
+    print(f"  megatron / fused: time {r['time_ratio']:.2f}x, memory {r['memory_ratio']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
