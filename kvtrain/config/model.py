@@ -149,7 +149,8 @@ class ModelConfig:
     with the backend): ``triton`` - one pass over memory each way (GPU, not MLA;
     kvtrain.model.rope); ``torch`` - megatron's torch ops (~12 passes forward,
     ~10 backward per tensor); ``auto`` - ``triton`` for the ``torch`` backend on a
-    GPU where Triton imports, else ``torch``."""
+    GPU where Triton imports, Transformer Engine's fused RoPE for the ``te``
+    backend where that TE has it, else ``torch``."""
     cross_entropy_kernel: Literal["auto", "triton", "torch"] = "auto"
     """What computes the loss over the vocab-parallel logits (resolved once per
     start, printed and recorded with the backend): ``triton`` - one pass over the

@@ -145,11 +145,13 @@ def load_model(source: str | Path, backend: str = "auto",
         from kvtrain.model.shift_kernels import choose_kernel
 
         shift_kernel = choose_kernel("auto", torch.cuda.is_available(), dtype)[0]
-    from kvtrain.model.rope import choose_for
+    from kvtrain.model import rope
 
-    rope_kernel = choose_for(cfg.model, name, torch.cuda.is_available())[0]
+    rope_kernel = rope.choose_for(cfg.model, name, torch.cuda.is_available())[0]
+    if rope_kernel == "transformer_engine" and not rope.te_kernels_present():
+        rope_kernel = "torch"
     model = build_gpt(cfg.model, transformer_config(cfg.model, parallel, numerics,
-                                                    rope_fusion=rope_kernel == "triton"),
+                                                    rope_fusion=rope.fuses(rope_kernel)),
                       seed=cfg.train.seed, backend=name, shift_kernel=shift_kernel)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -82,9 +82,9 @@ def transformer_config(
 ) -> TransformerConfig:
     """The ``TransformerConfig`` of a Llama-style decoder (RMSNorm, SwiGLU, no biases).
 
-    ``rope_fusion`` (``rope.choose_rope`` took ``triton``): megatron applies RoPE with
-    the kernel in its fused-RoPE slot, kvtrain's where TE left it empty
-    (``kvtrain.model.rope``); else with its torch ops."""
+    ``rope_fusion`` (``rope.choose_rope`` took ``triton`` or ``transformer_engine``):
+    megatron applies RoPE with the kernel in its fused-RoPE slot, TE's, or kvtrain's
+    where TE left it empty (``kvtrain.model.rope``); else with its torch ops."""
     parallel = parallel or ParallelConfig()
     if rope_fusion:
         rope.install()

@@ -2,23 +2,24 @@
 fused one kvtrain brings.
 
 megatron's attention calls ``rope_utils.apply_rotary_pos_emb``; with
-``apply_rope_fusion`` that calls ``rope_utils.fused_apply_rotary_pos_emb``,
-Transformer Engine's kernel where TE is installed and None without it. Without
-TE, kvtrain fills that slot with :func:`fused_rope` (one Triton pass each way,
-``kvtrain.model.triton_rope``) and sets ``apply_rope_fusion`` on the runs that
-chose it; megatron then keeps to its own torch ops wherever the fused kernel
-does not apply (``mscale != 1``, mRoPE). MLA never takes it (``choose_rope``),
-and packed THD sequences, which only the ``te`` backend makes, meet TE's own
-kernels there.
+``apply_rope_fusion`` that calls ``rope_utils.fused_apply_rotary_pos_emb``
+(``..._thd`` for packed THD sequences), Transformer Engine's kernels where TE is
+installed and None without it. Without TE, kvtrain fills the first slot with
+:func:`fused_rope` (one Triton pass each way, ``kvtrain.model.triton_rope``);
+the runs that chose a fused kernel set ``apply_rope_fusion``, and megatron keeps
+to its own torch ops wherever the fused kernel does not apply (``mscale != 1``,
+mRoPE). MLA never takes one (``choose_rope``).
 
 Choices (``auto | triton | torch``), resolved once per start and recorded with
 the backend:
 
-* ``auto``: ``triton`` for the ``torch`` backend on a GPU where Triton imports,
-  else ``torch``. The ``te`` and ``local`` backends keep megatron's RoPE under
-  ``auto`` (``local`` is the reference; TE's own fused RoPE is not switched on
-  by kvtrain);
-* ``triton``: the fused kernel (a GPU, not MLA), refused in one line elsewhere;
+* ``auto``: ``triton`` for the ``torch`` backend on a GPU where Triton imports;
+  ``transformer_engine`` (TE's fused kernels, as Megatron-LM's default) for the
+  ``te`` backend where this TE has them: megatron's torch ops otherwise cost ~12
+  passes over Q and K forward, and a loop over the documents of packed THD
+  sequences; else ``torch`` (``local``, the reference, keeps megatron's ops);
+* ``triton``: the fused kernel (a GPU, not MLA), refused in one line elsewhere
+  (with TE installed its slot holds TE's kernel, which then runs: said so);
 * ``torch``: megatron's torch ops.
 """
 
@@ -55,6 +56,8 @@ def choose_rope(requested: str, backend: str, cuda: bool, mla: bool) -> tuple[st
         return "torch", "auto: no GPU"
     if mla:
         return "torch", "auto: multi-latent attention"
+    if backend == "te":
+        return "transformer_engine", "auto: Transformer Engine's fused RoPE"
     if backend != "torch":
         return "torch", f"auto: the {backend} backend keeps megatron's RoPE"
     if not triton_rope.available():
@@ -68,6 +71,20 @@ def choose_for(model, backend: str, cuda: bool, requested: str = "auto") -> tupl
     if model.position_embedding != "rope":
         return "none", f"model.position_embedding: {model.position_embedding}"
     return choose_rope(requested, backend, cuda, mla=model.mla is not None)
+
+
+def fuses(kernel: str) -> bool:
+    """Whether RoPE ``kernel`` (a :func:`choose_rope` name) sets ``apply_rope_fusion``."""
+    return kernel in ("triton", "transformer_engine")
+
+
+def te_kernels_present() -> bool:
+    """Whether megatron's fused-RoPE slots hold Transformer Engine's kernels (both:
+    sequences and packed THD ones), not kvtrain's or nothing."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    held = (rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd)
+    return all(k is not None and k is not fused_rope for k in held)
 
 
 def install() -> str:

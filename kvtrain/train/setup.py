@@ -234,10 +234,12 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
         backend = dataclasses.replace(backend, documents=document_attention(
             backend.name, cuda, cfg.model.attention_dropout))
     rope_kernel, why = rope.choose_for(cfg.model, backend.name, cuda, cfg.model.rope_kernel)
-    fused = rope_kernel == "triton"
-    if fused and rope.install() != "triton":
+    if rope_kernel == "triton" and rope.install() != "triton":
         why += "; megatron's fused-RoPE slot holds Transformer Engine's kernel"
         rope_kernel = "transformer_engine"
+    elif rope_kernel == "transformer_engine" and not rope.te_kernels_present():
+        rope_kernel, why = "torch", "auto: this Transformer Engine has no fused RoPE"
+    fused = rope.fuses(rope_kernel)
     loss, loss_why = choose_cross_entropy(cfg.model.cross_entropy_kernel, backend.name, cuda)
     backend = dataclasses.replace(backend, rope=f"{rope_kernel} ({why})",
                                   cross_entropy=f"{loss} ({loss_why})")

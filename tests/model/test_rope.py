@@ -123,7 +123,8 @@ def test_models_with_the_fused_slot_match_megatrons_ops(interpreted):
     ("auto", "torch", True, False, ("triton", "auto: GPU")),
     ("auto", "torch", True, True, ("torch", "auto: multi-latent attention")),
     ("auto", "local", True, False, ("torch", "auto: the local backend keeps megatron's RoPE")),
-    ("auto", "te", True, False, ("torch", "auto: the te backend keeps megatron's RoPE")),
+    ("auto", "te", True, False, ("transformer_engine", "auto: Transformer Engine's fused RoPE")),
+    ("auto", "te", True, True, ("torch", "auto: multi-latent attention")),
     ("torch", "torch", True, False, ("torch", "model.rope_kernel: torch")),
     ("triton", "local", True, False, ("triton", "model.rope_kernel: triton")),
 ])
@@ -155,6 +156,42 @@ def test_a_cpu_run_records_megatrons_rope(single_rank, tmp_path):
     nope = build_run(load_config(str(REPO / "configs" / "bench" / "host.yaml"), [
         "data.type=mock", "train.max_steps=1", "model.position_embedding=none"]), tmp_path / "b")
     assert nope.backend.rope == "none (model.position_embedding: none)"
+
+
+@pytest.mark.parametrize("held, kernel, why", [
+    (None, "torch", "auto: this Transformer Engine has no fused RoPE"),
+    ("te", "transformer_engine", "auto: Transformer Engine's fused RoPE"),
+    ("kvtrain", "torch", "auto: this Transformer Engine has no fused RoPE"),
+])
+def test_the_te_backend_takes_tes_fused_rope_where_it_has_one(held, kernel, why, monkeypatch):
+    """The te backend (on a GPU; chosen here with a GPU and TE's kernels stood in for)
+    takes TE's fused RoPE where megatron's slots hold TE's kernels, as Megatron-LM
+    does, and megatron's ops where they are empty or hold kvtrain's: recorded, and
+    ``apply_rope_fusion`` set to match."""
+    import dataclasses
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from kvtrain.config import load_config
+    from kvtrain.model import rope, specs
+    from kvtrain.model.builder import Numerics
+    from kvtrain.train import setup
+
+    def stand_in(*args, **kwargs):  # TE's kernel is never called: the choice is checked
+        raise AssertionError("not called")
+
+    slot = {None: None, "te": stand_in, "kvtrain": rope.fused_rope}[held]
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", slot)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd",
+                        None if held is None else stand_in)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    te = dataclasses.replace(specs.backend_choice("torch"), name="te", requested="auto",
+                             reason="auto: GPU with Transformer Engine")
+    monkeypatch.setattr(specs, "backend_choice", lambda requested: te)
+    cfg = load_config(str(REPO / "configs" / "bench" / "host.yaml"), ["data.type=mock"])
+    backend, kernels = setup._resolve_backend(cfg, Numerics.from_precision("bf16"))
+    assert backend.rope == f"{kernel} ({why})"
+    assert kernels.rope_fusion == (kernel == "transformer_engine")
 
 
 @pytest.mark.gpu
