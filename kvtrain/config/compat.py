@@ -12,7 +12,8 @@ Everything else may change on a resume without a word: the parallel layout
 (checkpoints reshard), the schedule, the optimizer's hyper-parameters, the
 intervals, logging, and ``model.backend`` and the kernel choices
 (``model.rope_kernel``, ``model.kv_shift.kernel``,
-``model.cross_entropy_kernel``: the same weights on other kernels). A key newer than the checkpoint compares as its default.
+``model.cross_entropy_kernel``: the same weights on other kernels). A key newer
+than the checkpoint compares as its default.
 """
 
 from __future__ import annotations

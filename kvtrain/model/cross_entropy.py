@@ -79,14 +79,16 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group=None) -> 
 
 
 class FusedCrossEntropy(torch.autograd.Function):
-    """Saves the logits, the labels, and per token the maximum logit and 1 / Σ exp
-    (8 bytes); the backward writes the gradient over the logits and refuses to run
-    twice."""
+    """Saves the logits (a copy only where their rows are not unit-strided), the
+    labels, and per token the maximum logit and 1 / Σ exp; the backward writes the
+    gradient over the logits and refuses to run twice."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, group) -> Tensor:
         *lead, v = logits.shape
-        flat = logits.view(-1, v) if logits.is_contiguous() else logits.reshape(-1, v)
+        flat = logits.reshape(-1, v)  # a view where it can be: the gradient goes over it
+        if flat.stride(1) != 1:  # the kernels step through a row one column at a time
+            flat = flat.contiguous()
         flat_labels = labels.reshape(-1).contiguous()
         tp = 1 if group is None else dist.get_world_size(group)
         start = (0 if group is None else dist.get_rank(group)) * v
@@ -109,6 +111,9 @@ class FusedCrossEntropy(torch.autograd.Function):
         dloss = dloss.reshape(-1).float().contiguous()
         grad = triton_cross_entropy.gradient_in_place(flat, labels, top, inv, dloss,
                                                       ctx.vocab_start)
+        # the logits changed under autograd's eyes: a node that saved them too (none
+        # in megatron's GPT) must fail on its backward, not read the gradient
+        torch.autograd.graph.increment_version(flat)
         return grad.view(ctx.shape), None, None
 
 

@@ -85,15 +85,15 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * sx
         cols = tl.arange(0, BLOCK_V)
-        # the running maximum starts at the first block's: no -inf - -inf
-        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m = tl.max(x, axis=0)
-        acc = tl.sum(tl.exp(x - m), axis=0)
-        for start in range(BLOCK_V, V, BLOCK_V):
+        m = float("-inf")
+        acc = 0.0
+        for start in range(0, V, BLOCK_V):
             x = tl.load(base + start + cols, mask=start + cols < V,
                         other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, axis=0))
-            acc = acc * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+            # while every value so far is -inf, exponents are taken from 0: no -inf - -inf
+            ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            acc = acc * tl.exp(m - ref) + tl.sum(tl.exp(x - ref), axis=0)
             m = m_new
         tl.store(top_ptr + row, m)
         tl.store(sum_ptr + row, acc)

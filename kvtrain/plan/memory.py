@@ -261,12 +261,13 @@ def layer_input_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: 
 
 
 def logit_bytes(model: ModelConfig, precision: str, backend: str) -> int:
-    """Bytes per logit at the loss's peak. kvtrain's fused loss (the ``torch`` backend
-    on a GPU, ``model.cross_entropy_kernel`` not ``torch``) keeps the logits alone;
-    megatron's holds them and their fp32 copy, the softmax it keeps (fp32 logits are
-    shifted in place: one tensor)."""
+    """Bytes per logit at the loss's peak. kvtrain's fused loss (what a GPU run takes
+    for ``model.cross_entropy_kernel: triton``, or ``auto`` on the ``torch``
+    backend) keeps the logits alone; megatron's holds them and their fp32 copy, the
+    softmax it keeps (fp32 logits are shifted in place: one tensor)."""
     act = activation_dtype_bytes(precision)
-    if backend == "torch" and model.cross_entropy_kernel != "torch":
+    kernel = model.cross_entropy_kernel
+    if kernel == "triton" or (kernel == "auto" and backend == "torch"):
         return act
     return 4 if act == 4 else act + 4
 

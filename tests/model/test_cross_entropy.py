@@ -30,31 +30,56 @@ init_model_parallel(1, 1)
 
 torch.manual_seed(0)
 out = {"cases": [], "tp": [], "models": {}}
-# (tokens, vocabulary, dtype, contiguous): one block, a part block, 3 blocks of 4096
-for n, v, dtype, contiguous in [(7, 37, torch.float32, True), (5, 4500, torch.float32, False),
-                                (6, 2 * 4096 + 5, torch.float32, True),
-                                (9, 300, torch.bfloat16, True)]:
-    x = torch.randn(n, 1, v) * 4 + 30  # far from 0: the maximum matters in fp32
-    if not contiguous:
-        x = torch.randn(1, n, v).transpose(0, 1) * 4 + 30
-    labels = torch.randint(0, v, (n, 1))
+# (tokens, batch, vocabulary, dtype, layout): one block, a part block, 3 blocks of 4096
+for n, b, v, dtype, layout in [(7, 1, 37, torch.float32, "contiguous"),
+                               (5, 2, 4500, torch.float32, "batch first"),
+                               (6, 1, 2 * 4096 + 5, torch.float32, "contiguous"),
+                               (4, 3, 70, torch.float32, "vocabulary strided"),
+                               (9, 1, 300, torch.bfloat16, "contiguous")]:
+    # far from 0: the maximum matters in fp32
+    x = {"contiguous": lambda: torch.randn(n, b, v),
+         "batch first": lambda: torch.randn(b, n, v).transpose(0, 1),  # reshape copies
+         "vocabulary strided": lambda: torch.randn(v, n, b).permute(1, 2, 0)}[layout]() * 4 + 30
+    labels = torch.randint(0, v, (n, b))
     labels[0] = -100  # outside the vocabulary: no target logit (megatron's masking)
-    dloss = torch.rand(n, 1)
-    a = x.to(dtype).clone().requires_grad_()  # the backward overwrites it
+    dloss = torch.rand(n, b)
+    a = x.to(dtype).clone().requires_grad_()  # (the backward overwrites it; same strides)
     loss = vocab_parallel_cross_entropy(a, labels)
     (grad,) = torch.autograd.grad(loss, a, dloss)
     ref_loss, ref_grad = reference(x.to(dtype).double(), labels, dloss.double())
-    b = x.to(dtype).clone().requires_grad_()  # megatron's loss, in the same dtype
-    theirs = tensor_parallel.vocab_parallel_cross_entropy(b, labels)
-    (their_grad,) = torch.autograd.grad(theirs, b, dloss)
+    # megatron's loss, in the same dtype (it views its input: contiguous only)
+    m = x.to(dtype).contiguous().requires_grad_()
+    theirs = tensor_parallel.vocab_parallel_cross_entropy(m, labels)
+    (their_grad,) = torch.autograd.grad(theirs, m, dloss)
     out["cases"].append({"v": v, "dtype": str(dtype), "loss_dtype": str(loss.dtype),
                          "grad_dtype": str(grad.dtype), "shape": list(loss.shape),
+                         "layout": layout, "input_contiguous": x.is_contiguous(),
                          "loss": (loss.double() - ref_loss).abs().max().item(),
                          "loss_scale": ref_loss.abs().max().item(),
                          "grad": (grad.double() - ref_grad).abs().max().item(),
                          "grad_scale": ref_grad.abs().max().item(),
-                         "megatron_loss": (theirs.double() - ref_loss).abs().max().item(),
+                         # megatron's loss of a target outside the vocabulary differs
+                         "megatron_loss": (theirs[1:].double() - ref_loss[1:]).abs().max().item(),
                          "megatron_grad": (their_grad.double() - ref_grad).abs().max().item()})
+
+# a row whose first block is all -inf (finite after it): finite, as megatron's
+x = torch.randn(2, 1, 5000)
+x[0, 0, :4096] = float("-inf")
+labels = torch.full((2, 1), 4500)
+ref_loss, _ = reference(x.double(), labels, torch.ones(2, 1).double())
+out["neg_inf"] = (vocab_parallel_cross_entropy(x.clone(), labels).double()
+                  - ref_loss).abs().max().item()
+
+# another node that saved the logits and runs its backward after the loss's: an error
+w = torch.randn(8, 2, 50, requires_grad=True)
+logits = w * 1.0
+z = 1e-2 * (logits ** 2).sum()  # made first: its backward runs after the loss's
+try:
+    loss = vocab_parallel_cross_entropy(logits, torch.randint(0, 50, (8, 2))).sum()
+    torch.autograd.grad(loss + z, w)
+    out["shared"] = None
+except RuntimeError as e:
+    out["shared"] = str(e).splitlines()[0]
 
 # the shards of a TP group of 2 (gloo), each against the whole vocabulary in fp64
 for rank in run_distributed(tp_rank, 2):
@@ -125,6 +150,7 @@ def tp_rank(rank: int, world: int) -> dict:
     x = torch.randn(n, 1, v, generator=gen) * 3
     labels = torch.randint(0, v, (n, 1), generator=gen)
     labels[0], labels[1], labels[2] = 5, v - 5, v + 7  # rank 0's, rank 1's, nobody's
+    x[3, 0, :v // 2], labels[3] = float("-inf"), v - 3  # rank 0's half of row 3: -inf
     dloss = torch.rand(n, 1, generator=gen)
     shard = x[..., rank * v // world:(rank + 1) * v // world].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(shard, labels, dist.group.WORLD)
@@ -144,17 +170,33 @@ def interpreted():
 
 def test_kernels_match_the_loss_in_fp64(interpreted):
     """fp32: loss and gradient within fp32 rounding of fp64, as megatron's (one
-    block, a partial block, three blocks, strided rows, a target outside the
-    vocabulary); bf16: the gradient rounded once to bf16, the loss fp32."""
-    assert [c["v"] for c in interpreted["cases"]] == [37, 4500, 8197, 300]
-    for c in interpreted["cases"]:
+    block, a partial block, three blocks; a batch-first input the reshape copies,
+    one strided along the vocabulary; a target outside the vocabulary); bf16: the
+    gradient rounded once to bf16, the loss fp32."""
+    cases = interpreted["cases"]
+    assert [c["v"] for c in cases] == [37, 4500, 8197, 70, 300]
+    assert [c["input_contiguous"] for c in cases] == [True, False, True, False, True]
+    for c in cases:
         assert c["loss_dtype"] == "torch.float32" and c["grad_dtype"] == c["dtype"], c
-        assert c["shape"][1] == 1, c
         assert c["loss"] < 1e-7 * c["loss_scale"], c  # fp32 rounding of the loss
+        assert c["megatron_loss"] < 1e-7 * c["loss_scale"], c  # the same bound holds there
         if c["dtype"] == "torch.float32":  # megatron's: 3e-8 to 1.3e-7
             assert c["grad"] < 4e-7 * c["grad_scale"], c
+            assert c["megatron_grad"] < 4e-7 * c["grad_scale"], c
         else:  # a bf16 ulp of the largest (the interpreter may truncate, a GPU rounds)
             assert c["grad"] <= 2 ** -7 * c["grad_scale"], c
+
+
+def test_rows_of_minus_infinity_stay_finite(interpreted):
+    """A row whose first 4096 logits are -inf (a mask, say) has the loss of its finite
+    ones, as megatron's; and on two TP ranks, a row whose half on one rank is -inf."""
+    assert interpreted["neg_inf"] < 1e-5
+
+
+def test_a_node_that_saved_the_logits_too_fails_instead_of_reading_the_gradient(interpreted):
+    """The backward writes over the logits; another node that saved them and runs later
+    raises autograd's in-place error rather than computing with the gradient."""
+    assert interpreted["shared"] is not None and "inplace" in interpreted["shared"]
 
 
 def test_shards_of_a_tp_group_make_the_whole_vocabularys_loss(interpreted):
@@ -180,7 +222,7 @@ def test_models_with_the_fused_loss_match_megatrons(interpreted):
     for attention in ("vanilla", "kv_shift"):
         m = interpreted["models"][attention]
         assert m["shape"] == [2, 24] and m["nodes"] == [1, 0], m
-        assert m["loss"] < 1e-5 and m["grads"] < 1e-5, m
+        assert m["loss"] < 2e-6 and m["grads"] < 2e-6, m  # measured 5e-7, 3e-7
 
 
 @pytest.mark.parametrize("requested, backend, cuda, want", [
@@ -276,6 +318,8 @@ def test_plan_counts_what_each_loss_keeps(interpreted, single_rank):
     assert fused == [["torch.bfloat16", [16, 256]]]
     assert logit_bytes(ModelConfig(), "bf16", "torch") == 2
     assert logit_bytes(ModelConfig(cross_entropy_kernel="torch"), "bf16", "torch") == 6
+    # an explicit triton runs on any backend (choose_cross_entropy): counted there too
+    assert logit_bytes(ModelConfig(cross_entropy_kernel="triton"), "bf16", "te") == 2
     assert logit_bytes(ModelConfig(), "fp32", "local") == logit_bytes(ModelConfig(), "fp32",
                                                                       "torch") == 4
 
