@@ -12,6 +12,11 @@ each one's peak memory above its inputs.
 output's gradient: ``fused_shift_qkv`` per kernel against vanilla's split
 (views forward, one concatenation backward: what the shift replaces) and the
 split followed by ``shift_tokens``. ``x vanilla`` is then the shift's cost.
+
+``--qkv --rope``: the same with Q and K rotated after (kvtrain's Triton RoPE on a
+GPU, megatron's ops on the CPU), as the layer runs them, against the node that
+does the split, the shift and RoPE in one pass each way (``qkv_rope``, a GPU):
+vanilla's and the KV shift's, each against vanilla's split and RoPE.
 """
 
 from __future__ import annotations
@@ -62,6 +67,35 @@ def qkv_impls(device: torch.device, dtype: torch.dtype, q_width: int) -> dict:
     return impls
 
 
+def qkv_rope_impls(device: torch.device, s: int, q_width: int, d: int) -> dict:
+    """``--qkv --rope``: fn(mixed, (coef_k, coef_v), doc_ids) -> (q', k', v) per path."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from kvtrain.model import qkv_rope, rope
+
+    half = torch.rand(s, 1, 1, d // 2, device=device) * s
+    freqs = torch.cat([half, half], dim=-1)  # megatron's layout
+    gpu = device.type == "cuda" and rope.triton_rope.available()
+
+    def rotate(t):
+        return rope.fused_rope(t, freqs) if gpu else _apply_rotary_pos_emb_bshd(t, freqs)
+
+    def split_rope(mixed, coefs, doc_ids):
+        q, k, v = mixed.split([q_width, d, d], dim=-1)
+        return rotate(q.reshape(*q.shape[:2], -1, d)), rotate(k), v
+
+    def shift_rope(mixed, coefs, doc_ids):
+        q, k, v = fused_shift_qkv(mixed, *coefs, doc_ids, q_width)
+        return rotate(q.reshape(*q.shape[:2], -1, d)), rotate(k), v
+
+    impls = {"split+RoPE (vanilla)": split_rope, "shift+RoPE": shift_rope}
+    if gpu and qkv_rope.available():  # mixed is written over (V̂): timing only
+        impls["qkv_rope (vanilla)"] = lambda m, c, ids: qkv_rope.qkv_rope(m, freqs, q_width)
+        impls["qkv_rope (shift)"] = lambda m, c, ids: qkv_rope.qkv_rope(m, freqs, q_width,
+                                                                         *c, ids)
+    return impls
+
+
 def measure(fn, args, device: torch.device) -> tuple[float, int]:
     """Seconds of one fwd+bwd and the peak bytes it allocates (GPU only, else 0)."""
     if device.type == "cuda":
@@ -89,6 +123,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--qkv", action="store_true", help="K and V from the QKV output (above)")
     p.add_argument("--heads-per-group", type=int, default=1, help="--qkv: query heads per KV head")
+    p.add_argument("--rope", action="store_true", help="--qkv: with RoPE of Q and K (above)")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -108,6 +143,10 @@ def main() -> None:
         dy = (rand(s, b, h, q_width), rand(s, b, h, d), rand(s, b, h, d))
         impls = qkv_impls(device, dtype, q_width)
         ref_name = "split (vanilla)"
+        if args.rope:
+            dy = (rand(s, b, h * args.heads_per_group, d), *dy[1:])
+            impls = qkv_rope_impls(device, s, q_width, d)
+            ref_name = "split+RoPE (vanilla)"
     else:
         x = rand(s, b, h, d, grad=True)
         coef = torch.rand(h, args.window + 1, device=device, dtype=dtype, requires_grad=True)
@@ -139,7 +178,7 @@ def main() -> None:
         med = statistics.median(times[name])
         mem = f"  peak {peaks[name] / 2**20:8.1f} MiB" if device.type == "cuda" else ""
         best = min(times[name])
-        print(f"  {name:15s} median {med * 1e3:8.3f} ms ({med / ref:5.2f} x {short}), "
+        print(f"  {name:20s} median {med * 1e3:8.3f} ms ({med / ref:5.2f} x {short}), "
               f"min {best * 1e3:8.3f} ms ({best / min(times[ref_name]):5.2f} x){mem}")
 
 

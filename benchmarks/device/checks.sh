@@ -12,6 +12,7 @@
 #   tests   the `gpu` tests (pytest -m gpu)                      -> checks.log, tests.xml
 #   kernel  benchmarks/shift_kernel.py --qkv at the h2048 shape, bf16: the shift's own
 #           time against vanilla's split, per kernel                       -> checks.log
+#           the same with RoPE: the split, shift and RoPE as one node (qkv_rope) per arm
 #           benchmarks/cross_entropy.py at the paper's logits (8192 x 36000, bf16):
 #           megatron's loss against the fused one                  -> cross-entropy.json
 #   small   benchmarks/step.py configs/bench/small.yaml, torch backend      -> step-small.json
@@ -90,6 +91,8 @@ for part in "${parts[@]}"; do
              --junit-xml="$OUT/tests.xml" ;;
     kernel) run kernel 60 python3 benchmarks/shift_kernel.py --qkv --dtype bf16 --seq 2048 \
              --batch 4 --heads 16 --dim 128 --repeat 51
+           run kernel-rope 60 python3 benchmarks/shift_kernel.py --qkv --rope --dtype bf16 \
+             --seq 2048 --batch 4 --heads 16 --dim 128 --repeat 51
            if [[ " ${off[*]} " == *" model.cross_entropy_kernel=torch "* ]]; then
              log "cross-entropy: skipped (smoke turned the fused loss off)"
            else

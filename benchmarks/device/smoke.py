@@ -54,6 +54,26 @@ def _rope() -> None:
     freqs = torch.cat([freqs, freqs], dim=-1)
     _agree(lambda t: (fused_rope(t, freqs),), lambda t: (_apply_rotary_pos_emb_bshd(t, freqs),),
            [torch.randn(64, 2, 4, 64, device="cuda")])
+    _qkv_rope(freqs)
+
+
+def _qkv_rope(freqs) -> None:
+    """The split + shift + RoPE node (what the torch backend's layers take with the
+    Triton RoPE) against the split, the shift's torch ops and megatron's RoPE."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from kvtrain.model.qkv_rope import qkv_rope
+    from kvtrain.model.shift_kernels import fused_shift_qkv
+
+    def reference(m, ck, cv):  # [s, b, g, 2d + 2d]: two query heads per group
+        q, k, v = fused_shift_qkv(m, ck, cv, None, query_width=128, impl="torch")
+        q = q.reshape(*q.shape[:2], -1, 64)
+        return (_apply_rotary_pos_emb_bshd(q, freqs), _apply_rotary_pos_emb_bshd(k, freqs), v)
+
+    # m * 1: the node writes the shifted V over its input's query columns
+    _agree(lambda m, ck, cv: qkv_rope(m * 1, freqs, 128, ck, cv), reference,
+           [torch.randn(64, 2, 4, 4 * 64, device="cuda"), torch.rand(4, 2, device="cuda"),
+            torch.rand(4, 2, device="cuda")])
 
 
 def _cross_entropy() -> None:

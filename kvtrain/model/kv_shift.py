@@ -33,7 +33,6 @@ from torch import Tensor
 
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -43,7 +42,9 @@ from kvtrain.model.shift_kernels import fused_shift, fused_shift_qkv
 from .context_parallel import cp_group
 from .documents import DocumentParams, doc_ids_from_attention_mask, doc_ids_from_cu_seqlens
 from .kv_shift_cp import shift_context_parallel
+from .qkv_rope import qkv_rope
 from .mla import MLAttention
+from .rope_attention import FusedRoPESelfAttention, is_identity
 
 # Names of the coefficient parameters, by shifted tensor.
 PARAM_NAMES = {"q": "shift_q", "k": "shift_k", "v": "shift_v"}
@@ -340,11 +341,11 @@ class KVShiftMixin:
         return [] if self.kv_shift.fixed else [PARAM_NAMES[t] for t in self.kv_shift.shift]
 
 
-class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
+class KVShiftSelfAttention(KVShiftMixin, FusedRoPESelfAttention):
     """``SelfAttention`` whose K and V (and optionally Q) are shifted before RoPE.
 
-    The coefficients are per KV head (GQA group); requires ``num_query_groups % tp == 0``.
-    """
+    Per KV head (GQA group) coefficients; requires ``num_query_groups % tp == 0``. Where
+    RoPE fuses with the QKV split (``rope_attention``), the K+V shift joins that node."""
 
     def __init__(self, config, submodules, layer_number: int, *args,
                  kv_shift: KVShiftOptions = KVShiftOptions(), **kwargs):
@@ -355,13 +356,15 @@ class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
         # K and V can be shifted in their place in the QKV output (fused_shift_qkv):
         # the paper's K+V shift with nothing (a K norm) between projection and shift
         self._kv_in_place = (sorted(kv_shift.shift) == ["k", "v"]
-                             and _is_identity(self.k_layernorm))
+                             and is_identity(self.k_layernorm))
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     output_gate: bool = False, split_qkv: bool = True):
         if not split_qkv:
             raise ValueError("KV shift needs split Q/K/V tensors (fused QKV RoPE is not supported)")
         if self._shift_kv_in_qkv(key_value_states, output_gate):
+            if self._rope_call.freqs is not None:  # shifted and rotated in one node
+                return super().get_query_key_value_tensors(hidden_states)
             return self._query_shifted_key_value(hidden_states)
         out = super().get_query_key_value_tensors(
             hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
@@ -373,6 +376,13 @@ class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
             # q: one coefficient set per KV group, shared by the group's query heads
             tensors[name] = self._shift(name, tensors[name], doc_ids)
         return (tensors["q"], tensors["k"], tensors["v"], *out[3:])
+
+    def _fused_query_key_value(self, mixed: Tensor, freqs: Tensor, query_width: int):
+        return qkv_rope(mixed, freqs, query_width, self.coefficients("k"),
+                        self.coefficients("v"), self._resolve_doc_ids(*mixed.shape[:2]))
+
+    def _fuses_here(self) -> bool:
+        return self._shift_kv_in_qkv(None, False)
 
     def _shift_kv_in_qkv(self, key_value_states, output_gate) -> bool:
         """Whether K and V are shifted together, in their place in the QKV output:
@@ -391,7 +401,7 @@ class KVShiftSelfAttention(KVShiftMixin, SelfAttention):
                                             self._resolve_doc_ids(s, b), query_width=split[0],
                                             impl=self.kv_shift.kernel)
         query = query.reshape(s, b, -1, split[1])  # [s, b, np, hn]
-        if not _is_identity(self.q_layernorm):
+        if not is_identity(self.q_layernorm):
             query = self.q_layernorm(query)
         return query, key, value  # k, v: [s, b, ng, hn]
 
@@ -445,11 +455,6 @@ class KVShiftMLASelfAttention(KVShiftMixin, MLAttention):
         return (query, key, value, *rest)
 
 
-def _is_identity(module: Optional[torch.nn.Module]) -> bool:
-    """No module there, or megatron's placeholder (the specs' Q/K norm slots)."""
-    return module is None or isinstance(module, IdentityOp)
-
-
 def is_kv_shift_param(param: Tensor) -> bool:
     """True for the shift coefficients (kept out of weight decay by default)."""
     return bool(getattr(param, "kv_shift", False))
@@ -461,8 +466,7 @@ def kv_shift_layer_spec(base: ModuleSpec, options: KVShiftOptions) -> ModuleSpec
 
     Only ``submodules.self_attention.module`` changes (plus its options); the
     projections, core attention and norms of ``base`` are kept, so the same
-    builder serves every backend (te, torch, local).
-    """
+    builder serves every backend (te, torch, local)."""
     spec = copy.deepcopy(base)
     attn = spec.submodules.self_attention
     if issubclass(attn.module, MLAttention):

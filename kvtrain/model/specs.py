@@ -35,6 +35,7 @@ from .attention import LocalDotProductAttention, TorchAttention
 from .kv_shift import KVShiftOptions, kv_shift_layer_spec
 from .mla import mla_layer_spec
 from .norm import RMSNorm
+from .rope_attention import FusedRoPESelfAttention
 from .swiglu import SwiGLU
 
 Backend = Literal["auto", "local", "te", "torch"]
@@ -112,6 +113,7 @@ def vanilla_layer_spec(backend: Backend = "auto", mla: bool = False) -> ModuleSp
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    spec.submodules.self_attention.module = FusedRoPESelfAttention  # RoPE in the split
     spec.submodules.self_attention.submodules.core_attention = CORE_ATTENTION[name]
     return with_swiglu(spec)
 

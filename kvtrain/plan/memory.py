@@ -222,6 +222,8 @@ def kept_by_the_shift(model: ModelConfig, parallel: ParallelConfig, backend: str
     if model.attention != "kv_shift":
         return h + gd if v_view else 0  # the QKV output's Q and K, held by V
     if parallel.context == 1 and sorted(shift) == ["k", "v"]:
+        if rope_in_the_split(model, backend):  # the shifted V over the QKV output's Q
+            return h + gd
         return 0 if model.kv_shift.fixed else 2 * gd  # the raw K/V copy (learned coefficients)
     if model.kv_shift.fixed:  # the shift keeps no input: only an unshifted V (a view) holds the output
         return h + gd if v_view and "v" not in shift else 0
@@ -230,6 +232,14 @@ def kept_by_the_shift(model: ModelConfig, parallel: ParallelConfig, backend: str
     # copy (megatron's reshape of its view cannot be one) that the shift keeps.
     pinned = h + 2 * gd - (gd if "v" not in shift and v_view else 0)
     return pinned + (h if "q" in shift and gqa else 0)
+
+
+def rope_in_the_split(model: ModelConfig, backend: str) -> bool:
+    """Whether a GPU run splits the QKV output and applies RoPE (and the K+V shift) in
+    one node (``kvtrain.model.rope_attention``): the ``torch`` backend with kvtrain's
+    Triton RoPE (``model.rope_kernel`` auto or triton); not with MLA."""
+    return (backend == "torch" and model.rope_kernel != "torch" and model.mla is None
+            and model.position_embedding == "rope")
 
 
 def mla_attention_elements(model: ModelConfig, parallel: ParallelConfig) -> float:

@@ -240,6 +240,8 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     elif rope_kernel == "transformer_engine" and not rope.te_kernels_present():
         rope_kernel, why = "torch", "auto: this Transformer Engine has no fused RoPE"
     fused = rope.fuses(rope_kernel)
+    if rope_kernel == "triton" and backend.name == "torch" and cfg.parallel.context == 1:
+        rope_kernel = "triton in the QKV split"  # kvtrain.model.rope_attention
     loss, loss_why = choose_cross_entropy(cfg.model.cross_entropy_kernel, backend.name, cuda)
     backend = dataclasses.replace(backend, rope=f"{rope_kernel} ({why})",
                                   cross_entropy=f"{loss} ({loss_why})")

@@ -274,8 +274,8 @@ def _kept_by_one_layer(attention: str, groups: int, shift: list, backend: str,
     return _kept_bytes(ModelConfig(
         num_layers=1, hidden_size=256, num_attention_heads=8, num_query_groups=groups,
         ffn_hidden_size=512, vocab_size=128, make_vocab_size_divisible_by=64,
-        max_position_embeddings=64, attention=attention, kv_shift=_shift_config(shift, fixed)),
-        backend)
+        max_position_embeddings=64, attention=attention, kv_shift=_shift_config(shift, fixed),
+        rope_kernel="torch"), backend)
 
 
 def _shift_config(shift: list, fixed: bool):
@@ -328,7 +328,7 @@ def test_plan_counts_what_the_shift_keeps(mp1, groups, shift, backend, fixed):
     planned = [layer_activation_bytes(
         ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=8,
                     num_query_groups=groups, ffn_hidden_size=512, attention=attention,
-                    kv_shift=_shift_config(shift, fixed)),
+                    kv_shift=_shift_config(shift, fixed), rope_kernel="torch"),
         ParallelConfig(), 64, 2, "fp32", backend=backend)
         for attention in ("kv_shift", "vanilla")]
     # (to the bytes of a shifted query's coefficients, repeated per query head)
@@ -351,7 +351,7 @@ def test_plan_counts_a_whole_layer(mp1, attention, groups, backend):
     cfg = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=heads,
                       num_query_groups=groups, ffn_hidden_size=512, vocab_size=128,
                       make_vocab_size_divisible_by=64, max_position_embeddings=seq,
-                      attention=attention)
+                      attention=attention, rope_kernel="torch")  # a CPU run's RoPE
     planned = layer_activation_bytes(cfg, ParallelConfig(), seq, batch, "fp32", backend=backend)
     cpu_only = (4 * seq * batch * 2 * (h + 1)  # 2 norms: x·rstd [s, b, h] and rstd [s, b, 1]
                 + 4 * 4 * seq * (h // heads)   # RoPE: cos and sin for Q and for K
@@ -499,7 +499,10 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     device = "cuda" if cuda else "cpu"
     kernel, why = choose_kernel("auto", cuda, torch.bfloat16 if cuda else torch.float32)
     backend = backend_choice("auto")
-    rope = "{} ({})".format(*choose_rope("auto", backend.name, cuda, mla=False))
+    rope_kernel, rope_why = choose_rope("auto", backend.name, cuda, mla=False)
+    if rope_kernel == "triton" and backend.name == "torch":  # the layers fuse it with the split
+        rope_kernel = "triton in the QKV split"
+    rope = f"{rope_kernel} ({rope_why})"
     loss = "{} ({})".format(*choose_cross_entropy("auto", backend.name, cuda))
     expected = dataclasses.replace(backend, shift_kernel=f"{kernel} ({why})", rope=rope,
                                    cross_entropy=loss,

@@ -68,7 +68,9 @@ for attention in ("vanilla", "kv_shift"):
         cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                           vocab_size=64, max_position_embeddings=32, attention=attention)
         tc = transformer_config(cfg, rope_fusion=fusion)
-        model = build_gpt(cfg, tc, backend="torch")
+        # local: megatron's split and RoPE call (torch fuses the split with RoPE where
+        # the slot holds this kernel: tests/model/test_rope_attention.py)
+        model = build_gpt(cfg, tc, backend="local")
         out = model(tokens, pos, None)
         out.float().pow(2).mean().backward()
         names = autograd_nodes(out)
@@ -224,7 +226,7 @@ def test_a_gpu_run_rotates_with_the_kernel_and_matches_megatrons_ops(single_rank
                               num_query_groups=4, vocab_size=256,
                               max_position_embeddings=128, attention="kv_shift")
             tc = transformer_config(cfg, numerics=numerics, rope_fusion=fusion)
-            model = build_gpt(cfg, tc, backend="torch").cuda()
+            model = build_gpt(cfg, tc, backend="local").cuda()  # megatron's RoPE call
             if numerics.bf16:
                 model = Float16Module(tc, model)
             out = model(tokens, pos, None).float()

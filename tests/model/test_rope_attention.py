@@ -1,0 +1,186 @@
+"""Attention layers whose QKV split, RoPE and K+V shift are one node
+(``kvtrain.model.rope_attention``: the ``torch`` backend with kvtrain's Triton RoPE).
+
+In Triton's interpreter on the CPU (``TRITON_INTERPRET=1``): whole models with
+the fused node against the same models on megatron's path (the split, the shift's
+own node, RoPE), logits and every gradient; where megatron's path must run
+instead; and what a layer keeps for backward against ``kvtrain plan``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .interpreter import run_interpreted
+
+CHECK = r'''
+import json, torch
+from kvtrain.backend import init_distributed, init_model_parallel, set_seed
+from kvtrain.config import ModelConfig
+from kvtrain.config.model import ShiftHeadsConfig
+from kvtrain.config.schema import KVShiftConfig, ParallelConfig
+from kvtrain.model.builder import build_gpt, transformer_config
+from kvtrain.model.documents import DocumentParams
+from kvtrain.plan.memory import layer_activation_bytes
+from tests.model.interpreter import autograd_nodes
+
+init_distributed(seed=1)
+init_model_parallel(1, 1)
+out = {"models": {}, "kept": {}}
+tokens = torch.randint(0, 64, (2, 24))
+pos = torch.arange(24)[None].expand_as(tokens)
+docs = torch.tensor([[0] * 9 + [1] * 15, [0] * 20 + [1] * 4])  # [b, s] document ids
+CASES = {  # name: (attention, KV groups, shift options, documents)
+    "vanilla": ("vanilla", 4, KVShiftConfig(), False),
+    "vanilla gqa": ("vanilla", 2, KVShiftConfig(), False),
+    "kv_shift": ("kv_shift", 4, KVShiftConfig(), False),
+    "kv_shift gqa window 2": ("kv_shift", 2, KVShiftConfig(window=2), False),
+    "kv_shift fixed heads": ("kv_shift", 4, KVShiftConfig(
+        heads=ShiftHeadsConfig(k=[0], v=[1], fixed=True)), False),
+    "kv_shift documents": ("kv_shift", 2, KVShiftConfig(), True),
+    "q shifted (megatron's path)": ("kv_shift", 4, KVShiftConfig(shift=["q", "k", "v"]), False),
+}
+
+
+def model_of(name, fusion, layers=2, hidden=32, heads=4, vocab=64):
+    attention, groups, shift, _ = CASES[name]
+    set_seed(7)
+    cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                      num_query_groups=groups, vocab_size=vocab, max_position_embeddings=64,
+                      attention=attention, kv_shift=shift)
+    return cfg, build_gpt(cfg, transformer_config(cfg, rope_fusion=fusion), backend="torch")
+
+
+for name, (_, _, _, documents) in CASES.items():
+    runs = {}
+    for fusion in (True, False):
+        cfg, model = model_of(name, fusion)
+        packed = DocumentParams.from_ids(docs.int()) if documents else None
+        logits = model(tokens, pos, None, packed_seq_params=packed)
+        logits.float().pow(2).mean().backward()
+        names = autograd_nodes(logits)
+        runs[fusion] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()},
+                        sum(n == "QKVRoPEBackward" for n in names),
+                        sum(n == "FusedRoPEBackward" for n in names))
+    (l_f, g_f, n_f, r_f), (l_r, g_r, n_r, r_r) = runs[True], runs[False]
+    out["models"][name] = {
+        "logits": ((l_f - l_r).abs().max() / l_r.abs().max()).item(),
+        "grads": max(((g_f[n] - g).abs().max() / g.abs().max()).item() for n, g in g_r.items()),
+        "nodes": [n_f, n_r], "rope_nodes": [r_f, r_r]}
+
+
+def kept(cfg, model, seq=64, batch=2):
+    """Bytes autograd keeps for backward over the first layer (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    hidden = torch.randn(seq, batch, cfg.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.decoder.layers[0](hidden, attention_mask=None,
+                                rotary_pos_emb=model.rotary_pos_emb(seq))
+    return sum(storages.values())
+
+
+for name in ("vanilla", "vanilla gqa", "kv_shift", "kv_shift gqa window 2",
+             "kv_shift fixed heads"):
+    cfg, model = model_of(name, True, layers=1, hidden=256, heads=8, vocab=128)
+    plan = layer_activation_bytes(cfg, ParallelConfig(), 64, 2, "fp32", backend="torch")
+    out["kept"][name] = [kept(cfg, model), plan]
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """The check's results from a process with ``TRITON_INTERPRET=1``."""
+    return run_interpreted(CHECK)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "vanilla gqa", "kv_shift", "kv_shift gqa window 2",
+                                  "kv_shift fixed heads", "kv_shift documents"])
+def test_the_fused_split_matches_megatrons_path(interpreted, name):
+    """Every layer takes the one node (2 layers, no separate RoPE node), and the logits
+    and every gradient (the shift's coefficients too) equal megatron's split, the
+    shift's own node and RoPE (fp32): MHA and GQA, windows 1 and 2, selected fixed
+    heads, packed documents."""
+    m = interpreted["models"][name]
+    assert m["nodes"] == [2, 0] and m["rope_nodes"][0] == 0, m
+    assert m["logits"] < 1e-5 and m["grads"] < 1e-5, m
+
+
+def test_a_shifted_query_keeps_megatrons_path(interpreted):
+    """The Q shift (not the paper's K+V in place) runs the shift's own nodes and
+    kvtrain's RoPE node per rotated tensor: the same values."""
+    m = interpreted["models"]["q shifted (megatron's path)"]
+    assert m["nodes"] == [0, 0] and m["rope_nodes"] == [4, 0], m
+    assert m["logits"] < 1e-5 and m["grads"] < 1e-5, m
+
+
+def test_what_a_layer_keeps_is_what_the_plan_counts(interpreted):
+    """With the fused node the KV-shift layer keeps what the vanilla one keeps (the QKV
+    output, held by V or the shifted V written over its query columns, and the
+    rotated Q and K): KV shift - vanilla is 0 bytes, MHA and GQA, learned and fixed
+    coefficients, and the plan's difference is the same."""
+    k = interpreted["kept"]
+    for shifted, base in (("kv_shift", "vanilla"), ("kv_shift fixed heads", "vanilla"),
+                          ("kv_shift gqa window 2", "vanilla gqa")):
+        measured = k[shifted][0] - k[base][0]
+        planned = k[shifted][1] - k[base][1]
+        # (the coefficients' bytes are parameters: excluded; freqs are per position)
+        assert measured == pytest.approx(planned, abs=256) and abs(measured) <= 256, (shifted, k)
+    # each whole layer, to the byte, once what only the CPU keeps is added: torch's
+    # composite RMSNorm keeps x·rstd and rstd per norm; the node keeps its angles
+    # [s, 1, 1, d] (per position, not per token); the coefficients are parameters
+    seq, batch, h, d = 64, 2, 256, 32
+    cpu_only = 4 * seq * batch * 2 * (h + 1) + 4 * seq * d
+    for name, (measured, planned) in k.items():
+        assert measured == pytest.approx(planned + cpu_only, abs=64), (name, k)
+
+
+@pytest.mark.gpu
+def test_a_gpu_model_takes_the_compiled_node_and_matches_megatrons_path(single_rank):
+    """On a GPU the torch backend takes the compiled node (kvtrain's RoPE in megatron's
+    slot, as ``model.rope_kernel: auto`` gives it): fp32 and bf16 models, vanilla and
+    KV shift, against megatron's split, the shift's node and RoPE, logits and every
+    gradient within each dtype's rounding."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from megatron.core.transformer.module import Float16Module
+
+    from kvtrain.backend import set_seed
+    from kvtrain.config import ModelConfig
+    from kvtrain.model.builder import Numerics, build_gpt, transformer_config
+
+    from .interpreter import autograd_nodes
+
+    tokens = torch.randint(0, 256, (2, 256), device="cuda")
+    pos = torch.arange(256, device="cuda")[None].expand_as(tokens)
+    for attention in ("vanilla", "kv_shift"):
+        for numerics, tol in ((Numerics(), 1e-4), (Numerics.from_precision("bf16"), 5e-2)):
+            runs = {}
+            for fusion in (True, False):
+                set_seed(3)
+                cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8,
+                                  num_query_groups=4, vocab_size=256,
+                                  max_position_embeddings=256, attention=attention)
+                tc = transformer_config(cfg, numerics=numerics, rope_fusion=fusion)
+                model = build_gpt(cfg, tc, backend="torch").cuda()
+                if numerics.bf16:
+                    model = Float16Module(tc, model)
+                out = model(tokens, pos, None).float()
+                out.pow(2).mean().backward()
+                nodes = sum(n == "QKVRoPEBackward" for n in autograd_nodes(out))
+                runs[fusion] = (out.detach(), {n: p.grad.float()
+                                               for n, p in model.named_parameters()}, nodes)
+            (out_f, grads_f, n_f), (out_r, grads_r, n_r) = runs[True], runs[False]
+            assert (n_f, n_r) == (2, 0)
+            assert (out_f - out_r).abs().max() <= tol * out_r.abs().max()
+            for name, g in grads_r.items():
+                assert (grads_f[name] - g).abs().max() <= tol * g.abs().max(), name
