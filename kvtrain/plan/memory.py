@@ -34,7 +34,11 @@ view of the QKV output, keeps all of it: ``h + gd`` more (Q and K of the
 projection). For KV shifting, the paper's K+V shift (one node in the QKV
 output, ``fused_shift_qkv``) keeps a copy of the raw K and V for the
 coefficient gradients, ``2gd`` (none for fixed coefficients), and lets the QKV
-output go (attention keeps the shifted V, a tensor of its own); the other
+output go (attention keeps the shifted V, a tensor of its own); on a GPU the
+``torch`` backend's node that also applies RoPE (``rope_in_the_split``) writes
+the shifted V over the QKV output's query columns instead and keeps what
+vanilla keeps, ``h + gd``, learned or fixed (tests/model/test_rope_attention.py,
+in Triton's interpreter); the other
 variants (Q shifted, one of K or V, context parallelism) save the raw
 tensors as views of the QKV output, ``h + 2gd`` (``gd`` less where an unshifted
 V is one of them), and with GQA a shifted Q as a copy, ``h``. The raw tensors
