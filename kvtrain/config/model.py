@@ -157,7 +157,7 @@ class ModelConfig:
     logits each way, the logits kept in their dtype and overwritten by their
     gradient (GPU; kvtrain.model.cross_entropy); ``torch`` - megatron's (an fp32
     copy, ~10 passes, its fp32 softmax kept); ``auto`` - ``triton`` for the
-    ``torch`` backend on a GPU where Triton imports, else ``torch``."""
+    ``torch`` and ``te`` backends on a GPU where Triton imports, else ``torch``."""
     norm_epsilon: float = 1e-5
     """RMSNorm epsilon."""
     init_method_std: float = 0.02

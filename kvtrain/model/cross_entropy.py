@@ -13,9 +13,9 @@ each in bf16, not 4) and overwritten by their gradient.
 Choices (``auto | triton | torch``), resolved once per start and recorded with
 the backend:
 
-* ``auto``: ``triton`` for the ``torch`` backend on a GPU where Triton imports,
-  else ``torch``. ``te`` and ``local`` keep megatron's loss under ``auto``
-  (``local`` is the reference);
+* ``auto``: ``triton`` on a GPU where Triton imports, for the ``torch`` and ``te``
+  backends (the logits are a plain tensor either way; TE's containers ship
+  Triton), else ``torch``; ``local``, the reference, keeps megatron's loss;
 * ``triton``: the fused kernels (a GPU), refused in one line elsewhere;
 * ``torch``: megatron's ``vocab_parallel_cross_entropy``.
 
@@ -59,8 +59,8 @@ def choose_cross_entropy(requested: str, backend: str, cuda: bool) -> tuple[str,
         return "triton", key
     if not cuda:
         return "torch", "auto: no GPU"
-    if backend != "torch":
-        return "torch", f"auto: the {backend} backend keeps megatron's loss"
+    if backend == "local":  # the reference
+        return "torch", "auto: the local backend keeps megatron's loss"
     if not triton_cross_entropy.available():
         return "torch", "auto: Triton is not installed"
     return "triton", "auto: GPU"

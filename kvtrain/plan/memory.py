@@ -111,17 +111,21 @@ so its activations are those of ``L/p · min(m, p)`` layers (Korthikanti §4.2.3
 ``L`` layers' worth when ``m ≥ p``); with the interleaved schedule this grows by
 ``1 + (p-1)/(p·v)``. The last stage keeps one micro batch in flight plus the
 logits: ``s·b·V/t`` in bf16 and, with megatron's cross-entropy, their fp32 copy
-(its softmax, kept for the backward); kvtrain's fused loss (the ``torch``
-backend's on a GPU) keeps the bf16 logits alone (``logit_bytes``).
+(its softmax, kept for the backward); kvtrain's fused loss (the ``torch`` and
+``te`` backends' on a GPU) keeps the bf16 logits alone (``logit_bytes``).
 
 Overhead: CUDA context, NCCL and cuBLAS/TE workspaces and allocator
 fragmentation, taken as 3 GiB plus 5% of the rest. Expect real usage within
 about ±15% of the estimate. One calibration point: the paper (Table 13)
 measured 42,584 MiB peak for its BlaGPT-scale vanilla model at context 4096 on
 an A100 and 43,360 MiB with KV shifting (4 KV heads); ``kvtrain plan
-configs/blagpt/vanilla.yaml`` at 4096 tokens x 16 sequences per GPU estimates
-44,498 MiB (te; 4.5% above), 46,917 MiB with KV shifting (+2.4 GiB: the raw
-K/V copy of 12 KV heads; the paper's layer has 4, and measured +776 MiB).
+configs/blagpt/vanilla.yaml`` at 4096 tokens x 16 sequences per GPU with
+megatron's loss, as the paper ran (``model.cross_entropy_kernel: torch``),
+estimates 44,498 MiB (te; 4.5% above), 46,917 MiB with KV shifting (+2.4 GiB: the
+raw K/V copy of 12 KV heads; the paper's layer has 4, and measured +776 MiB).
+kvtrain's fused loss (``auto``) takes 12.9 GiB off the estimate at this 50k
+vocabulary (31,293 MiB): the fp32 copy of 65,536 x 50,304 logits and its share of
+the overhead.
 """
 
 from __future__ import annotations
@@ -276,12 +280,12 @@ def layer_input_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: 
 
 def logit_bytes(model: ModelConfig, precision: str, backend: str) -> int:
     """Bytes per logit at the loss's peak. kvtrain's fused loss (what a GPU run takes
-    for ``model.cross_entropy_kernel: triton``, or ``auto`` on the ``torch``
-    backend) keeps the logits alone; megatron's holds them and their fp32 copy, the
+    for ``model.cross_entropy_kernel: triton``, or ``auto`` on the ``torch`` and ``te``
+    backends) keeps the logits alone; megatron's holds them and their fp32 copy, the
     softmax it keeps (fp32 logits are shifted in place: one tensor)."""
     act = activation_dtype_bytes(precision)
     kernel = model.cross_entropy_kernel
-    if kernel == "triton" or (kernel == "auto" and backend == "torch"):
+    if kernel == "triton" or (kernel == "auto" and backend != "local"):
         return act
     return 4 if act == 4 else act + 4
 

@@ -401,7 +401,8 @@ def test_local_memory_adds_exactly_the_score_matrices():
     output and the bf16 probabilities the A·V matmul saves, [b, a/t, s, s] each,
     and no flash log-sum-exp; plus one [b, a/t, s, s] bf16 score buffer per GPU
     (megatron's global memory buffer, reused by every layer)."""
-    cfg = load_config(PAPER_6_7B, ["parallel.recompute=none"])
+    cfg = load_config(PAPER_6_7B, ["parallel.recompute=none",
+                                   "model.cross_entropy_kernel=torch"])  # one loss on both
     m, p, t = cfg.model, cfg.parallel, cfg.train
     b, s, heads = t.micro_batch_size, t.seq_length, m.num_attention_heads // p.tensor
     scores = b * heads * s * s
@@ -470,14 +471,14 @@ def test_plan_memory_follows_the_backend_and_says_which():
     assert auto.memory.attention == "te" and local.memory.attention == "local"
     assert "attention memory: te spec assumed (model.backend auto" in render(auto)
     assert "attention memory: local spec (model.backend local): s x s scores" in render(local)
-    # torch keeps what flash attention keeps, like te; its fused loss keeps the bf16
-    # logits alone (2 bytes each), megatron's their fp32 softmax too (6)
+    # torch keeps what flash attention keeps, like te, and both take the fused loss:
+    # the bf16 logits alone (2 bytes each; megatron's loss, on local, 6)
     torch_plan = make_plan(load_config(PAPER_6_7B, sel + ["model.backend=torch"]), nodes=8,
                            gpu="a100")
     assert torch_plan.memory.attention == "torch"
-    assert auto.memory.logits > 0 and torch_plan.memory.logits * 3 == auto.memory.logits
-    assert torch_plan.memory.activations == (auto.memory.activations - auto.memory.logits
-                                             + torch_plan.memory.logits)
+    assert auto.memory.logits > 0 and torch_plan.memory.logits == auto.memory.logits
+    assert local.memory.logits == 3 * auto.memory.logits
+    assert torch_plan.memory.activations == auto.memory.activations
     assert "attention memory: torch spec (model.backend torch): SDPA flash kernels, no s x s " \
         "scores" in render(torch_plan)
 
@@ -556,7 +557,8 @@ def test_the_calibration_point_in_the_memory_docstring_is_current():
     quoted = re.search(r"estimates ([\d,]+) MiB \(te; [^)]*\), ([\d,]+) MiB with KV shifting", text)
     assert quoted, "the calibration sentence moved: update this test with it"
     sets = ["train.seq_length=4096", "model.max_position_embeddings=4096",
-            "train.micro_batch_size=16", "train.global_batch_size=16"]
+            "train.micro_batch_size=16", "train.global_batch_size=16",
+            "model.cross_entropy_kernel=torch"]  # megatron's loss, as the paper ran
     for arm, mib in zip(("vanilla", "kv_shift"), quoted.groups()):
         cfg = load_config(f"configs/blagpt/{arm}.yaml", sets)
         plan = make_plan(cfg, nodes=1, gpus_per_node=1, gpu="a100")

@@ -229,7 +229,7 @@ def test_models_with_the_fused_loss_match_megatrons(interpreted):
     ("auto", "torch", False, ("torch", "auto: no GPU")),
     ("auto", "torch", True, ("triton", "auto: GPU")),
     ("auto", "local", True, ("torch", "auto: the local backend keeps megatron's loss")),
-    ("auto", "te", True, ("torch", "auto: the te backend keeps megatron's loss")),
+    ("auto", "te", True, ("triton", "auto: GPU")),
     ("torch", "torch", True, ("torch", "model.cross_entropy_kernel: torch")),
     ("triton", "local", True, ("triton", "model.cross_entropy_kernel: triton")),
 ])
@@ -313,10 +313,11 @@ def test_plan_counts_what_each_loss_keeps(interpreted, single_rank):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         tensor_parallel.vocab_parallel_cross_entropy(x * 1, torch.randint(0, 256, (16, 1)))
     per_logit = sum(t.numel() * t.element_size() for t in saved if t.numel() >= x.numel())
-    assert per_logit / x.numel() + 2 == 6 == logit_bytes(ModelConfig(), "bf16", "te")
+    assert per_logit / x.numel() + 2 == 6 == logit_bytes(ModelConfig(), "bf16", "local")
     fused = [s for s in interpreted["saved"] if s[1] == [16, 256]]
     assert fused == [["torch.bfloat16", [16, 256]]]
-    assert logit_bytes(ModelConfig(), "bf16", "torch") == 2
+    assert logit_bytes(ModelConfig(), "bf16", "torch") == logit_bytes(ModelConfig(), "bf16",
+                                                                      "te") == 2
     assert logit_bytes(ModelConfig(cross_entropy_kernel="torch"), "bf16", "torch") == 6
     # an explicit triton runs on any backend (choose_cross_entropy): counted there too
     assert logit_bytes(ModelConfig(cross_entropy_kernel="triton"), "bf16", "te") == 2
