@@ -85,8 +85,12 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * sx
         cols = tl.arange(0, BLOCK_V)
-        m = float("-inf")
-        acc = 0.0
+        # fp32 scalars from the start: a loop-carried value must keep its type, and a
+        # Python float would be a constexpr on the first trip (the interpreter does
+        # not check this; a GPU compile does)
+        none = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+        m = tl.max(none, axis=0)
+        acc = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)
         for start in range(0, V, BLOCK_V):
             x = tl.load(base + start + cols, mask=start + cols < V,
                         other=float("-inf")).to(tl.float32)
