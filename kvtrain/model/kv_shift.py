@@ -362,9 +362,9 @@ class KVShiftSelfAttention(KVShiftMixin, FusedRoPESelfAttention):
                                     output_gate: bool = False, split_qkv: bool = True):
         if not split_qkv:
             raise ValueError("KV shift needs split Q/K/V tensors (fused QKV RoPE is not supported)")
+        if self._rope_call.freqs is not None:  # shifted and rotated in one node
+            return super().get_query_key_value_tensors(hidden_states)
         if self._shift_kv_in_qkv(key_value_states, output_gate):
-            if self._rope_call.freqs is not None:  # shifted and rotated in one node
-                return super().get_query_key_value_tensors(hidden_states)
             return self._query_shifted_key_value(hidden_states)
         out = super().get_query_key_value_tensors(
             hidden_states, key_value_states, output_gate=output_gate, split_qkv=True
@@ -381,8 +381,8 @@ class KVShiftSelfAttention(KVShiftMixin, FusedRoPESelfAttention):
         return qkv_rope(mixed, freqs, query_width, self.coefficients("k"),
                         self.coefficients("v"), self._resolve_doc_ids(*mixed.shape[:2]))
 
-    def _fuses_here(self) -> bool:
-        return self._shift_kv_in_qkv(None, False)
+    def _fuses_here(self) -> bool:  # the paper's K+V shift, on the Triton kernels
+        return self._kv_in_place and self.kv_shift.kernel in ("auto", "triton")
 
     def _shift_kv_in_qkv(self, key_value_states, output_gate) -> bool:
         """Whether K and V are shifted together, in their place in the QKV output:

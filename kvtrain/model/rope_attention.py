@@ -18,7 +18,8 @@ How: the layer's ``forward`` takes the rotary angles out of megatron's call
 only. Where the node does not apply, megatron's path runs as it is: a decoding
 step (an inference context), context parallelism, THD packed sequences, Q/K
 norms, angles other than the full head width in fp32, YaRN's ``mscale``,
-interleaved rotation, any fused-RoPE slot that does not hold kvtrain's kernel
+interleaved rotation, gated attention, layers without RoPE (``no_rope_freq``),
+any fused-RoPE slot that does not hold kvtrain's kernel
 (TE's, or none: ``apply_rope_fusion`` off), and core attention other than the
 ``torch`` backend's (SDPA keeps V as it is given, a view of the QKV output:
 what ``kvtrain plan`` counts).
@@ -46,13 +47,16 @@ from .qkv_rope import qkv_rope
 
 
 class _RoPECall:
-    """The angles of this forward call's fused RoPE (None: megatron's path), in a plain
-    object: a module attribute set costs ``nn.Module.__setattr__`` twice a call."""
+    """The angles of this forward call's fused RoPE (None: megatron's path), and
+    whether the layer can take the node at all (worked out on its first call: its
+    config and modules do not change), in a plain object: a module attribute set
+    costs ``nn.Module.__setattr__``, a module attribute read ``__getattr__``."""
 
-    __slots__ = ("freqs",)
+    __slots__ = ("freqs", "layer_fuses")
 
     def __init__(self) -> None:
         self.freqs: Optional[Tensor] = None
+        self.layer_fuses: Optional[bool] = None
 
 
 def is_identity(module: Optional[torch.nn.Module]) -> bool:
@@ -98,20 +102,31 @@ class FusedRoPESelfAttention(SelfAttention):
         """Whether this layer's split can take RoPE (the KV shift adds its conditions)."""
         return True
 
+    def _layer_fuses(self) -> bool:
+        """What does not change from call to call: the config, the modules, the slot.
+        megatron's path keeps RoPE where its own forward decides it per layer or
+        call (``no_rope_freq``, gated attention, its fused single-QKV RoPE)."""
+        config = self.config
+        kvtrains = rope_utils.fused_apply_rotary_pos_emb is rope.fused_rope
+        return (config.apply_rope_fusion and kvtrains
+                and isinstance(self.core_attention, TorchAttention)
+                and not (config.rotary_interleaved or config.flash_decode or config.test_mode
+                         or config.attention_output_gate or config.fused_single_qkv_rope)
+                and getattr(config, "mrope_section", None) is None
+                and getattr(config, "no_rope_freq", None) is None
+                and yarn_mscale(config) == 1.0
+                and is_identity(self.q_layernorm) and is_identity(self.k_layernorm)
+                and self._fuses_here())
+
     def _fusable_angles(self, args: tuple, kwargs: dict) -> Optional[Tensor]:
         """The angles ``[s, 1, 1, hn]`` this call's Q and K take inside the QKV node, or
         None where megatron's path runs (the module doc lists where)."""
-        config = self.config
-        if (args or not config.apply_rope_fusion
-                or not isinstance(self.core_attention, TorchAttention)
-                or rope_utils.fused_apply_rotary_pos_emb is not rope.fused_rope
-                or config.rotary_interleaved or config.flash_decode
-                or getattr(config, "mrope_section", None) is not None
-                or kwargs.get("inference_context") is not None
+        call = self._rope_call
+        if call.layer_fuses is None:
+            call.layer_fuses = self._layer_fuses()
+        if (args or not call.layer_fuses or kwargs.get("inference_context") is not None
                 or kwargs.get("inference_params") is not None
-                or kwargs.get("key_value_states") is not None
-                or not is_identity(self.q_layernorm) or not is_identity(self.k_layernorm)
-                or cp_group() is not None):
+                or kwargs.get("key_value_states") is not None or cp_group() is not None):
             return None
         packed = kwargs.get("packed_seq_params")
         if packed is not None and not isinstance(packed, DocumentParams):
@@ -120,10 +135,9 @@ class FusedRoPESelfAttention(SelfAttention):
         if isinstance(emb, tuple):
             emb = emb[0] if emb[0] is emb[1] else None
         if (emb is None or emb.dtype != torch.float32 or emb.dim() != 4
-                or emb.shape[-1] != self.hidden_size_per_attention_head
-                or yarn_mscale(config) != 1.0):
+                or emb.shape[-1] != self.hidden_size_per_attention_head):
             return None
-        return emb if self._fuses_here() else None
+        return emb
 
 
 __all__ = ["FusedRoPESelfAttention", "is_identity"]

@@ -240,16 +240,25 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     elif rope_kernel == "transformer_engine" and not rope.te_kernels_present():
         rope_kernel, why = "torch", "auto: this Transformer Engine has no fused RoPE"
     fused = rope.fuses(rope_kernel)
-    if rope_kernel == "triton" and backend.name == "torch" and cfg.parallel.context == 1:
+    shift = None
+    if cfg.model.attention == "kv_shift":
+        shift, shift_why = choose_kernel(cfg.model.kv_shift.kernel, cuda, numerics.params_dtype)
+        backend = dataclasses.replace(backend, shift_kernel=f"{shift} ({shift_why})")
+    if rope_kernel == "triton" and _rope_in_the_split(cfg, backend.name, shift):
         rope_kernel = "triton in the QKV split"  # kvtrain.model.rope_attention
     loss, loss_why = choose_cross_entropy(cfg.model.cross_entropy_kernel, backend.name, cuda)
     backend = dataclasses.replace(backend, rope=f"{rope_kernel} ({why})",
                                   cross_entropy=f"{loss} ({loss_why})")
-    if cfg.model.attention != "kv_shift":
-        return backend, Kernels(None, fused, loss)
-    kernel, why = choose_kernel(cfg.model.kv_shift.kernel, cuda, numerics.params_dtype)
-    return (dataclasses.replace(backend, shift_kernel=f"{kernel} ({why})"),
-            Kernels(kernel, fused, loss))
+    return backend, Kernels(shift, fused, loss)
+
+
+def _rope_in_the_split(cfg: RunConfig, backend: str, shift: Optional[str]) -> bool:
+    """Whether the layers take kvtrain's Triton RoPE inside their QKV split
+    (``FusedRoPESelfAttention``): the torch backend without context parallelism,
+    vanilla or the paper's K+V shift on the Triton kernels."""
+    if backend != "torch" or cfg.parallel.context > 1:
+        return False
+    return shift is None or (shift == "triton" and sorted(cfg.model.kv_shift.shift) == ["k", "v"])
 
 
 def _documents(cfg: RunConfig, datasets, backend: str) -> Optional[Callable]:

@@ -91,6 +91,36 @@ for name in ("vanilla", "vanilla gqa", "kv_shift", "kv_shift gqa window 2",
     cfg, model = model_of(name, True, layers=1, hidden=256, heads=8, vocab=128)
     plan = layer_activation_bytes(cfg, ParallelConfig(), 64, 2, "fp32", backend="torch")
     out["kept"][name] = [kept(cfg, model), plan]
+
+
+# where megatron's path must run although the slot holds kvtrain's RoPE (from a review:
+# each took the node before): gated attention (the node had taken the angles away),
+# layers megatron leaves unrotated (no_rope_freq), an explicit shift kernel
+def run(attention, fusion, tweak=None, shift_kernel=None):
+    set_seed(7)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4,
+                      vocab_size=64, max_position_embeddings=64, attention=attention)
+    tc = transformer_config(cfg, rope_fusion=fusion)
+    for k, v in (tweak or {}).items():  # megatron TransformerConfig fields
+        setattr(tc, k, v)
+    model = build_gpt(cfg, tc, backend="torch", shift_kernel=shift_kernel)
+    logits = model(tokens, pos, None)
+    return logits.detach(), sum(n == "QKVRoPEBackward" for n in autograd_nodes(logits))
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+out["megatrons"] = {}
+for name, tweak in (("output gate", {"attention_output_gate": True}),
+                    ("no_rope_freq", {"no_rope_freq": [1, 0]})):
+    (fused, n), (ref, _) = run("vanilla", True, tweak), run("vanilla", False, tweak)
+    out["megatrons"][name] = {"nodes": n, "vs_megatron": rel(fused, ref)}
+for kernel in ("torch", "native"):
+    (fused, n), (ref, _) = (run("kv_shift", True, shift_kernel=kernel),
+                            run("kv_shift", False, shift_kernel=kernel))
+    out["megatrons"][f"kv_shift.kernel {kernel}"] = {"nodes": n, "vs_megatron": rel(fused, ref)}
 print(json.dumps(out))
 '''
 
@@ -119,6 +149,17 @@ def test_a_shifted_query_keeps_megatrons_path(interpreted):
     m = interpreted["models"]["q shifted (megatron's path)"]
     assert m["nodes"] == [0, 0] and m["rope_nodes"] == [4, 0], m
     assert m["logits"] < 1e-5 and m["grads"] < 1e-5, m
+
+
+@pytest.mark.parametrize("name", ["output gate", "no_rope_freq", "kv_shift.kernel torch",
+                                  "kv_shift.kernel native"])
+def test_megatrons_path_where_the_node_must_not_run(interpreted, name):
+    """Gated attention and megatron's per-layer RoPE switch (``no_rope_freq``) keep
+    megatron's path, with RoPE where it puts it; an explicit ``model.kv_shift.kernel``
+    other than triton is the kernel that runs (and is recorded). Each took the node
+    before a review: gated attention lost RoPE in every layer."""
+    m = interpreted["megatrons"][name]
+    assert m["nodes"] == 0 and m["vs_megatron"] < 1e-6, m
 
 
 def test_what_a_layer_keeps_is_what_the_plan_counts(interpreted):
@@ -184,3 +225,30 @@ def test_a_gpu_model_takes_the_compiled_node_and_matches_megatrons_path(single_r
             assert (out_f - out_r).abs().max() <= tol * out_r.abs().max()
             for name, g in grads_r.items():
                 assert (grads_f[name] - g).abs().max() <= tol * g.abs().max(), name
+
+
+@pytest.mark.parametrize("backend, attention, shift, sets, splits", [
+    ("torch", "vanilla", None, [], True),
+    ("torch", "kv_shift", "triton", [], True),
+    ("torch", "kv_shift", "torch", ["model.kv_shift.kernel=torch"], False),
+    ("torch", "kv_shift", "triton", ["model.kv_shift.shift=[q,k,v]"], False),
+    ("torch", "vanilla", None, ["parallel.context=2"], False),
+    ("te", "vanilla", None, [], False),
+])
+def test_the_record_and_the_plan_say_where_the_split_takes_rope(backend, attention, shift,
+                                                                sets, splits):
+    """The run records ``triton in the QKV split`` and the plan counts the node's memory
+    exactly where the layers take it: the torch backend without context parallelism,
+    vanilla or the K+V shift on its Triton kernel."""
+    from kvtrain.config import load_config
+    from kvtrain.plan.memory import rope_in_the_split
+    from kvtrain.train.setup import _rope_in_the_split
+
+    from .interpreter import REPO
+
+    cfg = load_config(str(REPO / "configs" / "bench" / "host.yaml"),
+                      ["data.type=mock", f"model.attention={attention}", *sets])
+    assert _rope_in_the_split(cfg, backend, shift) == splits
+    if attention == "kv_shift" and "parallel.context=2" not in sets:
+        layer_fuses = splits or "shift=[q,k,v]" in " ".join(sets)  # (the variant: elsewhere)
+        assert rope_in_the_split(cfg.model, backend) == (layer_fuses and backend == "torch")
