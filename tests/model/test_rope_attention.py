@@ -121,8 +121,65 @@ for kernel in ("torch", "native"):
     (fused, n), (ref, _) = (run("kv_shift", True, shift_kernel=kernel),
                             run("kv_shift", False, shift_kernel=kernel))
     out["megatrons"][f"kv_shift.kernel {kernel}"] = {"nodes": n, "vs_megatron": rel(fused, ref)}
+
+# TP = 2 (gloo ranks; with sequence parallelism for the shift) and full recomputation
+from kvtrain.testing import run_distributed
+from tests.model.test_rope_attention import parallel_rank
+
+out["parallel"] = {f"tp2 {attention}{' sp' if sp else ''}": run_distributed(
+    parallel_rank, 2, attention, sp, "none") for attention, sp in (("kv_shift", True),
+                                                                   ("vanilla", False))}
+out["parallel"]["recompute full"] = [parallel_rank(0, 1, "kv_shift", False, "full")]
 print(json.dumps(out))
 '''
+
+
+def parallel_rank(rank: int, world: int, attention: str, sp: bool, recompute: str) -> dict:
+    """One rank of a TP group of ``world`` (1: this process): the fused node against
+    megatron's path, this rank's logits and gradients."""
+    import torch
+
+    from kvtrain.backend import init_model_parallel, set_seed
+    from kvtrain.config import ModelConfig, ParallelConfig
+    from kvtrain.model import kv_shift, rope_attention
+    from kvtrain.model.builder import build_gpt, transformer_config
+
+    from .interpreter import autograd_nodes
+
+    calls = []  # the node's calls, forward and recomputed (the graph hides the latter)
+    node = rope_attention.qkv_rope
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return node(*args, **kwargs)
+
+    rope_attention.qkv_rope = kv_shift.qkv_rope = counted
+    init_model_parallel(world, 1)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 128, (2, 16), generator=gen)
+    pos = torch.arange(16)[None].expand_as(tokens)
+    runs = {}
+    for fusion in (True, False):
+        set_seed(5)
+        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                          num_query_groups=2, ffn_hidden_size=64, vocab_size=128,
+                          make_vocab_size_divisible_by=64, max_position_embeddings=64,
+                          attention=attention)
+        parallel = ParallelConfig(tensor=world, sequence_parallel=sp, recompute=recompute)
+        model = build_gpt(cfg, transformer_config(cfg, parallel, rope_fusion=fusion),
+                          backend="torch")
+        calls.clear()
+        logits = model(tokens, pos, None)
+        nodes = sum(x == "QKVRoPEBackward" for x in autograd_nodes(logits))
+        logits.float().pow(2).mean().backward()
+        runs[fusion] = (logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters()},
+                        nodes, len(calls))
+    rope_attention.qkv_rope = kv_shift.qkv_rope = node
+    (l_f, g_f, n_f, c_f), (l_r, g_r, n_r, c_r) = runs[True], runs[False]
+    return {"nodes": [n_f, n_r], "calls": [c_f, c_r],
+            "logits": ((l_f - l_r).abs().max() / l_r.abs().max()).item(),
+            "grads": max(((g_f[k] - g).abs().max() / g.abs().max()).item()
+                         for k, g in g_r.items())}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +206,20 @@ def test_a_shifted_query_keeps_megatrons_path(interpreted):
     m = interpreted["models"]["q shifted (megatron's path)"]
     assert m["nodes"] == [0, 0] and m["rope_nodes"] == [4, 0], m
     assert m["logits"] < 1e-5 and m["grads"] < 1e-5, m
+
+
+@pytest.mark.parametrize("name", ["tp2 kv_shift sp", "tp2 vanilla", "recompute full"])
+def test_tensor_parallelism_and_recomputation(interpreted, name):
+    """TP = 2 over gloo (the KV shift with sequence parallelism: the node sees each
+    rank's heads over the whole sequence) and full recomputation (megatron re-runs the
+    layer, and the node, in the backward): every rank's logits and gradients equal
+    megatron's path. With full recomputation the checkpointed layers hide the node
+    from the graph of the logits: it is called twice per layer instead."""
+    for rank in interpreted["parallel"][name]:
+        recompute = name == "recompute full"
+        assert rank["nodes"] == ([0, 0] if recompute else [2, 0]), rank
+        assert rank["calls"] == ([4, 0] if recompute else [2, 0]), rank
+        assert rank["logits"] < 1e-5 and rank["grads"] < 1e-5, rank
 
 
 @pytest.mark.parametrize("name", ["output gate", "no_rope_freq", "kv_shift.kernel torch",
