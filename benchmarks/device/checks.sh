@@ -10,20 +10,21 @@
 # left of DEADLINE seconds from the start; a part with under 60 s left is skipped
 # and says so):
 #   tests   the `gpu` tests (pytest -m gpu)                      -> checks.log, tests.xml
+#   small   benchmarks/step.py configs/bench/small.yaml, torch backend      -> step-small.json
+#           (small, h2048 and paper add one profiled step per arm: --profile)
+#   h2048   benchmarks/step.py configs/bench/h2048.yaml, torch backend      -> step-h2048.json
 #   kernel  benchmarks/shift_kernel.py --qkv at the h2048 shape, bf16: the shift's own
 #           time against vanilla's split, per kernel                       -> checks.log
 #           the same with RoPE: the split, shift and RoPE as one node (qkv_rope) per arm
 #           benchmarks/cross_entropy.py at the paper's logits (8192 x 36000, bf16):
 #           megatron's loss against the fused one                  -> cross-entropy.json
-#   small   benchmarks/step.py configs/bench/small.yaml, torch backend      -> step-small.json
-#           (small, h2048 and paper add one profiled step per arm: --profile)
-#   h2048   benchmarks/step.py configs/bench/h2048.yaml, torch backend      -> step-h2048.json
 #   paper   the paper's 1.5B shape, torch backend (LAYERS of its 28 layers;
 #           default 28 on a card of > 120 GiB, else 12), micro 4, global 8   -> step-paper.json
 #   mlm     Megatron-LM's pretrain_gpt.py on the same shape, batch and card
 #           (--transformer-impl local, mock data, tied embeddings as the config)
 #   kernels the small shape with the shift on torch ops instead of Triton, h2048 with
-#           megatron's RoPE instead of the Triton kernel (what the fused RoPE gains),
+#           megatron's RoPE instead of the Triton kernel (what the Triton RoPE, in the
+#           QKV split node since session 8, gains both arms),
 #           and configs/bench/host.yaml (a host-bound step) with each shift kernel:
 #           which one a launch-bound step should take -> step-small-torchops.json,
 #           step-h2048-ropetorch.json, step-host-{triton,torchops}.json
@@ -35,7 +36,7 @@ set -u
 : "${OUT:?set OUT to the folder that comes back}"
 DEADLINE=${DEADLINE:-540}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests kernel small h2048 paper mlm kernels)
+[ ${#parts[@]} -gt 0 ] || parts=(tests small h2048 kernel paper mlm kernels)
 start=$(date +%s)
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/checks.log"; }
 
