@@ -161,6 +161,7 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
 
 
 if triton is not None:
+    from .triton_rope import rotate_halves as _rotate
     from .triton_shift import _block, _same_doc
 
     @triton.jit
@@ -170,17 +171,6 @@ if triton is not None:
         f1 = tl.load(p, mask=ok, other=0.0)
         f2 = tl.load(p + HALF, mask=ok, other=0.0)
         return tl.cos(f1), tl.sin(f1), tl.cos(f2), tl.sin(f2)
-
-    @triton.jit
-    def _rotate(x1, x2, c1, s1, c2, s2, INVERSE: tl.constexpr):
-        """megatron's non-interleaved rotation, or its transpose (the backward)."""
-        if INVERSE:
-            y1 = x1 * c1 + x2 * s2
-            y2 = x2 * c2 - x1 * s1
-        else:
-            y1 = x1 * c1 - x2 * s1
-            y2 = x2 * c2 + x1 * s2
-        return y1, y2
 
     @triton.jit
     def _load(ptr, rows, s_s, cols, ok, HALF: tl.constexpr, PRESENT: tl.constexpr,

@@ -64,6 +64,18 @@ def rotate(t: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
 if triton is not None:
 
     @triton.jit
+    def rotate_halves(x1, x2, c1, s1, c2, s2, INVERSE: tl.constexpr):
+        """megatron's non-interleaved rotation of the halves ``x1, x2`` by the cos/sin
+        of their angles, or its transpose (``INVERSE``: the backward); fp32 in, out."""
+        if INVERSE:
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        return y1, y2
+
+    @triton.jit
     def _rope_kernel(t_ptr, f_ptr, o_ptr, st_s, st_b, st_h, sf_s, so_s, so_b, so_h,
                      H: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -83,12 +95,7 @@ if triton is not None:
         ok = ok_h[:, None] & ok_c[None, :]
         x1 = tl.load(rows_in + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(rows_in + HALF + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        if INVERSE:
-            y1 = x1 * c1 + x2 * s2
-            y2 = x2 * c2 - x1 * s1
-        else:
-            y1 = x1 * c1 - x2 * s1
-            y2 = x2 * c2 + x1 * s2
+        y1, y2 = rotate_halves(x1, x2, c1, s1, c2, s2, INVERSE)
         tl.store(rows_out + cols[None, :], y1.to(o_ptr.dtype.element_ty), mask=ok)
         tl.store(rows_out + HALF + cols[None, :], y2.to(o_ptr.dtype.element_ty), mask=ok)
         if D > 2 * HALF:  # the values past the rotary dims pass unchanged

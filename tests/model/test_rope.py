@@ -198,47 +198,23 @@ def test_the_te_backend_takes_tes_fused_rope_where_it_has_one(held, kernel, why,
 
 @pytest.mark.gpu
 def test_a_gpu_run_rotates_with_the_kernel_and_matches_megatrons_ops(single_rank, monkeypatch):
-    """On a GPU the torch backend takes the compiled kernel (kvtrain's, for Q and K of
-    every layer): fp32 and bf16 models against megatron's ops, logits and every
+    """On a GPU the compiled kernel rotates Q and K of every layer where megatron's
+    RoPE call runs (the local backend; the torch backend's layers take it inside
+    their QKV split): fp32 and bf16 models against megatron's ops, logits and every
     gradient within each dtype's rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from megatron.core.models.common.embeddings import rope_utils
-    from megatron.core.transformer.module import Float16Module
 
-    from kvtrain.backend import set_seed
-    from kvtrain.config import ModelConfig
-    from kvtrain.model.builder import Numerics, build_gpt, transformer_config
     from kvtrain.model.rope import fused_rope
 
-    from .interpreter import autograd_nodes
+    from .gpu_models import assert_fused_matches
 
     assert choose_rope("auto", "torch", True, False)[0] == "triton"
     # kvtrain's kernel in the slot even where TE's would hold it
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", fused_rope)
-    tokens = torch.randint(0, 256, (2, 128), device="cuda")
-    pos = torch.arange(128, device="cuda")[None].expand_as(tokens)
-    for numerics, tol in ((Numerics(), 1e-4), (Numerics.from_precision("bf16"), 5e-2)):
-        runs = {}
-        for fusion in (True, False):
-            set_seed(3)
-            cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8,
-                              num_query_groups=4, vocab_size=256,
-                              max_position_embeddings=128, attention="kv_shift")
-            tc = transformer_config(cfg, numerics=numerics, rope_fusion=fusion)
-            model = build_gpt(cfg, tc, backend="local").cuda()  # megatron's RoPE call
-            if numerics.bf16:
-                model = Float16Module(tc, model)
-            out = model(tokens, pos, None).float()
-            out.pow(2).mean().backward()
-            kernels = sum(n == "FusedRoPEBackward" for n in autograd_nodes(out))
-            runs[fusion] = (out.detach(), {n: p.grad.float() for n, p in model.named_parameters()},
-                            kernels)
-        (out_f, grads_f, n_f), (out_r, grads_r, n_r) = runs[True], runs[False]
-        assert (n_f, n_r) == (4, 0)  # Q and K of 2 layers
-        assert (out_f - out_r).abs().max() <= tol * out_r.abs().max()
-        for name, g in grads_r.items():
-            assert (grads_f[name] - g).abs().max() <= tol * g.abs().max(), name
+    # local: megatron's RoPE call (Q and K of 2 layers; torch fuses it with the split)
+    assert_fused_matches("kv_shift", "local", "FusedRoPEBackward", 4)
 
 
 def test_install_fills_an_empty_slot_and_leaves_tes_kernel(monkeypatch):

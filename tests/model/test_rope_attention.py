@@ -255,7 +255,8 @@ def test_what_a_layer_keeps_is_what_the_plan_counts(interpreted):
 
 
 @pytest.mark.gpu
-def test_a_gpu_model_takes_the_compiled_node_and_matches_megatrons_path(single_rank):
+def test_a_gpu_model_takes_the_compiled_node_and_matches_megatrons_path(single_rank,
+                                                                         monkeypatch):
     """On a GPU the torch backend takes the compiled node (kvtrain's RoPE in megatron's
     slot, as ``model.rope_kernel: auto`` gives it): fp32 and bf16 models, vanilla and
     KV shift, against megatron's split, the shift's node and RoPE, logits and every
@@ -264,38 +265,16 @@ def test_a_gpu_model_takes_the_compiled_node_and_matches_megatrons_path(single_r
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from megatron.core.transformer.module import Float16Module
+    from megatron.core.models.common.embeddings import rope_utils
 
-    from kvtrain.backend import set_seed
-    from kvtrain.config import ModelConfig
-    from kvtrain.model.builder import Numerics, build_gpt, transformer_config
+    from kvtrain.model.rope import fused_rope
 
-    from .interpreter import autograd_nodes
+    from .gpu_models import assert_fused_matches
 
-    tokens = torch.randint(0, 256, (2, 256), device="cuda")
-    pos = torch.arange(256, device="cuda")[None].expand_as(tokens)
+    # kvtrain's kernel in the slot even where TE's would hold it
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", fused_rope)
     for attention in ("vanilla", "kv_shift"):
-        for numerics, tol in ((Numerics(), 1e-4), (Numerics.from_precision("bf16"), 5e-2)):
-            runs = {}
-            for fusion in (True, False):
-                set_seed(3)
-                cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8,
-                                  num_query_groups=4, vocab_size=256,
-                                  max_position_embeddings=256, attention=attention)
-                tc = transformer_config(cfg, numerics=numerics, rope_fusion=fusion)
-                model = build_gpt(cfg, tc, backend="torch").cuda()
-                if numerics.bf16:
-                    model = Float16Module(tc, model)
-                out = model(tokens, pos, None).float()
-                out.pow(2).mean().backward()
-                nodes = sum(n == "QKVRoPEBackward" for n in autograd_nodes(out))
-                runs[fusion] = (out.detach(), {n: p.grad.float()
-                                               for n, p in model.named_parameters()}, nodes)
-            (out_f, grads_f, n_f), (out_r, grads_r, n_r) = runs[True], runs[False]
-            assert (n_f, n_r) == (2, 0)
-            assert (out_f - out_r).abs().max() <= tol * out_r.abs().max()
-            for name, g in grads_r.items():
-                assert (grads_f[name] - g).abs().max() <= tol * g.abs().max(), name
+        assert_fused_matches(attention, "torch", "QKVRoPEBackward", 2, seq=256)
 
 
 @pytest.mark.parametrize("backend, attention, shift, sets, splits", [
