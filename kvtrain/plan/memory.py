@@ -281,14 +281,20 @@ def layer_input_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: 
     return activation_dtype_bytes(precision) * sb * model.hidden_size / t
 
 
+def fused_loss(model: ModelConfig, backend: str) -> bool:
+    """Whether a GPU run on ``backend`` takes kvtrain's fused loss
+    (``kvtrain.model.cross_entropy.choose_cross_entropy``)."""
+    kernel = model.cross_entropy_kernel
+    return kernel == "triton" or (kernel == "auto" and backend != "local")
+
+
 def logit_bytes(model: ModelConfig, precision: str, backend: str) -> int:
     """Bytes per logit at the loss's peak. kvtrain's fused loss (what a GPU run takes
     for ``model.cross_entropy_kernel: triton``, or ``auto`` on the ``torch`` and ``te``
     backends) keeps the logits alone; megatron's holds them and their fp32 copy, the
     softmax it keeps (fp32 logits are shifted in place: one tensor)."""
     act = activation_dtype_bytes(precision)
-    kernel = model.cross_entropy_kernel
-    if kernel == "triton" or (kernel == "auto" and backend != "local"):
+    if fused_loss(model, backend):
         return act
     return 4 if act == 4 else act + 4
 

@@ -12,6 +12,15 @@ from .memory import GiB
 from .params import human
 
 
+def _loss(plan) -> str:
+    """Which loss the logits' bytes assume: kvtrain's fused one keeps them alone."""
+    from .memory import fused_loss
+
+    if fused_loss(plan.cfg.model, plan.memory.attention):
+        return "kvtrain's fused loss"
+    return "megatron's loss, its fp32 copy included"
+
+
 def _gib(x: float) -> str:
     return f"{x / GiB:6.1f} GiB"
 
@@ -104,7 +113,7 @@ def render(plan: Plan, source: str = "") -> str:
         f"{t.micro_batch_size} x {t.seq_length}"
         + (f" (a 1/{p.context} share per CP rank)" if p.context > 1 else "")
         + f" in flight, recompute {mem.recompute}"
-        + (f"; logits {mem.logits / GiB:.1f} GiB" if mem.logits else "") + ")",
+        + (f"; logits {mem.logits / GiB:.1f} GiB, {_loss(plan)}" if mem.logits else "") + ")",
         f"  overhead       {_gib(mem.overhead)}   (CUDA context, NCCL, workspaces, fragmentation)",
         f"  total          {_gib(mem.total)}   of {plan.gpu.memory_gib:.0f} GiB "
         f"({mem.total / (plan.gpu.memory_gib * GiB):.0%})",
