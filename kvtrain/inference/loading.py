@@ -147,9 +147,7 @@ def load_model(source: str | Path, backend: str = "auto",
         shift_kernel = choose_kernel("auto", torch.cuda.is_available(), dtype)[0]
     from kvtrain.model import rope
 
-    rope_kernel = rope.choose_for(cfg.model, name, torch.cuda.is_available())[0]
-    if rope_kernel == "transformer_engine" and not rope.te_kernels_present():
-        rope_kernel = "torch"
+    rope_kernel = rope.resolve(cfg.model, name, torch.cuda.is_available())[0]
     model = build_gpt(cfg.model, transformer_config(cfg.model, parallel, numerics,
                                                     rope_fusion=rope.fuses(rope_kernel)),
                       seed=cfg.train.seed, backend=name, shift_kernel=shift_kernel)

@@ -73,6 +73,20 @@ def choose_for(model, backend: str, cuda: bool, requested: str = "auto") -> tupl
     return choose_rope(requested, backend, cuda, mla=model.mla is not None)
 
 
+def resolve(model, backend: str, cuda: bool, requested: str = "auto") -> tuple[str, str]:
+    """:func:`choose_for`, then what megatron's fused-RoPE slots hold in this process:
+    ``triton`` where TE's kernel holds the slot is TE's (``transformer_engine``), and
+    TE's where this TE has none is megatron's ops. (name, why), for the run's record
+    and :func:`fuses`."""
+    kernel, why = choose_for(model, backend, cuda, requested)
+    if kernel == "triton" and install() != "triton":
+        return "transformer_engine", why + "; megatron's fused-RoPE slot holds Transformer " \
+                                           "Engine's kernel"
+    if kernel == "transformer_engine" and not te_kernels_present():
+        return "torch", "auto: this Transformer Engine has no fused RoPE"
+    return kernel, why
+
+
 def fuses(kernel: str) -> bool:
     """Whether RoPE ``kernel`` (a :func:`choose_rope` name) sets ``apply_rope_fusion``."""
     return kernel in ("triton", "transformer_engine")

@@ -103,9 +103,10 @@ class FusedRoPESelfAttention(SelfAttention):
         return True
 
     def _layer_fuses(self) -> bool:
-        """What does not change from call to call: the config, the modules, the slot.
-        megatron's path keeps RoPE where its own forward decides it per layer or
-        call (``no_rope_freq``, gated attention, its fused single-QKV RoPE)."""
+        """What does not change from call to call: the config, the modules, the slot,
+        context parallelism. megatron's path keeps RoPE where its own forward decides
+        it per layer or call (``no_rope_freq``, gated attention, its fused single-QKV
+        RoPE)."""
         config = self.config
         kvtrains = rope_utils.fused_apply_rotary_pos_emb is rope.fused_rope
         return (config.apply_rope_fusion and kvtrains
@@ -116,6 +117,7 @@ class FusedRoPESelfAttention(SelfAttention):
                 and getattr(config, "no_rope_freq", None) is None
                 and yarn_mscale(config) == 1.0
                 and is_identity(self.q_layernorm) and is_identity(self.k_layernorm)
+                and cp_group() is None  # (set up before the model is built)
                 and self._fuses_here())
 
     def _fusable_angles(self, args: tuple, kwargs: dict) -> Optional[Tensor]:
@@ -126,7 +128,7 @@ class FusedRoPESelfAttention(SelfAttention):
             call.layer_fuses = self._layer_fuses()
         if (args or not call.layer_fuses or kwargs.get("inference_context") is not None
                 or kwargs.get("inference_params") is not None
-                or kwargs.get("key_value_states") is not None or cp_group() is not None):
+                or kwargs.get("key_value_states") is not None):
             return None
         packed = kwargs.get("packed_seq_params")
         if packed is not None and not isinstance(packed, DocumentParams):

@@ -233,12 +233,7 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     if cfg.data.reset_attention_mask:
         backend = dataclasses.replace(backend, documents=document_attention(
             backend.name, cuda, cfg.model.attention_dropout))
-    rope_kernel, why = rope.choose_for(cfg.model, backend.name, cuda, cfg.model.rope_kernel)
-    if rope_kernel == "triton" and rope.install() != "triton":
-        why += "; megatron's fused-RoPE slot holds Transformer Engine's kernel"
-        rope_kernel = "transformer_engine"
-    elif rope_kernel == "transformer_engine" and not rope.te_kernels_present():
-        rope_kernel, why = "torch", "auto: this Transformer Engine has no fused RoPE"
+    rope_kernel, why = rope.resolve(cfg.model, backend.name, cuda, cfg.model.rope_kernel)
     fused = rope.fuses(rope_kernel)
     shift = None
     if cfg.model.attention == "kv_shift":
