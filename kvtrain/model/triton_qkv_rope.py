@@ -10,7 +10,8 @@ already in registers.
 Layout: megatron's QKV output ``mixed [s, b, g, q + 2d]`` (a unit stride in the
 last dim, any others): per KV group g, ``q = r_q·d`` query values (r_q heads), then
 K (d), then V (d). ``freqs [>= s, 1, 1, d]`` fp32, megatron's layout (both halves
-of d carry the same frequencies; full rotary only). One program takes a block of
+of d carry the same frequencies; full rotary only); the kernels load the cos and
+sin of the angles from ``triton_rope.cos_sin``'s table. One program takes a block of
 tokens of one (batch, group): its r_q query heads, K and V. RoPE pairs column c
 with c + d/2, so every row is loaded as two ``[BLOCK_T, d/2]`` halves; the shift's
 lags are rows of the block or of the one before (same document only). fp32
@@ -49,6 +50,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .triton_rope import cos_sin
 from .triton_shift import _cdiv, next_pow2, rows
 
 try:  # Triton ships with CUDA builds of PyTorch; the CPU build has no fused node.
@@ -85,13 +87,13 @@ def _setup(s: int, b: int, g: int, d: int, dtype: torch.dtype, coefs, doc_ids,
 
 
 def _angles_of(freqs: Tensor, s: int, d: int) -> Tensor:
-    """fp32 angles ``[>= s, 1, 1, d]`` with a unit stride in d; ValueError otherwise."""
+    """The cos/sin table ``[>= s, 2d]`` of the angles ``freqs [>= s, 1, 1, d]``
+    (``triton_rope.cos_sin``); ValueError for other angles."""
     if (freqs.dim() != 4 or freqs.shape[0] < s or freqs.shape[1] != 1 or freqs.shape[2] != 1
             or freqs.shape[3] != d or d % 2):
         raise ValueError(f"the fused QKV RoPE rotates all of an even head dim: expected freqs "
                          f"[>= {s}, 1, 1, {d}], got {tuple(freqs.shape)}")
-    freqs = freqs.float()
-    return freqs if freqs.stride(-1) == 1 else freqs.contiguous()
+    return cos_sin(freqs)
 
 
 def forward(mixed: Tensor, freqs: Tensor, query_width: int, coef_k: Optional[Tensor] = None,
@@ -105,15 +107,15 @@ def forward(mixed: Tensor, freqs: Tensor, query_width: int, coef_k: Optional[Ten
         raise ValueError("the fused QKV RoPE needs mixed with a unit stride in its last dim")
     s, b, g, width = mixed.shape
     d = (width - query_width) // 2
-    freqs = _angles_of(freqs, s, d)
+    table = _angles_of(freqs, s, d)  # [>= s, 2d]: cos, sin
     r_q = query_width // d
     shift = coef_k is not None
     query = torch.empty((s, b, g * r_q, d), dtype=mixed.dtype, device=mixed.device)
     key = torch.empty((s, b, g, d), dtype=mixed.dtype, device=mixed.device)
     grid, block_t, block_h, (ck, cv), docs, doc_strides = _setup(
-        s, b, g, d, mixed.dtype, [coef_k, coef_v], doc_ids, freqs)
+        s, b, g, d, mixed.dtype, [coef_k, coef_v], doc_ids, table)
     _fwd_kernel[grid](
-        mixed, freqs, ck, cv, docs, query, key, s, *mixed.stride()[:3], freqs.stride(0),
+        mixed, table, ck, cv, docs, query, key, s, *mixed.stride()[:3], table.stride(0),
         *query.stride()[:3], *key.stride()[:3], *doc_strides,
         R=r_q, W=coef_k.shape[1] - 1 if shift else 0, SHIFT=shift,
         HAS_DOC=shift and doc_ids is not None, BLOCK_T=block_t, BLOCK_H=block_h, HALF=d // 2,
@@ -134,12 +136,12 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
     d = freqs.shape[-1]
     r_q = query_width // d
     g = dk.shape[2] if dk is not None else dv.shape[2] if dv is not None else dq.shape[2] // r_q
-    freqs = _angles_of(freqs, s, d)
+    table = _angles_of(freqs, s, d)  # [>= s, 2d]: cos, sin
     shift = coef_k is not None
     coef = need_coef and shift
     dmixed = torch.empty((s, b, g, query_width + 2 * d), dtype=ref.dtype, device=ref.device)
     grid, block_t, block_h, (ck, cv), docs, doc_strides = _setup(
-        s, b, g, d, ref.dtype, [coef_k, coef_v], doc_ids, freqs)
+        s, b, g, d, ref.dtype, [coef_k, coef_v], doc_ids, table)
     # absent gradients (and mixed without need_coef): dmixed as a pointer, never read
     dq_, dk_, dv_ = (rows(x) if x is not None else dmixed for x in (dq, dk, dv))
     m = rows(mixed) if coef else dmixed
@@ -147,8 +149,8 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
     partial = torch.empty((grid[0], b, g, 2, n) if coef else (1,), dtype=torch.float32,
                           device=ref.device)
     _bwd_kernel[grid](
-        m, freqs, ck, cv, docs, dq_, dk_, dv_, dmixed, partial, s, *m.stride()[:3],
-        freqs.stride(0), *dq_.stride()[:3], *dk_.stride()[:3], *dv_.stride()[:3],
+        m, table, ck, cv, docs, dq_, dk_, dv_, dmixed, partial, s, *m.stride()[:3],
+        table.stride(0), *dq_.stride()[:3], *dk_.stride()[:3], *dv_.stride()[:3],
         *dmixed.stride()[:3], *doc_strides,
         R=r_q, W=n - 1, SHIFT=shift, COEF=coef, HAS_DOC=shift and doc_ids is not None,
         HAS_DQ=dq is not None, HAS_DK=dk is not None, HAS_DV=dv is not None,
@@ -161,16 +163,14 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
 
 
 if triton is not None:
-    from .triton_rope import rotate_halves as _rotate
+    from .triton_rope import cos_sin_halves as _cos_sin, rotate_halves as _rotate
     from .triton_shift import _block, _same_doc
 
     @triton.jit
     def _angles(f_ptr, rows, sf_s, cols, ok, HALF: tl.constexpr):
-        """cos and sin of both halves' angles at the tokens ``rows`` ([BT, BH] each)."""
-        p = f_ptr + rows[:, None] * sf_s + cols[None, :]
-        f1 = tl.load(p, mask=ok, other=0.0)
-        f2 = tl.load(p + HALF, mask=ok, other=0.0)
-        return tl.cos(f1), tl.sin(f1), tl.cos(f2), tl.sin(f2)
+        """cos and sin of both halves' angles at the tokens ``rows`` ([BT, BH] each),
+        from the cos/sin table at ``f_ptr``."""
+        return _cos_sin(f_ptr + rows[:, None] * sf_s + cols[None, :], ok, HALF)
 
     @triton.jit
     def _load(ptr, rows, s_s, cols, ok, HALF: tl.constexpr, PRESENT: tl.constexpr,

@@ -9,10 +9,14 @@ tensor: ~12 passes forward and ~10 backward for Q and again for K, every layer
 (and ~14 operator calls forward, each a kernel launch). This kernel reads each
 row once and writes it once, in either direction.
 
-One program takes one token of one sequence: all its heads. The angles of the
-token (``freqs [s, 1, 1, r]``, fp32, megatron's layout: the two halves of r
-carry the same frequencies) are loaded once and their cos/sin serve every head.
-With ``r < d`` (``rotary_percent``) the last ``d - r`` values pass unchanged.
+One program takes one token of one sequence: all its heads. The kernels load the
+cos and sin of the token's angles (``freqs [s, 1, 1, r]``, fp32, megatron's layout:
+the two halves of r carry the same frequencies) from a table :data:`cos_sin`
+computes once per angles tensor, not per program: libdevice's ``cos``/``sin``
+(range reduction included) were most of the RoPE kernels' instructions, paid per
+value, as Triton's layouts repeat a row's angles in every thread that holds one
+of its heads (``benchmarks/kernel_compile.py`` counts them). With ``r < d``
+(``rotary_percent``) the last ``d - r`` values pass unchanged.
 Non-interleaved rotation (megatron's default) only::
 
     out[:r/2] = x1·cos(f1) - x2·sin(f1),  out[r/2:r] = x2·cos(f2) + x1·sin(f2)
@@ -45,16 +49,46 @@ def available() -> bool:
     return triton is not None
 
 
+class AngleTables:
+    """cos and sin of RoPE's angles, once per angles tensor: ``table(freqs [s, 1, 1, r])``
+    is fp32 ``[s, 2r]`` (the r cosines, then the r sines). Megatron's
+    ``RotaryEmbedding.forward`` is an ``lru_cache``: every layer of every step gets
+    the same ``freqs`` object, so a run computes its table once (per sequence length
+    and model chunk: a few entries are kept). An entry holds ``freqs`` itself, so its
+    memory cannot be reused by another tensor while the entry lives, and is taken
+    only while ``freqs`` is unchanged (its version counter)."""
+
+    def __init__(self, entries: int = 4):
+        self.entries = entries
+        self._tables: dict = {}  # id(freqs): (freqs, its version, table)
+
+    def __call__(self, freqs: Tensor) -> Tensor:
+        hit = self._tables.get(id(freqs))
+        if hit is not None and hit[0] is freqs and hit[1] == freqs._version:
+            return hit[2]
+        angles = freqs.detach().reshape(freqs.shape[0], freqs.shape[-1]).float()  # [s, r]
+        table = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [s, 2r]
+        self._tables.pop(id(freqs), None)  # a stale entry of this tensor
+        if len(self._tables) >= self.entries:
+            self._tables.pop(next(iter(self._tables)))  # the oldest
+        self._tables[id(freqs)] = (freqs, freqs._version, table)
+        return table
+
+
+cos_sin = AngleTables()
+
+
 def rotate(t: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
-    """``t [s, b, h, d]`` rotated by ``freqs [>= s, 1, 1, r]`` (fp32, a unit stride in r),
-    or by the transposed rotation (``inverse``, the backward): a new contiguous tensor."""
+    """``t [s, b, h, d]`` rotated by the angles ``freqs [>= s, 1, 1, r]``, or by the
+    transposed rotation (``inverse``, the backward): a new contiguous tensor."""
     t = rows(t)
     s, b, h, d = t.shape
     r = freqs.shape[-1]
+    table = cos_sin(freqs)  # [>= s, 2r]
     out = torch.empty((s, b, h, d), dtype=t.dtype, device=t.device)
     half = r // 2
     _rope_kernel[(s, b)](
-        t, freqs, out, *t.stride()[:3], freqs.stride(0), *out.stride()[:3],
+        t, table, out, *t.stride()[:3], table.stride(0), *out.stride()[:3],
         H=h, HALF=half, D=d, BLOCK_H=next_pow2(h), BLOCK_HALF=next_pow2(half),
         BLOCK_PASS=next_pow2(max(d - r, 1)), INVERSE=inverse,
     )
@@ -62,6 +96,16 @@ def rotate(t: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
 
 
 if triton is not None:
+
+    @triton.jit
+    def cos_sin_halves(p, mask, HALF: tl.constexpr):
+        """cos and sin of both halves' angles from :data:`cos_sin`'s table, ``p``
+        pointing at the first half's columns of a token's row (fp32)."""
+        c1 = tl.load(p, mask=mask, other=0.0)
+        c2 = tl.load(p + HALF, mask=mask, other=0.0)
+        s1 = tl.load(p + 2 * HALF, mask=mask, other=0.0)
+        s2 = tl.load(p + 3 * HALF, mask=mask, other=0.0)
+        return c1, s1, c2, s2
 
     @triton.jit
     def rotate_halves(x1, x2, c1, s1, c2, s2, INVERSE: tl.constexpr):
@@ -76,7 +120,7 @@ if triton is not None:
         return y1, y2
 
     @triton.jit
-    def _rope_kernel(t_ptr, f_ptr, o_ptr, st_s, st_b, st_h, sf_s, so_s, so_b, so_h,
+    def _rope_kernel(t_ptr, cs_ptr, o_ptr, st_s, st_b, st_h, sc_s, so_s, so_b, so_h,
                      H: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                      BLOCK_PASS: tl.constexpr, INVERSE: tl.constexpr):
@@ -86,10 +130,8 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_HALF)
         ok_h = heads < H
         ok_c = cols < HALF
-        f1 = tl.load(f_ptr + pos * sf_s + cols, mask=ok_c, other=0.0).to(tl.float32)
-        f2 = tl.load(f_ptr + pos * sf_s + HALF + cols, mask=ok_c, other=0.0).to(tl.float32)
-        c1, s1 = tl.cos(f1)[None, :], tl.sin(f1)[None, :]
-        c2, s2 = tl.cos(f2)[None, :], tl.sin(f2)[None, :]
+        c1, s1, c2, s2 = cos_sin_halves(cs_ptr + pos * sc_s + cols, ok_c, HALF)
+        c1, s1, c2, s2 = c1[None, :], s1[None, :], c2[None, :], s2[None, :]
         rows_in = t_ptr + pos * st_s + seq * st_b + heads[:, None] * st_h  # [BLOCK_H, 1]
         rows_out = o_ptr + pos * so_s + seq * so_b + heads[:, None] * so_h
         ok = ok_h[:, None] & ok_c[None, :]

@@ -49,6 +49,16 @@ for s, b, h, d, r, dtype, strided in [(37, 2, 3, 40, 40, torch.float32, False),
                   "contiguous": y.is_contiguous(), "dtype_out": str(y.dtype),
                   "node": y.grad_fn.name()})
 
+# The kernels take cos and sin from triton_rope.cos_sin's table, not from the angles:
+# a table of cos 1, sin 0 (edited in place, as no run would) rotates nothing.
+from kvtrain.model import triton_rope
+x = torch.randn(8, 2, 4, 32)
+freqs = torch.randn(8, 1, 1, 32)
+moved = (rope.fused_rope(x, freqs) - x).abs().max().item()
+table = triton_rope.cos_sin(freqs)
+table[:, :32], table[:, 32:] = 1.0, 0.0
+identity = (rope.fused_rope(x, freqs) - x).abs().max().item()
+
 # A whole model with megatron's fused-RoPE slot holding kvtrain's kernel, against
 # megatron's torch ops: logits and every gradient (vanilla and KV shift).
 from kvtrain.backend import init_distributed, init_model_parallel, set_seed
@@ -82,7 +92,8 @@ for attention in ("vanilla", "kv_shift"):
                                       for n, g in g_r.items()),
                          "fused_nodes": n_f, "unfused_nodes": n_r,
                          "flags": [flag_f, flag_r]}
-print(json.dumps({"cases": cases, "models": models}))
+print(json.dumps({"cases": cases, "models": models,
+                  "table": {"moved": moved, "identity": identity}}))
 '''
 
 
@@ -107,6 +118,34 @@ def test_kernel_matches_megatrons_rope(interpreted):
             assert c["dtype_out"] == "torch.bfloat16", c
             assert c["y"] <= 2 ** -7 * c["scale"] and c["dx"] <= 2 ** -7 * c["dx_scale"], c
             assert c["y"] <= c["megatron_y"], c
+
+
+def test_the_kernel_reads_cos_and_sin_from_the_table(interpreted):
+    assert interpreted["table"]["moved"] > 0.5
+    assert interpreted["table"]["identity"] == 0.0
+
+
+def test_the_angle_table_is_computed_once_per_angles_tensor():
+    """cos and sin of ``freqs`` (fp32, as torch computes them), the same table for the
+    same unchanged tensor, a new one after it changes in place, a few entries kept."""
+    from kvtrain.model.triton_rope import AngleTables
+
+    tables = AngleTables(entries=2)
+    freqs = torch.randn(6, 1, 1, 8, dtype=torch.float64)  # as fp32 in the table
+    table = tables(freqs)
+    angles = freqs.reshape(6, 8).float()
+    assert table.dtype == torch.float32 and table.shape == (6, 16)
+    assert torch.equal(table, torch.cat((angles.cos(), angles.sin()), dim=-1))
+    assert tables(freqs) is table
+    other = freqs.clone()  # equal values, another tensor: an entry of its own
+    other_table = tables(other)
+    assert other_table is not table and tables(freqs) is table
+    freqs.mul_(2)  # changed in place: computed again
+    again = tables(freqs)
+    assert again is not table and torch.equal(again[:, :8], (2 * angles).cos())
+    tables(torch.randn(6, 1, 1, 8))  # a third tensor: the oldest entry (other's) goes
+    assert tables(freqs) is again
+    assert tables(other) is not other_table
 
 
 def test_models_with_the_fused_slot_match_megatrons_ops(interpreted):

@@ -1,0 +1,167 @@
+"""kvtrain's Triton kernels compiled for Hopper (sm_90: H100/H200/H800) and Ampere
+(sm_80: A100) on the CPU, by Triton's own compiler down to NVIDIA's machine code
+(``benchmarks/kernel_compile.py``): every kernel at the launches training makes,
+with no register spills and 16-byte loads and stores where the rows allow them.
+
+Triton's interpreter, which the other kernel tests run in, executes the kernels as
+Python: what only a GPU compile rejects (a call it cannot lower, a block beyond the
+registers) passes there. The harness itself is checked here too: a kernel the
+interpreter runs and the compiler rejects fails, and a kernel made to spill is seen
+spilling.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .interpreter import REPO, run_interpreted
+
+if sys.platform != "linux" or platform.machine() != "x86_64":
+    pytest.skip("the dev extra installs Triton on Linux x86_64 only", allow_module_level=True)
+
+import triton  # noqa: E402  (make test installs it: pyproject's dev extra)
+import triton.language as tl  # noqa: E402
+
+ARCHS = ("90", "80")
+
+
+@functools.lru_cache(maxsize=None)
+def _harness():
+    """benchmarks/kernel_compile.py as a module (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location("kernel_compile",
+                                                  REPO / "benchmarks" / "kernel_compile.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    """``benchmarks/kernel_compile.py --arch 90 80`` with a Triton cache of its own (every
+    kernel really compiled), its JSON."""
+    out = tmp_path_factory.mktemp("compile")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(out / "cache"))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "benchmarks/kernel_compile.py", "--arch", *ARCHS,
+                           "--json", str(out / "report.json")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sm_90 (H100/H200/H800)" in done.stdout and "sm_80 (A100)" in done.stdout
+    return json.loads((out / "report.json").read_text())
+
+
+def test_every_kernel_compiles_for_hopper_and_ampere(report):
+    kernels = {fn.__name__ for fn in _harness().launch_points().values()}
+    # the launch points found by what calls what: the kernels the wrappers launch
+    assert kernels == {"_shift_fwd_kernel", "_shift_bwd_kernel", "_qkv_shift_fwd_kernel",
+                       "_qkv_shift_bwd_kernel", "_rope_kernel", "_fwd_kernel", "_bwd_kernel",
+                       "_ce_fwd_kernel", "_ce_bwd_kernel"}
+    for arch in ARCHS:
+        compiled = report["arch"][arch]
+        assert {c["kernel"] for c in compiled} == kernels, arch
+        # each case compiles a forward and a backward specialisation of its own: no case
+        # repeats another's
+        assert len(compiled) == len(_harness().CASES) * 2
+
+
+def test_no_kernel_spills_registers(report):
+    for arch in ARCHS:
+        for c in report["arch"][arch]:
+            where = (arch, c["case"], c["kernel"])
+            assert c["stack_bytes"] == 0 and c["local_ops"] == 0, where
+            assert 0 < c["registers"] <= 255, where
+            assert c["warps_per_sm"] >= 8, where  # two programs of 4 warps at least
+
+
+def test_aligned_rows_move_16_bytes_a_thread(report):
+    """At the paper's shapes (bf16, head dim 128, a padded vocabulary) every kernel
+    loads its rows 16 bytes a thread (``LDG.E.128``), stores them so (``STG.E.128``;
+    the loss's forward stores three fp32 per row, no rows) and stores nothing 1 or 2
+    bytes at a time: what a memory-bound kernel needs to reach the bandwidth. The
+    unaligned cases (head dim 80, an unpadded vocabulary) may not."""
+    aligned = [c for c in report["arch"]["90"]
+               if "d128" in c["case"] or c["case"].startswith("loss bf16")]
+    assert len(aligned) == 26  # 13 cases, forward and backward
+    for c in aligned:
+        ops = c["memory_ops"]
+        assert ops.get("LDG.E.128", 0) > 0, (c["case"], c["kernel"], ops)
+        if c["kernel"] != "_ce_fwd_kernel":
+            assert ops.get("STG.E.128", 0) > 0, (c["case"], c["kernel"], ops)
+        narrow = [op for op in ops if re.fullmatch(r"STG\.E\.[US]?(8|16)", op)]
+        assert not narrow, (c["case"], c["kernel"], ops)
+
+
+# ----------------------------------------------------------------------------- the harness
+def doubled(v):
+    return v * 2
+
+
+@triton.jit
+def _calls_python(x_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(x_ptr + i, doubled(tl.load(x_ptr + i)))  # a plain Python function: not lowered
+
+
+@triton.jit
+def _tile(x_ptr, y_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    v = tl.load(x_ptr + i[:, None] * N + i[None, :])  # [N, N]: N * N / 128 values a thread
+    tl.store(y_ptr + i[:, None] * N + i[None, :], tl.exp(v) * tl.sum(v, axis=1)[:, None])
+
+
+def test_a_kernel_the_interpreter_runs_fails_to_compile_here():
+    ran = run_interpreted(
+        "import json, torch\n"
+        "from tests.model.test_kernel_compile import _calls_python\n"
+        "x = torch.arange(16.0)\n"
+        "_calls_python[(1,)](x, N=16)\n"
+        "print(json.dumps({'x': x.tolist()}))\n")
+    assert ran["x"] == [2.0 * i for i in range(16)]
+    with pytest.raises(Exception, match="doubled"):
+        _harness().compile_all(90, {"python call": lambda: _calls_python[(1,)](
+            torch.zeros(16), N=16)})
+
+
+def test_spills_are_seen():
+    x = torch.randn(128, 128)
+    harness = _harness()
+    fits, spills = (harness.compile_all(90, {"tile": lambda: _tile[(1,)](
+        x, torch.empty_like(x), N=128, num_warps=4, **limit)})[0] for limit in
+        ({}, {"maxnreg": 32}))
+    assert fits.stack_bytes == 0 and fits.local_ops == 0 and fits.registers > 32
+    assert spills.registers <= 32 and spills.stack_bytes > 0 and spills.local_ops > 0
+    assert spills.constexprs == {"N": 128} and spills.memory_ops["LDG.E.128"] > 0
+
+
+def test_occupancy_follows_registers_and_shared_memory():
+    h = _harness()
+    assert h.warps_per_sm(90, 32, 4, 0) == 64  # the SM's warp limit
+    assert h.warps_per_sm(90, 128, 4, 0) == 16  # 65536 registers / (128 x 32 threads)
+    assert h.warps_per_sm(90, 255, 4, 0) == 8  # 255 rounds up to 256 a thread
+    assert h.warps_per_sm(80, 32, 4, 100_000) == 4  # one block's shared memory per SM
+
+
+def test_the_fused_node_is_no_larger_than_the_kernels_it_replaces(report):
+    """The QKV node (split, K+V shift and RoPE of Q and K in one pass) against the shift
+    node and two RoPE launches it replaces, in SASS instructions each way. Computing
+    cos and sin in the kernels (libdevice's, with their range reduction, per value)
+    made the node's backward 12.5k instructions against 9.5k for the three kernels;
+    loading them from ``triton_rope.cos_sin``'s table, 0.9k."""
+    for arch in ARCHS:
+        size = {(c["case"], c["kernel"]): c["instructions"] for c in report["arch"][arch]}
+        rope = size["rope bf16 d128", "_rope_kernel"]  # forward and inverse alike
+        assert size["qkv+rope kv_shift bf16 d128", "_fwd_kernel"] <= (
+            size["qkv shift bf16 d128", "_qkv_shift_fwd_kernel"] + 2 * rope), arch
+        assert size["qkv+rope kv_shift bf16 d128", "_bwd_kernel"] <= (
+            size["qkv shift bf16 d128", "_qkv_shift_bwd_kernel"] + 2 * rope), arch
