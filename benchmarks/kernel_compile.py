@@ -74,6 +74,7 @@ class Compiled:
     local_ops: int = 0  # loads and stores of local memory (STL/LDL) in the SASS
     warps_per_sm: int = 0
     instructions: int = 0  # in the SASS, each once (loops not unrolled count once)
+    barriers: int = 0  # BAR.SYNC: the block's threads wait for each other
     memory_ops: dict = field(default_factory=dict)  # {"LDG.E.128": n, ...}
 
 
@@ -115,7 +116,7 @@ class CompileOnlyDriver:
         usage = resources(cubin)
         c = self.compiled[-1]
         c.registers, c.stack_bytes = usage["REG"], usage["STACK"]
-        c.instructions, c.local_ops, c.memory_ops = sass_counts(cubin)
+        c.instructions, c.local_ops, c.barriers, c.memory_ops = sass_counts(cubin)
         c.warps_per_sm = warps_per_sm(self.arch, usage["REG"], c.num_warps, shared)
         loaded = (None, None, usage["REG"], usage["STACK"], 1024)
         return loaded if _TRITON >= (3, 4) else loaded[:4]  # max threads: since 3.4
@@ -151,15 +152,17 @@ def resources(cubin: bytes) -> dict:
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
 
 
-def sass_counts(cubin: bytes) -> tuple[int, int, dict]:
-    """(instructions, local-memory loads and stores, {global load or store: how many})
-    in the SASS: ``LDG.E.128`` loads 16 bytes a thread, ``LDG.E.U16`` 2, ``LDG.E`` 4."""
+def sass_counts(cubin: bytes) -> tuple[int, int, int, dict]:
+    """(instructions, local-memory loads and stores, block barriers, {global load or
+    store: how many}) in the SASS: ``LDG.E.128`` loads 16 bytes a thread,
+    ``LDG.E.U16`` 2, ``LDG.E`` 4."""
     sass = _cuobjdump(cubin, "--dump-sass")
     ops: dict = {}
     for op in re.findall(r"\b((?:LDG|STG)\.[A-Z0-9_.]+)", sass):
         ops[op] = ops.get(op, 0) + 1
     return (len(re.findall(r"/\*[0-9a-f]{4,}\*/ ", sass)),
-            len(re.findall(r"\b(?:LDL|STL)\b", sass)), dict(sorted(ops.items())))
+            len(re.findall(r"\b(?:LDL|STL)\b", sass)), len(re.findall(r"\bBAR\.SYNC", sass)),
+            dict(sorted(ops.items())))
 
 
 def warps_per_sm(arch: int, registers: int, num_warps: int, shared: int) -> int:

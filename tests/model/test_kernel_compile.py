@@ -102,6 +102,18 @@ def test_aligned_rows_move_16_bytes_a_thread(report):
         assert not narrow, (c["case"], c["kernel"], ops)
 
 
+def test_the_shifted_v_waits_for_the_whole_block_before_overwriting_queries(report):
+    """The QKV node's forward with the shift writes V̂ over the query columns its
+    block loaded; the loads are spread over the block's threads, so every thread must
+    have loaded before any stores (``tl.debug_barrier``: ``BAR.SYNC``). The interpreter
+    runs a block as one thread and cannot see the race; the machine code can."""
+    for arch in ARCHS:
+        fwd = {c["case"]: c["barriers"] for c in report["arch"][arch]
+               if c["kernel"] == "_fwd_kernel"}
+        assert all(n >= 1 for case, n in fwd.items() if "kv_shift" in case), (arch, fwd)
+        assert all(n == 0 for case, n in fwd.items() if "vanilla" in case), (arch, fwd)
+
+
 # ----------------------------------------------------------------------------- the harness
 def doubled(v):
     return v * 2
