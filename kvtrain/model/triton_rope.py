@@ -49,33 +49,26 @@ def available() -> bool:
     return triton is not None
 
 
-class AngleTables:
-    """cos and sin of RoPE's angles, once per angles tensor: ``table(freqs [s, 1, 1, r])``
-    is fp32 ``[s, 2r]`` (the r cosines, then the r sines). Megatron's
-    ``RotaryEmbedding.forward`` is an ``lru_cache``: every layer of every step gets
-    the same ``freqs`` object, so a run computes its table once (per sequence length
-    and model chunk: a few entries are kept). An entry holds ``freqs`` itself, so its
-    memory cannot be reused by another tensor while the entry lives, and is taken
-    only while ``freqs`` is unchanged (its version counter)."""
+def cos_sin(freqs: Tensor) -> Tensor:
+    """cos and sin of RoPE's angles ``freqs [s, 1, 1, r]``: fp32 ``[s, 2r]`` (the r
+    cosines, then the r sines), computed once per angles tensor and kept on it.
 
-    def __init__(self, entries: int = 4):
-        self.entries = entries
-        self._tables: dict = {}  # id(freqs): (freqs, its version, table)
-
-    def __call__(self, freqs: Tensor) -> Tensor:
-        hit = self._tables.get(id(freqs))
-        if hit is not None and hit[0] is freqs and hit[1] == freqs._version:
-            return hit[2]
-        angles = freqs.detach().reshape(freqs.shape[0], freqs.shape[-1]).float()  # [s, r]
-        table = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [s, 2r]
-        self._tables.pop(id(freqs), None)  # a stale entry of this tensor
-        if len(self._tables) >= self.entries:
-            self._tables.pop(next(iter(self._tables)))  # the oldest
-        self._tables[id(freqs)] = (freqs, freqs._version, table)
-        return table
+    Megatron's ``RotaryEmbedding.forward`` is an ``lru_cache``: every layer of every
+    step gets the same ``freqs`` object (one per model chunk and sequence length), so
+    a run computes each table once. The table lives as long as its ``freqs`` (an
+    attribute of it: no cache of ours to size or evict) and is computed again if
+    ``freqs`` changes in place (its version counter)."""
+    kept = getattr(freqs, "_kvtrain_cos_sin", None)
+    if kept is not None and kept[0] == freqs._version:
+        return kept[1]
+    table = _table_of(freqs)
+    freqs._kvtrain_cos_sin = (freqs._version, table)
+    return table
 
 
-cos_sin = AngleTables()
+def _table_of(freqs: Tensor) -> Tensor:
+    angles = freqs.detach().reshape(freqs.shape[0], freqs.shape[-1]).float()  # [s, r]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)  # [s, 2r]
 
 
 def rotate(t: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:

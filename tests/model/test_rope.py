@@ -71,6 +71,7 @@ init_model_parallel(1, 1)
 tokens = torch.randint(0, 64, (2, 24))
 pos = torch.arange(24)[None].expand_as(tokens)
 models = {}
+table_of = triton_rope._table_of
 for attention in ("vanilla", "kv_shift"):
     runs = {}
     for fusion in (True, False):
@@ -78,19 +79,23 @@ for attention in ("vanilla", "kv_shift"):
         cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                           vocab_size=64, max_position_embeddings=32, attention=attention)
         tc = transformer_config(cfg, rope_fusion=fusion)
+        computed = []  # the cos/sin tables this model's two steps computed
+        triton_rope._table_of = lambda f: computed.append(1) or table_of(f)
         # local: megatron's split and RoPE call (torch fuses the split with RoPE where
         # the slot holds this kernel: tests/model/test_rope_attention.py)
         model = build_gpt(cfg, tc, backend="local")
         out = model(tokens, pos, None)
         out.float().pow(2).mean().backward()
         names = autograd_nodes(out)
-        runs[fusion] = (out.detach(), {n: p.grad for n, p in model.named_parameters()},
-                        sum("FusedRoPE" in n for n in names), tc.apply_rope_fusion)
-    (o_f, g_f, n_f, flag_f), (o_r, g_r, n_r, flag_r) = runs[True], runs[False]
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model(tokens, pos, None).float().pow(2).mean().backward()  # a second step
+        runs[fusion] = (out.detach(), grads, sum("FusedRoPE" in n for n in names),
+                        tc.apply_rope_fusion, len(computed))
+    (o_f, g_f, n_f, flag_f, t_f), (o_r, g_r, n_r, flag_r, _) = runs[True], runs[False]
     models[attention] = {"logits": (o_f - o_r).abs().max().item(),
                          "grads": max(((g_f[n] - g).abs().max() / g.abs().max()).item()
                                       for n, g in g_r.items()),
-                         "fused_nodes": n_f, "unfused_nodes": n_r,
+                         "fused_nodes": n_f, "unfused_nodes": n_r, "tables": t_f,
                          "flags": [flag_f, flag_r]}
 print(json.dumps({"cases": cases, "models": models,
                   "table": {"moved": moved, "identity": identity}}))
@@ -127,35 +132,34 @@ def test_the_kernel_reads_cos_and_sin_from_the_table(interpreted):
 
 def test_the_angle_table_is_computed_once_per_angles_tensor():
     """cos and sin of ``freqs`` (fp32, as torch computes them), the same table for the
-    same unchanged tensor, a new one after it changes in place, a few entries kept."""
-    from kvtrain.model.triton_rope import AngleTables
+    same unchanged tensor, a new one after it changes in place, one per tensor."""
+    from kvtrain.model.triton_rope import cos_sin
 
-    tables = AngleTables(entries=2)
     freqs = torch.randn(6, 1, 1, 8, dtype=torch.float64)  # as fp32 in the table
-    table = tables(freqs)
+    table = cos_sin(freqs)
     angles = freqs.reshape(6, 8).float()
     assert table.dtype == torch.float32 and table.shape == (6, 16)
     assert torch.equal(table, torch.cat((angles.cos(), angles.sin()), dim=-1))
-    assert tables(freqs) is table
-    other = freqs.clone()  # equal values, another tensor: an entry of its own
-    other_table = tables(other)
-    assert other_table is not table and tables(freqs) is table
+    assert cos_sin(freqs) is table
+    other = freqs.clone()  # equal values, another tensor: a table of its own
+    assert cos_sin(other) is not table and cos_sin(freqs) is table
     freqs.mul_(2)  # changed in place: computed again
-    again = tables(freqs)
+    again = cos_sin(freqs)
     assert again is not table and torch.equal(again[:, :8], (2 * angles).cos())
-    tables(torch.randn(6, 1, 1, 8))  # a third tensor: the oldest entry (other's) goes
-    assert tables(freqs) is again
-    assert tables(other) is not other_table
+    assert cos_sin(freqs) is again
 
 
 def test_models_with_the_fused_slot_match_megatrons_ops(interpreted):
     """A whole model, vanilla and KV shift: with ``rope_fusion`` megatron calls the
     kernel for Q and K of every layer (4 nodes in 2 layers) and the logits and every
-    gradient equal those of its own ops."""
+    gradient equal those of its own ops; the cos/sin table is computed once for both
+    layers, forward and backward, over two steps (megatron hands every layer the same
+    angles tensor)."""
     for attention in ("vanilla", "kv_shift"):
         m = interpreted["models"][attention]
         assert m["flags"] == [True, False], m
         assert m["fused_nodes"] == 4 and m["unfused_nodes"] == 0, m
+        assert m["tables"] == 1, m
         assert m["logits"] < 1e-6 and m["grads"] < 1e-5, m
 
 

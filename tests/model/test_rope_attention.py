@@ -22,6 +22,7 @@ from kvtrain.config.schema import KVShiftConfig, ParallelConfig
 from kvtrain.model.builder import build_gpt, transformer_config
 from kvtrain.model.documents import DocumentParams
 from kvtrain.plan.memory import layer_activation_bytes
+from kvtrain.model import triton_rope
 from tests.model.interpreter import autograd_nodes
 
 init_distributed(seed=1)
@@ -51,22 +52,26 @@ def model_of(name, fusion, layers=2, hidden=32, heads=4, vocab=64):
     return cfg, build_gpt(cfg, transformer_config(cfg, rope_fusion=fusion), backend="torch")
 
 
+table_of = triton_rope._table_of
 for name, (_, _, _, documents) in CASES.items():
     runs = {}
     for fusion in (True, False):
         cfg, model = model_of(name, fusion)
+        tables = []  # the cos/sin tables the model's forward and backward computed
+        triton_rope._table_of = lambda f: tables.append(1) or table_of(f)
         packed = DocumentParams.from_ids(docs.int()) if documents else None
         logits = model(tokens, pos, None, packed_seq_params=packed)
         logits.float().pow(2).mean().backward()
         names = autograd_nodes(logits)
         runs[fusion] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()},
                         sum(n == "QKVRoPEBackward" for n in names),
-                        sum(n == "FusedRoPEBackward" for n in names))
-    (l_f, g_f, n_f, r_f), (l_r, g_r, n_r, r_r) = runs[True], runs[False]
+                        sum(n == "FusedRoPEBackward" for n in names), len(tables))
+    (l_f, g_f, n_f, r_f, t_f), (l_r, g_r, n_r, r_r, _) = runs[True], runs[False]
     out["models"][name] = {
         "logits": ((l_f - l_r).abs().max() / l_r.abs().max()).item(),
         "grads": max(((g_f[n] - g).abs().max() / g.abs().max()).item() for n, g in g_r.items()),
-        "nodes": [n_f, n_r], "rope_nodes": [r_f, r_r]}
+        "nodes": [n_f, n_r], "rope_nodes": [r_f, r_r], "tables": t_f}
+triton_rope._table_of = table_of
 
 
 def kept(cfg, model, seq=64, batch=2):
@@ -194,9 +199,9 @@ def test_the_fused_split_matches_megatrons_path(interpreted, name):
     """Every layer takes the one node (2 layers, no separate RoPE node), and the logits
     and every gradient (the shift's coefficients too) equal megatron's split, the
     shift's own node and RoPE (fp32): MHA and GQA, windows 1 and 2, selected fixed
-    heads, packed documents."""
+    heads, packed documents. One cos/sin table serves both layers both ways."""
     m = interpreted["models"][name]
-    assert m["nodes"] == [2, 0] and m["rope_nodes"][0] == 0, m
+    assert m["nodes"] == [2, 0] and m["rope_nodes"][0] == 0 and m["tables"] == 1, m
     assert m["logits"] < 1e-5 and m["grads"] < 1e-5, m
 
 
