@@ -7,6 +7,7 @@ exit code 2) before anything heavy is imported.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -39,6 +40,16 @@ def quiet_imports() -> None:
     # megatron's dist_checkpointing calls torch.distributed.checkpoint APIs that torch
     # marks as deprecated (ShardedTensor, load_state_dict): nothing a user can act on
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    # a CUDA build of torch on a host with no GPU (a login node) logs this when megatron
+    # imports torch.utils.cpp_extension: a line before kvtrain's one-line refusals
+    cpp = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(f, _NoCudaRuntimeLine) for f in cpp.filters):
+        cpp.addFilter(_NoCudaRuntimeLine())
+
+
+class _NoCudaRuntimeLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
 
 
 def run(args) -> int:

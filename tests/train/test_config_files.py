@@ -160,3 +160,22 @@ def test_an_output_folder_that_is_a_file_is_one_line(tmp_path, capsys, where):
     where = "" if value == blocker else f": {blocker}"
     assert err == f"kvtrain: config error: {key} {value}{where} is a file, not a folder"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "notes.txt"]
+
+
+def test_a_cuda_torch_on_a_host_without_gpu_adds_no_line(caplog):
+    """A CUDA build of torch on a host with no GPU (a cluster's login node) logs
+    "No CUDA runtime is found" when megatron imports ``torch.utils.cpp_extension``:
+    nothing a user can act on, and a line before kvtrain's one-line refusals. The
+    commands' ``quiet_imports`` drops that message, and only it."""
+    import logging
+
+    from kvtrain.commands.train import quiet_imports
+
+    quiet_imports()
+    quiet_imports()  # twice: one filter
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    with caplog.at_level(logging.WARNING, logger="torch.utils.cpp_extension"):
+        logger.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local/cuda")
+        logger.warning("Error checking compiler version for %s", "c++")
+    assert [r.getMessage() for r in caplog.records] == ["Error checking compiler version for c++"]
+    assert len(logger.filters) == 1
