@@ -55,15 +55,30 @@ def cos_sin(freqs: Tensor) -> Tensor:
 
     Megatron's ``RotaryEmbedding.forward`` is an ``lru_cache``: every layer of every
     step gets the same ``freqs`` object (one per model chunk and sequence length), so
-    a run computes each table once. The table lives as long as its ``freqs`` (an
-    attribute of it: no cache of ours to size or evict) and is computed again if
-    ``freqs`` changes in place (its version counter)."""
-    kept = getattr(freqs, "_kvtrain_cos_sin", None)
-    if kept is not None and kept[0] == freqs._version:
-        return kept[1]
-    table = _table_of(freqs)
-    freqs._kvtrain_cos_sin = (freqs._version, table)
-    return table
+    a run computes each table once; decoding slices it per step and layer
+    (``freqs[start:end]``), and a slice takes its rows of the whole tensor's table.
+    The table lives as long as its tensor (an attribute of it: no cache of ours to
+    size or evict) and is computed again if the tensor changes in place (its version
+    counter, which its slices share)."""
+    whole, first = _rows_of(freqs)
+    kept = getattr(whole, "_kvtrain_cos_sin", None)
+    if kept is None or kept[0] != whole._version:
+        kept = (whole._version, _table_of(whole))
+        whole._kvtrain_cos_sin = kept
+    return kept[1] if whole is freqs else kept[1][first:first + freqs.shape[0]]
+
+
+def _rows_of(freqs: Tensor) -> tuple[Tensor, int]:
+    """(the tensor whose table serves ``freqs``, ``freqs``' first row in it): the tensor
+    ``freqs`` slices along its first dim, or ``freqs`` itself."""
+    whole = freqs._base
+    if (whole is None or whole.shape[1:] != freqs.shape[1:]
+            or whole.stride() != freqs.stride()):
+        return freqs, 0
+    first, rest = divmod(freqs.storage_offset() - whole.storage_offset(), whole.stride(0))
+    if rest or first < 0 or first + freqs.shape[0] > whole.shape[0]:
+        return freqs, 0
+    return whole, first
 
 
 def _table_of(freqs: Tensor) -> Tensor:

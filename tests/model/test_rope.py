@@ -149,6 +149,29 @@ def test_the_angle_table_is_computed_once_per_angles_tensor():
     assert cos_sin(freqs) is again
 
 
+def test_a_slice_of_the_angles_takes_its_rows_of_their_table(monkeypatch):
+    """Decoding hands RoPE ``freqs[start:end]`` per step and layer: the rows of the
+    whole tensor's table, computed once; other views get their own."""
+    from kvtrain.model import triton_rope
+
+    computed = []
+    table_of = triton_rope._table_of
+    monkeypatch.setattr(triton_rope, "_table_of", lambda f: computed.append(1) or table_of(f))
+    freqs = torch.randn(16, 1, 1, 8)
+    whole = triton_rope.cos_sin(freqs)
+    for start, end in [(3, 4), (0, 7), (15, 16), (0, 16)]:
+        rows = triton_rope.cos_sin(freqs[start:end])
+        assert torch.equal(rows, whole[start:end])
+        assert rows.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    assert len(computed) == 1
+    freqs[5:6].mul_(2)  # a slice changed in place: the whole table is computed again
+    assert torch.equal(triton_rope.cos_sin(freqs[5:6]), table_of(freqs)[5:6])
+    assert len(computed) == 2
+    strided = freqs[::2]  # not a run of rows: a table of its own
+    assert torch.equal(triton_rope.cos_sin(strided), table_of(strided))
+    assert len(computed) == 3
+
+
 def test_models_with_the_fused_slot_match_megatrons_ops(interpreted):
     """A whole model, vanilla and KV shift: with ``rope_fusion`` megatron calls the
     kernel for Q and K of every layer (4 nodes in 2 layers) and the logits and every
