@@ -59,7 +59,11 @@ def cos_sin(freqs: Tensor) -> Tensor:
     (``freqs[start:end]``), and a slice takes its rows of the whole tensor's table.
     The table lives as long as its tensor (an attribute of it: no cache of ours to
     size or evict) and is computed again if the tensor changes in place (its version
-    counter, which its slices share)."""
+    counter, which its slices share). Tensors made under ``torch.inference_mode``
+    (megatron's inference engine) keep no version counter: their table is computed
+    per call."""
+    if freqs.is_inference():
+        return _table_of(freqs)
     whole, first = _rows_of(freqs)
     kept = getattr(whole, "_kvtrain_cos_sin", None)
     if kept is None or kept[0] != whole._version:

@@ -149,6 +149,22 @@ def test_the_angle_table_is_computed_once_per_angles_tensor():
     assert cos_sin(freqs) is again
 
 
+def test_angles_made_under_inference_mode_get_a_table_each_call():
+    """megatron's inference engine runs under ``torch.inference_mode``: its tensors
+    keep no version counter, so a kept table could not tell a change; computed per
+    call, right."""
+    from kvtrain.model.triton_rope import cos_sin
+
+    with torch.inference_mode():
+        freqs = torch.randn(6, 1, 1, 8)
+        first = cos_sin(freqs)
+        freqs.mul_(2)
+        again = cos_sin(freqs[2:4])
+    angles = freqs.reshape(6, 8)
+    assert torch.equal(first[:, 8:], (angles / 2).sin())
+    assert torch.equal(again, torch.cat((angles.cos(), angles.sin()), dim=-1)[2:4])
+
+
 def test_a_slice_of_the_angles_takes_its_rows_of_their_table(monkeypatch):
     """Decoding hands RoPE ``freqs[start:end]`` per step and layer: the rows of the
     whole tensor's table, computed once; other views get their own."""
