@@ -16,9 +16,11 @@ arithmetic is checked in the interpreter (tests/model/test_triton_interpreter.py
 the tests of each node), their speed only on a GPU.
 
 The launches (:data:`CASES`) are the wrappers' calls at the paper's shapes (head dim
-128, 16 heads, GQA with 4 query heads per group, a 36k vocabulary, TP's half of it)
-and at shapes that change Triton's specialisation (head dim 64 and 80, an odd
-vocabulary, strided gradients), every constexpr flag a training run can set.
+128, 16 heads, GQA with 4 query heads per group, a 36k vocabulary) and at shapes
+that change Triton's specialisation (head dim 64 and 80, an unpadded vocabulary,
+strided gradients), every constexpr flag a training run can set; each case compiles
+at least one kernel no earlier case did (TP's half of the vocabulary, or Llama 3's
+128k, compile to the paper's loss kernel: same specialisation).
 """
 
 from __future__ import annotations
@@ -118,11 +120,14 @@ class CompileOnlyDriver:
         c.registers, c.stack_bytes = usage["REG"], usage["STACK"]
         c.instructions, c.local_ops, c.barriers, c.memory_ops = sass_counts(cubin)
         c.warps_per_sm = warps_per_sm(self.arch, usage["REG"], c.num_warps, shared)
-        loaded = (None, None, usage["REG"], usage["STACK"], 1024)
+        # a module that is not None: Triton then takes the kernel as loaded and does not
+        # come back here (or to launcher_cls) on its next launch
+        loaded = (name, None, usage["REG"], usage["STACK"], 1024)
         return loaded if _TRITON >= (3, 4) else loaded[:4]  # max threads: since 3.4
 
     def launcher_cls(self, src, metadata) -> Callable:
-        """Called once per compiled kernel, before :meth:`load_binary`."""
+        """Called once per compiled kernel (at its first launch), before
+        :meth:`load_binary`."""
         self.compiled.append(Compiled(
             case=self.case, kernel=src.fn.__name__,
             constexprs={_name(src.fn.arg_names, k): v for k, v in src.constants.items()},
@@ -312,8 +317,6 @@ CASES: dict = {
     "rope fp32 d64 half rotary": lambda: _rope(FP32, 64, 32, heads=8),
     "rope bf16 d80": lambda: _rope(BF16, 80, 80, heads=4),
     "loss bf16 36096 (paper)": lambda: _loss(BF16, 36096),
-    "loss bf16 TP2 shard 18048": lambda: _loss(BF16, 18048, vocab_start=18048),
-    "loss bf16 128256": lambda: _loss(BF16, 128256, tokens=64),
     "loss fp32 50257 unpadded": lambda: _loss(FP32, 50257, tokens=64),
 }
 

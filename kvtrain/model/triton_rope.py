@@ -55,7 +55,8 @@ def cos_sin(freqs: Tensor) -> Tensor:
 
     Megatron's ``RotaryEmbedding.forward`` is an ``lru_cache``: every layer of every
     step gets the same ``freqs`` object (one per model chunk and sequence length), so
-    a run computes each table once; decoding slices it per step and layer
+    a run computes each table once (full recomputation's detached copies excepted);
+    decoding slices it per step and layer
     (``freqs[start:end]``), and a slice takes its rows of the whole tensor's table.
     The table lives as long as its tensor (an attribute of it: no cache of ours to
     size or evict) and is computed again if the tensor changes in place (its version
@@ -73,11 +74,14 @@ def cos_sin(freqs: Tensor) -> Tensor:
 
 
 def _rows_of(freqs: Tensor) -> tuple[Tensor, int]:
-    """(the tensor whose table serves ``freqs``, ``freqs``' first row in it): the tensor
-    ``freqs`` slices along its first dim, or ``freqs`` itself."""
-    whole = freqs._base
-    if (whole is None or whole.shape[1:] != freqs.shape[1:]
-            or whole.stride() != freqs.stride()):
+    """(the tensor whose table serves ``freqs [s, 1, 1, r]``, ``freqs``' first row in
+    it): the tensor ``freqs`` is a run of rows of (megatron's angles are a view of a
+    ``[S, r]`` tensor, decoding slices that view), or ``freqs`` itself."""
+    whole, r = freqs._base, freqs.shape[-1]
+    if (whole is None or whole.dtype != freqs.dtype or freqs.numel() != freqs.shape[0] * r
+            or whole.shape[-1] != r or whole.numel() != whole.shape[0] * r  # rows alone
+            or whole.stride(0) != freqs.stride(0) or whole.stride(0) <= 0
+            or whole.stride(-1) != freqs.stride(-1)):
         return freqs, 0
     first, rest = divmod(freqs.storage_offset() - whole.storage_offset(), whole.stride(0))
     if rest or first < 0 or first + freqs.shape[0] > whole.shape[0]:

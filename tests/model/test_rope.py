@@ -165,15 +165,19 @@ def test_angles_made_under_inference_mode_get_a_table_each_call():
     assert torch.equal(again, torch.cat((angles.cos(), angles.sin()), dim=-1)[2:4])
 
 
-def test_a_slice_of_the_angles_takes_its_rows_of_their_table(monkeypatch):
-    """Decoding hands RoPE ``freqs[start:end]`` per step and layer: the rows of the
-    whole tensor's table, computed once; other views get their own."""
+def test_a_slice_of_the_angles_takes_its_rows_of_their_table(single_rank, monkeypatch):
+    """Decoding hands RoPE ``freqs[start:end]`` per step and layer, slices of
+    megatron's angles (themselves a view of a ``[S, r]`` tensor): the rows of one
+    table, computed once; other views get their own."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
     from kvtrain.model import triton_rope
 
     computed = []
     table_of = triton_rope._table_of
     monkeypatch.setattr(triton_rope, "_table_of", lambda f: computed.append(1) or table_of(f))
-    freqs = torch.randn(16, 1, 1, 8)
+    freqs = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(16)  # kvtrain's CPU backend
+    assert freqs.shape == (16, 1, 1, 8) and freqs._base is not None  # as megatron makes it
     whole = triton_rope.cos_sin(freqs)
     for start, end in [(3, 4), (0, 7), (15, 16), (0, 16)]:
         rows = triton_rope.cos_sin(freqs[start:end])
@@ -183,9 +187,11 @@ def test_a_slice_of_the_angles_takes_its_rows_of_their_table(monkeypatch):
     freqs[5:6].mul_(2)  # a slice changed in place: the whole table is computed again
     assert torch.equal(triton_rope.cos_sin(freqs[5:6]), table_of(freqs)[5:6])
     assert len(computed) == 2
-    strided = freqs[::2]  # not a run of rows: a table of its own
-    assert torch.equal(triton_rope.cos_sin(strided), table_of(strided))
-    assert len(computed) == 3
+    for other in (freqs[::2], freqs[:, :, :, :4]):  # not runs of whole rows: their own
+        assert torch.equal(triton_rope.cos_sin(other), table_of(other))
+    assert len(computed) == 4
+    frozen = torch.empty_strided((4, 1, 1, 8), (0, 8, 8, 1))  # every row the same memory
+    assert torch.equal(triton_rope.cos_sin(frozen[1:3]), table_of(frozen[1:3]))
 
 
 def test_models_with_the_fused_slot_match_megatrons_ops(interpreted):
