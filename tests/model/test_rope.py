@@ -97,7 +97,21 @@ for attention in ("vanilla", "kv_shift"):
                                       for n, g in g_r.items()),
                          "fused_nodes": n_f, "unfused_nodes": n_r, "tables": t_f,
                          "flags": [flag_f, flag_r]}
-print(json.dumps({"cases": cases, "models": models,
+# Decoding (megatron's static batching, its KV cache): RoPE gets slices of the angles
+# per step and layer; the tokens with the kernel in the slot against megatron's ops.
+from kvtrain.inference.generate import SamplingOptions, generate_ids
+generated = {}
+for fusion in (True, False):
+    set_seed(7)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=64, max_position_embeddings=64, attention="kv_shift")
+    model = build_gpt(cfg, transformer_config(cfg, rope_fusion=fusion), backend="local").eval()
+    computed = []
+    triton_rope._table_of = lambda f: computed.append(1) or table_of(f)
+    new = generate_ids(model, [[1, 2, 3, 4], [5, 6, 7, 8]],
+                       SamplingOptions(max_new_tokens=6, stop_at_eod=False), eod=0, vocab_size=64)
+    generated[str(fusion)] = {"tokens": [t for t, _ in new], "tables": len(computed)}
+print(json.dumps({"cases": cases, "models": models, "generated": generated,
                   "table": {"moved": moved, "identity": identity}}))
 '''
 
@@ -123,6 +137,12 @@ def test_kernel_matches_megatrons_rope(interpreted):
             assert c["dtype_out"] == "torch.bfloat16", c
             assert c["y"] <= 2 ** -7 * c["scale"] and c["dx"] <= 2 ** -7 * c["dx_scale"], c
             assert c["y"] <= c["megatron_y"], c
+
+
+def test_decoding_with_the_kernel_gives_megatrons_tokens_from_one_table(interpreted):
+    fused, theirs = interpreted["generated"]["True"], interpreted["generated"]["False"]
+    assert fused["tokens"] == theirs["tokens"] and len(fused["tokens"][0]) == 6
+    assert fused["tables"] == 1 and theirs["tables"] == 0
 
 
 def test_the_kernel_reads_cos_and_sin_from_the_table(interpreted):
