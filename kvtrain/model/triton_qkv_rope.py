@@ -65,12 +65,15 @@ def available() -> bool:
     return triton is not None
 
 
-def tokens_per_block(d: int) -> int:
+def tokens_per_block(d: int, window: int) -> int:
     """Tokens per program: ~1k fp32 values per half-row tile [BLOCK_T, d/2] (a
     program holds ~8 such tiles: two halves of a row, cos and sin of both, the
-    shift's accumulators: ~64 registers a thread with 4 warps).
-    Untuned on a GPU; the tests shrink it to have several blocks on short sequences."""
-    return max(16, 2048 // next_pow2(d))
+    shift's accumulators: ~64 registers a thread with 4 warps), fewer as the shift's
+    ``window`` grows: the backward holds a gradient tile per lag (head dim 64, fp32,
+    window 3: 252 registers and 8 warps per SM on sm_90 at 32 tokens, 120 and 16 at
+    16; ``benchmarks/kernel_compile.py``). Untuned on a GPU; the tests shrink it to
+    have several blocks on short sequences."""
+    return max(16, 2048 // next_pow2(d) // next_pow2(max(window, 1)))
 
 
 def _setup(s: int, b: int, g: int, d: int, dtype: torch.dtype, coefs, doc_ids,
@@ -78,7 +81,7 @@ def _setup(s: int, b: int, g: int, d: int, dtype: torch.dtype, coefs, doc_ids,
     """Grid, tokens per block, half-row block, coefficients in ``dtype`` (as
     ``shift_tokens`` rounds them; fp32 accumulation in the kernels), document ids
     and their strides. ``stand_in``: a valid pointer for what is absent, never read."""
-    block_t = tokens_per_block(d)
+    block_t = tokens_per_block(d, coefs[0].shape[1] - 1 if coefs[0] is not None else 0)
     grid = (_cdiv(s, block_t), b, g)
     cs = [c.to(dtype).contiguous() for c in coefs] if coefs[0] is not None else [stand_in] * 2
     docs = doc_ids if doc_ids is not None else stand_in

@@ -84,6 +84,17 @@ def test_no_kernel_spills_registers(report):
             assert c["warps_per_sm"] >= 8, where  # two programs of 4 warps at least
 
 
+def test_the_qkv_node_keeps_three_programs_per_sm_at_any_window(report):
+    """The node's backward holds a gradient tile per lag: its token block shrinks as
+    the window grows (``triton_qkv_rope.tokens_per_block``), so that even window 3 in
+    fp32 leaves three programs of 4 warps per SM to hide memory latency (it held two,
+    at 252 registers, with one block size for every window)."""
+    for arch in ARCHS:
+        node = [c for c in report["arch"][arch] if c["case"].startswith("qkv+rope")]
+        assert node and all(c["warps_per_sm"] >= 12 for c in node), \
+            (arch, [(c["case"], c["kernel"], c["warps_per_sm"]) for c in node])
+
+
 def test_aligned_rows_move_16_bytes_a_thread(report):
     """At the paper's shapes (bf16, head dim 128, a padded vocabulary) every kernel
     loads its rows 16 bytes a thread (``LDG.E.128``), stores them so (``STG.E.128``;

@@ -25,7 +25,7 @@ from kvtrain.model.qkv_rope import qkv_rope
 
 torch.manual_seed(0)
 default_block = triton_qkv_rope.tokens_per_block
-small_block = lambda d: 16  # several blocks (and a lag across them) on short sequences
+small_block = lambda d, window: 16  # several blocks (and a lag across them) on short sequences
 
 
 def documents(s, b):  # [s, b]: one-token documents, starts inside and right after blocks
@@ -99,7 +99,7 @@ def run_case(s=37, b=2, g=2, d=16, r_q=1, window=0, docs=False, dtype=torch.floa
     ref_outs, ref_got, mags = reference(mixed, freqs, r_q, d, coefs, ids, grads, used, dtype)
     res = {"s": s, "d": d, "r_q": r_q, "window": window, "docs": docs, "dtype": str(dtype),
            "used": used, "strided": strided and not m.is_contiguous(), "learn": learn,
-           "block": block(d), "noncontiguous_grads": not grads[0].is_contiguous(),
+           "block": block(d, window), "noncontiguous_grads": not grads[0].is_contiguous(),
            "shapes": [list(o.shape) for o in outs],
            "new": [outs[0].is_contiguous(), outs[1].is_contiguous()],
            "scale": [r.abs().max().item() for r in ref_outs],
