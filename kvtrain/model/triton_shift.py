@@ -60,7 +60,11 @@ def _launch(s: int, b: int, h: int, d: int, x: Tensor, coefs: list[Tensor],
             doc_ids: Optional[Tensor]):
     """Grid, block sizes, coefficients (in x's dtype) and document ids of the kernels."""
     block_d = next_pow2(d)
-    block_t = max(16, 4096 // block_d)  # ~4k fp32 accumulators per program
+    # ~4k fp32 accumulators per program, fewer tokens as the window grows: the
+    # backward holds a tile per lag (window 2, head dim 128: 183 registers and 8
+    # warps per SM on sm_90 with one size for all, 87 and 20 now; window 1 as before)
+    window = coefs[0].shape[1] - 1
+    block_t = max(16, 4096 // block_d // next_pow2(max(window, 1)))
     grid = (_cdiv(s, block_t), b, h)
     # In x's dtype, as shift_tokens rounds them; the kernels load them as they are
     # and accumulate in fp32 (no cast kernel per call when they already are: a
