@@ -1,5 +1,5 @@
-"""kvtrain's Triton kernels compiled for Hopper (sm_90: H100/H200/H800) and Ampere
-(sm_80: A100) on the CPU, by Triton's own compiler down to NVIDIA's machine code
+"""kvtrain's Triton kernels compiled for Hopper (sm_90: H100/H200/H800), Ampere
+(sm_80: A100) and Blackwell (sm_100: B200) on the CPU, by Triton's own compiler down to NVIDIA's machine code
 (``benchmarks/kernel_compile.py``): every kernel at the launches training makes,
 with no register spills and 16-byte loads and stores where the rows allow them.
 
@@ -32,7 +32,7 @@ if sys.platform != "linux" or platform.machine() != "x86_64":
 import triton  # noqa: E402  (make test installs it: pyproject's dev extra)
 import triton.language as tl  # noqa: E402
 
-ARCHS = ("90", "80")
+ARCHS = ("90", "80", "100")
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,8 +48,8 @@ def _harness():
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    """``benchmarks/kernel_compile.py --arch 90 80`` with a Triton cache of its own (every
-    kernel really compiled), its JSON."""
+    """``benchmarks/kernel_compile.py --arch 90 80 100`` with a Triton cache of its own
+    (every kernel really compiled), its JSON."""
     out = tmp_path_factory.mktemp("compile")
     env = dict(os.environ, TRITON_CACHE_DIR=str(out / "cache"))
     env.pop("TRITON_INTERPRET", None)
@@ -58,10 +58,11 @@ def report(tmp_path_factory) -> dict:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sm_90 (H100/H200/H800)" in done.stdout and "sm_80 (A100)" in done.stdout
+    assert "sm_100 (B200)" in done.stdout
     return json.loads((out / "report.json").read_text())
 
 
-def test_every_kernel_compiles_for_hopper_and_ampere(report):
+def test_every_kernel_compiles_for_ampere_hopper_and_blackwell(report):
     kernels = {fn.__name__ for fn in _harness().launch_points().values()}
     # the launch points found by what calls what: the kernels the wrappers launch
     assert kernels == {"_shift_fwd_kernel", "_shift_bwd_kernel", "_qkv_shift_fwd_kernel",
