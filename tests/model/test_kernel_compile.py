@@ -204,3 +204,19 @@ def test_the_fused_node_is_no_larger_than_the_kernels_it_replaces(report):
             size["qkv shift bf16 d128", "_qkv_shift_fwd_kernel"] + 2 * rope), arch
         assert size["qkv+rope kv_shift bf16 d128", "_bwd_kernel"] <= (
             size["qkv shift bf16 d128", "_qkv_shift_bwd_kernel"] + 2 * rope), arch
+
+
+def test_without_triton_the_script_says_so_in_one_line():
+    blocked = ("import builtins, runpy, sys\n"
+               "real = builtins.__import__\n"
+               "def no_triton(name, *a, **k):\n"
+               "    if name.split('.')[0] == 'triton':\n"
+               "        raise ImportError(name)\n"
+               "    return real(name, *a, **k)\n"
+               "builtins.__import__ = no_triton\n"
+               "sys.argv = ['kernel_compile.py']\n"
+               "runpy.run_path('benchmarks/kernel_compile.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", blocked], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().count("\n") == 0 and "needs the triton package" in done.stderr
