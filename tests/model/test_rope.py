@@ -325,6 +325,42 @@ def test_a_gpu_run_rotates_with_the_kernel_and_matches_megatrons_ops(single_rank
     assert_fused_matches("kv_shift", "local", "FusedRoPEBackward", 4)
 
 
+@pytest.mark.gpu
+def test_decoding_on_a_gpu_with_the_kernel_gives_megatrons_tokens(single_rank, monkeypatch):
+    """Decoding hands the kernel slices of the angles per step and layer; on a GPU the
+    compiled kernel gives megatron's tokens (greedy, fp32) from one cos/sin table."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from kvtrain.backend import set_seed
+    from kvtrain.config import ModelConfig
+    from kvtrain.inference.generate import SamplingOptions, generate_ids
+    from kvtrain.model import triton_rope
+    from kvtrain.model.builder import build_gpt, transformer_config
+    from kvtrain.model.rope import fused_rope
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", fused_rope)
+    table_of = triton_rope._table_of
+    runs = {}
+    for fusion in (True, False):
+        computed = []
+        monkeypatch.setattr(triton_rope, "_table_of",
+                            lambda f, c=computed: c.append(1) or table_of(f))
+        set_seed(7)
+        cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8,
+                          num_query_groups=4, vocab_size=256, max_position_embeddings=64,
+                          attention="kv_shift")
+        model = build_gpt(cfg, transformer_config(cfg, rope_fusion=fusion),
+                          backend="local").cuda().eval()
+        new = generate_ids(model, [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]],
+                           SamplingOptions(max_new_tokens=8, stop_at_eod=False), eod=0,
+                           vocab_size=256)
+        runs[fusion] = ([t for t, _ in new], len(computed))
+    assert runs[True][0] == runs[False][0] and len(runs[True][0][0]) == 8
+    assert runs[True][1] == 1 and runs[False][1] == 0
+
+
 def test_install_fills_an_empty_slot_and_leaves_tes_kernel(monkeypatch):
     """Without TE the slot gets kvtrain's kernel; where TE's kernel is there it stays,
     and the run records that (``transformer_engine``)."""
