@@ -55,9 +55,9 @@ def cos_sin(freqs: Tensor) -> Tensor:
 
     Megatron's ``RotaryEmbedding.forward`` is an ``lru_cache``: every layer of every
     step gets the same ``freqs`` object (one per model chunk and sequence length), so
-    a run computes each table once (full recomputation's detached copies excepted);
-    decoding slices it per step and layer
-    (``freqs[start:end]``), and a slice takes its rows of the whole tensor's table.
+    a run computes each table once (full recomputation's detached copies excepted).
+    Decoding slices it per step and layer (``freqs[start:end]``): a slice takes its
+    rows of the whole tensor's table.
     The table lives as long as its tensor (an attribute of it: no cache of ours to
     size or evict) and is computed again if the tensor changes in place (its version
     counter, which its slices share). Tensors made under ``torch.inference_mode``
