@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from .triton_rope import cos_sin
-from .triton_shift import _cdiv, next_pow2, rows
+from .triton_shift import _cdiv, coef_grads, next_pow2, rows
 
 try:  # Triton ships with CUDA builds of PyTorch; the CPU build has no fused node.
     import triton
@@ -161,8 +161,7 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
     )
     if not coef:
         return dmixed, None, None
-    dcoef = partial.sum(dim=(0, 1)).to(coef_k.dtype)  # [g, 2, w+1]: one cast for both
-    return dmixed, dcoef[:, 0], dcoef[:, 1]
+    return (dmixed, *coef_grads(partial, coef_k.dtype))
 
 
 if triton is not None:

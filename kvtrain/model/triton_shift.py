@@ -161,8 +161,14 @@ def qkv_backward(raw: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef_v:
     )
     if raw is None:
         return dmixed, None, None
-    dcoef = partial.sum(dim=(0, 1)).to(coef_k.dtype)  # [g, 2, w+1]: one cast for both
-    return dmixed, dcoef[:, 0], dcoef[:, 1]
+    return (dmixed, *coef_grads(partial, coef_k.dtype))
+
+
+def coef_grads(partial: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(dcoef_k, dcoef_v ``[g, w+1]`` in ``dtype``) from the K/V kernels' fp32 partial
+    sums ``[blocks, b, g, 2, w+1]``."""
+    dcoef = partial.sum(dim=(0, 1)).to(dtype)  # [g, 2, w+1]: one cast for both
+    return dcoef[:, 0], dcoef[:, 1]
 
 
 if triton is not None:

@@ -7,7 +7,6 @@ for the fields and sane values, and the keys it owns are refused in one line.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,17 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from ..scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "step.py"
 TINY = REPO / "configs" / "tiny.yaml"
 
 
 def _step_module():
-    spec = importlib.util.spec_from_file_location("kvtrain_bench_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "kvtrain_bench_step")
 
 
 def _env() -> dict:

@@ -12,8 +12,6 @@ spilling.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import os
 import platform
@@ -24,6 +22,7 @@ import sys
 import pytest
 import torch
 
+from ..scripts import load_script
 from .interpreter import REPO, run_interpreted
 
 if sys.platform != "linux" or platform.machine() != "x86_64":
@@ -35,15 +34,8 @@ import triton.language as tl  # noqa: E402
 ARCHS = ("90", "80", "100")
 
 
-@functools.lru_cache(maxsize=None)
 def _harness():
-    """benchmarks/kernel_compile.py as a module (benchmarks/ is no package)."""
-    spec = importlib.util.spec_from_file_location("kernel_compile",
-                                                  REPO / "benchmarks" / "kernel_compile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "benchmarks" / "kernel_compile.py", "kernel_compile")
 
 
 @pytest.fixture(scope="module")
