@@ -19,7 +19,8 @@ the backend:
   passes over Q and K forward, and a loop over the documents of packed THD
   sequences; else ``torch`` (``local``, the reference, keeps megatron's ops);
 * ``triton``: the fused kernel (a GPU, not MLA), refused in one line elsewhere
-  (with TE installed its slot holds TE's kernel, which then runs: said so);
+  (with TE installed its slot holds TE's kernel, which then runs wherever the
+  ``torch`` backend's QKV split does not rotate: said so);
 * ``torch``: megatron's torch ops.
 """
 
@@ -73,13 +74,19 @@ def choose_for(model, backend: str, cuda: bool, requested: str = "auto") -> tupl
     return choose_rope(requested, backend, cuda, mla=model.mla is not None)
 
 
-def resolve(model, backend: str, cuda: bool, requested: str = "auto") -> tuple[str, str]:
+def resolve(model, backend: str, cuda: bool, requested: str = "auto",
+            in_split: bool = False) -> tuple[str, str]:
     """:func:`choose_for`, then what megatron's fused-RoPE slots hold in this process:
-    ``triton`` where TE's kernel holds the slot is TE's (``transformer_engine``), and
-    TE's where this TE has none is megatron's ops. (name, why), for the run's record
-    and :func:`fuses`."""
+    ``triton`` where TE's kernel holds the slot is TE's (``transformer_engine``) unless
+    the layers rotate inside their QKV split (``in_split``: the torch backend's node,
+    ``kvtrain.model.rope_attention``, does not go through the slot), and TE's where
+    this TE has none is megatron's ops. (name, why), for the run's record and
+    :func:`fuses`."""
     kernel, why = choose_for(model, backend, cuda, requested)
     if kernel == "triton" and install() != "triton":
+        if in_split:
+            return "triton", why + "; Transformer Engine's kernel holds megatron's " \
+                                   "fused-RoPE slot, for decoding"
         return "transformer_engine", why + "; megatron's fused-RoPE slot holds Transformer " \
                                            "Engine's kernel"
     if kernel == "transformer_engine" and not te_kernels_present():

@@ -19,10 +19,13 @@ only. Where the node does not apply, megatron's path runs as it is: a decoding
 step (an inference context), context parallelism, THD packed sequences, Q/K
 norms, angles other than the full head width in fp32, YaRN's ``mscale``,
 interleaved rotation, gated attention, layers without RoPE (``no_rope_freq``),
-any fused-RoPE slot that does not hold kvtrain's kernel
-(TE's, or none: ``apply_rope_fusion`` off), and core attention other than the
-``torch`` backend's (SDPA keeps V as it is given, a view of the QKV output:
-what ``kvtrain plan`` counts).
+runs that chose megatron's RoPE (``apply_rope_fusion`` off), and core attention
+other than the ``torch`` backend's (SDPA keeps V as it is given, a view of the
+QKV output: what ``kvtrain plan`` counts).
+
+The node does not go through megatron's fused-RoPE slot, so it runs whatever the
+slot holds: with Transformer Engine installed, TE's kernel stays there and
+rotates only where megatron's path runs (decoding).
 """
 
 from __future__ import annotations
@@ -32,14 +35,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config as yarn_mscale,
 )
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 
-from . import rope
 from .attention import TorchAttention
 from .context_parallel import cp_group
 from .documents import DocumentParams
@@ -103,13 +104,13 @@ class FusedRoPESelfAttention(SelfAttention):
         return True
 
     def _layer_fuses(self) -> bool:
-        """What does not change from call to call: the config, the modules, the slot,
-        context parallelism. megatron's path keeps RoPE where its own forward decides
-        it per layer or call (``no_rope_freq``, gated attention, its fused single-QKV
-        RoPE)."""
+        """What does not change from call to call: the config, the modules, context
+        parallelism. ``apply_rope_fusion`` on the ``torch`` backend (``TorchAttention``)
+        is kvtrain's Triton RoPE (``rope.choose_rope``), whatever megatron's slot holds.
+        megatron's path keeps RoPE where its own forward decides it per layer or call
+        (``no_rope_freq``, gated attention, its fused single-QKV RoPE)."""
         config = self.config
-        kvtrains = rope_utils.fused_apply_rotary_pos_emb is rope.fused_rope
-        return (config.apply_rope_fusion and kvtrains
+        return (config.apply_rope_fusion
                 and isinstance(self.core_attention, TorchAttention)
                 and not (config.rotary_interleaved or config.flash_decode or config.test_mode
                          or config.attention_output_gate or config.fused_single_qkv_rope)

@@ -245,9 +245,8 @@ def kept_by_the_shift(model: ModelConfig, parallel: ParallelConfig, backend: str
 def rope_in_the_split(model: ModelConfig, backend: str) -> bool:
     """Whether a GPU run splits the QKV output and applies RoPE (and the K+V shift) in
     one node (``kvtrain.model.rope_attention``): the ``torch`` backend with kvtrain's
-    Triton RoPE (``model.rope_kernel`` auto or triton; TE not installed: its kernel
-    would hold megatron's slot) and, for the shift, its Triton kernel (auto or
-    triton); not with MLA."""
+    Triton RoPE (``model.rope_kernel`` auto or triton; with TE installed too) and,
+    for the shift, its Triton kernel (auto or triton); not with MLA."""
     return (backend == "torch" and model.rope_kernel != "torch" and model.mla is None
             and model.position_embedding == "rope"
             and model.kv_shift.kernel in ("auto", "triton"))

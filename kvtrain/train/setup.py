@@ -233,13 +233,15 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     if cfg.data.reset_attention_mask:
         backend = dataclasses.replace(backend, documents=document_attention(
             backend.name, cuda, cfg.model.attention_dropout))
-    rope_kernel, why = rope.resolve(cfg.model, backend.name, cuda, cfg.model.rope_kernel)
-    fused = rope.fuses(rope_kernel)
     shift = None
     if cfg.model.attention == "kv_shift":
         shift, shift_why = choose_kernel(cfg.model.kv_shift.kernel, cuda, numerics.params_dtype)
         backend = dataclasses.replace(backend, shift_kernel=f"{shift} ({shift_why})")
-    if rope_kernel == "triton" and _rope_in_the_split(cfg, backend.name, shift):
+    in_split = _rope_in_the_split(cfg, backend.name, shift)
+    rope_kernel, why = rope.resolve(cfg.model, backend.name, cuda, cfg.model.rope_kernel,
+                                    in_split=in_split)
+    fused = rope.fuses(rope_kernel)
+    if rope_kernel == "triton" and in_split:
         rope_kernel = "triton in the QKV split"  # kvtrain.model.rope_attention
     loss, loss_why = choose_cross_entropy(cfg.model.cross_entropy_kernel, backend.name, cuda)
     backend = dataclasses.replace(backend, rope=f"{rope_kernel} ({why})",

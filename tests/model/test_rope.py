@@ -304,6 +304,42 @@ def test_the_te_backend_takes_tes_fused_rope_where_it_has_one(held, kernel, why,
     assert kernels.rope_fusion == (kernel == "transformer_engine")
 
 
+@pytest.mark.parametrize("sets, kernel, why", [
+    (["model.attention=vanilla"], "triton in the QKV split",
+     "auto: GPU; Transformer Engine's kernel holds megatron's fused-RoPE slot, for decoding"),
+    (["model.attention=kv_shift"], "triton in the QKV split",
+     "auto: GPU; Transformer Engine's kernel holds megatron's fused-RoPE slot, for decoding"),
+    (["model.attention=kv_shift", "model.kv_shift.kernel=torch"], "transformer_engine",
+     "auto: GPU; megatron's fused-RoPE slot holds Transformer Engine's kernel"),
+    (["model.attention=vanilla", "parallel.context=2"], "transformer_engine",
+     "auto: GPU; megatron's fused-RoPE slot holds Transformer Engine's kernel"),
+])
+def test_the_torch_backend_with_te_installed_records_what_rotates(sets, kernel, why,
+                                                                  monkeypatch):
+    """The torch backend on a GPU where TE is installed (its kernel stood in for in
+    megatron's slot): the layers that rotate in their QKV split take kvtrain's node
+    (tests/model/test_rope_attention.py runs it so), recorded as such; elsewhere
+    megatron's path calls the slot, TE's kernel, and the record says that. Both set
+    ``apply_rope_fusion``."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from kvtrain.config import load_config
+    from kvtrain.model.builder import Numerics
+    from kvtrain.train import setup
+
+    def stand_in(*args, **kwargs):  # TE's kernel is never called: the choice is checked
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", stand_in)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", stand_in)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config(str(REPO / "configs" / "bench" / "host.yaml"),
+                      ["data.type=mock", "model.backend=torch", *sets])
+    backend, kernels = setup._resolve_backend(cfg, Numerics.from_precision("bf16"))
+    assert backend.rope == f"{kernel} ({why})"
+    assert kernels.rope_fusion
+
+
 @pytest.mark.gpu
 def test_a_gpu_run_rotates_with_the_kernel_and_matches_megatrons_ops(single_rank, monkeypatch):
     """On a GPU the compiled kernel rotates Q and K of every layer where megatron's

@@ -127,6 +127,24 @@ for kernel in ("torch", "native"):
                             run("kv_shift", False, shift_kernel=kernel))
     out["megatrons"][f"kv_shift.kernel {kernel}"] = {"nodes": n, "vs_megatron": rel(fused, ref)}
 
+# Transformer Engine installed: its kernel holds megatron's fused-RoPE slot (a stand-in
+# that must not be called), and the torch backend's layers still take kvtrain's node
+from megatron.core.models.common.embeddings import rope_utils
+
+
+def te_stand_in(*args, **kwargs):
+    raise AssertionError("TE's RoPE ran where the QKV node should have")
+
+
+slot = rope_utils.fused_apply_rotary_pos_emb
+rope_utils.fused_apply_rotary_pos_emb = te_stand_in
+out["te_slot"] = {}
+for attention in ("vanilla", "kv_shift"):
+    (fused, n), (ref, _) = run(attention, True), run(attention, False)
+    out["te_slot"][attention] = {"nodes": n, "vs_megatron": rel(fused, ref),
+                                 "slot_kept": rope_utils.fused_apply_rotary_pos_emb is te_stand_in}
+rope_utils.fused_apply_rotary_pos_emb = slot
+
 # TP = 2 (gloo ranks; with sequence parallelism for the shift) and full recomputation
 from kvtrain.testing import run_distributed
 from tests.model.test_rope_attention import parallel_rank
@@ -236,6 +254,17 @@ def test_megatrons_path_where_the_node_must_not_run(interpreted, name):
     before a review: gated attention lost RoPE in every layer."""
     m = interpreted["megatrons"][name]
     assert m["nodes"] == 0 and m["vs_megatron"] < 1e-6, m
+
+
+@pytest.mark.parametrize("attention", ["vanilla", "kv_shift"])
+def test_the_node_runs_where_transformer_engines_rope_holds_the_slot(interpreted, attention):
+    """With TE installed its kernel holds megatron's fused-RoPE slot (stood in for by a
+    kernel that fails when called); the torch backend's layers still take kvtrain's
+    node (which does not go through the slot), the same values as megatron's path,
+    and TE's kernel stays in the slot for megatron's own calls. Before, the layers
+    checked the slot, and such a run lost the node (and the shift's memory saving)."""
+    m = interpreted["te_slot"][attention]
+    assert m["slot_kept"] and m["nodes"] == 2 and m["vs_megatron"] < 1e-5, m
 
 
 def test_what_a_layer_keeps_is_what_the_plan_counts(interpreted):
