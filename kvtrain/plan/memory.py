@@ -114,6 +114,10 @@ logits: ``s·b·V/t`` in bf16 and, with megatron's cross-entropy, their fp32 cop
 (its softmax, kept for the backward); kvtrain's fused loss (the ``torch`` and
 ``te`` backends' on a GPU) keeps the bf16 logits alone (``logit_bytes``).
 
+Each model chunk also keeps RoPE's fp32 angles for the run (megatron caches
+them) and, where kvtrain's Triton RoPE runs, their cos/sin table (``rope_bytes``:
+3 MiB at 2048 tokens and head dim 128 on the ``torch`` backend, 192 MiB at 128k).
+
 Overhead: CUDA context, NCCL and cuBLAS/TE workspaces and allocator
 fragmentation, taken as 3 GiB plus 5% of the rest. Expect real usage within
 about ±15% of the estimate. One calibration point: the paper (Table 13)
@@ -121,10 +125,10 @@ measured 42,584 MiB peak for its BlaGPT-scale vanilla model at context 4096 on
 an A100 and 43,360 MiB with KV shifting (4 KV heads); ``kvtrain plan
 configs/blagpt/vanilla.yaml`` at 4096 tokens x 16 sequences per GPU with
 megatron's loss, as the paper ran (``model.cross_entropy_kernel: torch``),
-estimates 44,498 MiB (te; 4.5% above), 46,917 MiB with KV shifting (+2.4 GiB: the
+estimates 44,499 MiB (te; 4.5% above), 46,918 MiB with KV shifting (+2.4 GiB: the
 raw K/V copy of 12 KV heads; the paper's layer has 4, and measured +776 MiB).
 kvtrain's fused loss (``auto``) takes 12.9 GiB off the estimate at this 50k
-vocabulary (31,293 MiB): the fp32 copy of 65,536 x 50,304 logits and its share of
+vocabulary (31,294 MiB): the fp32 copy of 65,536 x 50,304 logits and its share of
 the overhead.
 """
 
@@ -298,6 +302,25 @@ def logit_bytes(model: ModelConfig, precision: str, backend: str) -> int:
     return 4 if act == 4 else act + 4
 
 
+def rope_bytes(model: ModelConfig, seq_length: int, backend: str) -> int:
+    """Bytes of RoPE's angles one model chunk keeps for the whole run: megatron's
+    ``RotaryEmbedding`` caches them (``lru_cache``), fp32 ``[s, 1, 1, r]`` over the
+    whole sequence (context parallelism slices a copy per step), and where kvtrain's
+    Triton RoPE runs (``model.rope_kernel`` triton, or auto on the ``torch``
+    backend; never ``te``'s, whose slot holds TE's kernel) the cos/sin table kept on
+    them, fp32 ``[s, 2r]`` (``triton_rope.cos_sin``): both 3 MiB at 2048 tokens and head
+    dim 128, 192 MiB at 128k."""
+    if model.position_embedding != "rope":
+        return 0
+    r = model.mla.qk_pos_emb_head_dim if model.mla is not None else \
+        model.hidden_size // model.num_attention_heads
+    angles = 4 * seq_length * r
+    kernel = model.rope_kernel
+    triton = model.mla is None and backend != "te" and (
+        kernel == "triton" or (kernel == "auto" and backend == "torch"))
+    return angles * (3 if triton else 1)
+
+
 def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
                      micro_batch: int, num_microbatches: int, recompute: str, stage: int = 0,
                      precision: str = "bf16", backend: str = "te") -> dict[str, float]:
@@ -306,7 +329,8 @@ def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: i
 
     Returns ``total`` and its parts: ``layers`` (kept layer activations),
     ``working`` (one recomputed layer, full recompute only), ``logits`` (last
-    stage), and ``in_flight`` (micro batches whose activations are kept).
+    stage), ``rope`` (RoPE's angles and table, one per model chunk: ``rope_bytes``),
+    and ``in_flight`` (micro batches whose activations are kept).
     """
     p = parallel.pipeline
     layers = model.num_layers // p
@@ -333,8 +357,10 @@ def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: i
         sb = seq_length * micro_batch / parallel.context
         logits = sb * model.padded_vocab_size(t) / t * logit_bytes(model, precision, backend)
     kept = layers * in_flight * per_layer
-    return {"total": kept + working + logits, "layers": kept, "working": working,
-            "logits": logits, "per_layer": per_layer, "in_flight": in_flight}
+    chunks = parallel.virtual_pipeline if parallel.virtual_pipeline and p > 1 else 1
+    angles = chunks * rope_bytes(model, seq_length, backend)
+    return {"total": kept + working + logits + angles, "layers": kept, "working": working,
+            "logits": logits, "rope": angles, "per_layer": per_layer, "in_flight": in_flight}
 
 
 @dataclass

@@ -478,7 +478,10 @@ def test_plan_memory_follows_the_backend_and_says_which():
     assert torch_plan.memory.attention == "torch"
     assert auto.memory.logits > 0 and torch_plan.memory.logits == auto.memory.logits
     assert local.memory.logits == 3 * auto.memory.logits
-    assert torch_plan.memory.activations == auto.memory.activations
+    # and RoPE's cos/sin table where kvtrain's Triton RoPE runs (fp32 [s, 2r] per chunk)
+    m, t = torch_plan.cfg.model, torch_plan.cfg.train
+    table = 4 * t.seq_length * 2 * (m.hidden_size // m.num_attention_heads)
+    assert torch_plan.memory.activations == auto.memory.activations + table
     assert "attention memory: torch spec (model.backend torch): SDPA flash kernels, no s x s " \
         "scores" in render(torch_plan)
 

@@ -415,6 +415,40 @@ def test_install_fills_an_empty_slot_and_leaves_tes_kernel(monkeypatch):
     assert rope_utils.fused_apply_rotary_pos_emb is te_kernel
 
 
+@pytest.mark.parametrize("backend, kernel, vpp, tables", [
+    ("torch", "auto", 0, 1), ("torch", "triton", 2, 1), ("torch", "torch", 0, 0),
+    ("te", "auto", 0, 0), ("te", "triton", 2, 0), ("local", "auto", 0, 0),
+    ("local", "triton", 0, 1),
+])
+def test_the_plan_counts_the_angles_and_table_a_chunk_keeps(single_rank, backend, kernel, vpp,
+                                                           tables):
+    """``kvtrain plan`` counts, per model chunk, the angles megatron's
+    ``RotaryEmbedding`` caches for the run and, where kvtrain's Triton RoPE runs, the
+    cos/sin table ``cos_sin`` keeps on them: the bytes of megatron's own tensor and
+    of the table computed from it (two chunks with VPP 2)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from kvtrain.config import load_config
+    from kvtrain.model import triton_rope
+    from kvtrain.plan.memory import activation_bytes, rope_bytes
+
+    seq = 256
+    sets = ["data.type=mock", f"model.backend={backend}", f"model.rope_kernel={kernel}",
+            f"train.seq_length={seq}", f"model.max_position_embeddings={seq}"]
+    if vpp:
+        sets += ["parallel.pipeline=2", f"parallel.virtual_pipeline={vpp}"]
+    cfg = load_config(str(REPO / "configs" / "bench" / "host.yaml"), sets)
+    m = cfg.model
+    d = m.hidden_size // m.num_attention_heads
+    freqs = RotaryEmbedding(d, rotary_percent=1.0, rotary_base=m.rotary_base,
+                            use_cpu_initialization=True)(seq)  # (the CPU backend)
+    kept = freqs.untyped_storage().nbytes() + tables * triton_rope.cos_sin(freqs).nbytes
+    assert rope_bytes(m, seq, backend) == kept
+    acts = activation_bytes(m, cfg.parallel, seq, 1, 4, "none", precision="bf16",
+                            backend=backend)
+    assert acts["rope"] == (vpp or 1) * kept
+
+
 def test_models_without_rotary_embeddings_take_none():
     from kvtrain.config import ModelConfig
     from kvtrain.model.rope import choose_for
