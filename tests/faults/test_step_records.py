@@ -33,3 +33,23 @@ def test_skipped_steps_records(tmp_path, corpus, cache_dir):
     for it in (1, 2, 4, 6):
         assert math.isfinite(train[it]["grad_norm"]) and train[it]["skipped_in_window"] == 0
     assert train[6]["skipped_steps"] == 2
+
+
+def test_a_run_ending_between_intervals_logs_validates_and_measures_its_last_steps(
+        tmp_path, corpus, cache_dir):
+    """``train.max_steps`` need not be a multiple of the intervals: the steps after the
+    last full logging window get a record of their own, and the final weights are
+    validated and their α/β statistics taken, as at every interval."""
+    cfg = tiny_config(corpus, cache_dir,
+                      train={"max_steps": 5, "log_interval": 2, "eval_interval": 3,
+                             "eval_iters": 1, "kv_shift_stats_interval": 3},
+                      checkpoint={"save_interval": None, "save_on_exit": False})
+    config = write_config(tmp_path / "c.yaml", cfg)
+    run_dir = tmp_path / "run"
+    result = run_driver([{"config": str(config), "run_dir": str(run_dir)}], tmp_path / "plan.json")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    train = by_iteration(metrics(run_dir))
+    assert sorted(train) == [2, 4, 5]
+    assert [train[i]["steps_in_window"] for i in (2, 4, 5)] == [2, 2, 1]
+    assert [r["iteration"] for r in metrics(run_dir, "valid")] == [3, 5]
+    assert [r["iteration"] for r in metrics(run_dir, "kv_shift")] == [3, 5]

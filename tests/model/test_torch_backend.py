@@ -92,6 +92,44 @@ def test_torch_equals_local(mp1, groups, attention, kv_shift):
         assert any("shift" in n and g.abs().sum() > 0 for n, g in ref[2].items())
 
 
+def test_gqa_on_a_torch_without_sdpa_gqa_repeats_kv_heads(mp1, monkeypatch):
+    """pyproject allows torch 2.4, whose SDPA has no ``enable_gqa``: there each KV
+    head is repeated for its group's query heads. That path (stood in for here)
+    gives local's logits and gradients."""
+    from kvtrain.model import attention
+
+    local, torch_model = both(model_config("kv_shift", 2))
+    tokens, labels = batch()
+    ref = run(local, tokens, labels)
+    repeats = []
+    repeat = torch.Tensor.repeat_interleave
+    monkeypatch.setattr(attention, "sdpa_has_gqa", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave",
+                        lambda t, *a, **k: repeats.append(t.shape) or repeat(t, *a, **k))
+    assert_same(ref, run(torch_model, tokens, labels))
+    kv = (BATCH, 2, SEQ, 32 // 4)  # [b, ng, s, hn]: K and V of 2 layers, 2 forwards
+    assert [shape for shape in repeats if len(shape) == 4] == [kv] * 8, repeats
+
+
+def test_fewer_queries_than_keys_attend_bottom_right(mp1):
+    """Causal attention of the last ``sq`` positions over ``sk`` keys (megatron's
+    causal mask when a call hands fewer queries than keys): each query sees the keys
+    up to its own position, as the full sequence's last rows do."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cfg = model_config("vanilla", 2)
+    core = build_gpt(cfg, transformer_config(cfg), backend="torch") \
+        .decoder.layers[0].self_attention.core_attention
+    gen = torch.Generator().manual_seed(5)
+    sk, sq, b, d = 12, 5, 2, cfg.hidden_size // cfg.num_attention_heads
+    q = torch.randn(sk, b, cfg.num_attention_heads, d, generator=gen)
+    k, v = (torch.randn(sk, b, 2, d, generator=gen) for _ in range(2))
+    full = core(q, k, v, None, AttnMaskType.causal)  # [sk, b, np * d]
+    tail = core(q[-sq:], k, v, None, AttnMaskType.causal)
+    torch.testing.assert_close(tail, full[-sq:], **TOL)
+    assert not torch.allclose(tail, core(q[:sq], k[:sq], v[:sq], None, AttnMaskType.causal))
+
+
 @pytest.mark.parametrize("attention", ["vanilla", "kv_shift"])
 def test_documents_torch_equals_local(mp1, attention):
     """DocumentParams (document ids of a packed batch) on both backends."""

@@ -153,6 +153,11 @@ def test_resume_resolution_and_tracker(tmp_path):
     write_atomic(root / "latest", "iter_0000008\n")  # a tracker naming no checkpoint:
     plan = plan_resume("auto", root)  # a warning, and the checkpoints in the folder
     assert plan.candidates == [done] and "not a checkpoint folder" in plan.warnings[0]
+    # named explicitly, a folder whose tracker names no checkpoint is a config error
+    # (one line naming the key), not a guess at what the user meant
+    with pytest.raises(ConfigError, match="^checkpoint.resume: .*latest") as e:
+        resolve_resume(str(root), root)
+    assert "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------- KV-shift stats
