@@ -60,8 +60,10 @@ GPUS = {
     100: dict(name="B200", smem_block=232448, smem_sm=233472, regs=65536, warps=64,
               blocks=32),
 }
-KERNEL_MODULES = ("kvtrain.model.triton_shift", "kvtrain.model.triton_rope",
-                  "kvtrain.model.triton_qkv_rope", "kvtrain.model.triton_cross_entropy")
+# every kernel module of kvtrain's (kvtrain/model/triton_*.py): a new one cannot be missed
+KERNEL_MODULES = tuple(sorted(
+    f"kvtrain.model.{p.stem}"
+    for p in (Path(__file__).resolve().parents[1] / "kvtrain" / "model").glob("triton_*.py")))
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" if triton else None
 _TRITON = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2]) if triton else ()
 
@@ -298,6 +300,14 @@ def _loss(dtype, vocab: int, vocab_start: int = 0, tokens: int = S * B) -> None:
                                            torch.rand(tokens), vocab_start)
 
 
+def _swiglu(dtype, f: int) -> None:
+    """The MLP's activation on fc1's output ``[s, b, 2f]`` (this rank's ``f``): both passes."""
+    from kvtrain.model import triton_swiglu
+
+    x = torch.randn(S, B, 2 * f, dtype=dtype)
+    triton_swiglu.backward(x, triton_swiglu.forward(x))
+
+
 CASES: dict = {
     # the paper's 1.5B: 16 heads of 128, MHA; GQA with 4 query heads per group
     "qkv+rope vanilla bf16 d128": lambda: _qkv_rope(BF16, 128, 16, 1, shift=False),
@@ -321,6 +331,8 @@ CASES: dict = {
     "rope bf16 d80": lambda: _rope(BF16, 80, 80, heads=4),
     "loss bf16 36096 (paper)": lambda: _loss(BF16, 36096),
     "loss fp32 50257 unpadded": lambda: _loss(FP32, 50257, tokens=64),
+    "swiglu bf16 f5504 (paper)": lambda: _swiglu(BF16, 5504),
+    "swiglu fp32 f1001 unaligned": lambda: _swiglu(FP32, 1001),
 }
 
 

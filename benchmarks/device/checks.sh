@@ -18,6 +18,8 @@
 #           the same with RoPE: the split, shift and RoPE as one node (qkv_rope) per arm
 #           benchmarks/cross_entropy.py at the paper's logits (8192 x 36000, bf16):
 #           megatron's loss against the fused one                  -> cross-entropy.json
+#           benchmarks/swiglu.py at the paper's MLP (8192 x 2 x 5504, bf16): torch's
+#           ops against the Triton kernels                                -> swiglu.json
 #   paper   the paper's 1.5B shape, torch backend (LAYERS of its 28 layers;
 #           default 28 on a card of > 120 GiB, else 12), micro 4, global 8   -> step-paper.json
 #   mlm     Megatron-LM's pretrain_gpt.py on the same shape, batch and card
@@ -99,6 +101,11 @@ for part in "${parts[@]}"; do
            else
              run cross-entropy 60 python3 benchmarks/cross_entropy.py \
                --json "$OUT/cross-entropy.json"
+           fi
+           if [[ " ${off[*]} " == *" model.swiglu_kernel=torch "* ]]; then
+             log "swiglu: skipped (smoke turned the SwiGLU kernels off)"
+           else
+             run swiglu 60 python3 benchmarks/swiglu.py --json "$OUT/swiglu.json"
            fi ;;
     small) run small 90 python3 benchmarks/step.py configs/bench/small.yaml --backend torch \
              "${off[@]}" --profile --json "$OUT/step-small.json" ;;

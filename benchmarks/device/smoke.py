@@ -89,8 +89,15 @@ def _cross_entropy() -> None:
            [torch.randn(64, 2, 5000, device="cuda") * 3])
 
 
+def _swiglu() -> None:
+    from kvtrain.model.swiglu import SwiGLUFunction
+
+    _agree(lambda x: (SwiGLUFunction.apply(x, True),), lambda x: (SwiGLUFunction.apply(x),),
+           [torch.randn(64, 2, 2 * 1500, device="cuda") * 3])
+
+
 KERNELS = {"model.kv_shift.kernel": _shift, "model.rope_kernel": _rope,
-           "model.cross_entropy_kernel": _cross_entropy}
+           "model.cross_entropy_kernel": _cross_entropy, "model.swiglu_kernel": _swiglu}
 
 
 def main() -> int:

@@ -3,7 +3,8 @@
     python benchmarks/device/summary.py DIR      (DIR: the call's $OUT, as it came back)
 
 Reads DIR/step-*.json (benchmarks/step.py, with its ``--profile`` record),
-DIR/cross-entropy.json (benchmarks/cross_entropy.py) and Megatron-LM's iteration times from
+DIR/cross-entropy.json (benchmarks/cross_entropy.py), DIR/swiglu.json
+(benchmarks/swiglu.py) and Megatron-LM's iteration times from
 DIR/checks.log ("elapsed time per iteration (ms)", the first logged interval - warm-up
 - left out) and prints each target against its goal.
 """
@@ -100,6 +101,16 @@ def cross_entropy_row(path: Path) -> str | None:
             f"(time x {d['time_ratio']:.2f})")
 
 
+def swiglu_row(path: Path) -> str | None:
+    """benchmarks/swiglu.py's medians: torch's ops over the Triton kernels."""
+    if not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    return (f"swiglu {d['tokens']} x 2 x {d['ffn']} {d['dtype']}: torch {d['ms']['torch']:.3f} "
+            f"ms, triton {d['ms']['triton']:.3f} ms (time x {d['time_ratio']:.2f}; "
+            f"{d['triton_gb_per_s']:.0f} GB/s)")
+
+
 def megatron_tokens_per_s(log: Path, tokens_per_iteration: int) -> float | None:
     """Megatron-LM's steady tokens/s: the median of its logged intervals but the first."""
     if not log.exists():
@@ -140,9 +151,9 @@ def main() -> int:
         print(tests)
     for row in step_rows(out) + variant_rows(out):
         print(row)
-    loss = cross_entropy_row(out / "cross-entropy.json")
-    if loss:
-        print(loss)
+    for row in (cross_entropy_row(out / "cross-entropy.json"), swiglu_row(out / "swiglu.json")):
+        if row:
+            print(row)
     paper = out / "step-paper.json"
     mlm = megatron_tokens_per_s(out / "checks.log", 8 * 2048)
     if paper.exists():

@@ -68,6 +68,9 @@ class BackendChoice:
     cross_entropy: Optional[str] = None
     """What computes the loss (``model.cross_entropy_kernel`` resolved: ``triton`` or
     ``torch``, and why; ``kvtrain.model.cross_entropy``); None where not resolved."""
+    swiglu: Optional[str] = None
+    """What computes the MLP's activation (``model.swiglu_kernel`` resolved: ``triton``
+    or ``torch``, and why; ``kvtrain.model.swiglu``); None where not resolved."""
 
     def describe(self) -> str:
         """One line for stdout: ``backend torch (auto: no GPU; fused softmax: no)``,
@@ -78,13 +81,14 @@ class BackendChoice:
         """Why this backend and its kernels: ``auto: no GPU; fused softmax: no``, plus
         ``; documents: <kernel>`` when documents are separated and ``; KV shift:
         <kernel>`` for KV-shift attention, ``; RoPE: <kernel>``, ``; cross-entropy:
-        <kernel>``, and ``; multi-tensor ops: <kernels>; optimizer: <update>`` once
+        <kernel>``, ``; SwiGLU: <kernel>``, and ``; multi-tensor ops: <kernels>; optimizer: <update>`` once
         the optimizer is built."""
         fused = "yes" if self.fused_softmax else "no"
         docs = f"; documents: {self.documents}" if self.documents else ""
         shift = f"; KV shift: {self.shift_kernel}" if self.shift_kernel else ""
         rope = f"; RoPE: {self.rope}" if self.rope else ""
         loss = f"; cross-entropy: {self.cross_entropy}" if self.cross_entropy else ""
+        loss += f"; SwiGLU: {self.swiglu}" if self.swiglu else ""
         multi = f"; multi-tensor ops: {self.multi_tensor}" if self.multi_tensor else ""
         update = f"; optimizer: {self.optimizer}" if self.optimizer else ""
         return (f"{self.reason}; fused softmax: {fused}{docs}{shift}{rope}{loss}{multi}"

@@ -12,7 +12,8 @@ Everything else may change on a resume without a word: the parallel layout
 (checkpoints reshard), the schedule, the optimizer's hyper-parameters, the
 intervals, logging, and ``model.backend`` and the kernel choices
 (``model.rope_kernel``, ``model.kv_shift.kernel``,
-``model.cross_entropy_kernel``: the same weights on other kernels). A key newer
+``model.cross_entropy_kernel``, ``model.swiglu_kernel``: the same weights on
+other kernels). A key newer
 than the checkpoint compares as its default.
 """
 
@@ -28,7 +29,7 @@ COMPARED = ("model", "train.seq_length", "data.type", "data.paths", "data.split"
             "data.tokenizer", "data.seed", "data.induction", "data.ngram")
 # how the model runs, not what it is (the same weights on other kernels)
 IGNORED = ("model.backend", "model.rope_kernel", "model.kv_shift.kernel",
-           "model.cross_entropy_kernel")
+           "model.cross_entropy_kernel", "model.swiglu_kernel")
 
 
 @dataclass(frozen=True)

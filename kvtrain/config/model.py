@@ -158,6 +158,12 @@ class ModelConfig:
     gradient (GPU; kvtrain.model.cross_entropy); ``torch`` - megatron's (an fp32
     copy, ~10 passes, its fp32 softmax kept); ``auto`` - ``triton`` for the
     ``torch`` and ``te`` backends on a GPU where Triton imports, else ``torch``."""
+    swiglu_kernel: Literal["auto", "triton", "torch"] = "auto"
+    """What computes the MLP's activation ``silu(gate) · linear`` (resolved once per
+    start, printed and recorded with the backend): ``triton`` - one pass over memory
+    each way (GPU; kvtrain.model.swiglu); ``torch`` - torch's ops (5 passes of an
+    f-wide tensor forward, 11 backward); ``auto`` - ``triton`` for the ``torch`` and
+    ``te`` backends on a GPU where Triton imports (not fp64), else ``torch``."""
     norm_epsilon: float = 1e-5
     """RMSNorm epsilon."""
     init_method_std: float = 0.02

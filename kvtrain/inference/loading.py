@@ -146,11 +146,14 @@ def load_model(source: str | Path, backend: str = "auto",
 
         shift_kernel = choose_kernel("auto", torch.cuda.is_available(), dtype)[0]
     from kvtrain.model import rope
+    from kvtrain.model.swiglu import choose_swiglu
 
-    rope_kernel = rope.resolve(cfg.model, name, torch.cuda.is_available())[0]
+    cuda = torch.cuda.is_available()
+    rope_kernel = rope.resolve(cfg.model, name, cuda)[0]
     model = build_gpt(cfg.model, transformer_config(cfg.model, parallel, numerics,
                                                     rope_fusion=rope.fuses(rope_kernel)),
-                      seed=cfg.train.seed, backend=name, shift_kernel=shift_kernel)
+                      seed=cfg.train.seed, backend=name, shift_kernel=shift_kernel,
+                      swiglu=choose_swiglu("auto", name, cuda, dtype)[0])
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     request = {"model": model.sharded_state_dict(metadata=dict(SHARDING_METADATA))}

@@ -158,12 +158,14 @@ def build_gpt(
     parallel_output: bool = True,
     shift_kernel: Optional[str] = None,
     cross_entropy: str = "torch",
+    swiglu: str = "torch",
 ) -> GPTModel:
     """The GPTModel chunk of this rank's pipeline stage (``vp_stage`` for interleaving).
 
     ``shift_kernel`` is the KV shift's resolved kernel (None: ``model.kv_shift.kernel``);
     ``cross_entropy`` the loss's (``cross_entropy.choose_cross_entropy``: ``torch`` is
-    megatron's, ``triton`` kvtrain's fused one).
+    megatron's, ``triton`` kvtrain's fused one); ``swiglu`` the MLP activation's
+    (``swiglu.choose_swiglu``: ``torch`` ops or kvtrain's ``triton`` kernel).
 
     ``seed`` sets the initial weights: the KV-shift coefficients (the same values
     whatever the TP/PP layout) and every other weight, drawn from streams of
@@ -181,7 +183,7 @@ def build_gpt(
     backend = resolve_backend(backend)
     options = kv_shift_options(model, seed, shift_kernel)
     spec = seeded_layer_spec(layer_spec(model.attention, options, backend,
-                                        mla=model.mla is not None), seed)
+                                        mla=model.mla is not None, swiglu=swiglu), seed)
     with own_streams(seed, "model"):  # the weights do not depend on the PP layout
         return GPTModel(
             config=config,

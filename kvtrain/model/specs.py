@@ -94,37 +94,40 @@ def resolve_backend(backend: Backend = "auto") -> str:
     return backend_choice(backend).name
 
 
-def vanilla_layer_spec(backend: Backend = "auto", mla: bool = False) -> ModuleSpec:
-    """The Llama-style GPT layer spec (RMSNorm, SwiGLU MLP) for ``backend``; with
-    ``mla``, multi-latent attention (``kvtrain.model.mla``).
+def vanilla_layer_spec(backend: Backend = "auto", mla: bool = False,
+                       swiglu: str = "torch") -> ModuleSpec:
+    """The Llama-style GPT layer spec (RMSNorm, SwiGLU MLP on the ``swiglu`` kernel)
+    for ``backend``; with ``mla``, multi-latent attention (``kvtrain.model.mla``).
 
     ``torch`` and ``local`` share every module but the core attention, which
     has no parameters: their state dicts (and checkpoints) are the same.
     """
     name = resolve_backend(backend)
     if mla:
-        return with_swiglu(mla_layer_spec(name, CORE_ATTENTION.get(name)))
+        return with_swiglu(mla_layer_spec(name, CORE_ATTENTION.get(name)), swiglu)
     if name == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return with_swiglu(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False))
+        return with_swiglu(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False),
+                           swiglu)
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
     spec.submodules.self_attention.module = FusedRoPESelfAttention  # RoPE in the split
     spec.submodules.self_attention.submodules.core_attention = CORE_ATTENTION[name]
-    return with_swiglu(spec)
+    return with_swiglu(spec, swiglu)
 
 
-def with_swiglu(spec: ModuleSpec) -> ModuleSpec:
-    """``spec`` with kvtrain's SwiGLU in its MLP's activation slot (the builder's
-    config has megatron run that slot: ``use_te_activation_func``)."""
+def with_swiglu(spec: ModuleSpec, kernel: str = "torch") -> ModuleSpec:
+    """``spec`` with kvtrain's SwiGLU on ``kernel`` (``swiglu.choose_swiglu``) in its
+    MLP's activation slot (the builder's config has megatron run that slot:
+    ``use_te_activation_func``)."""
     mlp = spec.submodules.mlp.submodules
     if not hasattr(mlp, "activation_func"):  # e.g. TE's fused MLP: no slot to fill
         raise ValueError(f"the MLP of this layer spec has no activation slot: {mlp}")
-    mlp.activation_func = SwiGLU
+    mlp.activation_func = ModuleSpec(module=SwiGLU, params={"kernel": kernel})
     return spec
 
 
@@ -136,12 +139,12 @@ ATTENTION_VARIANTS: dict[str, Callable[[ModuleSpec, Optional[KVShiftOptions]], M
 
 
 def layer_spec(attention: str = "vanilla", options: Optional[KVShiftOptions] = None,
-               backend: Backend = "auto", mla: bool = False) -> ModuleSpec:
+               backend: Backend = "auto", mla: bool = False, swiglu: str = "torch") -> ModuleSpec:
     """The GPT layer spec of ``attention`` (vanilla | kv_shift) on ``backend``, with
-    multi-latent attention when ``mla``."""
+    multi-latent attention when ``mla``, its SwiGLU on the ``swiglu`` kernel."""
     if attention not in ATTENTION_VARIANTS:
         raise ValueError(f"unknown attention {attention!r}; one of {sorted(ATTENTION_VARIANTS)}")
-    return ATTENTION_VARIANTS[attention](vanilla_layer_spec(backend, mla), options)
+    return ATTENTION_VARIANTS[attention](vanilla_layer_spec(backend, mla, swiglu), options)
 
 
 def block_spec(layer: ModuleSpec, config, vp_stage: Optional[int] = None,

@@ -13,6 +13,16 @@ values and gradients are the ones of megatron's eager path, bit for bit (the
 same ops on the same operands). It fills the activation slot of every layer
 spec's MLP (megatron reads that slot under ``use_te_activation_func``, a name
 from when only TE's modules went there; ``kvtrain.model.builder`` sets it).
+
+What computes it (``model.swiglu_kernel: auto | triton | torch``, resolved once per
+start and recorded with the backend):
+
+* ``auto``: ``triton`` on a GPU where Triton imports, for the ``torch`` and ``te``
+  backends (fc1's output is a plain tensor on both), in bf16/fp16/fp32; else
+  ``torch`` (``local``, the reference, keeps the torch ops);
+* ``triton``: one pass over memory each way (``kvtrain.model.triton_swiglu``; a
+  GPU), refused in one line elsewhere;
+* ``torch``: the torch ops above, megatron's eager arithmetic.
 """
 
 from __future__ import annotations
@@ -23,20 +33,58 @@ from torch import Tensor
 
 from megatron.core.transformer.module import MegatronModule
 
+from . import triton_swiglu
+
+KERNELS = ("auto", "triton", "torch")
+
+
+def choose_swiglu(requested: str, backend: str, cuda: bool,
+                  dtype: torch.dtype) -> tuple[str, str]:
+    """The SwiGLU kernel for ``model.swiglu_kernel: requested`` on ``backend`` for
+    activations of ``dtype``: (name, why). ConfigError when the requested one cannot
+    run here."""
+    from kvtrain.config import ConfigError
+
+    key = f"model.swiglu_kernel: {requested}"
+    if requested not in KERNELS:
+        raise ConfigError(f"model.swiglu_kernel must be auto, triton or torch, got {requested!r}")
+    if requested == "torch":
+        return "torch", key
+    if requested == "triton":
+        if not cuda:
+            raise ConfigError(f"{key} needs a GPU (use auto or torch on the CPU)")
+        if not triton_swiglu.available():
+            raise ConfigError(f"{key}, but Triton is not installed (use torch)")
+        return "triton", key
+    if not cuda:
+        return "torch", "auto: no GPU"
+    if backend == "local":  # the reference
+        return "torch", "auto: the local backend keeps the torch ops"
+    if dtype == torch.float64:
+        return "torch", "auto: the Triton kernels compute in fp32, not fp64"
+    if not triton_swiglu.available():
+        return "torch", "auto: Triton is not installed"
+    return "triton", "auto: GPU"
+
 
 class SwiGLUFunction(torch.autograd.Function):
     """``silu(gate) * linear`` of ``x = [gate | linear]`` (megatron's chunk order),
     saving ``x`` alone."""
 
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        gate, linear = x.chunk(2, dim=-1)  # [s, b, f] each: views of fc1's output
+    def forward(ctx, x: Tensor, fused: bool = False) -> Tensor:
         ctx.save_for_backward(x)
+        ctx.fused = fused
+        if fused:  # one Triton pass (model.swiglu_kernel: triton)
+            return triton_swiglu.forward(x)
+        gate, linear = x.chunk(2, dim=-1)  # [s, b, f] each: views of fc1's output
         return F.silu(gate) * linear
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         (x,) = ctx.saved_tensors
+        if ctx.fused:
+            return triton_swiglu.backward(x, grad), None
         gate, linear = x.chunk(2, dim=-1)
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dgate, dlinear = dx.chunk(2, dim=-1)
@@ -45,14 +93,17 @@ class SwiGLUFunction(torch.autograd.Function):
         # (the chunk's backward would concatenate them)
         torch.mul(grad, F.silu(gate), out=dlinear)
         torch.ops.aten.silu_backward.grad_input(grad * linear, gate, grad_input=dgate)
-        return dx
+        return dx, None
 
 
 class SwiGLU(MegatronModule):
     """The MLP's activation module (``MLPSubmodules.activation_func``; no parameters)."""
 
-    def __init__(self, config):
+    def __init__(self, config, kernel: str = "torch"):
         super().__init__(config)
+        if kernel not in ("triton", "torch"):
+            raise ValueError(f"SwiGLU's kernel is triton or torch (choose_swiglu), got {kernel!r}")
+        self.fused = kernel == "triton"
         if config.activation_func_clamp_value is not None:
             raise ValueError("kvtrain's SwiGLU has no activation clamp "
                              "(activation_func_clamp_value)")
@@ -60,7 +111,7 @@ class SwiGLU(MegatronModule):
             raise ValueError("kvtrain's SwiGLU has no linear offset (glu_linear_offset)")
 
     def forward(self, x: Tensor) -> Tensor:  # [s, b, 2f] -> [s, b, f]
-        return SwiGLUFunction.apply(x)
+        return SwiGLUFunction.apply(x, self.fused)
 
 
-__all__ = ["SwiGLU", "SwiGLUFunction"]
+__all__ = ["KERNELS", "SwiGLU", "SwiGLUFunction", "choose_swiglu"]

@@ -96,6 +96,8 @@ class Kernels:
     """RoPE takes megatron's fused slot (kvtrain's Triton kernel or TE's)."""
     cross_entropy: str = "torch"
     """The loss's: ``triton`` (kvtrain's fused one) or ``torch`` (megatron's)."""
+    swiglu: str = "torch"
+    """The MLP activation's: ``triton`` (kvtrain's kernel) or ``torch`` (torch's ops)."""
 
 
 def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
@@ -113,7 +115,8 @@ def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
     for vp_stage in range(p.virtual_pipeline or 1):
         chunk = build_gpt(cfg.model, tconfig, seed=cfg.train.seed, backend=backend,
                           vp_stage=vp_stage if p.virtual_pipeline else None,
-                          shift_kernel=kernels.shift, cross_entropy=kernels.cross_entropy)
+                          shift_kernel=kernels.shift, cross_entropy=kernels.cross_entropy,
+                          swiglu=kernels.swiglu)
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if torch.cuda.is_available():
@@ -226,6 +229,7 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     from kvtrain.model.cross_entropy import choose_cross_entropy
     from kvtrain.model.shift_kernels import choose_kernel
     from kvtrain.model.specs import backend_choice
+    from kvtrain.model.swiglu import choose_swiglu
 
     cuda = torch.cuda.is_available()
     backend = backend_choice(cfg.model.backend)
@@ -244,9 +248,12 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     if rope_kernel == "triton" and in_split:
         rope_kernel = "triton in the QKV split"  # kvtrain.model.rope_attention
     loss, loss_why = choose_cross_entropy(cfg.model.cross_entropy_kernel, backend.name, cuda)
+    swiglu, swiglu_why = choose_swiglu(cfg.model.swiglu_kernel, backend.name, cuda,
+                                       numerics.params_dtype)
     backend = dataclasses.replace(backend, rope=f"{rope_kernel} ({why})",
-                                  cross_entropy=f"{loss} ({loss_why})")
-    return backend, Kernels(shift, fused, loss)
+                                  cross_entropy=f"{loss} ({loss_why})",
+                                  swiglu=f"{swiglu} ({swiglu_why})")
+    return backend, Kernels(shift, fused, loss, swiglu)
 
 
 def _rope_in_the_split(cfg: RunConfig, backend: str, shift: Optional[str]) -> bool:

@@ -118,6 +118,9 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
         "tokens": 8192, "padded_vocab": 36096, "dtype": "bf16",
         "ms": {"megatron": 6.0, "fused": 1.5}, "time_ratio": 4.0,
         "peak_bytes_above_logits": {"megatron": int(2.2 * gib), "fused": int(0.01 * gib)}}))
+    (out / "swiglu.json").write_text(json.dumps({  # benchmarks/swiglu.py's, made up
+        "tokens": 8192, "ffn": 5504, "dtype": "bf16", "ms": {"torch": 1.2, "triton": 0.6},
+        "time_ratio": 2.0, "triton_gb_per_s": 2400.0}))
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device" / "summary.py"),
                            str(out)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -134,6 +137,8 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
             in lines), lines
     assert ("loss   8192 x 36096 bf16: megatron 6.00 ms / 2.20 GiB, fused 1.50 ms / 0.01 GiB "
             "(time x 4.00)") in lines, lines
+    assert ("swiglu 8192 x 2 x 5504 bf16: torch 1.200 ms, triton 0.600 ms (time x 2.00; "
+            "2400 GB/s)") in lines, lines
     megatron = 8 * 2048 / 0.510  # the median interval after the first
     vanilla = result["arms"]["vanilla"]["tokens_per_s"]
     assert f"Megatron-LM {megatron:.0f}: {vanilla / megatron:.3f}" in done.stdout
@@ -202,5 +207,6 @@ def test_device_smoke_turns_off_a_kernel_that_fails(tmp_path):
     else:
         assert lines[-1] == ("smoke-off: --set model.kv_shift.kernel=torch "
                              "--set model.rope_kernel=torch "
-                             "--set model.cross_entropy_kernel=torch"), lines
-        assert sum("triton FAILED" in line for line in lines) == 3, lines
+                             "--set model.cross_entropy_kernel=torch "
+                             "--set model.swiglu_kernel=torch"), lines
+        assert sum("triton FAILED" in line for line in lines) == 4, lines

@@ -496,6 +496,7 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     from kvtrain.model.rope import choose_rope
     from kvtrain.model.shift_kernels import choose_kernel
     from kvtrain.model.specs import backend_choice
+    from kvtrain.model.swiglu import choose_swiglu
     from kvtrain.train import multi_tensor
     from kvtrain.train.optimizer import adam_kernel, megatron_adam_class
 
@@ -508,8 +509,10 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
         rope_kernel = "triton in the QKV split"
     rope = f"{rope_kernel} ({rope_why})"
     loss = "{} ({})".format(*choose_cross_entropy("auto", backend.name, cuda))
+    swiglu = "{} ({})".format(*choose_swiglu("auto", backend.name, cuda,
+                                             torch.bfloat16 if cuda else torch.float32))
     expected = dataclasses.replace(backend, shift_kernel=f"{kernel} ({why})", rope=rope,
-                                   cross_entropy=loss,
+                                   cross_entropy=loss, swiglu=swiglu,
                                    multi_tensor=multi_tensor.install(),
                                    optimizer=adam_kernel(megatron_adam_class()))
     cfg = tiny_config(None, cache_dir, train={"max_steps": 2}, checkpoint={"save_interval": 2})
@@ -521,7 +524,8 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     if device == "cpu":
         assert ("kvtrain: backend torch (auto: no GPU; fused softmax: no; "
                 "KV shift: native (auto: CPU); RoPE: torch (auto: no GPU); "
-                "cross-entropy: torch (auto: no GPU); multi-tensor ops: torch foreach (kvtrain); "
+                "cross-entropy: torch (auto: no GPU); SwiGLU: torch (auto: no GPU); "
+                "multi-tensor ops: torch foreach (kvtrain); "
                 "optimizer: torch fused AdamW (kvtrain)), device cpu") in ok.stdout
     events = [r for r in metrics(tmp_path / "run", kind="event") if "backend" in r]
     assert [(e["iteration"], e["backend"], e["device"]) for e in events] == \
@@ -529,7 +533,7 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     saved = tmp_path / "run" / "config.yaml"
     assert f"# backend: {expected.name} ({expected.reason}" in saved.read_text()
     assert (f"; KV shift: {expected.shift_kernel}; RoPE: {rope}; cross-entropy: {loss}; "
-            f"multi-tensor ops: "
+            f"SwiGLU: {swiglu}; multi-tensor ops: "
             f"{expected.multi_tensor}; optimizer: {expected.optimizer})\n") in saved.read_text()
     assert load_config(saved).model.backend == "auto"  # still a config kvtrain train reads
     assert yaml.safe_load(saved.read_text())["model"]["backend"] == "auto"

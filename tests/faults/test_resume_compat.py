@@ -51,9 +51,12 @@ def test_compared_keys():
 def test_kernel_choices_may_change_on_resume():
     """Which kernels compute the shift and RoPE is how the model runs, not what it is:
     a run turning a kernel off (a GPU where the Triton one fails) resumes as before."""
-    saved = changed(model__rope_kernel="auto", model__kv_shift__kernel="auto")
+    saved = changed(model__rope_kernel="auto", model__kv_shift__kernel="auto",
+                    model__swiglu_kernel="auto", model__cross_entropy_kernel="auto")
     assert config_changes(saved, changed(model__rope_kernel="torch",
-                                         model__kv_shift__kernel="torch")) == []
+                                         model__kv_shift__kernel="torch",
+                                         model__swiglu_kernel="torch",
+                                         model__cross_entropy_kernel="torch")) == []
 
 
 def test_keys_newer_than_the_checkpoint_take_their_defaults():

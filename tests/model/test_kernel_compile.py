@@ -59,7 +59,8 @@ def test_every_kernel_compiles_for_ampere_hopper_and_blackwell(report):
     # the launch points found by what calls what: the kernels the wrappers launch
     assert kernels == {"_shift_fwd_kernel", "_shift_bwd_kernel", "_qkv_shift_fwd_kernel",
                        "_qkv_shift_bwd_kernel", "_rope_kernel", "_fwd_kernel", "_bwd_kernel",
-                       "_ce_fwd_kernel", "_ce_bwd_kernel"}
+                       "_ce_fwd_kernel", "_ce_bwd_kernel", "_swiglu_fwd_kernel",
+                       "_swiglu_bwd_kernel"}
     for arch in ARCHS:
         compiled = report["arch"][arch]
         assert {c["kernel"] for c in compiled} == kernels, arch
@@ -89,14 +90,14 @@ def test_every_kernel_keeps_three_programs_per_sm_at_any_window(report):
 
 
 def test_aligned_rows_move_16_bytes_a_thread(report):
-    """At the paper's shapes (bf16, head dim 128, a padded vocabulary) every kernel
-    loads its rows 16 bytes a thread (``LDG.E.128``), stores them so (``STG.E.128``;
+    """At the paper's shapes (bf16, head dim 128, a padded vocabulary, f = 5504) every
+    kernel loads its rows 16 bytes a thread (``LDG.E.128``), stores them so (``STG.E.128``;
     the loss's forward stores three fp32 per row, no rows) and stores nothing 1 or 2
     bytes at a time: what a memory-bound kernel needs to reach the bandwidth. The
     unaligned cases (head dim 80, an unpadded vocabulary) may not."""
-    aligned = [c for c in report["arch"]["90"]
-               if "d128" in c["case"] or c["case"].startswith("loss bf16")]
-    assert len(aligned) == 21  # 11 cases; one forward is an earlier case's
+    aligned = [c for c in report["arch"]["90"] if "d128" in c["case"]
+               or c["case"].startswith("loss bf16") or c["case"].startswith("swiglu bf16")]
+    assert len(aligned) == 23  # 12 cases; one forward is an earlier case's
     for c in aligned:
         ops = c["memory_ops"]
         assert ops.get("LDG.E.128", 0) > 0, (c["case"], c["kernel"], ops)
