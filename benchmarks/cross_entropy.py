@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from benchmarks.gpu_rounds import alternate, timed  # noqa: E402
 
 LOSSES = ("megatron", "fused")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -44,16 +45,7 @@ def one_round(name: str, base: torch.Tensor, labels: torch.Tensor) -> tuple[floa
     bytes it allocated above the logits at its peak."""
     fn = loss_fn(name)
     logits = base.clone().requires_grad_()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    held = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    loss = fn(logits, labels)
-    torch.autograd.grad(loss.sum(), logits)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end), torch.cuda.max_memory_allocated() - held
+    return timed(lambda: torch.autograd.grad(fn(logits, labels).sum(), logits))
 
 
 def measure(tokens: int, vocab: int, dtype: str, rounds: int) -> dict:
@@ -64,17 +56,7 @@ def measure(tokens: int, vocab: int, dtype: str, rounds: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(tokens, 1, padded, device="cuda", generator=gen).mul_(3).to(DTYPES[dtype])
     labels = torch.randint(0, vocab, (tokens, 1), device="cuda", generator=gen)
-    for name in LOSSES:  # compile and warm up
-        one_round(name, base, labels)
-    times: dict = {name: [] for name in LOSSES}
-    peaks: dict = {name: [] for name in LOSSES}
-    for i in range(rounds):
-        for name in LOSSES[::-1] if i % 2 else LOSSES:
-            ms, peak = one_round(name, base, labels)
-            times[name].append(ms)
-            peaks[name].append(peak)
-    ms = {name: statistics.median(v) for name, v in times.items()}
-    peak = {name: max(v) for name, v in peaks.items()}
+    ms, peak = alternate(LOSSES, lambda name: one_round(name, base, labels), rounds)
     return {"tokens": tokens, "vocab": vocab, "padded_vocab": padded, "dtype": dtype,
             "rounds": rounds, "device": torch.cuda.get_device_name(),
             "logits_bytes": base.numel() * base.element_size(),

@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from benchmarks.gpu_rounds import alternate, timed  # noqa: E402
 
 KERNELS = ("torch", "triton")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -36,36 +37,18 @@ def one_round(kernel: str, x: torch.Tensor, grad: torch.Tensor) -> tuple[float, 
     from kvtrain.model.swiglu import SwiGLUFunction
 
     leaf = x.detach().requires_grad_()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    held = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = SwiGLUFunction.apply(leaf, kernel == "triton")
-    torch.autograd.grad(out, leaf, grad)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end), torch.cuda.max_memory_allocated() - held
+    return timed(lambda: torch.autograd.grad(SwiGLUFunction.apply(leaf, kernel == "triton"),
+                                             leaf, grad))
 
 
 def measure(tokens: int, ffn: int, dtype: str, rounds: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, 1, 2 * ffn, device="cuda", generator=gen).mul_(3).to(DTYPES[dtype])
     grad = torch.randn(tokens, 1, ffn, device="cuda", generator=gen).to(DTYPES[dtype])
-    for kernel in KERNELS:  # compile and warm up
-        one_round(kernel, x, grad)
-    times: dict = {k: [] for k in KERNELS}
-    peaks: dict = {k: [] for k in KERNELS}
-    for i in range(rounds):
-        for kernel in KERNELS[::-1] if i % 2 else KERNELS:
-            ms, peak = one_round(kernel, x, grad)
-            times[kernel].append(ms)
-            peaks[kernel].append(peak)
-    ms = {k: statistics.median(v) for k, v in times.items()}
+    ms, peak = alternate(KERNELS, lambda kernel: one_round(kernel, x, grad), rounds)
     moved = 8 * tokens * ffn * x.element_size()  # 3f forward + 5f backward per token
     return {"tokens": tokens, "ffn": ffn, "dtype": dtype, "rounds": rounds,
-            "device": torch.cuda.get_device_name(), "ms": ms,
-            "peak_bytes_above_input": {k: max(v) for k, v in peaks.items()},
+            "device": torch.cuda.get_device_name(), "ms": ms, "peak_bytes_above_input": peak,
             "time_ratio": ms["torch"] / ms["triton"],
             "triton_gb_per_s": moved / ms["triton"] / 1e6}
 

@@ -36,27 +36,16 @@ from torch import Tensor
 from megatron.core.models.gpt import GPTModel as MegatronGPTModel
 
 from . import triton_cross_entropy
-
-KERNELS = ("auto", "triton", "torch")
+from .kernel_choice import explicit_choice
 
 
 def choose_cross_entropy(requested: str, backend: str, cuda: bool) -> tuple[str, str]:
     """The loss kernel for ``model.cross_entropy_kernel: requested`` on ``backend``:
     (name, why). ConfigError when the requested one cannot run here."""
-    from kvtrain.config import ConfigError
-
-    key = f"model.cross_entropy_kernel: {requested}"
-    if requested not in KERNELS:
-        raise ConfigError(f"model.cross_entropy_kernel must be auto, triton or torch, "
-                          f"got {requested!r}")
-    if requested == "torch":
-        return "torch", key
-    if requested == "triton":
-        if not cuda:
-            raise ConfigError(f"{key} needs a GPU (use auto or torch on the CPU)")
-        if not triton_cross_entropy.available():
-            raise ConfigError(f"{key}, but Triton is not installed (use torch)")
-        return "triton", key
+    chosen = explicit_choice("model.cross_entropy_kernel", requested, cuda,
+                             triton_cross_entropy.available())
+    if chosen is not None:
+        return chosen
     if not cuda:
         return "torch", "auto: no GPU"
     if backend == "local":  # the reference

@@ -30,8 +30,7 @@ import torch
 from torch import Tensor
 
 from . import triton_rope
-
-KERNELS = ("auto", "triton", "torch")
+from .kernel_choice import explicit_choice
 
 
 def choose_rope(requested: str, backend: str, cuda: bool, mla: bool) -> tuple[str, str]:
@@ -39,20 +38,12 @@ def choose_rope(requested: str, backend: str, cuda: bool, mla: bool) -> tuple[st
     ConfigError when the requested one cannot run here."""
     from kvtrain.config import ConfigError
 
-    key = f"model.rope_kernel: {requested}"
-    if requested not in KERNELS:
-        raise ConfigError(f"model.rope_kernel must be auto, triton or torch, got {requested!r}")
-    if requested == "torch":
-        return "torch", key
-    if requested == "triton":
-        if not cuda:
-            raise ConfigError(f"{key} needs a GPU (use auto or torch on the CPU)")
-        if mla:
-            raise ConfigError(f"{key}: multi-latent attention applies its own RoPE "
-                              f"(use auto or torch with model.mla)")
-        if not triton_rope.available():
-            raise ConfigError(f"{key}, but Triton is not installed (use torch)")
-        return "triton", key
+    if requested == "triton" and cuda and mla:
+        raise ConfigError("model.rope_kernel: triton: multi-latent attention applies its own "
+                          "RoPE (use auto or torch with model.mla)")
+    chosen = explicit_choice("model.rope_kernel", requested, cuda, triton_rope.available())
+    if chosen is not None:
+        return chosen
     if not cuda:
         return "torch", "auto: no GPU"
     if mla:

@@ -34,8 +34,7 @@ from torch import Tensor
 from megatron.core.transformer.module import MegatronModule
 
 from . import triton_swiglu
-
-KERNELS = ("auto", "triton", "torch")
+from .kernel_choice import explicit_choice
 
 
 def choose_swiglu(requested: str, backend: str, cuda: bool,
@@ -43,19 +42,9 @@ def choose_swiglu(requested: str, backend: str, cuda: bool,
     """The SwiGLU kernel for ``model.swiglu_kernel: requested`` on ``backend`` for
     activations of ``dtype``: (name, why). ConfigError when the requested one cannot
     run here."""
-    from kvtrain.config import ConfigError
-
-    key = f"model.swiglu_kernel: {requested}"
-    if requested not in KERNELS:
-        raise ConfigError(f"model.swiglu_kernel must be auto, triton or torch, got {requested!r}")
-    if requested == "torch":
-        return "torch", key
-    if requested == "triton":
-        if not cuda:
-            raise ConfigError(f"{key} needs a GPU (use auto or torch on the CPU)")
-        if not triton_swiglu.available():
-            raise ConfigError(f"{key}, but Triton is not installed (use torch)")
-        return "triton", key
+    chosen = explicit_choice("model.swiglu_kernel", requested, cuda, triton_swiglu.available())
+    if chosen is not None:
+        return chosen
     if not cuda:
         return "torch", "auto: no GPU"
     if backend == "local":  # the reference
@@ -114,4 +103,4 @@ class SwiGLU(MegatronModule):
         return SwiGLUFunction.apply(x, self.fused)
 
 
-__all__ = ["KERNELS", "SwiGLU", "SwiGLUFunction", "choose_swiglu"]
+__all__ = ["SwiGLU", "SwiGLUFunction", "choose_swiglu"]

@@ -210,3 +210,21 @@ def test_device_smoke_turns_off_a_kernel_that_fails(tmp_path):
                              "--set model.cross_entropy_kernel=torch "
                              "--set model.swiglu_kernel=torch"), lines
         assert sum("triton FAILED" in line for line in lines) == 4, lines
+
+
+def test_gpu_micro_benchmarks_alternate_their_variants():
+    """benchmarks/gpu_rounds.alternate (cross_entropy.py's and swiglu.py's rounds): one
+    warm-up call each, then rounds whose order flips, medians of the times and the
+    largest peak of each variant."""
+    from benchmarks.gpu_rounds import alternate
+
+    calls = []
+
+    def one_round(name):
+        calls.append(name)
+        n = len(calls)
+        return (float(n), 10 * n) if name == "a" else (100.0 + n, n)
+
+    ms, peak = alternate(("a", "b"), one_round, rounds=3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert ms == {"a": 6.0, "b": 105.0} and peak == {"a": 70, "b": 8}  # warm-ups left out
