@@ -90,3 +90,31 @@ def test_merge_refuses_to_overwrite_an_input(tmp_path):
         w.commit()
     with pytest.raises(ValueError, match="also an input"):
         merge([str(tmp_path / "a")], str(tmp_path / "a"), log=lambda m: None)
+
+
+def test_merge_refuses_a_damaged_input_in_one_line_writing_nothing(tmp_path):
+    """An index whose sequence pointers do not follow its lengths (a shard damaged
+    after it was written) is named with what is wrong, and no output appears."""
+    import subprocess
+
+    for name in ("good", "bad"):
+        with IndexedWriter(tmp_path / name, np.uint16) as w:
+            w.add_documents(np.arange(7), [3, 4])
+            w.commit()
+    idx = tmp_path / "bad.idx"
+    raw = bytearray(idx.read_bytes())
+    # header 9 + version 8 + dtype 1 + counts 16, lengths int32 [2], pointers int64 [2]
+    pointers = 9 + 8 + 1 + 16 + 2 * 4
+    raw[pointers + 8:pointers + 16] = (1000).to_bytes(8, "little")
+    idx.write_bytes(bytes(raw))
+    assert IndexedReader(tmp_path / "bad").check() == [
+        "sequence pointers are not the running sum of the lengths"]
+    done = subprocess.run([sys.executable, "-m", "data_tools", "merge", str(tmp_path / "good"),
+                           str(tmp_path / "bad"), "--output-prefix", str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr == (f"kvtrain data merge: error: {tmp_path / 'bad'}: damaged: sequence "
+                           "pointers are not the running sum of the lengths\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.bin", "bad.idx", "good.bin",
+                                                          "good.idx"]

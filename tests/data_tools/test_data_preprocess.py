@@ -199,6 +199,27 @@ def test_unreadable_inputs_are_errors(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("out")]
 
 
+def test_inputs_that_cannot_be_read_as_named_are_one_line_each(tmp_path):
+    """What ``discover`` refuses before reading a byte, each naming the file or pattern
+    in one line: an empty directory, a pattern that matches nothing, a file named
+    ``.gz`` that is not gzip, a compressed parquet file."""
+    empty = tmp_path / "empty"
+    (empty / ".hidden").mkdir(parents=True)
+    (empty / "notes.csv").write_text("a,b\n")  # not an input format: skipped in a walk
+    fake_gz = tmp_path / "plain.jsonl.gz"
+    fake_gz.write_text('{"text": "a"}\n')
+    packed = tmp_path / "t.parquet.gz"
+    packed.write_bytes(gzip.compress(b"PAR1"))
+    for spec, message in ((empty, f"{empty}: no input files in this directory"),
+                          (tmp_path / "*.nope", f"{tmp_path / '*.nope'}: the pattern matches "
+                                                "no file"),
+                          (fake_gz, f"{fake_gz}: named gzip but is not gzip-compressed"),
+                          (packed, f"{packed}: compressed parquet files are not supported")):
+        with pytest.raises(readers.InputError) as e:
+            readers.discover([str(spec)])
+        assert str(e.value) == message
+
+
 def test_bom_crlf_and_lines_longer_than_a_chunk(tmp_path):
     docs = ["first", "x" * 5000 + " long é", "last"]
     jsonl = tmp_path / "w.jsonl"
