@@ -141,6 +141,10 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         ds_config.split_matrix = [m if needed[i] else None
                                   for i, m in enumerate(ds_config.split_matrix)]
     sizes = [train_samples, valid_samples if needed[1] else None, None]
+    if blend is not None and blend[1] is not None:
+        # a weighted blend: megatron's builder takes a size for every part (it asserts
+        # otherwise, and shares each part's size out by weight): 0 for a part not built
+        sizes = [0 if n is None else n for n in sizes]
     cls = GPTDataset if d.type == "gpt" else MockGPTDataset
     train, valid, test = BlendedMegatronDatasetBuilder(
         cls, sizes, lambda: True, ds_config
