@@ -141,3 +141,46 @@ def test_models_without_an_hf_form_are_refused_in_one_line(model, needle):
     cfg = run_config(from_dict(ModelConfig, {**to_dict(model_config()), **model}))
     with pytest.raises(ConfigError, match=needle):
         hf_config(cfg, {}, "fp32")
+
+
+def test_hf_folders_kvtrain_cannot_take_are_refused_in_one_line(kv_checkpoint, tmp_path):
+    """What ``kvtrain import`` refuses in a Hugging Face folder, each named in one line
+    before anything is written: another architecture, scaled RoPE (Llama 3.1's), biases,
+    another activation, a head width other than hidden / heads, no weights, a damaged
+    weights file."""
+    import shutil
+
+    path, _ = kv_checkpoint
+    out = export_hf(path, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    cases = {
+        "mistral": ({"model_type": "mistral"},
+                    "model_type 'mistral' is not a Llama (llama, kvshift_llama)"),
+        # (transformers 5 writes rope_parameters, 4 wrote rope_scaling: whichever is there)
+        "llama3": ({"rope_parameters" if "rope_parameters" in config else "rope_scaling":
+                    {"rope_type": "llama3", "factor": 8.0, "rope_theta": 100000.0}},
+                   "RoPE scaling 'llama3' is not supported (kvtrain has plain RoPE)"),
+        "bias": ({"attention_bias": True}, "biases in attention or MLP are not supported"),
+        "gelu": ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not SwiGLU (silu)"),
+        "head_dim": ({"head_dim": 7}, "head_dim 7 != hidden_size / heads"),
+    }
+    for name, (change, message) in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(out, folder)
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ConfigError) as e:
+            import_hf(folder, tmp_path / f"{name}-ckpt")
+        assert str(e.value).endswith(message) and "\n" not in str(e.value), (name, e.value)
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(out, no_weights)
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ConfigError, match=f"^{no_weights} has no \\*.safetensors weights$"):
+        import_hf(no_weights, tmp_path / "nw-ckpt")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    (weights,) = damaged.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ConfigError, match=f"^{weights}: cannot read it \\("):
+        import_hf(damaged, tmp_path / "dm-ckpt")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith("-ckpt")]

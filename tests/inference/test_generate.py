@@ -245,3 +245,41 @@ def test_an_empty_prompts_file_is_named(tmp_path):
             with pytest.raises(ConfigError, match=re.escape(f"--prompts {tmp_path / name}: "
                                                             "no prompt in it")):
                 read_prompts(given, str(tmp_path / name))
+
+
+def test_prompt_files_and_sampling_options_that_cannot_be_used_are_one_line(
+        mp1, arm_runs, tmp_path, capsys):
+    """A ``.jsonl`` prompts file with a line that is not JSON, or not a string or an
+    object with a ``prompt`` string, names the file and line; sampling options out of
+    range name the option."""
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('"1 2"\n{"prompt": 3\n')
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('[1, 2]\n')
+    for argv, message in (
+            (["--prompts", str(bad_json)], f"--prompts {bad_json} line 2: not JSON ("),
+            (["--prompts", str(wrong)], f"--prompts {wrong} line 1: expected a JSON string or "
+                                        'an object with a "prompt" string'),
+            (["--prompt", "1", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1 (got 0)"),
+            (["--prompt", "1", "--temperature", "-1"], "--temperature must be >= 0 (got -1.0)"),
+            (["--prompt", "1", "--temperature", "1", "--top-p", "1.5"],
+             "--top-p must be in (0, 1] (got 1.5)"),
+            (["--prompt", "1", "--temperature", "1", "--top-k", "-1"],
+             "--top-k must be >= 0 (got -1)"),
+            (["--prompt", "1", "--batch-size", "0"], "--batch-size must be >= 1 (got 0)")):
+        assert main(["generate", str(arm_runs["kv_shift"]), *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("kvtrain: config error: ") and message in err, (argv, err)
+        assert "\n" not in err
+
+
+def test_a_plain_text_prompts_file_gives_a_prompt_per_line(mp1, arm_runs, tmp_path, capsys):
+    """Any other file than ``.jsonl`` holds one prompt per line as it is (blank lines
+    skipped)."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("1 2 3\n\n4 5\n")
+    out = tmp_path / "g.jsonl"
+    assert main(["generate", str(arm_runs["kv_shift"]), "--prompts", str(prompts),
+                 "--max-new-tokens", "2", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == ["1 2 3", "4 5"]
