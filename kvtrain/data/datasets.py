@@ -29,7 +29,7 @@ from typing import Any, Optional
 from kvtrain.config import ConfigError
 from kvtrain.config.schema import RunConfig
 
-SPLIT_NAMES = ("train", "valid", "test")
+SPLIT_NAMES = ("training", "validation", "test")  # the parts of data.split, in order
 
 
 @dataclass

@@ -104,7 +104,7 @@ def test_empty_split_part_is_refused_not_looped_on():
     from kvtrain.data.datasets import plan_split
 
     matrix = [(0.0, 0.969), (0.969, 0.999), (0.999, 1.0)]
-    with pytest.raises(ConfigError, match="valid part 0 of the 10 documents"):
+    with pytest.raises(ConfigError, match="validation part 0 of the 10 documents"):
         plan_split(matrix, {"shard": 10}, (True, True, False), "969,30,1")
     # parts we never draw from are dropped without moving the others
     assert plan_split(matrix, {"shard": 1000}, (True, True, False), "x") == \

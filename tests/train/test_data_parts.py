@@ -1,6 +1,7 @@
-"""A weighted blend of shards (``data.paths: [w1, prefix1, w2, prefix2, ...]``):
-megatron's BlendedDataset draws each shard's share of the samples, and a run trains
-on it from end to end."""
+"""How the data config's parts are built: a weighted blend of shards
+(``data.paths: [w1, prefix1, w2, prefix2, ...]``), whose BlendedDataset draws each
+shard's share of the samples and which a run trains on from end to end, and the
+parts of ``data.split`` a run draws from."""
 
 from __future__ import annotations
 
@@ -55,3 +56,27 @@ def test_a_run_trains_and_validates_on_a_blend(tmp_path, cache_dir):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert [r["iteration"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
     assert [r["iteration"] for r in metrics(tmp_path / "run", "valid")] == [3]
+
+
+def test_a_split_without_the_parts_a_run_draws_from_is_one_line():
+    """``data.split`` must give every part the run draws from (validation: with
+    ``train.eval_interval``) a share of every shard's documents: said in one line
+    naming the split, the part and the shard; parts not drawn from are not built."""
+    import pytest
+
+    from kvtrain.config import ConfigError
+    from kvtrain.data.datasets import plan_split
+
+    counts = {"a": 1000, "b": 30}
+    train_only = [(0, 1.0), None, None]  # megatron's matrix of "100,0,0"
+    assert plan_split(train_only, counts, (True, False, False), "100,0,0") == train_only
+    with pytest.raises(ConfigError) as e:
+        plan_split(train_only, counts, (True, True, False), "100,0,0")
+    assert str(e.value) == "data.split '100,0,0' has no validation part"
+    small = [(0, 0.99), (0.99, 1.0), None]  # "99,1,0": b's 30 documents give it none
+    with pytest.raises(ConfigError) as e:
+        plan_split(small, counts, (True, True, False), "99,1,0")
+    assert str(e.value) == ("data.split '99,1,0' gives the validation part 0 of the 30 "
+                            "documents of b: use more documents or a larger validation weight "
+                            "(or set train.eval_interval: null)")
+    assert plan_split(small, counts, (True, False, False), "99,1,0") == [(0, 0.99), None, None]
