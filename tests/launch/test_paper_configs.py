@@ -228,6 +228,10 @@ def test_plan_text_report():
     # divisibility of the model itself: 40 heads over TP 3
     (["configs/paper/13b_vanilla.yaml", "--nodes", "16", "--set", "parallel.tensor=3"], 2,
      "must be divisible by parallel.tensor (3)"),
+    # the cluster and the assumed MFU
+    (["configs/paper/1.5b_kv_shift.yaml", "--nodes", "0"], 1,
+     "--nodes (0) and --gpus-per-node (8) must be >= 1"),
+    (["configs/paper/1.5b_kv_shift.yaml", "--mfu", "1.5"], 1, "--mfu must be in (0, 1], got 1.5"),
 ])
 def test_plan_refuses_impossible_layouts_in_one_line(args, code, message):
     out = kvtrain("plan", *args)
@@ -235,6 +239,26 @@ def test_plan_refuses_impossible_layouts_in_one_line(args, code, message):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("sets, nodes, gpus_per_node, warning", [
+    (["parallel.tensor=8"], 2, 4,
+     "TP 8 spans nodes (4 GPUs per node): tensor-parallel all-reduces would cross the network"),
+    (["parallel.tensor=4", "train.global_batch_size=480"], 2, 6,
+     "TP 4 does not divide the 6 GPUs of a node: some TP groups span two nodes"),
+    (["parallel.pipeline=4", "train.global_batch_size=64"], 2, 8,
+     "2 micro batches per step for PP 4: the pipeline bubble dominates (want micro batches "
+     ">= 4 x PP)"),
+    (["parallel.tensor=2", "train.precision=fp32", "parallel.recompute=full"], 1, 8,
+     "train.precision fp32 on GPU: bf16 is the paper's setting and ~2x faster"),
+])
+def test_plan_warns_of_layouts_that_work_badly(sets, nodes, gpus_per_node, warning):
+    """Layouts that run but waste the cluster: the plan's one warning each (the paper's
+    1.5B config otherwise gives none)."""
+    path = str(REPO / "configs/paper/1.5b_kv_shift.yaml")
+    assert make_plan(load_config(path, []), nodes=1, gpus_per_node=8).warnings == []
+    plan = make_plan(load_config(path, sets), nodes=nodes, gpus_per_node=gpus_per_node)
+    assert plan.warnings == [warning]
 
 
 def test_plan_memory_is_monotone_in_the_obvious_knobs():
