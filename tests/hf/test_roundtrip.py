@@ -184,3 +184,21 @@ def test_hf_folders_kvtrain_cannot_take_are_refused_in_one_line(kv_checkpoint, t
     with pytest.raises(ConfigError, match=f"^{weights}: cannot read it \\("):
         import_hf(damaged, tmp_path / "dm-ckpt")
     assert not [p for p in tmp_path.iterdir() if p.name.endswith("-ckpt")]
+
+
+def test_force_replaces_an_earlier_export_whole(kv_checkpoint, tmp_path):
+    """``--force`` over a non-empty folder: the new export takes its place whole (what
+    was there is gone, nothing half-written or set aside is left beside it); a file
+    where the folder should be is refused in one line."""
+    path, expected = kv_checkpoint
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "stale.txt").write_text("from before")
+    export_hf(path, out, force=True)
+    assert not (out / "stale.txt").exists() and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]
+    torch.testing.assert_close(hf_logits(load_hf(out), tokens()), expected, atol=1e-4, rtol=1e-4)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=f"^{blocker} exists and is not a folder$"):
+        export_hf(path, blocker, force=True)
