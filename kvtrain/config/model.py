@@ -163,7 +163,8 @@ class ModelConfig:
     start, printed and recorded with the backend): ``triton`` - one pass over memory
     each way (GPU; kvtrain.model.swiglu); ``torch`` - torch's ops (5 passes of an
     f-wide tensor forward, 11 backward); ``auto`` - ``triton`` for the ``torch`` and
-    ``te`` backends on a GPU where Triton imports (not fp64), else ``torch``."""
+    ``te`` backends on a GPU where Triton imports (not fp64: the kernels compute in
+    fp32, also where ``triton`` is asked for), else ``torch``."""
     norm_epsilon: float = 1e-5
     """RMSNorm epsilon."""
     init_method_std: float = 0.02

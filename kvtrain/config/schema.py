@@ -411,13 +411,13 @@ class RunConfig:
             values = []
         if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or not values[0] > 0:
             raise ConfigError(
-                f"data.split must be up to three non-negative train,valid,test weights with a "
-                f"positive train part (e.g. '969,30,1'), got {d.split!r}"
+                f"data.split must be up to three non-negative training,validation,test weights "
+                f"with a positive training part (e.g. '969,30,1'), got {d.split!r}"
             )
         if self.train.eval_interval is not None and (len(values) < 2 or values[1] == 0):
             raise ConfigError(
                 f"data.split {d.split!r} has no validation part but train.eval_interval is set "
-                "(give the valid part a weight or set train.eval_interval: null)"
+                "(give the validation part a weight or set train.eval_interval: null)"
             )
         if d.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {d.num_workers}")

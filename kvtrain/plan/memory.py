@@ -114,9 +114,10 @@ logits: ``s·b·V/t`` in bf16 and, with megatron's cross-entropy, their fp32 cop
 (its softmax, kept for the backward); kvtrain's fused loss (the ``torch`` and
 ``te`` backends' on a GPU) keeps the bf16 logits alone (``logit_bytes``).
 
-Each model chunk also keeps RoPE's fp32 angles for the run (megatron caches
-them) and, where kvtrain's Triton RoPE runs, their cos/sin table (``rope_bytes``:
-3 MiB at 2048 tokens and head dim 128 on the ``torch`` backend, 192 MiB at 128k).
+Each model chunk (with MLA, each layer) also keeps RoPE's fp32 angles for the run
+(megatron caches them) and, where kvtrain's Triton RoPE runs, their cos/sin table
+(``rope_bytes``: 3 MiB at 2048 tokens and head dim 128 on the ``torch`` backend,
+192 MiB at 128k).
 
 Overhead: CUDA context, NCCL and cuBLAS/TE workspaces and allocator
 fragmentation, taken as 3 GiB plus 5% of the rest. Expect real usage within
@@ -302,23 +303,35 @@ def logit_bytes(model: ModelConfig, precision: str, backend: str) -> int:
     return 4 if act == 4 else act + 4
 
 
-def rope_bytes(model: ModelConfig, seq_length: int, backend: str) -> int:
-    """Bytes of RoPE's angles one model chunk keeps for the whole run: megatron's
-    ``RotaryEmbedding`` caches them (``lru_cache``), fp32 ``[s, 1, 1, r]`` over the
-    whole sequence (context parallelism slices a copy per step), and where kvtrain's
-    Triton RoPE runs (``model.rope_kernel`` triton, or auto on the ``torch``
-    backend; never ``te``'s, whose slot holds TE's kernel) the cos/sin table kept on
-    them, fp32 ``[s, 2r]`` (``triton_rope.cos_sin``): both 3 MiB at 2048 tokens and head
-    dim 128, 192 MiB at 128k."""
+def rope_bytes(model: ModelConfig, seq_length: int, backend: str, context: int = 1) -> int:
+    """Bytes of one copy of RoPE's angles that megatron's ``RotaryEmbedding`` caches for
+    the whole run (``lru_cache``): fp32 ``[s/cp, 1, 1, r]``, this context-parallel
+    rank's rows (megatron caches the slice), and where kvtrain's Triton RoPE runs
+    (``model.rope_kernel`` triton, or auto on the ``torch`` backend; never ``te``'s,
+    whose slot holds TE's kernel) the cos/sin table kept on them, fp32 ``[s/cp, 2r]``
+    (``triton_rope.cos_sin``): both 3 MiB at 2048 tokens and head dim 128, 192 MiB at
+    128k. (With TE installed, a ``torch`` run whose layers do not rotate in their QKV
+    split takes TE's kernel and keeps no table: counted anyway, an upper bound.) A GPT
+    model chunk keeps one copy; MLA layers keep one each (:func:`rope_copies`)."""
     if model.position_embedding != "rope":
         return 0
     r = model.mla.qk_pos_emb_head_dim if model.mla is not None else \
         model.hidden_size // model.num_attention_heads
-    angles = 4 * seq_length * r
+    angles = 4 * (seq_length // context) * r
     kernel = model.rope_kernel
     triton = model.mla is None and backend != "te" and (
         kernel == "triton" or (kernel == "auto" and backend == "torch"))
     return angles * (3 if triton else 1)
+
+
+def rope_copies(model: ModelConfig, parallel: ParallelConfig) -> int:
+    """Copies of RoPE's angles one GPU keeps: one per model chunk (its ``GPTModel``'s
+    ``RotaryEmbedding``), or with MLA one per layer (megatron's MLA layers each build
+    their own), up to the 32 entries of the ``lru_cache`` they share."""
+    p = parallel.pipeline
+    if model.mla is not None:
+        return min(model.num_layers // p, 32)
+    return parallel.virtual_pipeline if parallel.virtual_pipeline and p > 1 else 1
 
 
 def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
@@ -329,7 +342,7 @@ def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: i
 
     Returns ``total`` and its parts: ``layers`` (kept layer activations),
     ``working`` (one recomputed layer, full recompute only), ``logits`` (last
-    stage), ``rope`` (RoPE's angles and table, one per model chunk: ``rope_bytes``),
+    stage), ``rope`` (RoPE's angles and table: ``rope_bytes`` x ``rope_copies``),
     and ``in_flight`` (micro batches whose activations are kept).
     """
     p = parallel.pipeline
@@ -357,8 +370,8 @@ def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: i
         sb = seq_length * micro_batch / parallel.context
         logits = sb * model.padded_vocab_size(t) / t * logit_bytes(model, precision, backend)
     kept = layers * in_flight * per_layer
-    chunks = parallel.virtual_pipeline if parallel.virtual_pipeline and p > 1 else 1
-    angles = chunks * rope_bytes(model, seq_length, backend)
+    angles = rope_copies(model, parallel) * rope_bytes(model, seq_length, backend,
+                                                        parallel.context)
     return {"total": kept + working + logits + angles, "layers": kept, "working": working,
             "logits": logits, "rope": angles, "per_layer": per_layer, "in_flight": in_flight}
 

@@ -9,6 +9,7 @@ megatron's ops. Compilation for a GPU and speed are the ``gpu`` tests' part.
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -456,3 +457,27 @@ def test_models_without_rotary_embeddings_take_none():
     assert choose_for(ModelConfig(position_embedding="none"), "torch", True) == (
         "none", "model.position_embedding: none")
     assert choose_for(ModelConfig(), "torch", True) == ("triton", "auto: GPU")
+
+
+def test_the_plan_counts_one_angles_copy_per_mla_layer(mp1):
+    """megatron's MLA layers build a ``RotaryEmbedding`` each, and its ``lru_cache``
+    (keyed by the module) keeps a copy per layer: the plan counts as many, up to the
+    cache's 32 entries; context parallelism keeps this rank's share of the rows."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from kvtrain.config import ParallelConfig
+    from kvtrain.plan.memory import activation_bytes, rope_bytes, rope_copies
+    from tests.model.test_mla import build, model_config
+
+    cfg = model_config("vanilla", layers=3)
+    model = build(cfg)
+    RotaryEmbedding.forward.cache_clear()
+    tokens = torch.randint(0, 128, (2, 10))
+    model(tokens, torch.arange(10)[None].expand_as(tokens), None)
+    kept = RotaryEmbedding.forward.cache_info().currsize * 4 * 10 * cfg.mla.qk_pos_emb_head_dim
+    acts = activation_bytes(cfg, ParallelConfig(), 10, 2, 1, "none", precision="fp32",
+                            backend="torch")
+    assert acts["rope"] == kept == 3 * rope_bytes(cfg, 10, "torch")
+    deep = dataclasses.replace(cfg, num_layers=80)
+    assert rope_copies(deep, ParallelConfig(pipeline=2)) == 32
+    assert rope_bytes(cfg, 64, "torch", context=2) == rope_bytes(cfg, 32, "torch")

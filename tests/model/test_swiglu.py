@@ -76,7 +76,10 @@ for name, call in (("odd", lambda: triton_swiglu.forward(torch.randn(3, 7))),
         out["refusals"][name] = None
     except ValueError as e:
         out["refusals"][name] = str(e)
-out["empty"] = list(SwiGLUFunction.apply(torch.randn(0, 2, 16, requires_grad=True), True).shape)
+empty = torch.randn(0, 2, 16, requires_grad=True)
+y = SwiGLUFunction.apply(empty, True)
+y.backward(torch.ones_like(y))
+out["empty"] = [list(y.shape), list(empty.grad.shape)]
 
 # whole models: the kernel in every layer's MLP against the torch ops (fp32)
 from kvtrain.backend import init_distributed, init_model_parallel, set_seed
@@ -202,7 +205,7 @@ def test_the_wrappers_refuse_what_the_kernels_cannot_take(interpreted):
     assert r["odd"] == "SwiGLU's input has an even last dim [gate | linear], got 7"
     assert r["grad"] == ("expected a gradient (3, 4) for SwiGLU's input (3, 8), "
                          "got (3, 3)")
-    assert interpreted["empty"] == [0, 2, 8]
+    assert interpreted["empty"] == [[0, 2, 8], [0, 2, 16]]
 
 
 @pytest.mark.parametrize("name", ["vanilla torch", "kv_shift torch", "vanilla local",
@@ -226,6 +229,8 @@ def test_models_on_the_kernels_match_the_torch_ops(interpreted, name):
      ("torch", "auto: the Triton kernels compute in fp32, not fp64")),
     ("torch", "torch", True, torch.bfloat16, ("torch", "model.swiglu_kernel: torch")),
     ("triton", "local", True, torch.float32, ("triton", "model.swiglu_kernel: triton")),
+    # asked for, the kernels take fp64 too (in fp32, as the config key says)
+    ("triton", "torch", True, torch.float64, ("triton", "model.swiglu_kernel: triton")),
 ])
 def test_choice(requested, backend, cuda, dtype, want):
     assert choose_swiglu(requested, backend, cuda, dtype) == want
