@@ -58,11 +58,20 @@ SCENARIOS = {
                  ["checkpoint.keep_last=1"], 0),
     "all-damaged": (lambda d: [_truncate(_shard(d / CK / _it(i))) for i in (2, 4, 6)], [], 2),
     "resume-none": (lambda d: None, ["checkpoint.resume=none"], 2),
+    # saved by an older kvtrain, before markers held a file manifest
+    "no-manifest": (lambda d: _drop_manifest(d / CK / _it(6)), [], 0),
 }
 TRACKER_FAULTS = ["latest-empty", "latest-deleted", "latest-not-utf8", "latest-names-missing"]
 DAMAGED = {"shard-truncated": "__0_0.distcp", "common-truncated": "common.pt",
            "metadata-truncated": ".metadata", "shard-deleted": "__0_0.distcp",
            "unverified-shard-truncated": "could not be loaded"}
+
+
+def _drop_manifest(ckpt: Path) -> None:
+    marker = ckpt / "kvtrain_checkpoint.json"
+    info = json.loads(marker.read_text())
+    del info["manifest"]
+    marker.write_text(json.dumps(info))
 
 
 def _mount_tmpfs(where: Path, kib: int) -> bool:
@@ -149,6 +158,19 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(runs, name):
     (kept,) = (root / name / CK).glob(f"abandoned-*/{_it(6)}")
     assert (kept / "kvtrain_checkpoint.json").exists()
     assert (root / name / CK / "latest").read_text().strip() == _it(6)
+
+
+def test_a_checkpoint_without_a_manifest_resumes_with_a_warning(runs):
+    """A checkpoint an older kvtrain saved (its marker has no file manifest) cannot be
+    verified: it is loaded, and the run says so once, on stdout and in its events."""
+    root = runs[0]
+    text = _check_exit(runs, "no-manifest")
+    warnings = _lines(text, "kvtrain: warning:")
+    assert warnings == [f"kvtrain: warning: {root / 'no-manifest' / CK / _it(6)} was saved "
+                        "without a file manifest (an older kvtrain): it cannot be verified"]
+    assert f"resumed from {root / 'no-manifest' / CK / _it(6)} at iteration 6" in text
+    events = [e["message"] for e in metrics(root / "no-manifest", kind="event")]
+    assert any("without a file manifest" in e for e in events), events
 
 
 def test_rollback_sets_newer_checkpoints_aside_not_deleted(runs):
