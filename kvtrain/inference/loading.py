@@ -138,23 +138,23 @@ def load_model(source: str | Path, backend: str = "auto",
                               pipeline=parallel_state.get_pipeline_model_parallel_world_size())
     numerics = Numerics(params_dtype=dtype, bf16=dtype == torch.bfloat16)
     name = resolve_backend(backend)
-    # the training run's kv_shift.kernel may name another machine's kernel: the kernels
-    # compute the same shift, so inference takes what this machine has
-    shift_kernel = None
-    if cfg.model.attention == "kv_shift":
-        from kvtrain.model.shift_kernels import choose_kernel
-
-        shift_kernel = choose_kernel("auto", torch.cuda.is_available(), dtype)[0]
+    # the training run's kernel keys may name another machine's kernels: every kernel
+    # computes the same values, so inference takes what this machine has (auto)
     from kvtrain.model import rope
     from kvtrain.model.swiglu import choose_swiglu
 
     cuda = torch.cuda.is_available()
+    shift_kernel = None
+    if cfg.model.attention == "kv_shift":
+        from kvtrain.model.shift_kernels import choose_kernel
+
+        shift_kernel = choose_kernel("auto", cuda, dtype)[0]
     rope_kernel = rope.resolve(cfg.model, name, cuda)[0]
     model = build_gpt(cfg.model, transformer_config(cfg.model, parallel, numerics,
                                                     rope_fusion=rope.fuses(rope_kernel)),
                       seed=cfg.train.seed, backend=name, shift_kernel=shift_kernel,
                       swiglu=choose_swiglu("auto", name, cuda, dtype)[0])
-    if torch.cuda.is_available():
+    if cuda:
         model.cuda(torch.cuda.current_device())
     request = {"model": model.sharded_state_dict(metadata=dict(SHARDING_METADATA))}
     loaded, in_checkpoint_only, in_model_only = dist_checkpointing.load(
