@@ -4,15 +4,26 @@
 #
 #   here:  benchmarks/device/prepare.sh MEGATRON_LM_GIT_DIR     (once: fills .gpu/)
 #   there: bash benchmarks/device/checks.sh [PART ...]           (carry: .gpu)
-#          e.g. run(command="bash benchmarks/device/checks.sh", carry=[".gpu"], timeout_s=580)
 #
-# PARTs, in this order by default (each under its own time limit, cut to what is
-# left of DEADLINE seconds from the start; a part with under 60 s left is skipped
-# and says so):
-#   tests   the `gpu` tests (pytest -m gpu)                      -> checks.log, tests.xml
+# Sized for a lease of 15 minutes of device time, the machine's start (1-2 min)
+# included: two calls, the second at once on the still-warm machine (it is given
+# back 30 s after a call):
+#   run(command="bash benchmarks/device/checks.sh", carry=[".gpu"], kind="nvidia-h200",
+#       timeout_s=540)                  # the targets, then the gpu tests (DEADLINE 480 s)
+#   run(command="DEADLINE=200 bash benchmarks/device/checks.sh PART ...", carry=[".gpu"],
+#       timeout_s=240)                  # what the first skipped (its last line names them)
+#
+# PARTs, in this order by default: the targets first (each under its own
+# time limit, cut to what is left of DEADLINE seconds from the start; a part with
+# under 60 s left is skipped and says so):
 #   small   benchmarks/step.py configs/bench/small.yaml, torch backend      -> step-small.json
 #           (small, h2048 and paper add one profiled step per arm: --profile)
 #   h2048   benchmarks/step.py configs/bench/h2048.yaml, torch backend      -> step-h2048.json
+#   paper   the paper's 1.5B shape, torch backend (LAYERS of its 28 layers;
+#           default 28 on a card of > 120 GiB, else 12), micro 4, global 8   -> step-paper.json
+#   mlm     Megatron-LM's pretrain_gpt.py on the same shape, batch and card
+#           (--transformer-impl local, mock data, tied embeddings as the config)
+#   tests   the `gpu` tests (pytest -m gpu)                      -> checks.log, tests.xml
 #   kernel  benchmarks/shift_kernel.py --qkv at the h2048 shape, bf16: the shift's own
 #           time against vanilla's split, per kernel                       -> checks.log
 #           the same with RoPE: the split, shift and RoPE as one node (qkv_rope) per arm
@@ -20,10 +31,6 @@
 #           megatron's loss against the fused one                  -> cross-entropy.json
 #           benchmarks/swiglu.py at the paper's MLP (8192 x 2 x 5504, bf16): torch's
 #           ops against the Triton kernels                                -> swiglu.json
-#   paper   the paper's 1.5B shape, torch backend (LAYERS of its 28 layers;
-#           default 28 on a card of > 120 GiB, else 12), micro 4, global 8   -> step-paper.json
-#   mlm     Megatron-LM's pretrain_gpt.py on the same shape, batch and card
-#           (--transformer-impl local, mock data, tied embeddings as the config)
 #   kernels the small shape with the shift on torch ops instead of Triton, h2048 with
 #           megatron's RoPE instead of the Triton kernel (what the Triton RoPE, in the
 #           QKV split node since session 8, gains both arms),
@@ -34,11 +41,14 @@
 # fails is turned off (--set ...=torch) for the timed runs, said in checks.log and
 # $OUT/smoke.txt. Everything printed goes to $OUT/checks.log; $OUT/env.txt says what ran where, and
 # $OUT/summary.txt (benchmarks/device/summary.py) puts each target beside its goal.
+# The JSON and XML records come back in $OUT/results.tgz (a call brings back 8 files
+# at most); here, `python benchmarks/device/summary.py CALL1 CALL2` gives the table of
+# both calls from their folders as they came back.
 set -u
 : "${OUT:?set OUT to the folder that comes back}"
-DEADLINE=${DEADLINE:-540}
+DEADLINE=${DEADLINE:-480}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(tests small h2048 kernel paper mlm kernels)
+[ ${#parts[@]} -gt 0 ] || parts=(small h2048 paper mlm tests kernel kernels)
 start=$(date +%s)
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/checks.log"; }
 
@@ -90,7 +100,7 @@ paper=(--set model.num_layers="$LAYERS" --set train.micro_batch_size=4
 
 for part in "${parts[@]}"; do
   case $part in
-    tests) run tests 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider -o addopts= \
+    tests) run tests 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider -o addopts= \
              --junit-xml="$OUT/tests.xml" ;;
     kernel) run kernel 60 python3 benchmarks/shift_kernel.py --qkv --dtype bf16 --seq 2048 \
              --batch 4 --heads 16 --dim 128 --repeat 51
@@ -111,10 +121,10 @@ for part in "${parts[@]}"; do
              "${off[@]}" --profile --json "$OUT/step-small.json" ;;
     h2048) run h2048 120 python3 benchmarks/step.py configs/bench/h2048.yaml --backend torch \
              "${off[@]}" --profile --json "$OUT/step-h2048.json" ;;
-    paper) run "paper ($LAYERS layers)" 200 python3 benchmarks/step.py \
+    paper) run "paper ($LAYERS layers)" 150 python3 benchmarks/step.py \
              configs/paper/1.5b_kv_shift.yaml --backend torch "${paper[@]}" "${off[@]}" --steps 8 \
              --warmup 2 --profile --json "$OUT/step-paper.json" ;;
-    mlm)   run "megatron-lm ($LAYERS layers)" 200 env -C .gpu/megatron-lm torchrun \
+    mlm)   run "megatron-lm ($LAYERS layers)" 150 env -C .gpu/megatron-lm torchrun \
              --nproc-per-node 1 pretrain_gpt.py --transformer-impl local \
              --num-layers "$LAYERS" --hidden-size 2048 --num-attention-heads 16 \
              --ffn-hidden-size 5504 --seq-length 2048 --max-position-embeddings 2048 \
@@ -145,6 +155,7 @@ for part in "${parts[@]}"; do
     *) log "unknown part $part (tests, kernel, small, h2048, paper, mlm, kernels)" ;;
   esac
 done
-python3 benchmarks/device/summary.py "$OUT" | tee "$OUT/summary.txt"
+# a call brings back 8 files at most: the records go into one archive, results.tgz
+python3 benchmarks/device/summary.py --pack "$OUT" | tee "$OUT/summary.txt"
 log "done after $(( $(date +%s) - start ))s; failed: ${failed[*]:-none}; skipped: ${skipped[*]:-none}"
 [ ${#failed[@]} -eq 0 ]

@@ -1,6 +1,14 @@
 """The GPU items of issue 12 from what benchmarks/device/checks.sh wrote: one table.
 
-    python benchmarks/device/summary.py DIR      (DIR: the call's $OUT, as it came back)
+    python benchmarks/device/summary.py DIR [DIR ...]   (each: a call's $OUT, as it came back)
+    python benchmarks/device/summary.py --pack DIR      (checks.sh, last: the table, then
+                                                         the records into DIR/results.tgz)
+
+A call brings back at most 8 files from $OUT, and checks.sh writes more, so ``--pack``
+moves its JSON and XML records into one archive, ``results.tgz``, and leaves the
+logs beside it. The table reads a DIR's archive as if unpacked; with several DIRs
+(the calls of one lease, in order) a later call's record of a run wins and their
+checks.log are read one after the other.
 
 Reads DIR/step-*.json (benchmarks/step.py, with its ``--profile`` record),
 DIR/cross-entropy.json (benchmarks/cross_entropy.py), DIR/swiglu.json
@@ -11,12 +19,18 @@ DIR/checks.log ("elapsed time per iteration (ms)", the first logged interval - w
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import shutil
 import statistics
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
+ARCHIVE = "results.tgz"
+RECORDS = ("*.json", "*.xml")  # what --pack moves into the archive
 GOALS = {"small": ("time", 1.03), "small-torchops": ("time", 1.03), "h2048": ("time", 1.01)}
 
 
@@ -144,8 +158,36 @@ def tests_row(xml: Path) -> str | None:
     return row + (f": {', '.join(failed)}" if failed else "")
 
 
-def main() -> int:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+def gather(dirs: list[Path], into: Path) -> None:
+    """The calls' records in one folder: each DIR's files and its archive's
+    members, a later DIR's winning; their checks.log one after the other."""
+    logs = []
+    for d in dirs:
+        if (d / ARCHIVE).exists():
+            with tarfile.open(d / ARCHIVE) as tar:
+                tar.extractall(into, filter="data")
+        for path in d.iterdir():
+            if path.name == "checks.log":
+                logs.append(path.read_text(errors="replace"))
+            elif path.is_file() and path.name != ARCHIVE:
+                shutil.copyfile(path, into / path.name)
+    if logs:
+        (into / "checks.log").write_text("".join(logs))
+
+
+def pack(out: Path) -> list[str]:
+    """Move ``out``'s records into ``out/results.tgz`` (the names moved)."""
+    records = sorted({p for pattern in RECORDS for p in out.glob(pattern)})
+    if records:
+        with tarfile.open(out / ARCHIVE, "w:gz") as tar:
+            for path in records:
+                tar.add(path, arcname=path.name)
+        for path in records:
+            path.unlink()
+    return [p.name for p in records]
+
+
+def table(out: Path) -> None:
     tests = tests_row(out / "tests.xml")
     if tests:
         print(tests)
@@ -168,6 +210,24 @@ def main() -> int:
             print(f"paper  tokens/s vanilla {ours[0]:.0f}, KV shift {ours[1]:.0f}, "
                   f"Megatron-LM {mlm:.0f}: {ours[0] / mlm:.3f} / {ours[1] / mlm:.3f} x "
                   f"({'met' if min(ours) >= mlm else 'NOT met'} >= 1.0)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("dirs", nargs="*", type=Path, default=[Path(".")])
+    parser.add_argument("--pack", action="store_true",
+                        help=f"then move DIR's records into DIR/{ARCHIVE} (one DIR)")
+    args = parser.parse_args(argv)
+    missing = [str(d) for d in args.dirs if not d.is_dir()]
+    if missing or (args.pack and len(args.dirs) != 1):
+        parser.error(f"not a folder: {', '.join(missing)}" if missing
+                     else "--pack takes one DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        gather(args.dirs, Path(tmp))
+        table(Path(tmp))
+    if args.pack:
+        moved = pack(args.dirs[0])
+        print(f"packed into {ARCHIVE}: {' '.join(moved) or 'nothing'}", file=sys.stderr)
     return 0
 
 

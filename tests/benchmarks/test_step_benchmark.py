@@ -121,9 +121,7 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     (out / "swiglu.json").write_text(json.dumps({  # benchmarks/swiglu.py's, made up
         "tokens": 8192, "ffn": 5504, "dtype": "bf16", "ms": {"torch": 1.2, "triton": 0.6},
         "time_ratio": 2.0, "triton_gb_per_s": 2400.0}))
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device" / "summary.py"),
-                           str(out)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
+    done = _summary(out)
     lines = done.stdout.splitlines()
     assert lines[0] == "tests  gpu: 2 passed, 1 failed, 1 skipped: tests.a.test_y"
     ratio = result["ratio"]["step_time_median"]
@@ -142,6 +140,36 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     megatron = 8 * 2048 / 0.510  # the median interval after the first
     vanilla = result["arms"]["vanilla"]["tokens_per_s"]
     assert f"Megatron-LM {megatron:.0f}: {vanilla / megatron:.3f}" in done.stdout
+    _check_packed_records(tmp_path, out, done.stdout)
+
+
+def _summary(*args) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device" / "summary.py"),
+                           *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def _check_packed_records(tmp_path: Path, out: Path, table: str) -> None:
+    """A call brings back 8 files at most: ``--pack`` (checks.sh's last step) leaves
+    the logs and one archive, which gives the same table; two calls' folders, each
+    with part of the records and of Megatron-LM's log, give it too."""
+    import shutil
+
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    shutil.copytree(out, first)
+    second.mkdir()
+    for name in ("step-paper.json", "tests.xml", "swiglu.json"):  # the second call's parts
+        shutil.move(first / name, second / name)
+    log = (out / "checks.log").read_text().splitlines(keepends=True)
+    (first / "checks.log").write_text("".join(log[:3]))
+    (second / "checks.log").write_text("".join(log[3:]))
+    assert _summary("--pack", out).stdout == table
+    assert sorted(p.name for p in out.iterdir()) == ["checks.log", "results.tgz"]
+    assert _summary(out).stdout == table
+    for call in (first, second):
+        _summary("--pack", call)
+    assert _summary(first, second).stdout == table
 
 
 @pytest.mark.parametrize("key", ["model.attention", "train.max_steps", "train.train_tokens"])
