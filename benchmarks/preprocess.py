@@ -119,14 +119,14 @@ def ours(model: str, corpus: str, workdir: str, workers: int) -> tuple[int, floa
     return result["counts"].tokens, time.perf_counter() - t0, _cpu_seconds() - cpu
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=64, help="corpus size in MB (default 64)")
     ap.add_argument("--vocab-size", type=int, default=8000)
     ap.add_argument("--workers", type=int, default=default_workers())
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-preprocess-") as tmp:
         workdir = args.workdir or tmp
         os.makedirs(workdir, exist_ok=True)

@@ -110,7 +110,7 @@ def measure(fn, args, device: torch.device) -> tuple[float, int]:
     return time.perf_counter() - start, 0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=2)
@@ -124,7 +124,7 @@ def main() -> None:
     p.add_argument("--qkv", action="store_true", help="K and V from the QKV output (above)")
     p.add_argument("--heads-per-group", type=int, default=1, help="--qkv: query heads per KV head")
     p.add_argument("--rope", action="store_true", help="--qkv: with RoPE of Q and K (above)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     s, b, h, d = args.seq, args.batch, args.heads, args.dim

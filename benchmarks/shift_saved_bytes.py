@@ -52,12 +52,12 @@ def saved(attn: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor,
     return sum(n for ptr, n in storages.items() if ptr not in params), count
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("seq", 256), ("batch", 2), ("hidden", 256), ("heads", 8), ("groups", 4)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--backend", choices=("torch", "local"), default="torch")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     init_distributed(seed=1)
     init_model_parallel(1, 1)
     set_seed(1)

@@ -1,0 +1,82 @@
+"""The benchmarks that time or count one part (``shift_kernel.py``,
+``shift_saved_bytes.py``, ``preprocess.py``) run on tiny shapes and print what
+docs/performance.md quotes from them: a benchmark that no longer runs would
+otherwise be found only on the GPU machine, where ``checks.sh`` calls
+``shift_kernel.py``, or by the next person to measure."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtrain.model import native_shift
+
+from ..scripts import load_script
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks"
+ROW = re.compile(r"^  (.+?)\s+median\s+([0-9.]+) ms \(\s*([0-9.]+) x (\w+)\), min")
+
+
+def _rows(out: str) -> dict[str, float]:
+    """shift_kernel.py's rows: implementation -> its median over the reference's."""
+    return {m[1]: float(m[3]) for m in map(ROW.match, out.splitlines()) if m}
+
+
+@pytest.mark.parametrize("args, expected", [
+    ([], ["shift_tokens", "fused (torch)", "fused (native)"]),
+    (["--qkv", "--heads-per-group", "2", "--window", "2", "--docs", "3"],
+     ["split (vanilla)", "shift_tokens", "fused (torch)", "fused (native)"]),
+    (["--qkv", "--rope"], ["split+RoPE (vanilla)", "shift+RoPE"]),
+])
+def test_shift_kernel_times_each_path_of_the_cpu(args, expected, capsys):
+    if native_shift.unavailable_reason() is not None:  # the native operators: a compiler
+        expected = [name for name in expected if name != "fused (native)"]
+    bench = load_script(BENCH / "shift_kernel.py", "kvtrain_bench_shift_kernel")
+    bench.main(["--seq", "48", "--batch", "2", "--heads", "2", "--dim", "8", "--repeat", "2",
+                "--device", "cpu", *args])
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert list(rows) == expected, out
+    assert rows[expected[0]] == 1.0 and all(r > 0 for r in rows.values()), out
+
+
+def _run(script: str, *args: str, cwd: Path) -> str:
+    env = {k: v for k, v in os.environ.items()  # one process, whatever pytest holds
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=cwd,
+                          env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_shift_saved_bytes_counts_no_extra_activation_with_mha(tmp_path):
+    """What performance.md quotes: with MHA the fused shift keeps vanilla's bytes to
+    the byte under a causal mask (the reference ``shift_tokens`` keeps more)."""
+    out = _run("shift_saved_bytes.py", "--seq", "32", "--hidden", "64", "--heads", "4",
+               "--groups", "4", cwd=tmp_path)
+    ratio = {m.group(1, 2, 3): float(m[4]) for m in re.finditer(
+        r"^  (\w+)\s+(\S+)\s+(causal|3 docs)\s+\d+ B in\s+\d+ tensors \(([0-9.]+) x vanilla\)",
+        out, re.M)}
+    assert len(ratio) == 8, out
+    kernels = ["torch"] + (["native"] if native_shift.unavailable_reason() is None else [])
+    for kernel in kernels:
+        assert ratio[("kv_shift", kernel, "causal")] == 1.0, out
+        assert ratio[("kv_shift", kernel, "3 docs")] < 1.01, out  # the document ids
+    assert ratio[("kv_shift", "shift_tokens", "causal")] > 1.05, out
+
+
+def test_preprocess_benchmark_prints_its_ratio(tmp_path):
+    out = _run("preprocess.py", "--mb", "1", "--repeat", "1", "--vocab-size", "500",
+               "--workers", "1", "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+    ours, ceiling = (int(re.search(rf"^{side}\s+([0-9,]+) tokens/s", out, re.M)[1]
+                         .replace(",", "")) for side in ("ours", "ceiling"))
+    ratio = float(re.search(r"^ratio\s+([0-9.]+)", out, re.M)[1])
+    assert ours > 0 and ceiling > 0 and ratio == pytest.approx(ours / ceiling, abs=2e-3), out
+    assert (tmp_path / "work").is_dir()  # --workdir keeps the files
