@@ -55,7 +55,7 @@ def timed(fn) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def measure(config: str, sets: list[str], rounds: int, warmup: int) -> dict:
+def measure(config: str, sets: list[str], rounds: int, warmup: int, scratch: Path) -> dict:
     from kvtrain.backend import init_distributed, set_seed
     from kvtrain.config import load_config
     from kvtrain.train.loop import _data_iterators
@@ -68,7 +68,7 @@ def measure(config: str, sets: list[str], rounds: int, warmup: int) -> dict:
     env = init_distributed(p.tensor, p.pipeline, p.virtual_pipeline, p.context, seed=t.seed,
                            device=t.device)
     set_seed(t.seed)
-    run = build_run(cfg, Path(tempfile.mkdtemp(prefix="kvtrain-adamw-")), env)
+    run = build_run(cfg, scratch, env)
     if run.backend.optimizer != FUSED:
         raise SystemExit(f"the update is {run.backend.optimizer}: nothing to compare")
     iterators, forward = _data_iterators(run, 0), ForwardStep()
@@ -106,7 +106,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
-    r = measure(args.config, args.set, args.rounds, args.warmup)
+    with tempfile.TemporaryDirectory(prefix="kvtrain-adamw-") as scratch:  # the run's folder
+        r = measure(args.config, args.set, args.rounds, args.warmup, Path(scratch))
     print(f"{args.config}: {r['params']:,} parameters in {r['tensors']} tensors, "
           f"{r['device']}, {r['threads']} threads, median of {args.rounds}")
     for what in ("inner", "train"):

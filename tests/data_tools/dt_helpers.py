@@ -6,11 +6,13 @@ slow part, and every test only needs *a* small BPE model.
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +76,7 @@ def tokenizer(vocab_size: int = 800) -> str:
         from data_tools.train_tokenizer import train
 
         folder = Path(tempfile.mkdtemp(prefix="dt-tok-"))
+        atexit.register(shutil.rmtree, folder, True)  # cached for the session, then gone
         corpus = write_jsonl(folder / "train.jsonl", DOCS + synthetic_docs(300, seed=1))
         train(readers.discover([str(corpus)]), str(folder / "spm"), vocab_size,
               log=lambda m: None, threads=2)
