@@ -128,3 +128,80 @@ def test_bad_override_values_are_one_line_naming_the_override(tmp_path):
         load_config(path, ["model.num_layers=[1"])
     assert str(e.value).startswith("--set model.num_layers: cannot parse value '[1': ")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.context=0"], "parallel.tensor, parallel.pipeline and parallel.context must be >= 1"),
+    (["parallel.tensor=2", "model.ffn_hidden_size=101"],
+     "model.ffn_hidden_size (101) must be divisible by parallel.tensor (2)"),
+    (["model.num_layers=4", "parallel.virtual_pipeline=2"],
+     "parallel.virtual_pipeline needs parallel.pipeline >= 2"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel needs parallel.tensor >= 2"),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true", "train.seq_length=33",
+      "model.max_position_embeddings=64"],
+     "train.seq_length (33) must be divisible by parallel.tensor x parallel.context (2)"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size and train.global_batch_size must be >= 1"),
+    (["train.max_steps=null", "train.train_tokens=null"], "set train.max_steps or train.train_tokens"),
+    (["train.log_interval=0"], "train.log_interval must be positive (or null), got 0"),
+    (["train.dist_timeout_minutes=-1"], "train.dist_timeout_minutes must be positive (or null)"),
+    (["train.eval_interval=5", "train.eval_iters=0"],
+     "train.eval_iters must be >= 1 when train.eval_interval is set, got 0"),
+    (["train.seq_length=0"], "train.seq_length must be positive, got 0"),
+    (["optimizer.lr=0"], "optimizer.lr must be positive, got 0"),
+    (["optimizer.min_lr=1"], "optimizer.min_lr (1.0) must be in [0, optimizer.lr"),
+    (["optimizer.adam_eps=0"], "optimizer.adam_eps > 0"),
+    (["optimizer.clip_grad=-1"], "optimizer.weight_decay and optimizer.clip_grad must be >= 0"),
+    (["optimizer.adam_beta2=1"], "optimizer.adam_beta2 must be in [0, 1), got 1"),
+    (["optimizer.lr_warmup_steps=-1"], "optimizer.lr_warmup_steps must be >= 0, got -1"),
+    (["optimizer.lr_warmup_steps=10", "optimizer.lr_decay_steps=10"],
+     "optimizer.lr_decay_steps (10) must exceed optimizer.lr_warmup_steps (10)"),
+    (["optimizer.lr_schedule=wsd"], "optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps"),
+    (["optimizer.lr_schedule=wsd", "optimizer.wsd_decay_steps=1000000"],
+     "optimizer.wsd_decay_steps (1000000) must fit after the warmup"),
+    (["optimizer.loss_scale=0"], "optimizer.loss_scale must be positive, got 0"),
+    (["data.type=gpt", "data.paths=[]"], "data.paths is empty: name at least one shard prefix"),
+    (["data.type=gpt", "data.paths=[0.5, a, b]"],
+     "data.paths must be all prefixes or weight, prefix pairs"),
+    (["data.type=gpt", "data.paths=[0, a, 1, b]"], "data.paths weights must be positive"),
+    (["data.split=a,b"], "data.split must be up to three non-negative training,validation,test"),
+    (["data.split=0,1"], "with a positive training part"),
+    (["data.num_workers=-1"], "data.num_workers must be >= 0, got -1"),
+    (["data.type=gpt", "data.paths=[a]", "data.reset_attention_mask=true", "data.tokenizer=null",
+      "data.eod_id=null"], "need the end-of-document id: set data.tokenizer or data.eod_id"),
+    (["data.eod_id=32000"], "data.eod_id (32000) must be a token id below model.vocab_size"),
+    (["checkpoint.save_interval=0"], "checkpoint.save_interval must be >= 1 (or null), got 0"),
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1 (or null), got 0"),
+    (["checkpoint.resume=' '"], "checkpoint.resume must be auto, none, or a checkpoint path"),
+])
+def test_each_value_refusal_is_one_line_naming_its_keys(overrides, message):
+    """The single-field checks of ``RunConfig.validate``, each reached from --set."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_file_that_is_not_a_readable_mapping_is_one_line(tmp_path):
+    for text, message in (("- a\n- b\n", "the top level must be a mapping, got list"),):
+        path = write(tmp_path, text)
+        with pytest.raises(ConfigError) as e:
+            load_config(path)
+        assert str(e.value) == f"{path}: {message}"
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)  # a folder
+    assert str(e.value) == f"cannot read config {tmp_path}: Is a directory"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing but a comment\n")
+    assert to_dict(load_config(empty)) == to_dict(load_config(None))  # the defaults
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.attention.window=2", "--set: 'model.attention' is a 'vanilla' | 'kv_shift', "
+                                 "not a section"),
+    ("wandb.project=[a]", "--set: wandb.project: expected str, got ['a']"),
+    ("model.kv_shift.shift=k", "--set: model.kv_shift.shift: expected list of"),
+    ("data.reset_attention_mask=1", "--set: data.reset_attention_mask: expected bool, got 1"),
+])
+def test_an_override_of_the_wrong_shape_is_one_line(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
