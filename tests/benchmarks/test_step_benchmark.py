@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -256,3 +257,35 @@ def test_gpu_micro_benchmarks_alternate_their_variants():
     ms, peak = alternate(("a", "b"), one_round, rounds=3)
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
     assert ms == {"a": 6.0, "b": 105.0} and peak == {"a": 70, "b": 8}  # warm-ups left out
+
+
+# What the lent GPU machine's image lacks of kvtrain's requirements (KINDS.md's
+# package list): checks.sh there collects the `gpu` tests and runs the benchmarks.
+NOT_ON_THE_GPU_MACHINE = ("wandb", "zstandard", "lm_eval")
+
+
+def test_the_gpu_checks_need_nothing_the_gpu_machine_lacks(tmp_path):
+    """Collecting the `gpu` tests and importing every benchmark checks.sh runs work
+    without wandb, zstandard and lm-eval: a module-level import of one of them
+    would stop the whole `tests` part there at collection, in device time."""
+    (tmp_path / "sitecustomize.py").write_text(  # None in sys.modules: "not installed"
+        "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n"
+                                 for name in NOT_ON_THE_GPU_MACHINE))
+    env = {**_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "--collect-only",
+         "-p", "no:cacheprovider", "-p", "no:timeout", "-o", "addopts="],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert re.search(r"^\d+/\d+ tests collected", done.stdout, re.M), done.stdout[-3000:]
+    scripts = ["step", "step_profile", "shift_kernel", "cross_entropy", "swiglu", "gpu_rounds"]
+    done = subprocess.run(
+        [sys.executable, "-c", "import wandb" + "".join(
+            f"\nimport benchmarks.{s}" for s in scripts) + "\nimport benchmarks.device.smoke"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert "import of wandb halted" in done.stderr  # the stand-in works
+    done = subprocess.run(
+        [sys.executable, "-c", "".join(f"import benchmarks.{s}\n" for s in scripts)
+         + "import benchmarks.device.smoke\nimport kvtrain.cli\nimport kvtrain.train.loop"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
