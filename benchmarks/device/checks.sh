@@ -70,8 +70,10 @@ run() {
 }
 failed=() skipped=()
 
-ls .gpu/whl/megatron_core-0.16.1-*.whl >/dev/null 2>&1 \
-  || { echo "checks.sh: .gpu/whl has no megatron-core wheel: run benchmarks/device/prepare.sh here and carry .gpu"; exit 2; }
+for whl in megatron_core-0.16.1 pydantic-2; do  # pydantic: Megatron-LM's pretrain_gpt.py
+  ls .gpu/whl/$whl*.whl >/dev/null 2>&1 \
+    || { echo "checks.sh: .gpu/whl has no ${whl%%-[0-9]*} wheel: run benchmarks/device/prepare.sh here and carry .gpu"; exit 2; }
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .gpu/whl/*.whl || exit 2
 # Megatron-LM's start-up runs `make` in megatron/core/datasets; the wheel ships the
