@@ -266,15 +266,20 @@ def test_gpu_micro_benchmarks_alternate_their_variants():
     assert ms == {"a": 6.0, "b": 105.0} and peak == {"a": 70, "b": 8}  # warm-ups left out
 
 
-# What the lent GPU machine's image lacks of kvtrain's requirements (KINDS.md's
-# package list): checks.sh there collects the `gpu` tests and runs the benchmarks.
-NOT_ON_THE_GPU_MACHINE = ("wandb", "zstandard", "lm_eval")
+# What the lent GPU machine's image lacks of what make test's venv holds (KINDS.md's
+# package list, by module): checks.sh there collects the `gpu` tests and runs the
+# benchmarks. (setuptools' own vendored copies, e.g. more_itertools, stay.)
+NOT_ON_THE_GPU_MACHINE = (
+    "wandb", "zstandard", "lm_eval", "pydantic", "pydantic_core", "annotated_types",
+    "typing_inspection", "nltk", "datasets", "evaluate", "dill", "multiprocess", "sqlitedict",
+    "sniffio", "distro", "chardet", "defusedxml", "pyflakes", "pytz", "tzdata", "opentelemetry",
+    "truststore", "rouge_score", "word2number", "pytablewriter", "pathvalidate")
 
 
 def test_the_gpu_checks_need_nothing_the_gpu_machine_lacks(tmp_path):
     """Collecting the `gpu` tests and importing every benchmark checks.sh runs work
-    without wandb, zstandard and lm-eval: a module-level import of one of them
-    would stop the whole `tests` part there at collection, in device time."""
+    without wandb, zstandard, lm-eval, pydantic...: a module-level import of one of
+    them would stop the whole `tests` part there at collection, in device time."""
     (tmp_path / "sitecustomize.py").write_text(  # None in sys.modules: "not installed"
         "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n"
                                  for name in NOT_ON_THE_GPU_MACHINE))
