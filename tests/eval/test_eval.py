@@ -129,3 +129,15 @@ def test_without_the_hf_extra_names_it(local, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval -> ImportError
     code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_mc"], capsys)
     assert code == 2 and "pip install 'kvtrain[hf]'" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", " , "], "--tasks ' , ': no task names"),
+    (["--tasks", "kvt_mc", "--limit", "0"], "--limit 0.0: must be positive"),
+    (["--tasks", "kvt_mc", "--batch-size", "0"], "--batch-size 0: must be at least 1"),
+    (["--tasks", "kvt_mc", "--include-path", "/no/such/tasks"],
+     "--include-path /no/such/tasks: no such folder"),
+])
+def test_bad_options_are_one_line_before_anything_loads(local, capsys, argv, message):
+    code, out, err = kvtrain_eval([str(local["hf"]), *argv], capsys)
+    assert code == 2 and err.strip() == f"kvtrain: config error: {message}", err
