@@ -10,6 +10,13 @@ backward once on a small fp32 input against the torch ops it replaces (within
 1e-4 of scale); a failure or a disagreement is printed with its first line,
 and the matching ``--set model...=torch`` is printed on the last line for the
 timed runs to take (and for the note to say so).
+
+    python benchmarks/device/smoke.py --verdict SMOKE_TXT
+
+prints the options the timed runs take from what a run of it printed: its last
+line's, or, where it hung (``checks.sh`` stops it after a while) or died before
+that line, one for every kernel it did not see run (a kernel that hangs here
+would hang every timed run).
 """
 
 from __future__ import annotations
@@ -100,16 +107,30 @@ KERNELS = {"model.kv_shift.kernel": _shift, "model.rope_kernel": _rope,
            "model.cross_entropy_kernel": _cross_entropy, "model.swiglu_kernel": _swiglu}
 
 
-def main() -> int:
+def verdict(printed: str) -> list[str]:
+    """The ``--set`` options a run of this script's output asks for (``--verdict``)."""
+    lines = printed.splitlines()
+    for line in lines:
+        if line.startswith("smoke-off:"):
+            return line.split()[1:]
+    ok = {line.split(":")[1].strip() for line in lines
+          if line.startswith("smoke: ") and line.endswith(": triton ok")}
+    return [arg for key in KERNELS if key not in ok for arg in ("--set", f"{key}=torch")]
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--verdict"] and len(argv) == 2:
+        print(" ".join(verdict(open(argv[1], errors="replace").read())))
+        return 0
     off = []
     for key, run in KERNELS.items():
         try:
             run()
             torch.cuda.synchronize()
-            print(f"smoke: {key}: triton ok")
+            print(f"smoke: {key}: triton ok", flush=True)
         except Exception as e:  # noqa: BLE001 - any failure turns the kernel off
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            print(f"smoke: {key}: triton FAILED: {type(e).__name__}: {first}")
+            print(f"smoke: {key}: triton FAILED: {type(e).__name__}: {first}", flush=True)
             traceback.print_exc(limit=3)
             off.append(f"--set {key}=torch")
     print(" ".join(["smoke-off:", *off]))
@@ -117,4 +138,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

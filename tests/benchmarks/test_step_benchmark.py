@@ -246,6 +246,32 @@ def test_device_smoke_turns_off_a_kernel_that_fails(tmp_path):
                              "--set model.cross_entropy_kernel=torch "
                              "--set model.swiglu_kernel=torch"), lines
         assert sum("triton FAILED" in line for line in lines) == 4, lines
+    assert _smoke_verdict(tmp_path, done.stdout) == lines[-1].split()[1:]
+
+
+def _smoke_verdict(tmp_path: Path, printed: str) -> list[str]:
+    (tmp_path / "smoke.txt").write_text(printed)
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device" / "smoke.py"),
+                           "--verdict", str(tmp_path / "smoke.txt")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
+def test_device_smoke_that_hung_turns_off_what_it_did_not_see_run(tmp_path):
+    """checks.sh stops smoke.py after a while: a kernel that hung (or a crash) leaves
+    no last line, and every kernel without its "ok" line is off for the timed runs."""
+    printed = ("smoke: model.kv_shift.kernel: triton ok\n"
+               "smoke: model.rope_kernel: triton FAILED: RuntimeError: boom\n"
+               "Traceback (most recent call last):\n")
+    assert _smoke_verdict(tmp_path, printed) == [
+        "--set", "model.rope_kernel=torch", "--set", "model.cross_entropy_kernel=torch",
+        "--set", "model.swiglu_kernel=torch"]
+    everything_ran = "".join(f"smoke: {k}: triton ok\n" for k in (
+        "model.kv_shift.kernel", "model.rope_kernel", "model.cross_entropy_kernel",
+        "model.swiglu_kernel"))
+    assert _smoke_verdict(tmp_path, everything_ran) == []
+    assert _smoke_verdict(tmp_path, everything_ran + "smoke-off:\n") == []
 
 
 def test_gpu_micro_benchmarks_alternate_their_variants():
