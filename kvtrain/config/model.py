@@ -26,7 +26,9 @@ class KVShiftConfig:
     mode: Literal["free", "gate", "clamp"] = "free"
     """Coefficient parametrisation: ``free`` scalars (paper default); ``gate``:
     alpha1 = sigmoid(a), alpha2 = 1 - alpha1 (softmax over w+1 for longer
-    windows); ``clamp``: free scalars clamped to [0, 1] in the forward (App. F.1)."""
+    windows); ``clamp``: free scalars clamped to [0, 1] in the forward (App. F.1),
+    started on the simplex at windows 2-3 (footnote 10's start would leave a
+    negative, dead coefficient in most heads)."""
 
     weight_decay: bool = False
     """Apply weight decay to the shift coefficients (off by default)."""

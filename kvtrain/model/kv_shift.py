@@ -121,9 +121,11 @@ def initial_parameter(num_heads: int, opts: KVShiftOptions, layer_number: int,
                       tensor: str) -> Tensor:
     """The initial stored parameter of all ``num_heads`` (global) KV heads, ``[h, n]``.
 
-    ``free``/``clamp``: the paper's footnote 10: the first w coefficients
-    ``~ U(0, 1)`` and the last one 1 minus their sum; for w = 1 that is
-    ``α1 ~ U(0, 1), α2 = 1 - α1``.
+    ``free``: the paper's footnote 10: the first w coefficients ``~ U(0, 1)`` and
+    the last one 1 minus their sum; for w = 1 that is ``α1 ~ U(0, 1), α2 = 1 - α1``.
+    ``clamp``: the same at w = 1; at w = 2-3 footnote 10's last coefficient is
+    negative for half (w = 2) or 5/6 (w = 3) of the heads, which the clamp would
+    hold at 0 with no gradient for the whole run, so a uniform point of the simplex.
     ``gate``: the coefficients are a uniform point of the simplex (for w = 1,
     ``α1 ~ U(0, 1)`` again), stored as logits relative to the last one.
 
@@ -133,9 +135,11 @@ def initial_parameter(num_heads: int, opts: KVShiftOptions, layer_number: int,
     digest = hashlib.sha256(f"{opts.seed}/{layer_number}/{tensor}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     w = opts.window
-    if opts.mode == "gate":
+    if opts.mode == "gate" or (opts.mode == "clamp" and w > 1):
         e = -torch.log(torch.rand(num_heads, w + 1, generator=gen, dtype=torch.float64, device="cpu"))
         p = e / e.sum(dim=1, keepdim=True)  # Dirichlet(1,...,1)
+        if opts.mode == "clamp":
+            return p.float()
         return (p[:, :w].log() - p[:, w:].log()).float()
     u = torch.rand(num_heads, w, generator=gen, dtype=torch.float64, device="cpu")
     return torch.cat([u, 1.0 - u.sum(dim=1, keepdim=True)], dim=1).float()
@@ -227,18 +231,19 @@ class KVShiftMixin:
         coef = self.coefficients(name)
         if coef.shape[0] != x.shape[2]:
             coef = coef.repeat_interleave(x.shape[2] // coef.shape[0], 0)
-        if self._decoding():
-            return self._shift_with_cache(name, x, coef)
         group = cp_group()
+        if self._decoding():
+            if group is not None:
+                raise ValueError("KV-shift decoding with context parallelism is not supported")
+            return self._shift_with_cache(name, x, coef)
         if group is not None:
-            return shift_context_parallel(x, coef, group, self._global_doc_ids())
+            return shift_context_parallel(x, coef, group, self._global_doc_ids(),
+                                          impl=self.kv_shift.kernel)
         return fused_shift(x, coef, doc_ids, impl=self.kv_shift.kernel)
 
     def _global_doc_ids(self) -> Optional[Tensor]:
         """Under context parallelism: ``[b, S]`` document ids of the whole sequence
         (the halo's documents), or None."""
-        if self._call.inference is not None and not self.training:
-            raise ValueError("KV-shift decoding with context parallelism is not supported")
         if self._call.doc_ids is None:
             return None
         kind, value = self._call.doc_ids
@@ -307,10 +312,15 @@ class KVShiftMixin:
         slot = f"kv_shift.{name}.{self.layer_number}"
         start = ctx.batch_size_offset
         end = start + x.shape[1]
-        if ctx.sequence_len_offset == 0 or slot not in ctx.key_value_memory_dict:
-            tail_all = x.new_zeros(w, ctx.max_batch_size, *x.shape[2:])
+        tail_all = ctx.key_value_memory_dict.get(slot, (None,))[0]
+        shape = (w, ctx.max_batch_size, *x.shape[2:])
+        if (tail_all is None or tail_all.shape != shape or tail_all.dtype != x.dtype
+                or tail_all.device != x.device):
+            # once per context (it lives as long as the KV cache): megatron's wrappers
+            # prefill a large batch in micro batches, each at sequence offset 0, and
+            # each must keep the other rows' tails
+            tail_all = x.new_zeros(shape)
             ctx.key_value_memory_dict[slot] = (tail_all, tail_all)
-        tail_all = ctx.key_value_memory_dict[slot][0]
         if ctx.sequence_len_offset == 0:
             tail_all[:, start:end].zero_()  # a new sequence: nothing before it
         joined = torch.cat([tail_all[:, start:end], x], dim=0)  # [w + s, b, h, d]

@@ -57,25 +57,27 @@ def exchange_halo(x: Tensor, window: int, group) -> Tensor:
 
 
 def shift_context_parallel(x: Tensor, coef: Tensor, group,
-                           global_doc_ids: Optional[Tensor] = None) -> Tensor:
+                           global_doc_ids: Optional[Tensor] = None,
+                           impl: str = "auto") -> Tensor:
     """The KV shift of this CP rank's tokens ``x [2c, b, h, d]`` with coefficients
     ``coef [h, w+1]``: equal to the shift of the whole sequence, sliced.
 
     ``global_doc_ids``: ``[b, S]`` document ids of the whole sequence (packed
     documents) or None. Both chunks are shifted in one call, side by side in
-    the batch dimension, each preceded by its halo.
+    the batch dimension, each preceded by its halo. ``impl``: the shift's kernel
+    (``model.kv_shift.kernel``), as without context parallelism.
     """
     window = coef.shape[1] - 1
     s, b = x.shape[0], x.shape[1]
     c = s // 2
     if window == 0:
-        return fused_shift(x, coef)
+        return fused_shift(x, coef, impl=impl)
     halo = exchange_halo(x, window, group)  # [w, 2b, h, d]
     chunks = torch.cat([x[:c], x[c:]], dim=1)  # [c, 2b, h, d]
     joined = torch.cat([halo, chunks], dim=0)  # [w + c, 2b, h, d]
     cp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     ids = joined_doc_ids(global_doc_ids, s, window, cp, rank)  # [w + c, 2b] or None
-    out = fused_shift(joined, coef, ids)[window:]  # [c, 2b, h, d]
+    out = fused_shift(joined, coef, ids, impl=impl)[window:]  # [c, 2b, h, d]
     return torch.cat([out[:, :b], out[:, b:]], dim=0)  # [2c, b, h, d]
 
 
