@@ -35,9 +35,11 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="prompts per static batch")
     p.add_argument("--no-stop-at-eod", dest="stop_at_eod", action="store_false",
                    help="keep generating past the end-of-document token")
-    p.add_argument("--no-eod-prefix", dest="prefix_eod", action="store_false",
+    p.add_argument("--no-eod-prefix", dest="prefix_eod", action="store_false", default=None,
                    help="do not feed the end-of-document token before each prompt "
-                        "(default: feed it, so that the prompt starts a document as in training)")
+                        "(default: feed it, so that the prompt starts a document as in "
+                        "training, unless the run separated documents: then a document "
+                        "never saw the EOD before it)")
     p.add_argument("--tokenizer", metavar="MODEL",
                    help="sentencepiece model (default: the run's data.tokenizer)")
     p.add_argument("--backend", default="auto", choices=["auto", "te", "torch", "local"])

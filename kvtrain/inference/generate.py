@@ -275,13 +275,17 @@ def _check_fits(prompts: Sequence[Sequence[int]], options: SamplingOptions, cfg:
 
 def generate(model: torch.nn.Module, cfg: RunConfig, codec: PromptCodec,
              prompts: Sequence[tuple[str, dict]], options: SamplingOptions,
-             batch_size: int = 8, prefix_eod: bool = True) -> list[Generation]:
+             batch_size: int = 8, prefix_eod: Optional[bool] = None) -> list[Generation]:
     """Generates for every prompt, ``batch_size`` prompts per static batch.
 
     ``prefix_eod``: feed the end-of-document token before each prompt, so that
     the prompt starts a document as in training (preprocessing ends every
-    document with EOD; the model never saw a BOS token).
+    document with EOD; the model never saw a BOS token). None: feed it unless the
+    run separated documents (``data.reset_attention_mask``): there a document's
+    first token attended to, and shifted with, nothing before it, never an EOD.
     """
+    if prefix_eod is None:
+        prefix_eod = not cfg.data.reset_attention_mask
     options.check()
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1 (got {batch_size})")

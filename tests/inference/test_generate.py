@@ -283,3 +283,24 @@ def test_a_plain_text_prompts_file_gives_a_prompt_per_line(mp1, arm_runs, tmp_pa
                  "--max-new-tokens", "2", "--out", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in records] == ["1 2 3", "4 5"]
+
+
+def test_the_eod_prefix_follows_how_the_run_saw_documents(mp1, arm_runs):
+    """A run that separated documents (data.reset_attention_mask) never saw an EOD
+    before a document's first token: its prompts go in without one; other runs'
+    with one (a document there follows the previous one's EOD)."""
+    import dataclasses
+
+    from kvtrain.inference.generate import SamplingOptions, generate
+
+    loaded, codec = load(arm_runs["kv_shift"])
+    separated = dataclasses.replace(
+        loaded.config, data=dataclasses.replace(loaded.config.data, reset_attention_mask=True))
+    prompts = [(" ".join(map(str, PROMPTS[1])), {})]
+    options = SamplingOptions(max_new_tokens=2)
+    for cfg, first in ((loaded.config, [codec.eod]), (separated, [])):
+        assert not loaded.config.data.reset_attention_mask
+        (result,) = generate(loaded.model, cfg, codec, prompts, options)
+        assert result.prompt_tokens == first + PROMPTS[1], result.prompt_tokens
+    (result,) = generate(loaded.model, separated, codec, prompts, options, prefix_eod=True)
+    assert result.prompt_tokens == [codec.eod] + PROMPTS[1]  # asked for: given
