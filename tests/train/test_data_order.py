@@ -1,0 +1,53 @@
+"""The training data's order across a resume (kvtrain/data/order.py): megatron
+builds its sample order for the number of samples a run asks for, so a run
+extended past an epoch draws its samples in another order. A fingerprint of a
+few drawn samples tells whether the dataset built now gives the samples the
+checkpoint's run drew."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtrain.config import load_config
+from kvtrain.data.order import order_changed, order_fingerprint
+from tests.train.conftest import VOCAB, tiny_config, write_config
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory) -> str:
+    from kvtrain.data.synthetic import write_shard
+
+    rng = np.random.default_rng(0)
+    eod = VOCAB - 1
+    docs = [np.append(rng.integers(0, eod, size=int(n)), eod).astype(np.int32)
+            for n in rng.integers(20, 60, size=200)]  # ~7.8k tokens: ~240 samples of 32
+    return write_shard(tmp_path_factory.mktemp("order") / "a", docs)
+
+
+def _train_set(single_rank, tmp_path, shard, samples):
+    from kvtrain.data import build_datasets
+
+    cfg = tiny_config(None, tmp_path / "cache", checkpoint={"save_interval": None})
+    cfg["data"] = {"type": "gpt", "paths": [shard], "split": "100,0,0", "tokenizer": None,
+                   "eod_id": VOCAB - 1, "num_workers": 0, "cache_dir": str(tmp_path / "cache")}
+    cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    return build_datasets(cfg, str(tmp_path / "cache"), samples, 0).train
+
+
+def test_an_extension_within_the_epoch_keeps_the_order(single_rank, tmp_path, shard):
+    drawn = order_fingerprint(_train_set(single_rank, tmp_path, shard, 80), 80)
+    assert [i for i, _ in drawn] == [0, 26, 53, 79]
+    assert not order_changed(_train_set(single_rank, tmp_path, shard, 200), drawn)
+
+
+def test_an_extension_past_the_epoch_is_seen(single_rank, tmp_path, shard):
+    drawn = order_fingerprint(_train_set(single_rank, tmp_path, shard, 80), 80)
+    assert order_changed(_train_set(single_rank, tmp_path, shard, 800), drawn)
+
+
+def test_nothing_drawn_or_nothing_saved_is_no_change(single_rank, tmp_path, shard):
+    data = _train_set(single_rank, tmp_path, shard, 80)
+    assert order_fingerprint(data, 0) is None and order_fingerprint(None, 5) is None
+    assert not order_changed(data, None) and not order_changed(data, [])
+    assert order_changed(data, [[10_000, 0]])  # the index is past the dataset now
