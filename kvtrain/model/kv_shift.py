@@ -121,16 +121,13 @@ def initial_parameter(num_heads: int, opts: KVShiftOptions, layer_number: int,
                       tensor: str) -> Tensor:
     """The initial stored parameter of all ``num_heads`` (global) KV heads, ``[h, n]``.
 
-    ``free``: the paper's footnote 10: the first w coefficients ``~ U(0, 1)`` and
-    the last one 1 minus their sum; for w = 1 that is ``α1 ~ U(0, 1), α2 = 1 - α1``.
-    ``clamp``: the same at w = 1; at w = 2-3 footnote 10's last coefficient is
-    negative for half (w = 2) or 5/6 (w = 3) of the heads, which the clamp would
-    hold at 0 with no gradient for the whole run, so a uniform point of the simplex.
-    ``gate``: the coefficients are a uniform point of the simplex (for w = 1,
-    ``α1 ~ U(0, 1)`` again), stored as logits relative to the last one.
-
-    Drawn from a generator seeded by (seed, layer, tensor) alone, so every TP
-    and PP layout gets the same values; each rank then keeps its own slice.
+    ``free``: footnote 10: the first w coefficients ``~ U(0, 1)``, the last 1 minus
+    their sum (w = 1: ``α1 ~ U(0, 1), α2 = 1 - α1``). ``clamp``: the same at w = 1, a
+    uniform point of the simplex at w = 2-3 (footnote 10's last one is negative in
+    1/2 or 5/6 of the heads: clamped to 0, it would never get a gradient).
+    ``gate``: a uniform point of the simplex (w = 1: ``α1 ~ U(0, 1)`` again), stored
+    as logits relative to the last one. Drawn from a generator seeded by (seed,
+    layer, tensor) alone: every TP/PP layout gets the same values, each rank its slice.
     """
     digest = hashlib.sha256(f"{opts.seed}/{layer_number}/{tensor}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
@@ -147,10 +144,8 @@ def initial_parameter(num_heads: int, opts: KVShiftOptions, layer_number: int,
 
 # ----------------------------------------------------------------------------- megatron modules
 class _CallState:
-    """What one forward call tells the shift, read by the hooks megatron's forward
-    calls (``get_query_key_value_tensors``): kept in a plain object, since setting
-    a module attribute goes through ``nn.Module.__setattr__`` (a microsecond each,
-    four per layer per call: host time a small GPU step cannot hide)."""
+    """What one forward call tells the shift's hooks (``get_query_key_value_tensors``),
+    in a plain object: a module attribute set costs ``nn.Module.__setattr__``."""
 
     __slots__ = ("doc_ids", "inference")
 
@@ -162,9 +157,8 @@ class _CallState:
 class KVShiftMixin:
     """The KV shift of an attention module: coefficients, documents, decoding, checkpoints.
 
-    Mixed into megatron attention classes (``KVShiftSelfAttention`` here, the MLA
-    variant in ``kv_shift_mla``), which call :meth:`_init_kv_shift` after their
-    own ``__init__`` and :meth:`_shift` on the tensors to shift.
+    Mixed into ``KVShiftSelfAttention`` and ``KVShiftMLASelfAttention``, which call
+    :meth:`_init_kv_shift` after their ``__init__`` and :meth:`_shift` on the tensors.
 
     Parameters ``shift_k``/``shift_v``/``shift_q`` are ``[heads_local, n]``
     (n = w+1, or w in gate mode), marked tensor-parallel on dim 0 so that the
@@ -315,10 +309,8 @@ class KVShiftMixin:
         tail_all = ctx.key_value_memory_dict.get(slot, (None,))[0]
         shape = (w, ctx.max_batch_size, *x.shape[2:])
         if (tail_all is None or tail_all.shape != shape or tail_all.dtype != x.dtype
-                or tail_all.device != x.device):
-            # once per context (it lives as long as the KV cache): megatron's wrappers
-            # prefill a large batch in micro batches, each at sequence offset 0, and
-            # each must keep the other rows' tails
+                or tail_all.device != x.device):  # once per context, like the KV cache:
+            # megatron prefills a batch in micro batches, each at offset 0
             tail_all = x.new_zeros(shape)
             ctx.key_value_memory_dict[slot] = (tail_all, tail_all)
         if ctx.sequence_len_offset == 0:
