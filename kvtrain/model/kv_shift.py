@@ -286,10 +286,8 @@ class KVShiftMixin:
         if ctx is None or self.training:
             return False
         if not ctx.is_static_batching():
-            raise RuntimeError(
-                "KV shift supports megatron's static-batching inference; dynamic batching "
-                "needs per-request shift state"
-            )
+            raise RuntimeError("KV shift supports megatron's static-batching inference; "
+                               "dynamic batching needs per-request shift state")
         return True
 
     def _shift_with_cache(self, name: str, x: Tensor, coef: Tensor) -> Tensor:
