@@ -415,6 +415,9 @@ def _parse_json_line(raw: bytes, loc: str, key: str, res: ParseResult, keep: int
     except ValueError as e:
         res.bad(loc, "malformed_json", str(e), keep)
         return
+    except RecursionError:  # valid JSON nested deeper than Python's stack allows
+        res.bad(loc, "malformed_json", "nested too deeply to parse", keep)
+        return
     if not isinstance(obj, dict):
         res.bad(loc, "missing_key", f"a JSON {type(obj).__name__}, not an object", keep)
         return

@@ -172,6 +172,25 @@ def test_bad_input_cli_summary(tmp_path):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_json_nested_too_deeply_is_malformed_json(tmp_path, workers):
+    """json.loads raises RecursionError, not ValueError, on valid JSON nested
+    deeper than the stack: still one bad line, for preprocess (in the main
+    process or a worker) and for train-tokenizer's sentence stream."""
+    from data_tools.train_tokenizer import SentenceStream
+
+    path = tmp_path / "deep.jsonl"
+    deep = '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path.write_text('{"text": "first doc"}\n' + deep + '\n{"text": "last doc"}\n')
+    res = run(path, tmp_path / "out", workers=workers)
+    assert (res["counts"].documents, res["counts"].skipped) == (2, {"malformed_json": 1})
+    assert [(os.path.basename(loc), reason) for loc, reason, _ in res["first_bad"]] == [
+        ("deep.jsonl:2", "malformed_json")]
+    stream = SentenceStream(readers.discover([str(path)]), json_key="text", text_mode="line")
+    assert (list(stream), stream.error) == (["first doc", "last doc"], None)
+    assert stream.stats["skipped"] == {"malformed_json": 1}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 def test_strict_fails_on_first_bad_record_and_writes_nothing(tmp_path, workers):
     path, _ = _bad_fixture(tmp_path)
     out = tmp_path / "out"
