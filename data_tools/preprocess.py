@@ -21,6 +21,10 @@ complete; then ``SHARD.meta.json`` is written, recording the fingerprint of
 its inputs (path, size, mtime), tokenizer (sha256) and options. ``--resume``
 keeps the shards whose meta matches and redoes the rest, so a killed run
 resumed gives the same bytes as an uninterrupted one.
+
+Reruns: after a successful run, the shards an earlier run into the same
+prefix wrote and this plan does not (fewer inputs, another ``--shards``) are
+removed, so ``merge PREFIX`` cannot pick them up with the new ones.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass
@@ -175,8 +180,10 @@ class _ShardSink:
     held back until ``finish``: when no shard has any, nothing is committed
     and what the output prefix held before is left as it was."""
 
-    def __init__(self, plan: list[Shard], fps: dict, dtype: type, tok: SentencePieceTokenizer):
+    def __init__(self, plan: list[Shard], fps: dict, dtype: type, tok: SentencePieceTokenizer,
+                 output_name: str):
         self.shards = {s.index: s for s in plan}
+        self.output_name = output_name  # the meta says which prefix's shard it is
         self.fps, self.dtype, self.tok = fps, dtype, tok
         self.writer: IndexedWriter | None = None
         self.counts = Counts()  # of the shard being written
@@ -217,7 +224,7 @@ class _ShardSink:
         meta = {"fingerprint": self.fps[shard.index], "counts": counts.to_dict(),
                 "bin_bytes": bin_bytes, "idx_bytes": idx_bytes,
                 "tokenizer": os.path.abspath(self.tok.model_path),
-                "vocab_size": self.tok.vocab_size}
+                "vocab_size": self.tok.vocab_size, "output_prefix": self.output_name}
         atomic_write_bytes(shard.meta_path, (json.dumps(meta, indent=1) + "\n").encode())
 
     def finish(self, keep_empty: bool) -> None:
@@ -234,6 +241,51 @@ class _ShardSink:
             self.writer.abort()
             self.writer = None
         self.finish(keep_empty=False)
+
+
+def _earlier_shards(plan: list[Shard], output_prefix: str) -> list[str]:
+    """Shards of this output prefix on disk that ``plan`` does not write.
+
+    Named exactly like this prefix's shards, and not someone else's: not a
+    merge result (``merge --output-prefix P P`` writes ``P_text_document``), nor
+    the single shard of prefix ``P_00001`` (its meta names that prefix)."""
+    folder, name = os.path.split(output_prefix)
+    pattern = re.compile(re.escape(name) + r"((_[0-9]{5})?_text_document)\.(bin|idx|meta\.json)")
+    ours = {s.prefix for s in plan}
+    matches = (pattern.fullmatch(entry) for entry in os.listdir(folder))
+    found = {os.path.join(folder, name + m.group(1)) for m in matches if m}
+    stale = []
+    for prefix in sorted(found - ours):
+        if not os.path.exists(prefix + ".meta.json"):
+            stale.append(prefix)  # a run killed before the meta, or megatron's own
+            continue
+        meta = _read_meta(prefix) or {"output_prefix": None}  # unreadable: keep it
+        if "merged_from" not in meta and meta.get("output_prefix", name) == name:
+            stale.append(prefix)
+    return stale
+
+
+def _read_meta(prefix: str) -> dict | None:
+    try:
+        with open(prefix + ".meta.json") as f:
+            meta = json.load(f)
+        return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _remove_earlier_shards(plan: list[Shard], output_prefix: str, log) -> None:
+    stale = _earlier_shards(plan, output_prefix)
+    for prefix in stale:
+        # The meta first: a shard half-removed is never taken as complete.
+        for path in (prefix + ".meta.json", idx_path(prefix), bin_path(prefix)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    if stale:
+        log(f"preprocess: removed {len(stale)} shard(s) of an earlier run that this one does "
+            f"not write: {', '.join(os.path.basename(p) for p in stale)}")
 
 
 def _kept_counts(plan: list, todo: list) -> Counts:
@@ -275,7 +327,8 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
         raise ValueError("--text-mode file reads text files whole; some inputs are not text")
     tok = SentencePieceTokenizer(tokenizer_path)
     dtype = token_dtype(tok.vocab_size)
-    plan = plan_shards(inputs, os.path.abspath(output_prefix), shards, text_mode)
+    output_prefix = os.path.abspath(output_prefix)
+    plan = plan_shards(inputs, output_prefix, shards, text_mode)
     options = {"json_key": json_key, "text_mode": text_mode, "dtype": np.dtype(dtype).name,
                "eod": tok.eod}
     fps = {s.index: fingerprint(s, tok.sha256, options) for s in plan}
@@ -286,7 +339,7 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
             f"{len(todo)} to do")
     workers = default_workers() if workers is None else workers
     keep = max(report_bad, 1 if strict else 0)  # bad-record samples each chunk reports
-    sink = _ShardSink(plan, fps, dtype, tok)
+    sink = _ShardSink(plan, fps, dtype, tok, os.path.basename(output_prefix))
     bar = Progress(sum(i.size for s in todo for i in s.inputs), enabled=progress)
     run_counts, done_bytes, first_bad = Counts(), 0, []
 
@@ -326,6 +379,7 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
     total.merge(run_counts)
     if total.documents == 0:
         raise NoDocumentsError(no_documents_message(inputs, total))
+    _remove_earlier_shards(plan, output_prefix, log)
     return {"counts": total, "outputs": [s.prefix for s in plan],
             "resumed": len(plan) - len(todo), "dtype": np.dtype(dtype).name,
             "elapsed": bar.elapsed(), "first_bad": first_bad}

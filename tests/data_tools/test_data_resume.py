@@ -127,3 +127,47 @@ def test_resume_redoes_shards_whose_input_changed(tmp_path):
     assert res["resumed"] == 1
     assert h.shard_docs(res["outputs"][1]) == h.encode_expected(
         h.tokenizer(), h.synthetic_docs(12, seed=3))
+
+
+def test_rerun_with_another_plan_removes_the_earlier_shards(tmp_path):
+    """Fewer inputs, one shard after several, several after one: the earlier
+    plan's shards go (one log line), so ``merge PREFIX`` reads only the new
+    ones. The single shard of prefix c_00002, merge results and other names
+    are left alone."""
+    from data_tools.indexed import resolve_prefixes
+    from data_tools.merge import merge
+
+    files = [str(h.write_jsonl(tmp_path / f"in{i}.jsonl", h.synthetic_docs(5, seed=i)))
+             for i in range(3)]
+    out, logs = tmp_path / "s", []
+
+    def run(inputs, prefix="c", **kw):
+        logs.clear()
+        res = preprocess(readers.discover(inputs), h.tokenizer(), str(out / prefix), workers=0,
+                         progress=False, log=logs.append, **kw)
+        return res, sorted(n for n in os.listdir(out) if n.startswith("c_"))
+
+    run(files[:1], "c_00002")
+    (out / "c_00001_text_document.bin.bak").write_bytes(b"x")
+    (out / "cc_00001_text_document.idx").write_bytes(b"x")
+    _, names = run(files[:2])
+    assert "c_00002_text_document.idx" in names and not logs
+    run(files)
+    res, names = run(files[:2])
+    assert logs == ["preprocess: removed 1 shard(s) of an earlier run that this one does not "
+                    "write: c_00002_text_document"]
+    assert not any(n.startswith("c_00002") for n in names)
+    sources = resolve_prefixes(str(out / "c"), prefer_shards=True)
+    assert sources == res["outputs"]
+    assert merge(sources, str(tmp_path / "m"), log=lambda m: None)["documents"] == 10
+    _, names = run(files, shards=1)
+    assert "removed 2 shard(s)" in logs[0]
+    assert [n for n in names if "_0000" in n] == ["c_00001_text_document.bin.bak"]
+    res, names = run(files)
+    assert logs[0].endswith(": c_text_document")
+    assert [n for n in names if n.startswith("c_text")] == []
+    merge(res["outputs"], str(out / "c_text_document"), log=lambda m: None)
+    run(files[:2])  # a merge result is not a shard of this prefix
+    assert logs[0].endswith(": c_00002_text_document")
+    assert os.path.exists(out / "c_text_document.idx")
+    assert os.path.exists(out / "cc_00001_text_document.idx")
