@@ -18,9 +18,9 @@ is ``PREFIX_text_document``; several are ``PREFIX_00000_text_document``, ...
 
 Interruption: a shard is written to temporary files and renamed in when
 complete; then ``SHARD.meta.json`` is written, recording the fingerprint of
-its inputs (path, size, mtime), tokenizer (sha256) and options. ``--resume``
-keeps the shards whose meta matches and redoes the rest, so a killed run
-resumed gives the same bytes as an uninterrupted one.
+its inputs (path, size, mtime, format, compression), tokenizer (sha256) and
+options. ``--resume`` keeps the shards whose meta matches and redoes the
+rest, so a killed run resumed gives the same bytes as an uninterrupted one.
 
 Reruns: after a successful run, the shards an earlier run into the same
 prefix wrote and this plan does not (fewer inputs, another ``--shards``) are
@@ -48,7 +48,7 @@ from data_tools.indexed import IndexedWriter, bin_path, idx_path, token_dtype
 from data_tools.progress import Counts, Progress, summary
 from data_tools.tokenizer import SentencePieceTokenizer
 
-META_VERSION = 1
+META_VERSION = 2  # 2: inputs record their format and compression
 
 
 class StrictError(Exception):
@@ -111,8 +111,11 @@ def plan_shards(inputs: list[readers.InputFile], output_prefix: str, shards: int
 def fingerprint(shard: Shard, tokenizer_sha: str, options: dict) -> dict:
     return {
         "version": META_VERSION,
+        # format and compression too: the same file read as another --format
+        # gives other documents
         "inputs": [{"path": os.path.abspath(i.path), "size": i.size,
-                    "mtime_ns": os.stat(i.path).st_mtime_ns} for i in shard.inputs],
+                    "mtime_ns": os.stat(i.path).st_mtime_ns, "format": i.format,
+                    "compression": i.compression} for i in shard.inputs],
         "tokenizer_sha256": tokenizer_sha,
         **options,
     }

@@ -171,3 +171,18 @@ def test_rerun_with_another_plan_removes_the_earlier_shards(tmp_path):
     assert logs[0].endswith(": c_00002_text_document")
     assert os.path.exists(out / "c_text_document.idx")
     assert os.path.exists(out / "cc_00001_text_document.idx")
+
+
+def test_resume_redoes_shards_made_with_another_format(tmp_path):
+    """jsonl under a .txt name, first run with the default (text: each line,
+    JSON syntax and all, is a document), then with --format jsonl --resume."""
+    import json
+
+    src = tmp_path / "c.txt"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in h.line_docs()))
+    kw = dict(workers=0, progress=False, log=lambda m: None)
+    preprocess(readers.discover([str(src)]), h.tokenizer(), str(tmp_path / "o"), **kw)
+    res = preprocess(readers.discover([str(src)], "jsonl"), h.tokenizer(), str(tmp_path / "o"),
+                     resume=True, **kw)
+    assert res["resumed"] == 0
+    assert h.shard_docs(res["outputs"][0]) == h.encode_expected(h.tokenizer(), h.line_docs())
