@@ -35,6 +35,9 @@ _EXTENSIONS = {
 _COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# Skippable frames (0x184D2A50..5F, little endian) may open a zstd file:
+# pzstd writes one before every frame, `zstd -d` and the decoder skip them.
+_ZSTD_SKIPPABLE, _ZSTD_SKIPPABLE_MASK = 0x184D2A50, 0xFFFFFFF0
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -111,7 +114,9 @@ def detect(path: str, fmt: str = "auto") -> InputFile:
         raise InputError(f"{path}: {e.strerror}") from None
     if magic.startswith(_GZIP_MAGIC):
         comp = "gzip"
-    elif magic.startswith(_ZSTD_MAGIC):
+    elif magic.startswith(_ZSTD_MAGIC) or (
+            len(magic) == 4
+            and int.from_bytes(magic, "little") & _ZSTD_SKIPPABLE_MASK == _ZSTD_SKIPPABLE):
         comp = "zstd"
     elif suffix_comp != "none" and size > 0:
         raise InputError(f"{path}: named {suffix_comp} but is not {suffix_comp}-compressed")

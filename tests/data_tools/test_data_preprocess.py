@@ -325,3 +325,23 @@ def test_truncated_zstd_is_an_error_and_frames_concatenate(tmp_path):
     res = run(two, tmp_path / "two", chunk_bytes=4096)
     expected = docs + docs + docs[: head.count(b"\n")] + docs
     assert h.shard_docs(res["outputs"][0]) == h.encode_expected(h.tokenizer(), expected)
+
+
+def test_zstd_opening_with_a_skippable_frame_reads(tmp_path):
+    """pzstd writes a skippable frame (magic 0x184D2A50) before every zstd
+    frame; such a file reads as zstd, with the .zst suffix or without, and
+    skippable frames between frames (any of the 16 magics) are skipped."""
+    import struct
+
+    import zstandard
+
+    docs = h.synthetic_docs(20)
+    frame = zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": d}) + "\n" for d in docs).encode())
+    data = (struct.pack("<II", 0x184D2A50, 4) + struct.pack("<i", len(frame)) + frame +
+            struct.pack("<II", 0x184D2A5F, 3) + b"abc" + frame)
+    for name in ("p.jsonl.zst", "p.jsonl"):
+        (tmp_path / name).write_bytes(data)
+        assert readers.detect(str(tmp_path / name)).compression == "zstd"
+        res = run(tmp_path / name, tmp_path / "out")
+        assert h.shard_docs(res["outputs"][0]) == h.encode_expected(h.tokenizer(), docs + docs)
