@@ -10,7 +10,9 @@ block, so memory stays small for any size. The output is written under
 temporary names and renamed in when complete, like preprocess.
 
 Shards of different token dtypes (uint16 and int32, from tokenizers of
-different sizes) are widened to the larger; everything else must match.
+different sizes) are widened to the larger. Shards whose ``.meta.json``
+name different tokenizers (sha256) or EOD ids are refused: their ids mean
+different pieces. Shards without a meta (megatron's own) are not checked.
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ def merge(sources: list[str], output_prefix: str, log=None) -> dict:
         problems = r.check()
         if problems:
             raise ValueError(f"{r.prefix}: damaged: {'; '.join(problems)}")
+    metas = [_read_meta(r.prefix) for r in readers]
+    made_with = _same_tokenizer(readers, metas)
     dtype = np.result_type(*[r.dtype for r in readers]).type
     counts = Counts()
     counts_known = True
     parts = []
     with IndexedWriter(out, dtype) as writer:
-        for r in readers:
+        for r, meta in zip(readers, metas):
             offset = writer.sequences
             if r.dtype == dtype:
                 writer.append_bin_file(r.bin_file, r.bin_bytes)
@@ -70,7 +74,6 @@ def merge(sources: list[str], output_prefix: str, log=None) -> dict:
             for start in range(0, max(S, len(ends)), _BLOCK):
                 writer.add_index_entries(r.sequence_lengths[start:start + _BLOCK],
                                          ends[start:start + _BLOCK] + offset)
-            meta = _read_meta(r.prefix)
             if meta and "counts" in meta:
                 counts.merge(Counts.from_dict(meta["counts"]))
             else:
@@ -83,6 +86,7 @@ def merge(sources: list[str], output_prefix: str, log=None) -> dict:
               "tokens": sum(p["tokens"] for p in parts)}
     if counts_known:
         result["counts"] = counts.to_dict()
+    result.update(made_with)  # so a merge of merges is checked too
     atomic_write_bytes(out + ".meta.json", (json.dumps(result, indent=1) + "\n").encode())
     log(f"merge: wrote {out}.bin/.idx: {len(parts)} datasets, {result['documents']:,} "
         f"documents, {result['tokens']:,} tokens ({result['dtype']})")
@@ -92,9 +96,33 @@ def merge(sources: list[str], output_prefix: str, log=None) -> dict:
 def _read_meta(prefix: str) -> dict | None:
     try:
         with open(prefix + ".meta.json") as f:
-            return json.load(f)
+            meta = json.load(f)
+        return meta if isinstance(meta, dict) else None
     except (OSError, ValueError):
         return None
+
+
+_MADE_WITH = (("tokenizer_sha256", "tokenizer (sha256)"), ("eod", "EOD id"))
+
+
+def _same_tokenizer(readers: list, metas: list) -> dict:
+    """Refuses sources whose metas disagree on the tokenizer or EOD id; returns
+    the values all of them record (a preprocess shard in its fingerprint, a
+    merge result at the top level), for the merged meta."""
+    first: dict = {}  # key -> (prefix, value) of the first source recording it
+    known = {key: True for key, _ in _MADE_WITH}
+    for r, meta in zip(readers, metas):
+        meta = meta or {}
+        fp = meta.get("fingerprint") if isinstance(meta.get("fingerprint"), dict) else meta
+        for key, what in _MADE_WITH:
+            if key not in fp:
+                known[key] = False
+                continue
+            where, value = first.setdefault(key, (r.prefix, fp[key]))
+            if value != fp[key]:
+                raise ValueError(f"{r.prefix}: made with another {what} than {where} "
+                                 f"({fp[key]} vs {value}); merge shards of one tokenizer")
+    return {key: first[key][1] for key, _ in _MADE_WITH if known[key] and key in first}
 
 
 def run(args) -> int:

@@ -118,3 +118,32 @@ def test_merge_refuses_a_damaged_input_in_one_line_writing_nothing(tmp_path):
                            "pointers are not the running sum of the lengths\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.bin", "bad.idx", "good.bin",
                                                           "good.idx"]
+
+
+def test_merge_refuses_shards_of_different_tokenizers_or_eod(tmp_path):
+    """The metas name the tokenizer (sha256) and EOD id: shards that disagree
+    are refused in one line naming both, before anything is written; a merge
+    result records them, so merging it again is checked too."""
+    src = h.write_jsonl(tmp_path / "a.jsonl", h.DOCS)
+
+    def shard(name, vocab=800):
+        return preprocess(readers.discover([str(src)]), h.tokenizer(vocab), str(tmp_path / name),
+                          workers=0, **QUIET)["outputs"][0]
+
+    a, b, c = shard("a"), shard("b", 1000), shard("c")
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ValueError) as e:
+        merge([a, b], str(tmp_path / "m"), log=lambda m: None)
+    assert str(e.value).startswith(f"{b}: made with another tokenizer (sha256) than {a} (")
+    meta = json.loads(open(c + ".meta.json").read())
+    meta["fingerprint"]["eod"] += 1
+    open(c + ".meta.json", "w").write(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"^{c}: made with another EOD id than {a} "):
+        merge([a, c], str(tmp_path / "m"), log=lambda m: None)
+    assert sorted(os.listdir(tmp_path)) == before
+    merged = merge([a, a], str(tmp_path / "m_text_document"), log=lambda m: None)
+    assert merged["eod"] == meta["fingerprint"]["eod"] - 1
+    with pytest.raises(ValueError, match="another tokenizer"):
+        merge([str(tmp_path / "m_text_document"), b], str(tmp_path / "n"), log=lambda m: None)
+    proc = h.kvtrain("data", "merge", "--output-prefix", str(tmp_path / "o"), a, b, check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
