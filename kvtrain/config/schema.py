@@ -139,7 +139,8 @@ class DataConfig:
     ``induction`` / ``ngram``: the paper's toy tasks (Appendix K / E.3), with their
     accuracy evaluated at every validation (options in data.induction / data.ngram)."""
     paths: list[float | str] = field(default_factory=list)
-    """Shard prefixes, optionally with weights: [0.7, a_text_document, 0.3, b_text_document]."""
+    """Shard prefixes, optionally with weights: [0.7, a_text_document, 0.3, b_text_document].
+    Without weights, several prefixes are one corpus (each weighted by its tokens)."""
     split: str = "969,30,1"
     """Train/valid/test split weights over documents."""
     tokenizer: Optional[str] = None

@@ -18,6 +18,11 @@ One trap is checked here rather than inside megatron: a split part that gets
 forever (``_get_num_epochs``). Parts we need (train; valid when evaluating)
 must own documents; parts we do not use are dropped from the split matrix
 without moving the boundaries of the others.
+
+Unweighted prefixes (``data.paths: [a, b]``) are blended with weights equal to
+their token counts, i.e. like one corpus. megatron itself would build one
+epoch of each and blend min(asked, one epoch): a run needing more than one
+epoch, or a validation part smaller than eval_iters batches, came up short.
 """
 
 from __future__ import annotations
@@ -51,8 +56,8 @@ def parse_blend(paths: list) -> tuple[list[str], Optional[list[float]]]:
     return prefixes, weights
 
 
-def _sequence_count(prefix: str) -> int:
-    """Sequences (megatron's split unit) in a shard, read from its .idx only."""
+def _shard_size(prefix: str) -> tuple[int, int]:
+    """Sequences (megatron's split unit) and tokens in a shard, from its .idx only."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from data_tools.indexed import check_shard
@@ -63,7 +68,18 @@ def _sequence_count(prefix: str) -> int:
     if problem is not None:
         raise ConfigError(f"data.paths: shard {problem}")
     ds = IndexedDataset(prefix, multimodal=False, mmap=True)
-    return int(ds.sequence_lengths.shape[0])
+    return int(ds.sequence_lengths.shape[0]), int(ds.sequence_lengths.sum(dtype="int64"))
+
+
+def _blend(paths: list) -> tuple[tuple, dict[str, int]]:
+    """The blend to hand megatron, and each prefix's sequence count (its shard
+    checked). Unweighted prefixes get their token counts as weights: one corpus
+    (megatron's own unweighted blend stops at one epoch of each, see above)."""
+    prefixes, weights = parse_blend(paths)
+    sizes = {prefix: _shard_size(prefix) for prefix in prefixes}
+    if weights is None and len(prefixes) > 1:
+        weights = [float(sizes[p][1]) for p in prefixes]
+    return (prefixes, weights), {prefix: n for prefix, (n, _) in sizes.items()}
 
 
 def plan_split(split_matrix: list, counts: dict[str, int], needed: tuple[bool, bool, bool],
@@ -112,7 +128,7 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         train, valid = synthetic_datasets(cfg, train_samples, valid_samples)
         return Datasets(train=train, valid=valid, test=None, tokenizer=None)
     tokenizer = load_tokenizer(d, cfg.model)
-    blend = parse_blend(d.paths) if d.type == "gpt" else None
+    blend, counts = _blend(d.paths) if d.type == "gpt" else (None, {})
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     ds_config = GPTDatasetConfig(
         random_seed=d.seed if d.seed is not None else cfg.train.seed,
@@ -134,7 +150,6 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
     )
     needed = (True, valid_samples > 0, False)
     if blend is not None:
-        counts = {prefix: _sequence_count(prefix) for prefix in blend[0]}
         ds_config.split_matrix = plan_split(ds_config.split_matrix, counts, needed, d.split)
     else:
         # Mock data: megatron sets split "1,1,1"; build only what is drawn from.

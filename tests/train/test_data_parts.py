@@ -13,15 +13,15 @@ from tests.train.conftest import VOCAB, metrics, run, tiny_config, write_config
 EOD = VOCAB - 1
 
 
-def _shards(root) -> tuple[str, str]:
+def _shards(root, n_docs=(300, 300)) -> tuple[str, str]:
     """Two shards whose tokens do not overlap: A's below 100, B's from 200."""
     from kvtrain.data.synthetic import write_shard
 
     rng = np.random.default_rng(0)
     made = []
-    for name, low in (("a", 0), ("b", 200)):
+    for name, low, size in (("a", 0, n_docs[0]), ("b", 200, n_docs[1])):
         docs = [np.append(rng.integers(low, low + 100, size=int(n)), EOD).astype(np.int32)
-                for n in rng.integers(20, 60, size=300)]
+                for n in rng.integers(20, 60, size=size)]
         made.append(write_shard(root / name / "shard", docs))
     return made[0], made[1]
 
@@ -46,6 +46,33 @@ def test_each_shard_gives_its_weights_share_of_the_samples(single_rank, tmp_path
     from_b = sum(bool((t >= 200).all()) for t in text)
     assert from_a + from_b == 400  # a sample never mixes the shards
     assert abs(from_a - 300) <= 2, (from_a, from_b)
+
+
+def _from_a(dataset, n: int) -> int:
+    """How many of the first n samples come from shard A (a sample is of one shard)."""
+    text = [np.asarray(dataset[i]["tokens"]) for i in range(n)]
+    text = [t[t != EOD] for t in text]
+    assert all(bool((t < 100).all() or (t >= 200).all()) for t in text)
+    return sum(bool((t < 100).all()) for t in text)
+
+
+def test_unweighted_prefixes_blend_like_one_corpus(single_rank, tmp_path, cache_dir):
+    """``data.paths: [a, b]`` without weights: each shard gives its share of the
+    tokens, and, as with one shard, a run longer than one epoch of both and a
+    validation part asked for more samples than it holds get them all (megatron's
+    own unweighted blend stopped at one epoch: too few, no validation at all)."""
+    from data_tools.indexed import IndexedReader
+    from kvtrain.data import build_datasets
+
+    a, b = _shards(tmp_path, n_docs=(300, 100))
+    cfg = _config(tmp_path, cache_dir, a, b)
+    cfg["data"]["paths"] = [a, b]
+    cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    tokens_a, tokens_b = IndexedReader(a).num_tokens, IndexedReader(b).num_tokens
+    epoch = (tokens_a + tokens_b) // 32  # seq_length 32
+    ds = build_datasets(cfg, str(cache_dir), 2 * epoch, 40)
+    assert len(ds.train) >= 2 * epoch and len(ds.valid) >= 40
+    assert abs(_from_a(ds.train, 400) - 400 * tokens_a / (tokens_a + tokens_b)) <= 2
 
 
 def test_a_run_trains_and_validates_on_a_blend(tmp_path, cache_dir):
