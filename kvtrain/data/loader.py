@@ -7,6 +7,13 @@ rank ``r`` is ``[base + m*B*D + r*B, ... + B)`` with B the micro batch size and
 D the data-parallel size. That is megatron's ``MegatronPretrainingSampler``
 order, so every (TP, PP, DP) layout trains on the same sequences in the same
 optimizer steps and a resumed run continues with exactly the next batch.
+
+Making an iterator draws nothing from torch's global RNG: each ``DataLoader``
+has a ``torch.Generator`` of its own (``iter()`` draws the workers' base seed
+from the loader's generator, else from the global one). A resumed run makes
+its iterator after the checkpoint restored the global RNG, an uninterrupted
+run before step 1, and a validation makes new ones at every evaluation: a draw
+from the global RNG would shift every later dropout mask.
 """
 
 from __future__ import annotations
@@ -54,11 +61,18 @@ def _worker_init(_worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
+def _own_generator(seed: int, dp_rank: int) -> torch.Generator:
+    """The loader's generator: its only draw is the workers' base seed (the
+    samples' order is fixed by the sampler), the same at every start."""
+    return torch.Generator().manual_seed(seed * 65537 + dp_rank)
+
+
 def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                  dp_size: int, num_workers: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+                  dp_size: int, num_workers: int = 0,
+                  seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
     """An iterator of this rank's micro batches (dicts of ``[b, s]`` tensors:
     tokens, labels, loss_mask, position_ids, and attention_mask ``[b, 1, s, s]``
-    when the dataset makes one)."""
+    when the dataset makes one); ``seed``: the run's, for the loader's generator."""
     sampler = PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size,
                                       dp_rank, dp_size)
     loader = DataLoader(
@@ -69,16 +83,18 @@ def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank
         pin_memory=False,
         persistent_workers=False,
         prefetch_factor=2 if num_workers > 0 else None,
+        generator=_own_generator(seed, dp_rank),
     )
     return iter(loader)
 
 
 def fixed_batches(dataset, num_samples: int, micro_batch_size: int, dp_rank: int,
-                  dp_size: int) -> Optional[Iterator[dict[str, torch.Tensor]]]:
+                  dp_size: int, seed: int = 0) -> Optional[Iterator[dict[str, torch.Tensor]]]:
     """The first ``num_samples`` samples, split like training batches (validation:
     every evaluation sees the same sequences, so val losses compare over time)."""
     if dataset is None:
         return None
     sampler = PretrainingBatchSampler(min(num_samples, len(dataset)), 0, micro_batch_size,
                                       dp_rank, dp_size)
-    return iter(DataLoader(dataset, batch_sampler=sampler, num_workers=0))
+    return iter(DataLoader(dataset, batch_sampler=sampler, num_workers=0,
+                           generator=_own_generator(seed, dp_rank)))

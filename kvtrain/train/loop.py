@@ -116,7 +116,7 @@ def _data_iterators(run: Run, consumed_samples: int) -> list:
 
     t = run.cfg.train
     return [micro_batches(run.datasets.train, consumed_samples, t.micro_batch_size, run.dp_rank,
-                          run.dp_size, run.cfg.data.num_workers) for _ in run.model]
+                          run.dp_size, run.cfg.data.num_workers, seed=t.seed) for _ in run.model]
 
 
 def _count_skips(state: TrainState, result: StepResult, metrics: MetricsLogger) -> None:

@@ -166,3 +166,40 @@ def test_checkpoint_contents(runs):
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     assert common["kvtrain"]["state"]["consumed_samples"] == N * 8
     assert common["kvtrain"]["config"]["model"]["attention"] == "kv_shift"
+
+
+def test_resume_with_dropout_is_bit_exact(tmp_path, cache_dir):
+    """With dropout the global RNG state matters: the checkpoint restores it, and
+    the resumed run's data iterator (made after the restore, where the
+    uninterrupted run made it before step 1) must not draw from it."""
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        None, cache_dir, model={"hidden_dropout": 0.1, "attention_dropout": 0.1},
+        train={"max_steps": 2 * N}, checkpoint={"save_interval": N, "keep_last": None}))
+    jobs = [{"config": str(config), "run_dir": str(tmp_path / "ref"),
+             "overrides": ["checkpoint.save_interval=null", "checkpoint.save_on_exit=false"]},
+            {"config": str(config), "run_dir": str(tmp_path / "cut"),
+             "faults": {"kill_after_save": N}, "expect": -9},
+            {"config": str(config), "run_dir": str(tmp_path / "cut")}]
+    result = run_driver(jobs, tmp_path / "plan.json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ref, cut = by_iteration(metrics(tmp_path / "ref")), by_iteration(metrics(tmp_path / "cut"))
+    assert sorted(ref) == sorted(cut) == list(range(1, 2 * N + 1))
+    for it in ref:
+        assert cut[it]["lm_loss"] == ref[it]["lm_loss"], it
+        assert cut[it]["grad_norm"] == ref[it]["grad_norm"], it
+
+
+def test_data_iterators_draw_nothing_from_the_global_rng():
+    """Training and validation iterators (validation makes new ones at every
+    evaluation) leave torch's global RNG where it was: dropout masks do not
+    depend on when, or how often, iterators are made."""
+    import torch
+
+    from kvtrain.data import fixed_batches, micro_batches
+
+    data = [{"tokens": torch.tensor([i])} for i in range(16)]
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    next(micro_batches(data, 4, 2, 0, 1))
+    next(fixed_batches(data, 8, 2, 0, 1))
+    assert torch.equal(torch.get_rng_state(), before)
