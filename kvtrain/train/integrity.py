@@ -66,7 +66,8 @@ MARKER = "kvtrain_checkpoint.json"
 INCOMPLETE = ".incomplete"  # suffix of a checkpoint folder while it is written
 ABANDONED = "abandoned-"  # prefix of a folder of checkpoints set aside
 CHUNK = 1 << 20
-_NAME = re.compile(r"^iter_(\d{7})$")
+# 7 digits, more past iteration 9,999,999 (checkpoint.checkpoint_name pads to 7)
+_NAME = re.compile(r"^iter_(\d{7,})$")
 
 
 class CheckpointError(ConfigError):

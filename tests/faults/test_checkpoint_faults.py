@@ -315,6 +315,18 @@ def test_resume_candidates(tmp_path):
         plan_resume(str(tmp_path / "nope"), root)
 
 
+def test_a_checkpoint_past_iteration_9999999_is_a_candidate(tmp_path):
+    """iter_10000000 has 8 digits (checkpoint_name pads to 7): still a checkpoint
+    folder, the newest, and a ``latest`` naming it is no problem."""
+    from kvtrain.train.integrity import plan_resume
+
+    root = tmp_path / CK
+    old, new = _fake_checkpoint(root, 9_999_000), _fake_checkpoint(root, 10_000_000)
+    (root / "latest").write_text(new.name + "\n")
+    plan = plan_resume("auto", root)
+    assert plan.warnings == [] and plan.candidates == [new, old], plan
+
+
 def test_save_failure_reason_finds_the_os_error(tmp_path):
     from kvtrain.train.integrity import save_failure_reason
 
