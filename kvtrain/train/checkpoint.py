@@ -92,8 +92,8 @@ from kvtrain.config.compat import check_resume_config
 
 from .hooks import RunHooks
 from .integrity import (
-    INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, build_manifest, own_shards,
-    save_failure_reason, set_aside,
+    INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, build_manifest, checkpoint_folders,
+    own_shards, save_failure_reason, set_aside,
 )
 from .optimizer import adam_step, inner_optimizers, kernel_flags_kept
 from .save_agreement import gather_or_fail, on_rank0_or_fail
@@ -420,13 +420,13 @@ class Checkpointer:
         self._cleanup(keep=final)
 
     def _cleanup(self, keep: Path) -> None:
-        """Rank 0: drops half-written saves and complete checkpoints beyond keep_last."""
-        complete = sorted(p for p in self.root.glob(f"{PREFIX}*")
-                          if p.is_dir() and p != keep and is_complete(p))
+        """Rank 0: drops half-written saves and complete checkpoints beyond keep_last
+        (the newest by iteration, not by name: iter_10000000 sorts before iter_9999000)."""
+        complete = [p for p in checkpoint_folders(self.root) if p != keep and is_complete(p)]
         doomed = [p for p in self.root.glob(f"{PREFIX}*{INCOMPLETE}")]
         doomed += [p for p in self.root.glob(".trash-*")]
-        if self.keep_last is not None:
-            doomed += complete[:max(len(complete) + 1 - self.keep_last, 0)]
+        if self.keep_last is not None:  # ``keep`` and the newest keep_last - 1 of the others
+            doomed += complete[max(self.keep_last - 1, 0):]
         for p in doomed:
             _remove(p)
 

@@ -327,6 +327,20 @@ def test_a_checkpoint_past_iteration_9999999_is_a_candidate(tmp_path):
     assert plan.warnings == [] and plan.candidates == [new, old], plan
 
 
+def test_keep_last_keeps_the_newest_past_iteration_9999999(tmp_path):
+    """keep_last counts checkpoints by iteration: iter_10000000 sorts before
+    iter_9999000 by name, yet it is the newer one and stays."""
+    from kvtrain.train.checkpoint import Checkpointer
+
+    root = tmp_path / CK
+    older, newer = _fake_checkpoint(root, 9_999_000), _fake_checkpoint(root, 10_000_000)
+    saved = _fake_checkpoint(root, 10_001_000)
+    ckpt = object.__new__(Checkpointer)  # _cleanup reads root and keep_last only
+    ckpt.root, ckpt.keep_last = root, 2
+    ckpt._cleanup(keep=saved)
+    assert sorted(p.name for p in root.iterdir()) == [newer.name, saved.name], older
+
+
 def test_save_failure_reason_finds_the_os_error(tmp_path):
     from kvtrain.train.integrity import save_failure_reason
 
