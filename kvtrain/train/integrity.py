@@ -145,10 +145,13 @@ def check_checkpoint(path: Path, level: str, part: tuple[int, int] = (0, 1)) -> 
         return Check(problem=str(e))
     if level == "none":
         return Check()
-    if not manifest:
+    if manifest is None:
         return Check(warning=f"{path} was saved without a file manifest (an older kvtrain): "
                              "it cannot be verified")
-    files = manifest["files"]
+    files = _files_of(manifest)
+    if files is None:
+        return Check(problem=f"{path / MARKER} holds a damaged manifest (not "
+                             "{files: {name: {size, crc32}}})")
     for name, entry in files.items():
         problem = _size_problem(path / name, entry["size"])
         if problem:
@@ -160,6 +163,20 @@ def check_checkpoint(path: Path, level: str, part: tuple[int, int] = (0, 1)) -> 
                 return Check(problem=f"{path / name} does not match its checksum (CRC-32 "
                                      f"{files[name]['crc32']} in {MARKER})")
     return Check()
+
+
+def _files_of(manifest) -> Optional[dict]:
+    """The manifest's ``files`` when every entry has an integer size and a CRC-32
+    string; None for a marker that is valid JSON of another shape (a bad edit, a
+    bug), which makes a damaged checkpoint, not a KeyError."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return None
+    for entry in files.values():
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int
+                and isinstance(entry.get("crc32"), str)):
+            return None
+    return files
 
 
 def _size_problem(path: Path, size: int) -> Optional[str]:

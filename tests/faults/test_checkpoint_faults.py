@@ -284,6 +284,27 @@ def test_manifest_verification_levels(tmp_path):
     assert all(check_checkpoint(fresh, "full", part=(r, 3)).problem is None for r in range(3))
 
 
+@pytest.mark.parametrize("damage", ["no size", "no crc32", "no files", "files a list",
+                                    "entry a number", "manifest a list", "size a string"])
+def test_a_manifest_of_the_wrong_shape_is_a_problem(tmp_path, damage):
+    """A marker that is valid JSON but whose manifest lost a key or changed shape
+    is a damaged checkpoint (resume skips it with a warning), not a traceback."""
+    from kvtrain.train.integrity import MARKER, check_checkpoint
+
+    path = _fake_checkpoint(tmp_path, 4)
+    info = json.loads((path / MARKER).read_text())
+    manifest, entry = info["manifest"], info["manifest"]["files"]["common.pt"]
+    {"no size": lambda: entry.pop("size"), "no crc32": lambda: entry.pop("crc32"),
+     "no files": lambda: manifest.pop("files"),
+     "files a list": lambda: manifest.update(files=["common.pt"]),
+     "entry a number": lambda: manifest["files"].update({"common.pt": 100}),
+     "manifest a list": lambda: info.update(manifest=[1]),
+     "size a string": lambda: entry.update(size="100")}[damage]()
+    (path / MARKER).write_text(json.dumps(info))
+    for level in ("full", "sizes"):
+        assert "damaged manifest" in check_checkpoint(path, level).problem
+
+
 def test_resume_candidates(tmp_path):
     from kvtrain.train.integrity import plan_resume
 
