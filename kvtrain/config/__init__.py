@@ -37,6 +37,16 @@ def load_config(
     return cfg
 
 
+def checkpoint_folder(configured: Optional[str], run_dir: str | Path) -> Path:
+    """The folder of a run's checkpoints: ``checkpoint.dir`` with ``~`` expanded,
+    ``<run_dir>/checkpoints`` when it is null. Every reader of checkpoint.dir
+    (training, ``kvtrain demo``, loading a run folder) goes through here, so that
+    they agree on where the checkpoints are."""
+    if not configured:
+        return Path(run_dir) / "checkpoints"
+    return Path(configured).expanduser()
+
+
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
@@ -50,6 +60,7 @@ __all__ = [
     "ShiftHeadsConfig",
     "TrainConfig",
     "WandbConfig",
+    "checkpoint_folder",
     "dump_yaml",
     "first_line",
     "load_config",

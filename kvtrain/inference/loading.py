@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from kvtrain.config import ConfigError, RunConfig, first_line, from_dict, read_yaml
+from kvtrain.config import (
+    ConfigError, RunConfig, checkpoint_folder, first_line, from_dict, read_yaml,
+)
 
 CHECKPOINTS = "checkpoints"  # the default checkpoint.dir inside a run folder
 
@@ -46,8 +48,8 @@ def _checkpoint_roots(source: Path) -> list[Path]:
             named = (read_yaml(config_file).get("checkpoint") or {}).get("dir")
         except (ConfigError, AttributeError):
             named = None
-        if named:
-            roots.append(Path(named).expanduser())
+        if isinstance(named, str) and named:
+            roots.append(checkpoint_folder(named, source))
     return roots + [source / CHECKPOINTS, source]
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from data_tools.fileio import atomic_write_text
-from kvtrain.config import ConfigError, RunConfig, to_dict
+from kvtrain.config import ConfigError, RunConfig, checkpoint_folder, to_dict
 from kvtrain.config.backend import BackendChoice
 from kvtrain.config.layout import Layout, derive_layout
 
@@ -202,7 +202,8 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     scheduler = build_scheduler(cfg, optimizer, steps)
 
     dp_rank = parallel_state.get_data_parallel_rank()
-    cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
+    cache_dir = str(Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir
+                    else run_dir / "data_cache")
     valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
     datasets = build_datasets(cfg, cache_dir, steps * t.global_batch_size, valid_samples)
 
@@ -214,7 +215,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
         flops_per_step=training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size,
                                                layout.padded_vocab_size),
         peak_tflops=t.peak_tflops_per_device or guess_peak_tflops(),
-        checkpoint_dir=Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints",
+        checkpoint_dir=checkpoint_folder(cfg.checkpoint.dir, run_dir),
         backend=backend, device="cuda" if torch.cuda.is_available() else "cpu",
         documents=_documents(cfg, datasets, backend.name),
     )

@@ -87,7 +87,7 @@ class WandbLogger:
         import wandb
 
         self.run_id = run_id_for(run_dir)
-        wandb_dir = Path(cfg.dir) if cfg.dir else Path(run_dir)
+        wandb_dir = Path(cfg.dir).expanduser() if cfg.dir else Path(run_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=cfg.project,
