@@ -39,12 +39,13 @@ def load_config(
 
 def checkpoint_folder(configured: Optional[str], run_dir: str | Path) -> Path:
     """The folder of a run's checkpoints: ``checkpoint.dir`` with ``~`` expanded,
-    ``<run_dir>/checkpoints`` when it is null. Every reader of checkpoint.dir
-    (training, ``kvtrain demo``, loading a run folder) goes through here, so that
-    they agree on where the checkpoints are."""
-    if not configured:
-        return Path(run_dir) / "checkpoints"
-    return Path(configured).expanduser()
+    a relative one under the run folder, ``<run_dir>/checkpoints`` when it is null.
+    Not under the working directory: the same run restarted from elsewhere (a job
+    script that changes directory) must find its checkpoints. Every reader of
+    checkpoint.dir (training, ``kvtrain demo``, loading a run folder) goes through
+    here, so that they agree on where the checkpoints are."""
+    # an absolute (or ~) folder replaces run_dir in the join
+    return Path(run_dir) / Path(configured or "checkpoints").expanduser()
 
 
 __all__ = [

@@ -175,7 +175,7 @@ class CheckpointConfig:
     """Distributed checkpoints (megatron dist_checkpointing, torch_dist)."""
 
     dir: Optional[str] = None
-    """Checkpoint folder (default: <run_dir>/checkpoints)."""
+    """Checkpoint folder (default: <run_dir>/checkpoints; relative: under the run folder)."""
     save_interval: Optional[int] = 100
     """Steps between saves; null saves only at the end and on signals."""
     keep_last: Optional[int] = 3

@@ -253,7 +253,9 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, run_record(cfg, run.resolved),
                         active=rank0)
     metrics = MetricsLogger(run.run_dir, wandb, active=rank0)
-    metrics.resume_at(state.iteration, keep_copy=resumed.fell_back)
+    # a fresh start in a folder with records (checkpoints deleted, or checkpoint.dir
+    # moved) drops them all: they are another history, kept in a copy
+    metrics.resume_at(state.iteration, keep_copy=resumed.fell_back or resumed.path is None)
     metrics.write(backend_event(run, state.iteration), echo=False)
     for note in resumed.notes:
         metrics.write({"kind": "event", "iteration": state.iteration, "message": note}, echo=False)

@@ -9,9 +9,10 @@ device, MFU and peak memory. The same numbers go to wandb under
 On a resume the records past the checkpoint's iteration (steps a crashed run
 did after its last save) are dropped from ``metrics.jsonl``: the file then
 reads as one consistent history, the one the resumed run continues. When the
-resume passed over something (a damaged checkpoint, a history set aside), the
-dropped records may be a history of their own: the file is first copied to
-``metrics.jsonl.before-<iteration>-<UTC time>``.
+resume passed over something (a damaged checkpoint, a history set aside), or
+when a start found no checkpoint in a folder with records (checkpoints deleted,
+``checkpoint.dir`` changed), the dropped records may be a history of their own:
+the file is first copied to ``metrics.jsonl.before-<iteration>-<UTC time>``.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ class MetricsLogger:
         dropped = truncate_after(self.path, iteration, backup if keep_copy else None)
         if dropped:
             kept = f"; the file before is kept as {backup.name}" if keep_copy else ""
+            why = ("no checkpoint continues them" if iteration == 0 else
+                   "written by the interrupted run after its last checkpoint")
             print(f"metrics: dropped {dropped} records after iteration {iteration} "
-                  f"(written by the interrupted run after its last checkpoint){kept}", flush=True)
+                  f"({why}){kept}", flush=True)
         self._file = open(self.path, "a", buffering=1)
 
     def write(self, record: dict, echo: bool = True) -> None:

@@ -1,7 +1,7 @@
 """Test driver: runs many trainings in one launch, each in a forked child.
 
 ``python tests/train/driver.py PLAN.json`` (or under torchrun, once per rank).
-PLAN is a list of jobs ``{"config", "run_dir", "overrides", "env", "faults"}``.
+PLAN is a list of jobs ``{"config", "run_dir", "overrides", "env", "faults", "cwd"}``.
 
 The driver imports torch, megatron and kvtrain once and forks a child per job:
 the child builds its own process group (on its own port), model and data,
@@ -14,7 +14,7 @@ in the parent, so the fork copies no communication state.
 ``faults`` are the arguments of ``tests.faults.injector.Faults``, the hooks
 object handed to ``train`` (``{"stop_after": N}``: step N carries a stop
 request, as if a signal had arrived during it). ``env`` is set in the child
-only. Exit status: 0 when every job's child exited as expected (its
+only, and so is ``cwd`` (the child's working directory). Exit status: 0 when every job's child exited as expected (its
 ``expect`` code, 0 by default; -9 for a SIGKILLed one), 1 otherwise; each
 job's code is printed as ``driver: job <run_dir> exit <code>``. A job with
 ``"log": PATH`` writes its stdout and stderr to PATH only, and a config or
@@ -41,6 +41,7 @@ def _child(job: dict, port: int) -> int:
     from kvtrain.train import train
 
     os.environ.update(job.get("env", {}))
+    os.chdir(job.get("cwd", "."))
     if port:  # a fresh rendezvous of this job's children on their own port
         os.environ["MASTER_PORT"] = str(port)
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
