@@ -23,8 +23,9 @@ A save that fails (a full disk, a quota, a read-only filesystem) stops the
 run: its ``.incomplete`` folder is removed, ``latest`` still names the
 previous checkpoint, and ``CheckpointError`` says why in one line (the OS
 error, e.g. "No space left on device", which megatron often buries or loses).
-When it fails on one rank while the marker is made, every rank stops with that
-rank's reason (``save_agreement``), none waits in a collective for it.
+When it fails on one rank while the marker is made, or on rank 0 making the
+checkpoint folder or ``iter_N.incomplete``, every rank stops with that rank's
+reason (``save_agreement``), none waits in a collective for it.
 Training on would fail every later save just the same, and a stop on a signal
 must not exit 0 without its checkpoint; Megatron-LM stops too.
 
@@ -92,8 +93,8 @@ from kvtrain.config.compat import check_resume_config
 
 from .hooks import RunHooks
 from .integrity import (
-    INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, build_manifest, checkpoint_folders,
-    own_shards, save_failure_reason, set_aside,
+    INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, SaveFailed, build_manifest,
+    checkpoint_folders, own_shards, save_failure_reason, set_aside,
 )
 from .optimizer import adam_step, inner_optimizers, kernel_flags_kept
 from .save_agreement import gather_or_fail, on_rank0_or_fail
@@ -139,6 +140,12 @@ def _remove(path: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     except OSError as e:
         log.warning("could not remove old checkpoint %s: %s", path, e)
+
+
+def _empty_folder(work: Path) -> None:
+    if work.exists():  # leftovers of a save that was killed half-way
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
 
 
 def ensure_writer_queue(async_save: bool) -> None:
@@ -279,8 +286,10 @@ class Checkpointer:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             self._async_queue = AsyncCallsQueue(persistent=False)
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+        try:  # on every rank: none waits for a rank 0 that failed (a read-only filesystem)
+            on_rank0_or_fail(lambda: self.root.mkdir(parents=True, exist_ok=True), self.root)
+        except SaveFailed as e:
+            raise CheckpointError(f"cannot make the checkpoint folder {self.root}: {e}") from None
         ensure_writer_queue(async_save)
 
     # -- state dicts --------------------------------------------------------------
@@ -351,14 +360,11 @@ class Checkpointer:
         # The loop goes on mutating its state while an async save is written.
         state = copy.deepcopy(state)
         work = self.root / (checkpoint_name(state.iteration) + INCOMPLETE)
-        if self.rank == 0:
-            if work.exists():  # leftovers of a save that was killed half-way
-                shutil.rmtree(work)
-            work.mkdir(parents=True)
-        dist.barrier()
+        self._pending = (work, state.iteration)
+        with self._save_failure():  # a read-only folder: one line on every rank
+            on_rank0_or_fail(lambda: _empty_folder(work), self.root)
         t0 = time.monotonic()
         sd = self._sharded_state(state, loading=False, optimizer=True, rng=True)
-        self._pending = (work, state.iteration)
         with self._save_failure():
             request = dist_checkpointing.save(
                 sd, str(work), async_sharded_save=self._async_queue is not None,

@@ -405,3 +405,33 @@ def test_a_save_failing_on_one_rank_stops_every_rank_with_its_reason(tmp_path, c
     ck = tmp_path / "rank1" / CK
     assert (ck / "latest").read_text().strip() == _it(2) and not (ck / _it(4)).exists()
     assert not list(ck.glob("*.incomplete"))
+
+
+def test_a_read_only_checkpoint_folder_is_one_line_on_every_rank(tmp_path, cache_dir):
+    """Two ranks, checkpoint.dir on a read-only filesystem: rank 0 failing to make
+    the save's ``iter_N.incomplete`` (the folder exists), or the checkpoint folder
+    itself (it does not), stops every rank with one line naming the OS error,
+    instead of a traceback on rank 0 and the others waiting for it."""
+    ro = tmp_path / "ro"
+    if not _mount_tmpfs(ro, 1024):
+        pytest.skip("a tmpfs cannot be mounted here (needs root)")
+    try:
+        (ro / CK).mkdir()
+        if subprocess.run(["mount", "-o", "remount,ro", str(ro)]).returncode != 0:
+            pytest.skip("the tmpfs cannot be remounted read-only here")
+        config = write_config(tmp_path / "c.yaml", tiny_config(
+            None, cache_dir, train={"max_steps": 4, "dist_timeout_minutes": 1},
+            checkpoint={"save_interval": 2, "keep_last": None}))
+        jobs = [{"config": str(config), "run_dir": str(tmp_path / name), "expect": 2,
+                 "overrides": [f"checkpoint.dir={ro / folder}"]}
+                for name, folder in (("save", CK), ("start", "new"))]
+        result = run_driver(jobs, tmp_path / "plan.json", nproc=2, timeout=300)
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], capture_output=True)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in out, out[-4000:]
+    errors = re.findall(r"kvtrain: checkpoint error: ([^\n]*?Read-only file system)", out)
+    assert len(errors) == 4, out[-4000:]  # two ranks, two jobs
+    assert sum(f"saving the checkpoint of iteration 2 ({_it(2)}.incomplete)" in e
+               for e in errors) == 2, errors
+    assert sum(f"cannot make the checkpoint folder {ro / 'new'}" in e for e in errors) == 2
