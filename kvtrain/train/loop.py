@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kvtrain.backend import init_process_group
-from kvtrain.config import RunConfig
+from kvtrain.config import RunConfig, checkpoint_folder
 from kvtrain.tasks.config import accuracy_masks
 
 from .checkpoint import Checkpointer, TrainState
@@ -229,6 +229,11 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     lock = hold_run_folder(Path(run_dir))  # one writer per run folder (collective)
     stop = StopRequests(cfg.train.exit_duration_minutes).install()
     with removed_on_bad_input(Path(run_dir), lock):  # refused: no new folder left
+        # also where checkpoint.dir lies outside the run folder (or in another's)
+        shared = hold_run_folder(checkpoint_folder(cfg.checkpoint.dir, run_dir),
+                                 "checkpoint folder")
+        if lock is not None:
+            lock.hold_too(shared)
         run = build_run(cfg, Path(run_dir))
         rank0 = run.rank == 0
         if rank0:

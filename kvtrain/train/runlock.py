@@ -1,4 +1,7 @@
-"""One writer per run folder: ``<run_dir>/.kvtrain.lock``.
+"""One writer per run folder: ``<run_dir>/.kvtrain.lock``, and per checkpoint
+folder: ``<checkpoint.dir>/.kvtrain.lock`` (``checkpoint.dir`` may lie outside
+the run folder, on scratch storage, and two runs must not resume, save and
+apply keep_last in one folder).
 
 Global rank 0 takes an exclusive ``flock`` on the lock file before any rank
 touches the folder and writes its host, pid and start time into it; every
@@ -39,8 +42,15 @@ class RunLock:
     def __init__(self, path: Path, fd: int, fresh: bool = False):
         self.path, self.fd = path, fd
         self.fresh = fresh  # this process made the run folder (an atomic mkdir)
+        self.others: list[RunLock] = []  # released with this one (the checkpoint folder's)
+
+    def hold_too(self, other: Optional["RunLock"]) -> None:
+        if other is not None and other is not self:  # the same folder: one lock
+            self.others.append(other)
 
     def release(self) -> None:
+        for other in self.others:
+            other.release()
         if self.fd >= 0:
             _held.pop(str(self.path), None)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -84,19 +94,23 @@ def try_lock(run_dir: Path) -> tuple[Optional[RunLock], str]:
     return lock, ""
 
 
-def hold_run_folder(run_dir: Path) -> Optional[RunLock]:
-    """Rank 0 locks ``run_dir``; every rank raises the same ``ConfigError`` when
-    another process holds it (collective when a process group exists)."""
+def hold_run_folder(run_dir: Path, what: str = "run folder") -> Optional[RunLock]:
+    """Rank 0 locks ``run_dir`` (``what``: the run folder, or the checkpoint folder);
+    every rank raises the same ``ConfigError`` when another process holds it or the
+    folder cannot be written (collective when a process group exists)."""
     import torch.distributed as dist
 
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    lock, verdict = None, [""]
+    lock, verdict, folder = None, [""], Path(run_dir).resolve()
     if not distributed or dist.get_rank() == 0:
-        lock, holder = try_lock(Path(run_dir))
-        if lock is None:
-            verdict[0] = (f"run folder {Path(run_dir).resolve()} is in use by kvtrain {holder} "
-                          f"(lock {Path(run_dir).resolve() / LOCK_FILE}); one run writes to a "
-                          "folder at a time")
+        try:
+            lock, holder = try_lock(Path(run_dir))
+        except OSError as e:  # read-only, no permission: one line, before anything starts
+            lock, holder = None, ""
+            verdict[0] = f"{what} {folder} cannot be written: {e.strerror or e}"
+        if lock is None and holder:
+            verdict[0] = (f"{what} {folder} is in use by kvtrain {holder} (lock "
+                          f"{folder / LOCK_FILE}); one run writes to a folder at a time")
     if distributed:
         dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:

@@ -10,6 +10,9 @@
     {"kill_at_step": 4}        SIGKILL at the start of step 4 (nothing saved for it)
     {"fail_in_save": [4, 1]}   rank 1 fails (EIO) after iteration 4's shards are
                                written, as a rank whose disk fails while it reads them back
+    {"read_only_after_save": [2, "/ck"]}  rank 0 mounts /ck over itself read-only
+                               right after the checkpoint of 2 is complete (root only;
+                               a bind mount: the lock file open in /ck keeps a remount busy)
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class Faults(RunHooks):
     def __init__(self, kill_in_save: Optional[int] = None, kill_after_save: Optional[int] = None,
                  nonfinite_steps: Iterable[int] = (), stop_after: Optional[int] = None,
                  kill_at_step: Optional[int] = None, nonfinite_grad_steps: Iterable[int] = (),
-                 fail_in_save: Optional[tuple[int, int]] = None):
+                 fail_in_save: Optional[tuple[int, int]] = None,
+                 read_only_after_save: Optional[tuple[int, str]] = None):
         self.kill_in_save = kill_in_save
         self.kill_after_save = kill_after_save
         self.nonfinite_steps = frozenset(nonfinite_steps)
@@ -39,6 +43,7 @@ class Faults(RunHooks):
         self.kill_at_step = kill_at_step
         self.nonfinite_grad_steps = frozenset(nonfinite_grad_steps)
         self.fail_in_save = tuple(fail_in_save) if fail_in_save else None
+        self.read_only_after_save = tuple(read_only_after_save or (None, None))
 
     def loss(self, iteration, loss_sum):
         if iteration in self.nonfinite_steps:
@@ -72,3 +77,12 @@ class Faults(RunHooks):
     def checkpoint_saved(self, path: Path, iteration: int) -> None:
         if iteration == self.kill_after_save:
             _die()
+        at, mount = self.read_only_after_save
+        if iteration == at:
+            import subprocess
+
+            import torch.distributed as dist
+
+            if dist.get_rank() == 0:  # before the collectives that lead to the next save
+                subprocess.run(["mount", "--bind", mount, mount], check=True)
+                subprocess.run(["mount", "-o", "remount,bind,ro", mount], check=True)

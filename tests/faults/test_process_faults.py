@@ -151,3 +151,33 @@ def test_a_refused_start_removes_only_what_it_wrote_into_a_folder_it_made(tmp_pa
     (tmp_path / "old").mkdir()
     assert not refused(tmp_path / "old")
     assert {p.name for p in (tmp_path / "old").iterdir()} >= {"config.yaml", "data_cache"}
+
+
+def test_a_checkpoint_folder_in_use_by_another_run_is_refused(tmp_path, cache_dir):
+    """checkpoint.dir outside the run folder (scratch storage) is locked too: a run
+    in another run folder on a checkpoint folder in use (held here by a plain
+    process, as a running trainer holds it) is refused in one line before it
+    touches anything: no run folder made, nothing added to the checkpoint folder."""
+    import subprocess
+    import sys
+
+    shared = tmp_path / "scratch" / "ck"
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        None, cache_dir, train={"max_steps": 2}, checkpoint={"dir": str(shared)}))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from kvtrain.train.runlock import try_lock; "
+         "assert try_lock(Path(sys.argv[1]))[0]; print('locked', flush=True); time.sleep(600)",
+         str(shared)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        second = run(["train", str(config), "--run-dir", str(tmp_path / "b")])
+    finally:
+        holder.kill()
+        holder.wait()
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode == 2 and len(lines) == 1, second.stdout[-1500:] + second.stderr
+    assert lines[0].startswith(f"kvtrain: config error: checkpoint folder {shared} is in use "
+                               f"by kvtrain pid {holder.pid}"), lines[0]
+    assert not (tmp_path / "b").exists()
+    assert [p.name for p in shared.iterdir()] == [".kvtrain.lock"]

@@ -95,7 +95,7 @@ def test_loss_falls_on_tokenized_text(short_runs, corpus):
     assert saved.train.max_steps == 50 and saved.data.paths == [corpus.prefix]
     assert latest(run_dir) == "iter_0000050"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "iter_0000050", "latest"]  # keep_last: 1
+        ".kvtrain.lock", "iter_0000050", "latest"]  # keep_last: 1; the folder's lock
 
 
 def test_sigkill_in_save_then_sigterm_then_resume(tmp_path, corpus, cache_dir):
