@@ -14,11 +14,12 @@ in the parent, so the fork copies no communication state.
 ``faults`` are the arguments of ``tests.faults.injector.Faults``, the hooks
 object handed to ``train`` (``{"stop_after": N}``: step N carries a stop
 request, as if a signal had arrived during it). ``env`` is set in the child
-only, and so is ``cwd`` (the child's working directory). Exit status: 0 when every job's child exited as expected (its
-``expect`` code, 0 by default; -9 for a SIGKILLed one), 1 otherwise; each
-job's code is printed as ``driver: job <run_dir> exit <code>``. A job with
-``"log": PATH`` writes its stdout and stderr to PATH only, and a config or
-checkpoint error ends it as ``kvtrain train`` does: one line, exit code 2.
+only, and so is ``cwd`` (the child's working directory). Exit status: 0 when
+every job's child exited as expected (its ``expect`` code, 0 by default; -9
+for a SIGKILLed one), 1 otherwise; each job's code is printed as ``driver: job
+<run_dir> exit <code>``. A job with ``"log": PATH`` writes its stdout and stderr
+to PATH only, and a config or checkpoint error ends it as ``kvtrain train``
+does: one line, exit code 2.
 """
 
 from __future__ import annotations
