@@ -118,6 +118,9 @@ class TrainState:
     consumed_samples: int = 0
     skipped_steps: int = 0  # optimizer updates dropped (non-finite, fp16 overflow)
     nonfinite_in_row: int = 0
+    # [[index, crc32], ...] of a few training samples drawn (kvtrain/data/order.py):
+    # a resume tells whether the dataset it builds still gives them
+    data_order: Optional[list] = None
     extra: dict = field(default_factory=dict)
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from kvtrain.backend import init_process_group
 from kvtrain.config import RunConfig, checkpoint_folder
+from kvtrain.data.order import order_changed, order_fingerprint
 from kvtrain.tasks.config import accuracy_masks
 
 from .checkpoint import Checkpointer, TrainState
@@ -71,7 +72,7 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
             _validate(run, validator, state, metrics)
         ckpt.finalize()  # completes a finished async save, if any
         if _due(state.iteration, cfg.checkpoint.save_interval):
-            ckpt.save(state)
+            _save(ckpt, run, state)
             last_saved = state.iteration
 
         if state.nonfinite_in_row >= t.max_consecutive_nonfinite:
@@ -94,7 +95,7 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
             _validate(run, validator, state, metrics)
 
     if cfg.checkpoint.save_on_exit and last_saved != state.iteration and state.iteration > 0:
-        ckpt.save(state)
+        _save(ckpt, run, state)
         last_saved = state.iteration
     ckpt.close()  # waits for an async save to complete
     done = f"iteration {state.iteration}/{run.total_steps}"
@@ -117,6 +118,22 @@ def _data_iterators(run: Run, consumed_samples: int) -> list:
     t = run.cfg.train
     return [micro_batches(run.datasets.train, consumed_samples, t.micro_batch_size, run.dp_rank,
                           run.dp_size, run.cfg.data.num_workers, seed=t.seed) for _ in run.model]
+
+
+def _save(ckpt: Checkpointer, run: Run, state: TrainState) -> None:
+    state.data_order = order_fingerprint(run.datasets.train, state.consumed_samples)
+    ckpt.save(state)
+
+
+def _order_warning(run: Run, state: TrainState) -> Optional[str]:
+    """The resumed run's training data gives other samples than the checkpoint's drew:
+    megatron orders them for the count a run asks for (kvtrain/data/order.py)."""
+    if not order_changed(run.datasets.train, state.data_order):
+        return None
+    return (f"the training data's order changed since the checkpoint (megatron orders the "
+            f"samples for the number a run asks for: train.max_steps or train.train_tokens "
+            f"past an epoch, or data.*, changed it): from sample {state.consumed_samples} on "
+            f"this run draws from the new order, and samples already trained on may come again")
 
 
 def _count_skips(state: TrainState, result: StepResult, metrics: MetricsLogger) -> None:
@@ -252,9 +269,12 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         resumed = resume(ckpt, plan_resume(c.resume, run.checkpoint_dir), c.verify,
                          c.load_optimizer, c.load_rng)
     state = resumed.state
+    order = _order_warning(run, state) if resumed.path is not None else None
     if resumed.path is not None:
         note = "" if state.extra.get("rng_restored") else " (RNG states not restored: layout changed)"
         say(f"kvtrain: resumed from {resumed.path} at iteration {state.iteration}{note}")
+        if order:
+            say(f"kvtrain: warning: {order}")
     wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, run_record(cfg, run.resolved),
                         active=rank0)
     metrics = MetricsLogger(run.run_dir, wandb, active=rank0)
@@ -262,7 +282,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     # moved) drops them all: they are another history, kept in a copy
     metrics.resume_at(state.iteration, keep_copy=resumed.fell_back or resumed.path is None)
     metrics.write(backend_event(run, state.iteration), echo=False)
-    for note in resumed.notes:
+    for note in resumed.notes + ([order] if order else []):
         metrics.write({"kind": "event", "iteration": state.iteration, "message": note}, echo=False)
     _record_config_changes(state, metrics)
     t = cfg.train

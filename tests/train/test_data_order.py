@@ -6,6 +6,8 @@ checkpoint's run drew."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -51,3 +53,30 @@ def test_nothing_drawn_or_nothing_saved_is_no_change(single_rank, tmp_path, shar
     assert order_fingerprint(data, 0) is None and order_fingerprint(None, 5) is None
     assert not order_changed(data, None) and not order_changed(data, [])
     assert order_changed(data, [[10_000, 0]])  # the index is past the dataset now
+
+
+def test_a_resume_says_when_the_data_order_changed(tmp_path, shard):
+    """Through the trainer: a run extended within the epoch resumes quietly; extended
+    past it, the resume says in one warning (and an event) that the order changed."""
+    from tests.train.conftest import run_driver
+
+    cfg = tiny_config(None, tmp_path / "cache", train={"max_steps": 10},
+                      checkpoint={"save_interval": 5})
+    cfg["data"] = {"type": "gpt", "paths": [shard], "split": "100,0,0", "tokenizer": None,
+                   "eod_id": VOCAB - 1, "num_workers": 0, "cache_dir": str(tmp_path / "cache")}
+    config = write_config(tmp_path / "c.yaml", cfg)
+    logs = [tmp_path / f"job{i}.log" for i in range(3)]
+    jobs = [{"config": str(config), "run_dir": str(tmp_path / "run"), "log": str(log),
+             "overrides": [f"train.max_steps={steps}"]}
+            for log, steps in zip(logs, (10, 25, 100))]  # 80, 200, 800 of ~240 samples
+    result = run_driver(jobs, tmp_path / "plan.json")
+    assert result.returncode == 0, result.stdout[-3000:] + "".join(
+        log.read_text()[-2000:] for log in logs if log.exists())
+    text = [log.read_text() for log in logs]
+    assert "resumed from" in text[1] and "order changed" not in text[1], text[1][-2000:]
+    warning = [line for line in text[2].splitlines() if "order changed" in line]
+    assert len(warning) == 1 and warning[0].startswith("kvtrain: warning: the training data's "
+                                                       "order changed since the checkpoint")
+    assert "from sample 200 on" in warning[0]
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert sum("order changed" in e.get("message", "") for e in events) == 1
