@@ -128,8 +128,11 @@ def detect(path: str, fmt: str = "auto") -> InputFile:
 
 
 def _wanted(name: str, fmt: str) -> bool:
-    """Whether a file met while walking a directory is an input."""
+    """Whether a file met while walking a directory is an input (not a shard's
+    ``.meta.json`` record: a corpus folder may hold the shards made from it)."""
     lower = name.lower()
+    if lower.endswith(".meta.json"):
+        return False
     for suffix in _COMPRESSION_SUFFIXES:
         if lower.endswith(suffix):
             lower = lower[: -len(suffix)]

@@ -345,3 +345,17 @@ def test_zstd_opening_with_a_skippable_frame_reads(tmp_path):
         assert readers.detect(str(tmp_path / name)).compression == "zstd"
         res = run(tmp_path / name, tmp_path / "out")
         assert h.shard_docs(res["outputs"][0]) == h.encode_expected(h.tokenizer(), docs + docs)
+
+
+def test_a_directory_walk_skips_the_shard_records_preprocess_writes(tmp_path):
+    """``--input DIR -o DIR/x`` run twice: the second walk meets the first run's
+    ``x_text_document.meta.json`` (a .json file), which is a shard's record, not a
+    corpus file."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    h.write_jsonl(d / "a.jsonl", h.synthetic_docs(10))
+    first = run([d], d / "x")
+    again = run([d], d / "x")
+    assert [os.path.basename(i.path) for i in readers.discover([str(d)])] == ["a.jsonl"]
+    assert again["counts"].documents == first["counts"].documents == 10
+    assert again["counts"].skipped == {}
