@@ -27,6 +27,7 @@ Nothing here imports torch or megatron: ``kvtrain data`` stays light.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from pathlib import Path
@@ -65,6 +66,21 @@ def bin_path(prefix: str | os.PathLike) -> str:
 
 def idx_path(prefix: str | os.PathLike) -> str:
     return os.fspath(prefix) + ".idx"
+
+
+def meta_path(prefix: str | os.PathLike) -> str:
+    """The shard's record: what made it (preprocess, merge), beside its .bin/.idx."""
+    return f"{os.fspath(prefix)}.meta.json"
+
+
+def read_meta(prefix: str | os.PathLike) -> dict | None:
+    """The shard's ``.meta.json`` as a dict, or None (none, unreadable, not an object)."""
+    try:
+        with open(meta_path(prefix)) as f:
+            meta = json.load(f)
+        return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 class IndexedWriter:

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from data_tools.fileio import atomic_write_bytes
-from data_tools.indexed import IndexedReader, IndexedWriter, resolve_prefixes
+from data_tools.indexed import IndexedReader, IndexedWriter, read_meta, resolve_prefixes
 from data_tools.progress import Counts
 
 _BLOCK = 1 << 22  # index entries or tokens per block
@@ -54,7 +54,7 @@ def merge(sources: list[str], output_prefix: str, log=None) -> dict:
         problems = r.check()
         if problems:
             raise ValueError(f"{r.prefix}: damaged: {'; '.join(problems)}")
-    metas = [_read_meta(r.prefix) for r in readers]
+    metas = [read_meta(r.prefix) for r in readers]
     made_with = _same_tokenizer(readers, metas)
     dtype = np.result_type(*[r.dtype for r in readers]).type
     counts = Counts()
@@ -92,14 +92,6 @@ def merge(sources: list[str], output_prefix: str, log=None) -> dict:
         f"documents, {result['tokens']:,} tokens ({result['dtype']})")
     return result
 
-
-def _read_meta(prefix: str) -> dict | None:
-    try:
-        with open(prefix + ".meta.json") as f:
-            meta = json.load(f)
-        return meta if isinstance(meta, dict) else None
-    except (OSError, ValueError):
-        return None
 
 
 _MADE_WITH = (("tokenizer_sha256", "tokenizer (sha256)"), ("eod", "EOD id"))

@@ -44,7 +44,7 @@ import numpy as np
 from data_tools import readers
 from data_tools.encoder import ChunkEncoder, Encoded, ShardEnd, encode_item, init_worker
 from data_tools.fileio import atomic_write_bytes, remove_stale_temps
-from data_tools.indexed import IndexedWriter, bin_path, idx_path, token_dtype
+from data_tools.indexed import IndexedWriter, bin_path, idx_path, read_meta, token_dtype
 from data_tools.progress import Counts, Progress, summary
 from data_tools.tokenizer import SentencePieceTokenizer
 
@@ -262,19 +262,11 @@ def _earlier_shards(plan: list[Shard], output_prefix: str) -> list[str]:
         if not os.path.exists(prefix + ".meta.json"):
             stale.append(prefix)  # a run killed before the meta, or megatron's own
             continue
-        meta = _read_meta(prefix) or {"output_prefix": None}  # unreadable: keep it
+        meta = read_meta(prefix) or {"output_prefix": None}  # unreadable: keep it
         if "merged_from" not in meta and meta.get("output_prefix", name) == name:
             stale.append(prefix)
     return stale
 
-
-def _read_meta(prefix: str) -> dict | None:
-    try:
-        with open(prefix + ".meta.json") as f:
-            meta = json.load(f)
-        return meta if isinstance(meta, dict) else None
-    except (OSError, ValueError):
-        return None
 
 
 def _remove_earlier_shards(plan: list[Shard], output_prefix: str, log) -> None:

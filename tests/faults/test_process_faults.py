@@ -96,17 +96,10 @@ def test_launcher_kill_takes_ranks_and_helpers_and_the_folder_has_one_writer(
 
 
 def test_run_lock_names_its_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
-    import subprocess
-    import sys
-
     from kvtrain.config import ConfigError
     from kvtrain.train.runlock import hold_run_folder
 
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from kvtrain.train.runlock import try_lock; "
-         "assert try_lock(Path(sys.argv[1]))[0]; print('locked', flush=True); time.sleep(600)",
-         str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = _hold_lock(tmp_path)
     try:
         assert holder.stdout.readline().strip() == "locked"
         try:
@@ -158,17 +151,10 @@ def test_a_checkpoint_folder_in_use_by_another_run_is_refused(tmp_path, cache_di
     in another run folder on a checkpoint folder in use (held here by a plain
     process, as a running trainer holds it) is refused in one line before it
     touches anything: no run folder made, nothing added to the checkpoint folder."""
-    import subprocess
-    import sys
-
     shared = tmp_path / "scratch" / "ck"
     config = write_config(tmp_path / "c.yaml", tiny_config(
         None, cache_dir, train={"max_steps": 2}, checkpoint={"dir": str(shared)}))
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from kvtrain.train.runlock import try_lock; "
-         "assert try_lock(Path(sys.argv[1]))[0]; print('locked', flush=True); time.sleep(600)",
-         str(shared)], stdout=subprocess.PIPE, text=True)
+    holder = _hold_lock(shared)
     try:
         assert holder.stdout.readline().strip() == "locked"
         second = run(["train", str(config), "--run-dir", str(tmp_path / "b")])
@@ -181,3 +167,15 @@ def test_a_checkpoint_folder_in_use_by_another_run_is_refused(tmp_path, cache_di
                                f"by kvtrain pid {holder.pid}"), lines[0]
     assert not (tmp_path / "b").exists()
     assert [p.name for p in shared.iterdir()] == [".kvtrain.lock"]
+
+
+def _hold_lock(folder):
+    """Another process holding ``folder``'s lock (a live run's): kill it when done."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from kvtrain.train.runlock import try_lock; "
+         "assert try_lock(Path(sys.argv[1]))[0]; print('locked', flush=True); time.sleep(600)",
+         str(folder)], stdout=subprocess.PIPE, text=True)
