@@ -183,6 +183,29 @@ def trusts_remote_code(hf_dir: Path) -> bool:
     return bool(config.get("auto_map"))
 
 
+def prefix_token_of(hf_dir: Path) -> Optional[int]:
+    """The token lm-eval puts before a document it scores whole (rolling
+    log-likelihood) or a continuation with an empty context. lm-eval takes the
+    tokenizer's BOS, which a kvtrain model never saw: its documents follow the
+    end-of-document token (EOD, the tokenizer's EOS), as ``kvtrain generate``
+    feeds them. A kvtrain export (its record present) gets its EOS id; any
+    other folder keeps lm-eval's choice, the one its model was trained with."""
+    from kvtrain.hf.export import RECORD
+
+    if not (Path(hf_dir) / RECORD).is_file():
+        return None
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((Path(hf_dir) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(eos, list):  # transformers allows several stop ids: EOD comes first
+            eos = eos[0] if eos else None
+        if isinstance(eos, int) and not isinstance(eos, bool):
+            return eos
+    return None
+
+
 def metrics_of(results: dict[str, dict]) -> dict[str, dict[str, float]]:
     """lm-eval's ``{task: {"acc,none": v, "alias": ...}}`` -> ``{task: {"acc": v}}``
     (numbers only; a filter other than ``none`` stays in the name: ``acc/<filter>``)."""
@@ -225,7 +248,8 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
     # longer one's first positions (wrong log-likelihoods, e.g. winogrande-like pairs)
     lm = HFLM(pretrained=str(hf_dir), device=spec.device, dtype=DTYPES[spec.dtype],
               batch_size=spec.batch_size, logits_cache=False,
-              trust_remote_code=trusts_remote_code(hf_dir))
+              trust_remote_code=trusts_remote_code(hf_dir),
+              prefix_token_id=prefix_token_of(hf_dir))
     answer = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=spec.num_fewshot, limit=spec.limit,
         task_manager=manager, bootstrap_iters=spec.bootstrap_iters,
@@ -244,4 +268,4 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
 
 
 __all__ = ["EvalOutput", "EvalSpec", "import_harness", "load_tasks",
-           "metrics_of", "run_harness", "task_manager", "trusts_remote_code", "UnknownTask"]
+           "metrics_of", "prefix_token_of", "run_harness", "task_manager", "trusts_remote_code", "UnknownTask"]

@@ -63,6 +63,17 @@ doc_to_text: "{{context}}"
 doc_to_target: "{{target}}"
 """
 
+# a document scored whole (perplexity tasks such as wikitext): lm-eval puts a prefix
+# token before its first token
+ROLL_DOC = "the cat sat on the mat . a dog ran in the park ."
+ROLL_YAML = """task: kvt_roll
+""" + LOCAL_DATA + """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+"""
+
 GROUP_YAML = """group: kvt_grp
 task:
   - kvt_mc
@@ -101,7 +112,7 @@ def tiny_hf_llama(folder: Path) -> Path:
 def write_tasks(root: Path) -> Path:
     """``root/tasks``: kvt_mc, kvt_ll (data in ``root``), kvt_gone (its data file
     is missing), kvt_bad (its data file has a broken line), kvt_hub (a hub
-    dataset not in the local cache), kvt_grp (a group of kvt_mc and kvt_ll, its
+    dataset not in the local cache), kvt_roll (one document scored whole), kvt_grp (a group of kvt_mc and kvt_ll, its
     accuracy averaged over their examples)."""
     tasks = root / "tasks"
     tasks.mkdir(parents=True)
@@ -116,6 +127,8 @@ def write_tasks(root: Path) -> Path:
     bad.write_text(json.dumps(LL[0]) + "\n" + json.dumps(LL[1])[:20] + "\n")
     (tasks / "bad.yaml").write_text(LL_YAML.format(name="kvt_bad", data=bad, cache=cache))
     (tasks / "hub.yaml").write_text(HUB_YAML)
+    (tasks / "roll.yaml").write_text(ROLL_YAML.format(
+        data=write_jsonl(root / "roll.jsonl", [{"text": ROLL_DOC}]), cache=cache))
     (tasks / "group.yaml").write_text(GROUP_YAML)
     return tasks
 

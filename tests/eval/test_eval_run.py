@@ -17,7 +17,7 @@ from kvtrain.cli import main
 from kvtrain.config import KVShiftConfig, dump_yaml
 
 from ..hf.helpers import build, model_config, run_config
-from .helpers import LL, MC, WORDS, check_samples, read_samples, write_tasks
+from .helpers import LL, MC, ROLL_DOC, WORDS, check_samples, read_samples, write_tasks
 
 SPM_VOCAB = 300  # byte fallback (256) + specials + a few merges
 RUN_ID = "evaltst1"
@@ -108,6 +108,32 @@ def test_loglikelihoods_match_kvtrains_forward(evaluated):
     record_file = evaluated["run"] / "eval" / "kvt_mc+kvt_ll-iter_0000000.json"
     check_samples(read_samples(record_file), json.loads(record_file.read_text()), logits_of,
                   tokenizer.encode)
+
+
+def test_a_document_scored_whole_follows_eod(evaluated):
+    """lm-eval conditions a rolling log-likelihood's first token on a prefix token:
+    for a kvtrain export it is EOD (how training data separates documents and
+    ``kvtrain generate`` starts a prompt), not the tokenizer's BOS the model never saw."""
+    from transformers import AutoTokenizer
+
+    from kvtrain.evaluate.harness import EvalSpec, run_harness
+    from kvtrain.inference.loading import load_model
+
+    export = evaluated["run"] / "eval" / "hf-iter_0000000-fp32"
+    out = run_harness(export, EvalSpec(tasks=["kvt_roll"], include_path=evaluated["tasks"],
+                                       batch_size=1, bootstrap_iters=0, log_samples=True))
+    (sample,) = out.samples
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert tokenizer.bos_token_id != tokenizer.eos_token_id
+    ids = tokenizer.encode(ROLL_DOC)
+    tokens = torch.tensor([[tokenizer.eos_token_id] + ids])
+    model = load_model(evaluated["checkpoint"], backend="local").model
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(tokens.shape[1])[None], None,
+                       runtime_gather_output=True)[..., :SPM_VOCAB]
+    logp = torch.log_softmax(logits.double(), -1)[0, :-1]
+    after_eod = float(logp.gather(1, torch.tensor(ids)[:, None]).sum())
+    assert sample["resps"][0][0] == pytest.approx(after_eod, abs=1e-4)
 
 
 def test_second_eval_reuses_the_export(evaluated, capsys):
