@@ -6,7 +6,8 @@ checkpoint is exported to a Hugging Face folder first (cached under
 ``RUN_DIR/eval/``); results go to ``RUN_DIR/eval/<tasks>-iter_XXXXXXX.json``
 (``-Kshot`` / ``-limitN`` added when given),
 the run's wandb run and a printed table. An HF folder is evaluated as it is
-(results printed, and written to ``--out FILE``).
+(results printed, and written to ``--out FILE``), and so is a checkpoint
+outside any run folder (exported to a temporary folder).
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def run(args) -> int:
             for path in write_record(target, record, out.samples):
                 print(f"kvtrain eval: wrote {path}")
         else:
-            print("kvtrain eval: results not saved (an HF folder has no run folder: --out FILE)")
+            print(f"kvtrain eval: results not saved ({args.source} is in no kvtrain run "
+                  "folder: --out FILE)")
         if src.run_dir is not None and src.config is not None and not args.no_wandb:
             note = log_to_wandb(src.config, src.run_dir, src.iteration, out.tasks)
             print(f"kvtrain eval: {note}")

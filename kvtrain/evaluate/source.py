@@ -7,7 +7,7 @@ checkpoint and its common state's size and mtime), so evaluating one
 checkpoint on several task lists exports it once. The export appears whole or
 not at all (``export_hf`` writes it aside and renames it), its stamp after it. A
 checkpoint outside any run folder is exported into a temporary folder that is
-removed afterwards.
+removed afterwards; its results go only to ``--out``.
 """
 
 from __future__ import annotations
@@ -66,9 +66,12 @@ def exported_from(hf_dir: Path) -> tuple[Optional[Path], Optional[int]]:
 
 
 def run_folder_of(named: Path, checkpoint: Path) -> Optional[Path]:
-    """The run folder results go to: the folder the user named when it is not
-    the checkpoint itself, else the run holding ``<run>/checkpoints/iter_*``."""
-    if named.resolve() != checkpoint.resolve():
+    """The run folder results go to: the one the user named (it has config.yaml;
+    its checkpoint.dir may be elsewhere), else the run holding the checkpoint
+    (``<run>/checkpoints/iter_*``: the user named the checkpoint or its
+    checkpoints folder). None for checkpoints outside any run folder: like an
+    HF folder, its results go only to --out."""
+    if named.resolve() != checkpoint.resolve() and (named / "config.yaml").is_file():
         return named
     run = checkpoint.parent.parent
     return run if (run / "config.yaml").is_file() else None

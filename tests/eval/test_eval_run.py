@@ -147,6 +147,31 @@ def test_second_eval_reuses_the_export(evaluated, capsys):
     assert "kvt_ll" in out and "perplexity" in out  # the printed table
 
 
+def test_eval_of_a_checkpoints_folder_writes_into_its_run(evaluated, capsys):
+    """``kvtrain eval RUN/checkpoints``: results and the export go to RUN (where
+    ``kvtrain compare RUN`` reads them), not to RUN/checkpoints."""
+    run = evaluated["run"]
+    code = main(["eval", str(run / "checkpoints"), "--tasks", "kvt_ll", "--include-path",
+                 str(evaluated["tasks"]), "--limit", "2", "--no-wandb", "--device", "cpu"])
+    assert code == 0, capsys.readouterr().err
+    assert (run / "eval" / "kvt_ll-iter_0000000-limit2.json").is_file()
+    assert not (run / "checkpoints" / "eval").exists()
+
+
+def test_checkpoint_outside_any_run_saves_only_to_out(evaluated, tmp_path):
+    """A checkpoint folder (checkpoint.dir) outside any run folder has no run
+    folder: nothing is written beside it, results only with --out."""
+    from kvtrain.evaluate.source import run_folder_of
+
+    alone = tmp_path / "ckpts"
+    (alone / "iter_0000000").mkdir(parents=True)
+    assert run_folder_of(alone, alone / "iter_0000000") is None
+    assert run_folder_of(alone / "iter_0000000", alone / "iter_0000000") is None
+    named = evaluated["run"] / "checkpoints"
+    assert run_folder_of(named, evaluated["checkpoint"]) == evaluated["run"]
+    assert run_folder_of(evaluated["run"], evaluated["checkpoint"]) == evaluated["run"]
+
+
 def test_export_folder_names_its_checkpoint(evaluated, tmp_path):
     """An HF folder kvtrain exported: the record names the checkpoint and iteration."""
     code = main(["eval", str(evaluated["run"] / "eval" / "hf-iter_0000000-fp32"), "--tasks",
