@@ -10,7 +10,9 @@ The first run is the reference A; every other run B is compared with it:
 * for KV-shift runs, the paper's Table 5 quadrant counts (α1 vs α2 against
   β1 vs β2 over all KV heads) and the coefficients per layer, from the latest
   ``kv_shift`` statistics record;
-* evaluation results (``RUN/eval/*.json``) when present.
+* evaluation results (``RUN/eval/*.json``) when present, one row per task and
+  setting (checkpoint iteration, shots, limit): only results of one setting
+  are compared.
 
 Output: ``DIR/report.md`` with ``loss.png``, ``loss_difference.png`` and
 ``kv_shift_coefficients.png``, ``DIR/summary.json``, and a printed summary.
@@ -25,7 +27,7 @@ from typing import Optional, Sequence
 
 from kvtrain.config import ConfigError
 
-from .runs import Curve, RunData, interpolate, read_run, unique_labels
+from .runs import Curve, RunData, eval_key, interpolate, key_order, read_run, unique_labels
 
 QUADRANTS = ("a1>a2,b1>b2", "a1<=a2,b1>b2", "a1>a2,b1<=b2", "a1<=a2,b1<=b2")
 
@@ -173,17 +175,30 @@ def shift_tables(summary: dict) -> list[str]:
     return lines
 
 
+def _setting(value) -> str:
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:g}"  # 1000000, not 1e+06
+
+
 def eval_table(summary: dict) -> list[str]:
-    """task / metric rows, one column per run; empty when no run has results."""
-    keys = sorted({(t, m) for r in summary["runs"] for t, ms in r["eval"].items() for m in ms})
-    if not keys:
-        return []
+    """One row per task, setting (iteration, shots, limit) and metric, one column
+    per run: a run's result sits only in its own setting's row, so results of
+    different settings never meet; empty when no run has results."""
     runs = summary["runs"]
-    lines = ["| task | metric | " + " | ".join(r["label"] for r in runs) + " |",
-             "|---|---|" + "---:|" * len(runs)]
-    for task, metric in keys:
-        values = [_fmt(r["eval"].get(task, {}).get(metric)) for r in runs]
-        lines.append(f"| {task} | {metric} | " + " | ".join(values) + " |")
+    by_key = [{eval_key(e): e["metrics"] for e in r["eval"]} for r in runs]
+    rows = sorted({(key, m) for table in by_key for key, ms in table.items() for m in ms},
+                  key=lambda row: (key_order(row[0]), row[1]))
+    if not rows:
+        return []
+    lines = ["| task | iteration | shots | limit | metric | "
+             + " | ".join(r["label"] for r in runs) + " |",
+             "|---|---:|---:|---:|---|" + "---:|" * len(runs)]
+    for key, metric in rows:
+        task, *setting = key
+        values = [_fmt(table.get(key, {}).get(metric)) for table in by_key]
+        lines.append(f"| {task} | " + " | ".join(_setting(v) for v in setting)
+                     + f" | {metric} | " + " | ".join(values) + " |")
     return lines
 
 

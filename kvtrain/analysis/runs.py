@@ -1,5 +1,5 @@
 """A finished (or running) run folder as data: its curves, its KV-shift
-coefficients and its evaluation results, read from what the trainer and
+coefficients and its evaluation results (per task and setting), read from what the trainer and
 ``kvtrain eval`` wrote (``config.yaml``, ``metrics.jsonl``, ``eval/*.json``).
 
 Nothing here imports torch: ``kvtrain compare`` works on any machine that
@@ -47,7 +47,7 @@ class RunData:
     train: Curve
     valid: Curve
     shift: Optional[dict] = None  # the latest kv_shift record
-    evals: dict = field(default_factory=dict)  # task -> {metric: value}
+    evals: list = field(default_factory=list)  # read_evals' entries: a task's setting + metrics
     notes: list[str] = field(default_factory=list)  # what could not be read, for the report
 
     @property
@@ -135,14 +135,47 @@ def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve]:
     return train, valid
 
 
-def read_evals(run: Path) -> tuple[dict, list[str]]:
-    """``{task: {metric: value}}`` of ``RUN/eval/*.json`` (``{"tasks": {...}}``),
-    numbers only; files that do not read as such are named in the notes."""
-    evals: dict = {}
+# what makes two results of a task comparable: same checkpoint iteration, shots, limit
+EVAL_KEY = ("task", "iteration", "num_fewshot", "limit")
+
+
+def _scalar(value) -> Optional[float]:
+    return value if _number(value) is not None else None
+
+
+def eval_setting(record: dict, task: str) -> dict:
+    """The setting of ``task``'s results in a ``kvtrain eval`` record: the
+    checkpoint's iteration, the shots (the task's own, as lm-eval reported them
+    in ``n_shot``, when ``--num-fewshot`` was not given) and ``--limit``; None
+    for what the record does not say."""
+    config = record.get("config") if isinstance(record.get("config"), dict) else {}
+    shots = config.get("num_fewshot")
+    if shots is None and isinstance(record.get("n_shot"), dict):
+        shots = record["n_shot"].get(task)
+    return {"task": task, "iteration": _scalar(record.get("iteration")),
+            "num_fewshot": _scalar(shots), "limit": _scalar(config.get("limit"))}
+
+
+def eval_key(entry: dict) -> tuple:
+    return tuple(entry[k] for k in EVAL_KEY)
+
+
+def key_order(key: tuple) -> tuple:
+    """Sorts setting keys whose parts may be None (unknown first)."""
+    return tuple((v is not None, v if v is not None else 0) for v in key)
+
+
+def read_evals(run: Path) -> tuple[list[dict], list[str]]:
+    """The results of ``RUN/eval/*.json``, one entry per task and setting:
+    ``{"task", "iteration", "num_fewshot", "limit", "metrics": {metric: value}}``
+    (numbers only; files of one setting add up, a later name replacing a
+    metric); files that do not read as such are named in the notes."""
+    entries: dict[tuple, dict] = {}
     notes = []
     for path in sorted((run / EVAL_DIR).glob("*.json")):
         try:
-            tasks = json.loads(path.read_text(encoding="utf-8")).get("tasks")
+            record = json.loads(path.read_text(encoding="utf-8"))
+            tasks = record.get("tasks")
         except (OSError, ValueError, AttributeError) as e:
             notes.append(f"{path}: not read ({type(e).__name__})")
             continue
@@ -154,8 +187,10 @@ def read_evals(run: Path) -> tuple[dict, list[str]]:
                 continue
             numbers = {str(m): float(v) for m, v in metrics.items() if _number(v) is not None}
             if numbers:
-                evals.setdefault(str(task), {}).update(numbers)
-    return evals, notes
+                setting = eval_setting(record, str(task))
+                entry = entries.setdefault(eval_key(setting), {**setting, "metrics": {}})
+                entry["metrics"].update(numbers)
+    return [entries[k] for k in sorted(entries, key=key_order)], notes
 
 
 def read_run(path: str | Path, label: Optional[str] = None) -> RunData:
@@ -192,5 +227,6 @@ def unique_labels(paths: list[Path]) -> list[str]:
     return [str(p) for p in paths]
 
 
-__all__ = ["Curve", "RunData", "interpolate", "read_evals", "read_records", "read_run",
+__all__ = ["Curve", "EVAL_KEY", "RunData", "eval_key", "eval_setting", "interpolate",
+           "key_order", "read_evals", "read_records", "read_run",
            "tokens_per_iteration", "unique_labels"]
