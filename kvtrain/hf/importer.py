@@ -8,7 +8,9 @@ compares equal) or the defaults; ``--set`` applies last, in the trainer's
 grammar, e.g. ``--set model.attention=kv_shift`` to add KV shifting to a stock
 Llama. Coefficients that the folder lacks start as the paper initialises them
 (``kv_shift.initial_parameter``, drawn when the model is built); a KV-shift
-folder imported with other shift options than it was exported with is refused.
+folder imported with other shift options than it was exported with is refused,
+and options its ``kv_shift`` omits are those its modeling code fills in
+(``DEFAULT_KV_SHIFT``).
 
 The checkpoint (``save_weights``) is megatron dist_checkpointing's torch_dist
 format, written like the trainer's (``iter_*.incomplete``, then the marker with
@@ -76,9 +78,15 @@ def model_config(hf: dict, where: str) -> dict:
         "attention": "vanilla",
     }
     if kind == "kvshift_llama":
+        # options the folder omits are what its exported code computes with
+        from .remote.modeling_kvshift_llama import DEFAULT_KV_SHIFT
+
+        given = hf.get("kv_shift") or {}
+        if not isinstance(given, dict):
+            raise ConfigError(f"{where}: kv_shift {given!r} is not a mapping of shift options")
         model["attention"] = "kv_shift"
-        model["kv_shift"] = {k: v for k, v in (hf.get("kv_shift") or {}).items()
-                             if k in ("shift", "window", "mode")}
+        model["kv_shift"] = {k: given.get(k, DEFAULT_KV_SHIFT[k])
+                             for k in ("shift", "window", "mode")}
     return model
 
 

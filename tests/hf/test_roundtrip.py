@@ -40,6 +40,22 @@ def test_export_import_round_trip(kv_checkpoint, tmp_path):
     torch.testing.assert_close(kvtrain_logits(loaded.model, tokens()), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_kv_shift_options_a_folder_omits_are_the_model_codes_defaults(kv_checkpoint, tmp_path):
+    """A kvshift_llama config.json naming only some ``kv_shift`` options loads in
+    transformers (the exported code fills the rest); the import fills them the same
+    way and computes what that model computes."""
+    path, _ = kv_checkpoint
+    out = export_hf(path, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    config["kv_shift"] = {"shift": ["k", "v"]}  # window 2, gate -> the code's 1, free (same shape)
+    (out / "config.json").write_text(json.dumps(config))
+    loaded = load_model(import_hf(out, tmp_path / "imported"), backend="local")
+    ks = loaded.config.model.kv_shift
+    assert (list(ks.shift), ks.window, ks.mode) == (["k", "v"], 1, "free")
+    torch.testing.assert_close(kvtrain_logits(loaded.model, tokens()),
+                               hf_logits(load_hf(out), tokens()), atol=1e-4, rtol=1e-4)
+
+
 def test_bf16_export(kv_checkpoint, tmp_path):
     path, expected = kv_checkpoint
     out = export_hf(path, tmp_path / "hf", dtype="bf16")
