@@ -11,7 +11,7 @@ The first run is the reference A; every other run B is compared with it:
   β1 vs β2 over all KV heads) and the coefficients per layer, from the latest
   ``kv_shift`` statistics record;
 * evaluation results (``RUN/eval/*.json``) when present, one row per task and
-  setting (checkpoint iteration, shots, limit): only results of one setting
+  setting (checkpoint iteration, shots, limit, dtype): only results of one setting
   are compared.
 
 Output: ``DIR/report.md`` with ``loss.png``, ``loss_difference.png`` and
@@ -99,6 +99,8 @@ def _fmt(value, digits: int = 4) -> str:
 def _tokens(value: Optional[float]) -> str:
     if value is None:
         return "-"
+    if isinstance(value, str):
+        return value
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if value >= size:
             return f"{value / size:.2f}{unit}"
@@ -178,11 +180,13 @@ def shift_tables(summary: dict) -> list[str]:
 def _setting(value) -> str:
     if value is None:
         return "-"
+    if isinstance(value, str):
+        return value
     return str(value) if isinstance(value, int) else f"{value:g}"  # 1000000, not 1e+06
 
 
 def eval_table(summary: dict) -> list[str]:
-    """One row per task, setting (iteration, shots, limit) and metric, one column
+    """One row per task, setting (iteration, shots, limit, dtype) and metric, one column
     per run: a run's result sits only in its own setting's row, so results of
     different settings never meet; empty when no run has results."""
     runs = summary["runs"]
@@ -191,9 +195,9 @@ def eval_table(summary: dict) -> list[str]:
                   key=lambda row: (key_order(row[0]), row[1]))
     if not rows:
         return []
-    lines = ["| task | iteration | shots | limit | metric | "
+    lines = ["| task | iteration | shots | limit | dtype | metric | "
              + " | ".join(r["label"] for r in runs) + " |",
-             "|---|---:|---:|---:|---|" + "---:|" * len(runs)]
+             "|---|---:|---:|---:|---|---|" + "---:|" * len(runs)]
     for key, metric in rows:
         task, *setting = key
         values = [_fmt(table.get(key, {}).get(metric)) for table in by_key]

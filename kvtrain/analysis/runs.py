@@ -135,8 +135,8 @@ def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve]:
     return train, valid
 
 
-# what makes two results of a task comparable: same checkpoint iteration, shots, limit
-EVAL_KEY = ("task", "iteration", "num_fewshot", "limit")
+# what makes two results of a task comparable: same checkpoint iteration, shots, limit, dtype
+EVAL_KEY = ("task", "iteration", "num_fewshot", "limit", "dtype")
 
 
 def _scalar(value) -> Optional[float]:
@@ -146,14 +146,16 @@ def _scalar(value) -> Optional[float]:
 def eval_setting(record: dict, task: str) -> dict:
     """The setting of ``task``'s results in a ``kvtrain eval`` record: the
     checkpoint's iteration, the shots (the task's own, as lm-eval reported them
-    in ``n_shot``, when ``--num-fewshot`` was not given) and ``--limit``; None
-    for what the record does not say."""
+    in ``n_shot``, when ``--num-fewshot`` was not given), ``--limit`` and
+    ``--dtype`` (fp32 in a record whose config names none); None for what the
+    record does not say."""
     config = record.get("config") if isinstance(record.get("config"), dict) else {}
     shots = config.get("num_fewshot")
     if shots is None and isinstance(record.get("n_shot"), dict):
         shots = record["n_shot"].get(task)
     return {"task": task, "iteration": _scalar(record.get("iteration")),
-            "num_fewshot": _scalar(shots), "limit": _scalar(config.get("limit"))}
+            "num_fewshot": _scalar(shots), "limit": _scalar(config.get("limit")),
+            "dtype": str(config.get("dtype") or "fp32") if config else None}
 
 
 def eval_key(entry: dict) -> tuple:
@@ -167,7 +169,7 @@ def key_order(key: tuple) -> tuple:
 
 def read_evals(run: Path) -> tuple[list[dict], list[str]]:
     """The results of ``RUN/eval/*.json``, one entry per task and setting:
-    ``{"task", "iteration", "num_fewshot", "limit", "metrics": {metric: value}}``
+    ``{"task", "iteration", "num_fewshot", "limit", "dtype", "metrics": {metric: value}}``
     (numbers only; files of one setting add up, a later name replacing a
     metric); files that do not read as such are named in the notes."""
     entries: dict[tuple, dict] = {}

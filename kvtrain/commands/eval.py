@@ -4,7 +4,7 @@
 Benchmarks a model through lm-evaluation-harness, offline. A run folder or a
 checkpoint is exported to a Hugging Face folder first (cached under
 ``RUN_DIR/eval/``); results go to ``RUN_DIR/eval/<tasks>-iter_XXXXXXX.json``
-(``-Kshot`` / ``-limitN`` added when given),
+(``-Kshot`` / ``-limitN`` / ``-bf16`` added when given),
 the run's wandb run and a printed table. An HF folder is evaluated as it is
 (results printed, and written to ``--out FILE``), and so is a checkpoint
 outside any run folder (exported to a temporary folder).
@@ -93,7 +93,8 @@ def run(args) -> int:
         record = make_record(args.source, src.checkpoint, src.iteration, src.hf_dir, spec, out)
         target = Path(args.out).expanduser() if args.out else None
         if target is None and src.run_dir is not None:
-            name = record_name(spec.tasks, src.iteration, spec.num_fewshot, spec.limit)
+            name = record_name(spec.tasks, src.iteration, spec.num_fewshot, spec.limit,
+                               spec.dtype)
             target = src.run_dir / EVAL_DIR / name
         print(render_table(out.tasks, out.n_samples))
         if target is not None:

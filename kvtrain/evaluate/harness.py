@@ -24,6 +24,7 @@ from kvtrain.hf import HF_EXTRA, offline
 
 # every switch the Hugging Face libraries read to stay off the network
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> transformers' name
+DEFAULT_DTYPE = "fp32"  # results files name any other dtype
 
 
 @dataclass
@@ -36,7 +37,7 @@ class EvalSpec:
     include_path: Optional[Path] = None
     batch_size: int = 8
     device: str = "cpu"
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_DTYPE
     bootstrap_iters: int = 1000  # stderr of non-mean metrics (perplexity); 0: none
     log_samples: bool = False
     seed: int = 1234

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from data_tools.fileio import atomic_write_text
 from kvtrain.config import RunConfig
 
-from .harness import EvalOutput, EvalSpec
+from .harness import DEFAULT_DTYPE, EvalOutput, EvalSpec
 from .source import EVAL_DIR
 
 
@@ -35,9 +35,11 @@ def make_record(source: str, checkpoint: Optional[Path], iteration: Optional[int
 
 
 def record_name(tasks: list[str], iteration: Optional[int], num_fewshot: Optional[int] = None,
-                limit: Optional[float] = None) -> str:
-    """``<task1>+<task2>-iter_0000100[-5shot][-limit200].json`` (a time stamp
-    without an iteration): evaluations that differ in shots or limit keep apart."""
+                limit: Optional[float] = None, dtype: str = DEFAULT_DTYPE) -> str:
+    """``<task1>+<task2>-iter_0000100[-5shot][-limit200][-bf16].json`` (a time
+    stamp without an iteration): evaluations that differ in shots, limit or
+    dtype keep apart. The default dtype is not named, so names written before
+    the dtype was part of them still mean fp32."""
     joined = "+".join(re.sub(r"[^A-Za-z0-9_.-]", "_", t) for t in tasks)
     if len(joined) > 120:  # many tasks: keep the name a valid file name
         joined = joined[:100] + f"+{len(tasks)}tasks"
@@ -47,6 +49,8 @@ def record_name(tasks: list[str], iteration: Optional[int], num_fewshot: Optiona
         parts.append(f"{num_fewshot}shot")
     if limit is not None:
         parts.append(f"limit{limit:g}")
+    if dtype != DEFAULT_DTYPE:
+        parts.append(dtype)
     return "-".join(parts) + ".json"
 
 

@@ -92,23 +92,24 @@ def test_speedup_difference_and_evals(tmp_path):
     assert "1.43x" in printed
     report = (tmp_path / "out" / "report.md").read_text()
     # records without settings (iteration, shots, limit): one setting, all unknown
-    assert "| lambada | - | - | - | acc | 0.2500 | 0.5000 | - |" in report
-    assert "| arc_easy | - | - | - | acc_norm | - | 0.7500 | - |" in report
+    assert "| lambada | - | - | - | - | acc | 0.2500 | 0.5000 | - |" in report
+    assert "| arc_easy | - | - | - | - | acc_norm | - | 0.7500 | - |" in report
     assert "broken.json: not read" in report and "line(s) are not JSON records" in report
     assert not (tmp_path / "out" / "kv_shift_coefficients.png").exists()  # no kv_shift records
 
 
-def _eval_record(acc: float, shots=None, limit=None, iteration=100) -> str:
-    """A results file as ``kvtrain eval`` writes it (``report.make_record``)."""
+def _eval_record(acc: float, shots=None, limit=None, iteration=100, dtype=None) -> str:
+    """A results file as ``kvtrain eval`` writes it (``report.make_record``; without
+    a dtype as in a record that names none: fp32)."""
+    config = {"num_fewshot": shots, "limit": limit, **({"dtype": dtype} if dtype else {})}
     return json.dumps({"iteration": iteration, "tasks": {"lambada": {"acc": acc}},
-                       "n_shot": {"lambada": shots or 0},
-                       "config": {"num_fewshot": shots, "limit": limit}})
+                       "n_shot": {"lambada": shots or 0}, "config": config})
 
 
 def test_eval_rows_keep_settings_apart(tmp_path):
     """A result sits only in the row of its own setting (checkpoint iteration, shots
-    (the task's own, as lm-eval reports them, when not given), limit): A's 0-shot
-    accuracy is never shown next to B's 5-shot one."""
+    (the task's own, as lm-eval reports them, when not given), limit, dtype): A's
+    0-shot accuracy is never shown next to B's 5-shot one, nor bf16 next to fp32."""
     a = _write_run(tmp_path / "a", [(100, 2.0)], evals={
         "lambada-iter_0000100-5shot.json": _eval_record(0.60, 5),
         "lambada-iter_0000100.json": _eval_record(0.30),
@@ -116,17 +117,21 @@ def test_eval_rows_keep_settings_apart(tmp_path):
     b = _write_run(tmp_path / "b", [(100, 1.9)], evals={
         "lambada-iter_0000100-5shot.json": _eval_record(0.50, 5),
         "lambada-iter_0000100-0shot.json": _eval_record(0.35, 0),
-        "lambada-iter_0000100-limit200.json": _eval_record(0.40, limit=200)})
+        "lambada-iter_0000100-limit200.json": _eval_record(0.40, limit=200),
+        "lambada-iter_0000100-bf16.json": _eval_record(0.45, dtype="bf16"),
+        "lambada-iter_0000100-5shot-bf16.json": _eval_record(0.55, 5, dtype="bf16")})
     summary, _ = compare([a, b], tmp_path / "out")
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "| task | iteration | shots | limit | metric | a | b |" in report
+    assert "| task | iteration | shots | limit | dtype | metric | a | b |" in report
     assert [line for line in report.splitlines() if line.startswith("| lambada |")] == [
-        "| lambada | 50 | 0 | - | acc | 0.2000 | - |",
-        "| lambada | 100 | 0 | - | acc | 0.3000 | 0.3500 |",
-        "| lambada | 100 | 0 | 200 | acc | - | 0.4000 |",
-        "| lambada | 100 | 5 | - | acc | 0.6000 | 0.5000 |"]
+        "| lambada | 50 | 0 | - | fp32 | acc | 0.2000 | - |",
+        "| lambada | 100 | 0 | - | bf16 | acc | - | 0.4500 |",
+        "| lambada | 100 | 0 | - | fp32 | acc | 0.3000 | 0.3500 |",
+        "| lambada | 100 | 0 | 200 | fp32 | acc | - | 0.4000 |",
+        "| lambada | 100 | 5 | - | bf16 | acc | - | 0.5500 |",
+        "| lambada | 100 | 5 | - | fp32 | acc | 0.6000 | 0.5000 |"]
     assert {"task": "lambada", "iteration": 100, "num_fewshot": 5, "limit": None,
-            "metrics": {"acc": 0.5}} in summary["runs"][1]["eval"]
+            "dtype": "fp32", "metrics": {"acc": 0.5}} in summary["runs"][1]["eval"]
 
 
 def test_tokens_to_reach():

@@ -172,6 +172,24 @@ def test_checkpoint_outside_any_run_saves_only_to_out(evaluated, tmp_path):
     assert run_folder_of(evaluated["run"], evaluated["checkpoint"]) == evaluated["run"]
 
 
+def test_bf16_results_keep_apart_from_fp32(evaluated, capsys):
+    """``--dtype bf16`` writes its own results file (and export): the fp32 results of
+    the same tasks and iteration stay; the default's name has no dtype (older names)."""
+    from kvtrain.evaluate.report import record_name
+
+    assert record_name(["kvt_ll"], 0, limit=2) == "kvt_ll-iter_0000000-limit2.json"
+    run = evaluated["run"]
+    argv = [str(run), "--tasks", "kvt_ll", "--include-path", str(evaluated["tasks"]),
+            "--limit", "3", "--no-wandb", "--device", "cpu"]
+    assert main(["eval", *argv]) == 0
+    fp32 = run / "eval" / "kvt_ll-iter_0000000-limit3.json"
+    before = fp32.read_text()
+    assert main(["eval", *argv, "--dtype", "bf16"]) == 0, capsys.readouterr().err
+    assert fp32.read_text() == before
+    bf16 = json.loads((run / "eval" / "kvt_ll-iter_0000000-limit3-bf16.json").read_text())
+    assert bf16["config"]["dtype"] == "bf16" and bf16["hf_dir"].endswith("hf-iter_0000000-bf16")
+
+
 def test_export_folder_names_its_checkpoint(evaluated, tmp_path):
     """An HF folder kvtrain exported: the record names the checkpoint and iteration."""
     code = main(["eval", str(evaluated["run"] / "eval" / "hf-iter_0000000-fp32"), "--tasks",
