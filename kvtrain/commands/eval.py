@@ -1,5 +1,6 @@
 """``kvtrain eval RUN_DIR|CHECKPOINT|HF_DIR --tasks T1,T2 [--num-fewshot K]
-[--limit N] [--include-path DIR] [--batch-size B] [--device cpu|cuda] [--dtype]``.
+[--limit N] [--include-path DIR] [--batch-size B] [--device cpu|cuda] [--dtype]
+[--trust-remote-code]``.
 
 Benchmarks a model through lm-evaluation-harness, offline. A run folder or a
 checkpoint is exported to a Hugging Face folder first (cached under
@@ -44,6 +45,9 @@ def register(sub) -> None:
                    help="also write every request's log-likelihoods (<record>.samples.jsonl)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="results JSON (default: RUN_DIR/eval/<tasks>-iter_XXXXXXX.json)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the code an HF folder's config.json names (auto_map) when kvtrain "
+                        "did not export the folder (kvtrain's own exports need no flag)")
     p.add_argument("--no-wandb", action="store_true", help="do not log to the run's wandb run")
     p.set_defaults(func=run)
 
@@ -66,7 +70,8 @@ def _spec(args):
     return EvalSpec(tasks=tasks, num_fewshot=args.num_fewshot, limit=limit,
                     include_path=include, batch_size=args.batch_size,
                     device=args.device or _default_device(), dtype=args.dtype,
-                    bootstrap_iters=args.bootstrap_iters, log_samples=args.log_samples)
+                    bootstrap_iters=args.bootstrap_iters, log_samples=args.log_samples,
+                    trust_remote_code=args.trust_remote_code)
 
 
 def _default_device() -> str:
@@ -77,15 +82,19 @@ def _default_device() -> str:
 
 def run(args) -> int:
     from kvtrain.commands.train import quiet_imports
-    from kvtrain.evaluate.harness import import_harness, load_tasks, run_harness
+    from kvtrain.evaluate.harness import (
+        import_harness, load_tasks, run_harness, trusts_remote_code,
+    )
     from kvtrain.evaluate.report import (
         EVAL_DIR, log_to_wandb, make_record, record_name, render_table, write_record,
     )
-    from kvtrain.evaluate.source import prepared
+    from kvtrain.evaluate.source import is_hf_folder, prepared
 
     spec = _spec(args)
     quiet_imports()  # the export of a run loads megatron and its checkpoint
     import_harness()  # the extra, before any export; the offline switches, before any HF import
+    if is_hf_folder(Path(args.source).expanduser()):  # folder code refused: before the tasks
+        trusts_remote_code(Path(args.source).expanduser(), spec.trust_remote_code)
     # unknown task, missing dataset: one line, before any export or model
     loaded = load_tasks(spec.tasks, spec.include_path)
     with prepared(args.source, spec.dtype) as src:

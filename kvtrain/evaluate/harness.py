@@ -41,13 +41,15 @@ class EvalSpec:
     bootstrap_iters: int = 1000  # stderr of non-mean metrics (perplexity); 0: none
     log_samples: bool = False
     seed: int = 1234
+    trust_remote_code: bool = False  # run code of a folder kvtrain did not export
 
     def as_record(self) -> dict[str, Any]:
         """The settings saved next to the results."""
         return {"tasks": list(self.tasks), "num_fewshot": self.num_fewshot, "limit": self.limit,
                 "include_path": str(self.include_path) if self.include_path else None,
                 "batch_size": self.batch_size, "device": self.device, "dtype": self.dtype,
-                "bootstrap_iters": self.bootstrap_iters, "seed": self.seed}
+                "bootstrap_iters": self.bootstrap_iters, "seed": self.seed,
+                "trust_remote_code": self.trust_remote_code}
 
 
 @dataclass
@@ -174,14 +176,26 @@ def load_tasks(names: list[str], include_path: Optional[Path] = None) -> tuple[A
     return full, _build(full, names)
 
 
-def trusts_remote_code(hf_dir: Path) -> bool:
-    """kvtrain's KV-shift export ships its modeling code (``auto_map``); a stock
-    Llama folder does not and is loaded without running any folder code."""
+def trusts_remote_code(hf_dir: Path, allow: bool = False) -> bool:
+    """Whether lm-eval may run the folder's own code (config.json's ``auto_map``).
+
+    kvtrain's KV-shift export ships its modeling code: a folder kvtrain exported
+    (its record present, the auto_map naming kvtrain's modeling classes) runs it.
+    Code in any other folder is arbitrary code: refused in one line unless
+    ``allow`` (``--trust-remote-code``). A stock Llama folder names no code."""
+    from kvtrain.hf.export import AUTO_MAP, RECORD
+
     try:
         config = json.loads((Path(hf_dir) / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{hf_dir}/config.json: cannot read it ({first_line(e)})") from None
-    return bool(config.get("auto_map"))
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not auto_map:
+        return False
+    if allow or (auto_map == AUTO_MAP and (Path(hf_dir) / RECORD).is_file()):
+        return True
+    raise ConfigError(f"{hf_dir}/config.json: its auto_map names code in the folder that "
+                      "kvtrain did not export; pass --trust-remote-code to run it")
 
 
 def prefix_token_of(hf_dir: Path) -> Optional[int]:
@@ -242,6 +256,7 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
     lm_eval = import_harness()
     from lm_eval.models.huggingface import HFLM
 
+    trust = trusts_remote_code(hf_dir, spec.trust_remote_code)  # refused: before anything
     # the tasks before the model: a refused task costs nothing
     manager, tasks = loaded or load_tasks(spec.tasks, spec.include_path)
     # logits_cache=False: lm-eval 0.4.13 scores requests whose context + continuation[:-1]
@@ -249,7 +264,7 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
     # longer one's first positions (wrong log-likelihoods, e.g. winogrande-like pairs)
     lm = HFLM(pretrained=str(hf_dir), device=spec.device, dtype=DTYPES[spec.dtype],
               batch_size=spec.batch_size, logits_cache=False,
-              trust_remote_code=trusts_remote_code(hf_dir),
+              trust_remote_code=trust,
               prefix_token_id=prefix_token_of(hf_dir))
     answer = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=spec.num_fewshot, limit=spec.limit,

@@ -125,6 +125,41 @@ def test_folder_without_tokenizer_is_one_line(local, capsys, tmp_path):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "no tokenizer files" in err
 
 
+def _with_code(local, folder, auto_map: dict, record: bool):
+    """A copy of the tiny Llama folder whose config.json names folder code."""
+    import shutil
+
+    shutil.copytree(local["hf"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": auto_map}))
+    (folder / "modeling_other.py").write_text("raise SystemExit('folder code ran')\n")
+    if record:
+        (folder / "kvtrain_export.json").write_text('{"format": "kvtrain-hf-export"}\n')
+    return folder
+
+
+def test_folder_code_runs_only_for_kvtrains_exports(local, tmp_path, capsys):
+    """trust_remote_code only for a folder kvtrain exported (its record, and an
+    auto_map naming kvtrain's modeling code); other folder code is refused in one
+    line unless --trust-remote-code says to run it."""
+    from kvtrain.config import ConfigError
+    from kvtrain.evaluate.harness import trusts_remote_code
+    from kvtrain.hf.export import AUTO_MAP
+
+    other = {"AutoModelForCausalLM": "modeling_other.OtherForCausalLM"}
+    assert trusts_remote_code(_with_code(local, tmp_path / "ours", AUTO_MAP, record=True))
+    assert not trusts_remote_code(local["hf"])  # a stock Llama: no folder code at all
+    for name, auto_map, record in (("no_record", AUTO_MAP, False), ("foreign", other, True)):
+        folder = _with_code(local, tmp_path / name, auto_map, record)
+        with pytest.raises(ConfigError, match="--trust-remote-code"):
+            trusts_remote_code(folder)
+        assert trusts_remote_code(folder, allow=True)
+    code, out, err = kvtrain_eval([str(tmp_path / "foreign"), "--tasks", "kvt_mc",
+                                   "--include-path", str(local["tasks"])], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(tmp_path / "foreign") in err and "--trust-remote-code" in err
+
+
 def test_without_the_hf_extra_names_it(local, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval -> ImportError
     code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_mc"], capsys)
