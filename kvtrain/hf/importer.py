@@ -19,6 +19,15 @@ its manifest, then the rename): ``kvtrain.train.integrity`` accepts it,
 ``checkpoint.resume: PATH`` and ``checkpoint.load_optimizer: false``. It holds
 the weights, iteration 0 and the config; no optimizer state and no RNG states
 (its saved layout is null, so the trainer does not look for them).
+
+The loss of an imported model: kvtrain's loss is megatron's cross-entropy over
+the padded vocabulary (``make_vocab_size_divisible_by`` x TP rows), and the
+padded rows of the embedding and output layer are imported as zeros, so every
+token's softmax also holds (padded - vocab) logits of 0. The first losses are
+therefore above the Hugging Face loss, by log(1 + (padded - vocab) / sum(exp(
+logits))) per token: about ln(padded / vocab) while the logits are near zero
+(0.25 for 100 -> 128), less when they are large; training pushes the padding
+logits down. Evaluation (export, ``kvtrain eval``) cuts the padding and is exact.
 """
 
 from __future__ import annotations

@@ -56,6 +56,33 @@ def test_kv_shift_options_a_folder_omits_are_the_model_codes_defaults(kv_checkpo
                                hf_logits(load_hf(out), tokens()), atol=1e-4, rtol=1e-4)
 
 
+def test_imported_llamas_loss_counts_the_padded_vocabulary(mp1, tmp_path):
+    """kvtrain's loss is megatron's, over the padded vocabulary (100 -> 128 rows
+    here); an imported Llama's padded rows are zero, so its loss is the HF
+    cross-entropy over the HF logits plus 28 zero logits: above the HF loss, by
+    about ln(128/100) while the logits are near zero (documented in import_hf)."""
+    import math
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf_model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5)).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    loaded = load_model(import_hf(tmp_path / "hf", tmp_path / "ckpt"), backend="local").model
+    tok = tokens(2, 12)
+    with torch.no_grad():
+        hf_loss = float(hf_model(input_ids=tok, labels=tok).loss)
+        logits = hf_model(input_ids=tok).logits[:, :-1].double()
+        ours = loaded(tok[:, :-1], torch.arange(11)[None].expand(2, 11), None, labels=tok[:, 1:])
+    padded = torch.cat([logits, logits.new_zeros(*logits.shape[:2], 128 - VOCAB)], -1)
+    expected = torch.nn.functional.cross_entropy(padded.flatten(0, 1), tok[:, 1:].flatten())
+    assert float(ours.mean()) == pytest.approx(float(expected), abs=1e-4)
+    assert float(ours.mean()) - hf_loss == pytest.approx(math.log(128 / VOCAB), abs=0.01)
+
+
 def test_bf16_export(kv_checkpoint, tmp_path):
     path, expected = kv_checkpoint
     out = export_hf(path, tmp_path / "hf", dtype="bf16")
