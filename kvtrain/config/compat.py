@@ -8,9 +8,10 @@ it is compared with the run's on the keys of ``COMPARED``; a difference stops
 the run with one line, unless ``checkpoint.allow_config_changes`` names the
 key (or a section above it). What changed is then printed and recorded.
 
-Everything else may change on a resume without a word: the parallel layout
-(checkpoints reshard), the schedule, the optimizer's hyper-parameters, the
-intervals, logging, and ``model.backend`` and the kernel choices
+Everything else may change on a resume: the parallel layout (checkpoints
+reshard), the schedule, the optimizer's hyper-parameters (the run's values
+replace those of the checkpoint's param groups; a change of one is printed and
+recorded like an allowed change, ``RECORDED``), the intervals, logging, and ``model.backend`` and the kernel choices
 (``model.rope_kernel``, ``model.kv_shift.kernel``,
 ``model.cross_entropy_kernel``, ``model.swiglu_kernel``: the same weights on
 other kernels). A key newer
@@ -30,6 +31,8 @@ COMPARED = ("model", "train.seq_length", "data.type", "data.paths", "data.split"
 # how the model runs, not what it is (the same weights on other kernels)
 IGNORED = ("model.backend", "model.rope_kernel", "model.kv_shift.kernel",
            "model.cross_entropy_kernel", "model.swiglu_kernel")
+# free to change, but said and recorded: the run's values override the checkpoint's
+RECORDED = ("optimizer",)
 
 
 @dataclass(frozen=True)
@@ -50,37 +53,37 @@ def _flatten(value: Any, prefix: str, out: dict) -> None:
         out[prefix] = value
 
 
-def _compared(config: dict) -> dict[str, Any]:
-    """The compared keys of a config dict, flattened (``model.kv_shift.window``)."""
+def _compared(config: dict, keys: tuple = COMPARED) -> dict[str, Any]:
+    """The ``keys`` of a config dict, flattened (``model.kv_shift.window``)."""
     out: dict[str, Any] = {}
-    for key in COMPARED:
+    for key in keys:
         node: Any = config
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None
         _flatten(node, key, out)
     # data.seed null means train.seed: compare the seed the data order comes from
-    if out.get("data.seed") is None:
+    if "data.seed" in out and out["data.seed"] is None:
         out["data.seed"] = (config.get("train") or {}).get("seed")
     return {k: v for k, v in out.items() if not k.startswith(IGNORED)}
 
 
-def config_changes(saved: dict, current: dict) -> list[Change]:
-    """The compared keys whose values differ between two run configs. A key the
-    saved config lacks (added to kvtrain after the checkpoint was written) counts
-    as its default: the run that wrote it behaved as that."""
-    a, b = _compared(saved), _compared(current)
-    defaults = _defaults()
+def config_changes(saved: dict, current: dict, keys: tuple = COMPARED) -> list[Change]:
+    """The ``keys`` (sections or keys) whose values differ between two run configs.
+    A key the saved config lacks (added to kvtrain after the checkpoint was written)
+    counts as its default: the run that wrote it behaved as that."""
+    a, b = _compared(saved, keys), _compared(current, keys)
+    defaults = _defaults(keys)
     a.update({k: defaults[k] for k in b if k not in a and k in defaults})
     return [Change(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k)]
 
 
-def _defaults() -> dict[str, Any]:
-    """The compared keys of a default config, flattened."""
+def _defaults(keys: tuple) -> dict[str, Any]:
+    """The ``keys`` of a default config, flattened."""
     from .loader import to_dict
     from .schema import RunConfig
 
-    return _compared(to_dict(RunConfig()))
+    return _compared(to_dict(RunConfig()), keys)
 
 
 def _allowed(key: str, allowed: list[str]) -> bool:
@@ -98,8 +101,9 @@ def check_allowed_keys(allowed: list[str]) -> None:
 
 def check_resume_config(saved: Optional[dict], current: dict, allowed: list[str],
                         where: str) -> list[Change]:
-    """The changes between the checkpoint's config and the run's; raises
-    ``ConfigError`` (one line) when one of them is not allowed."""
+    """The changes between the checkpoint's config and the run's (compared keys,
+    then ``RECORDED`` ones); raises ``ConfigError`` (one line) when a compared one
+    is not allowed."""
     if not saved:
         return []  # a checkpoint of another tool: nothing to compare
     changes = config_changes(saved, current)
@@ -110,7 +114,7 @@ def check_resume_config(saved: Optional[dict], current: dict, allowed: list[str]
             f"{where} was saved by a different run: {'; '.join(map(str, refused))}. "
             f"Resume it with the saved values, or set checkpoint.allow_config_changes: "
             f"[{keys}] to go on with the new ones")
-    return changes
+    return changes + config_changes(saved, current, RECORDED)
 
 
-__all__ = ["COMPARED", "Change", "check_allowed_keys", "check_resume_config", "config_changes"]
+__all__ = ["COMPARED", "RECORDED", "Change", "check_allowed_keys", "check_resume_config", "config_changes"]

@@ -53,7 +53,7 @@ each is handled:
    correction. ``_fix_adam_steps`` gives every parameter its own tensor holding
    the restored update count, where the group's kernel reads it (the parameter's
    device for fused AdamW). The param groups come back from the checkpoint with
-   their ``fused``/``foreach`` flags; the run's own are kept (``kernel_flags_kept``).
+   their hyper-parameters and flags; the run's own are kept (``run_param_groups_kept``).
 3. The writer's spawn-context ``multiprocessing.Manager`` re-imports the main
    module; a training script without a ``__main__`` guard would re-run itself
    in that child and hang the save. ``ensure_writer_queue`` gives synchronous
@@ -96,7 +96,7 @@ from .integrity import (
     INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, SaveFailed, build_manifest,
     checkpoint_folders, own_shards, save_failure_reason, set_aside,
 )
-from .optimizer import adam_step, inner_optimizers, kernel_flags_kept
+from .optimizer import adam_step, inner_optimizers, run_param_groups_kept
 from .save_agreement import gather_or_fail, on_rank0_or_fail
 from .step import sync_params
 
@@ -479,7 +479,8 @@ class Checkpointer:
             for i, m in enumerate(self.modules):
                 m.load_state_dict(loaded[f"model{i}"], strict=True)
         if load_optimizer:
-            with _step_free_param_state_load(self.optimizer), kernel_flags_kept(self.optimizer):
+            with _step_free_param_state_load(self.optimizer), \
+                    run_param_groups_kept(self.optimizer):  # the config's lr, betas, ...
                 self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
             self._fix_adam_steps()

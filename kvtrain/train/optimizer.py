@@ -145,20 +145,28 @@ def adam_step(group: dict, param: Tensor, value: float,
     return torch.tensor(value, dtype=dtype or _get_scalar_dtype(), device="cpu")
 
 
+# What a checkpoint's param group owns: its parameters and, for TE's/apex's
+# FusedAdam, the update count ("step"); every other key the run built from its config.
+CHECKPOINT_GROUP_KEYS = ("params", "step")
+
+
 @contextmanager
-def kernel_flags_kept(optimizer):
-    """Keeps the run's ``fused``/``foreach`` flags through a checkpoint load: torch's
-    ``load_state_dict`` replaces every param group by the checkpoint's, flags
-    included, so a checkpoint of a foreach run (kvtrain before the fused kernel, or
-    another machine's) would set this start's choice (:func:`use_fused_adamw`) aside."""
-    keys = ("fused", "foreach")
+def run_param_groups_kept(optimizer):
+    """Keeps the run's param-group values through a checkpoint load: torch's
+    ``load_state_dict`` replaces every param group by the checkpoint's, so the
+    checkpoint's ``max_lr``/``min_lr`` (what the scheduler reads), ``betas``, ``eps``,
+    ``wd_mult``/``lr_mult`` and ``fused``/``foreach`` flags would set this run's
+    config aside (a resume with a new lr would go on at the old one, and a checkpoint
+    of a foreach run would undo :func:`use_fused_adamw`). The config wins; the
+    scheduler's state, loaded after this, then sets ``lr``/``weight_decay`` from them."""
     inners = inner_optimizers(optimizer)
-    kept = [[{k: g[k] for k in keys if k in g} for g in inner.param_groups] for inner in inners]
+    kept = [[{k: v for k, v in g.items() if k not in CHECKPOINT_GROUP_KEYS}
+             for g in inner.param_groups] for inner in inners]
     try:
         yield
     finally:
-        for inner, flags in zip(inners, kept):
-            for group, own in zip(inner.param_groups, flags):
+        for inner, groups in zip(inners, kept):
+            for group, own in zip(inner.param_groups, groups):
                 group.update(own)
 
 

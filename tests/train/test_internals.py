@@ -77,6 +77,41 @@ def test_adam_steps_are_per_parameter_after_resume(single_rank, tmp_path, cache_
     assert any(not torch.equal(old[n], p) for n, p in run.model[0].module.named_parameters())
 
 
+@pytest.mark.parametrize("dist_opt", [True, False])
+def test_a_resume_trains_with_the_configs_optimizer_values(single_rank, tmp_path, cache_dir,
+                                                            dist_opt):
+    """The config wins over the checkpoint's param groups (optimizer.build_scheduler,
+    config/compat.py): a resume with a new lr, min lr, betas and eps trains with them,
+    groups keep the run's wd_mult, and the change is recorded. ``load_state_dict``
+    alone would bring the checkpoint's max_lr/min_lr/betas/eps back."""
+    from kvtrain.config import to_dict
+    from kvtrain.train.checkpoint import Checkpointer, TrainState
+    from kvtrain.train.optimizer import current_lr
+
+    def built(run_dir, **optimizer):
+        cfg = tiny_config(None, cache_dir, parallel={"distributed_optimizer": dist_opt},
+                          optimizer={"lr_warmup_steps": 0, "weight_decay": 0.1, **optimizer})
+        run = _run(cfg, tmp_path / run_dir)
+        return run, Checkpointer(tmp_path / "ckpt", run.model, run.optimizer, run.scheduler,
+                                 to_dict(run.cfg))
+
+    run, ckpt = built("a", lr=1e-3, min_lr=1e-4, adam_beta2=0.95, adam_eps=1e-8)
+    _steps(run, 2)
+    assert current_lr(run.optimizer) == pytest.approx(1e-3)
+    ckpt.save(TrainState(iteration=2, consumed_samples=16))
+    fresh, ckpt = built("b", lr=5e-4, min_lr=5e-5, adam_beta2=0.99, adam_eps=1e-6)
+    wd_mults = [g["wd_mult"] for g in fresh.optimizer.param_groups]
+    state = ckpt.load(tmp_path / "ckpt" / "iter_0000002")
+    _steps(fresh, 1)
+    groups = fresh.optimizer.param_groups
+    assert {(g["lr"], g["max_lr"], g["min_lr"], tuple(g["betas"]), g["eps"]) for g in groups} \
+        == {(5e-4, 5e-4, 5e-5, (0.9, 0.99), 1e-6)}
+    assert [g["wd_mult"] for g in groups] == wd_mults
+    assert {str(c) for c in state.extra["config_changes"]} == {
+        "optimizer.lr: 0.001 -> 0.0005", "optimizer.min_lr: 0.0001 -> 5e-05",
+        "optimizer.adam_beta2: 0.95 -> 0.99", "optimizer.adam_eps: 1e-08 -> 1e-06"}
+
+
 @pytest.mark.parametrize("decay_shift", [False, True])
 def test_weight_decay_groups(single_rank, tmp_path, cache_dir, decay_shift):
     from kvtrain.model.kv_shift import is_kv_shift_param
