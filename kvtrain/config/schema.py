@@ -16,7 +16,7 @@ from typing import Literal, Optional
 from kvtrain.tasks.config import TASK_TYPES, InductionDataConfig, NgramDataConfig
 
 from .compat import check_allowed_keys
-from .layout import derive_layout
+from .layout import derive_layout, total_steps
 from .loader import ConfigError
 from .model import (  # noqa: F401 (sections of RunConfig)
     KVShiftConfig, MLAConfig, ModelConfig, ShiftHeadsConfig,
@@ -360,7 +360,7 @@ class RunConfig:
             raise ConfigError(f"train.seq_length must be positive, got {t.seq_length}")
 
     def _validate_optimizer(self) -> None:
-        o, t = self.optimizer, self.train
+        o = self.optimizer
         if o.lr <= 0:
             raise ConfigError(f"optimizer.lr must be positive, got {o.lr}")
         if o.min_lr is not None and not 0 <= o.min_lr <= o.lr:
@@ -381,8 +381,9 @@ class RunConfig:
         if o.lr_schedule == "wsd":
             if not o.wsd_decay_steps:
                 raise ConfigError("optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps")
-            horizon = o.lr_decay_steps or t.max_steps
-            if horizon is not None and o.wsd_decay_steps > horizon - o.lr_warmup_steps:
+            # the scheduler's horizon (build_scheduler): train.max_steps or train_tokens
+            horizon = o.lr_decay_steps or total_steps(self)[0]
+            if o.wsd_decay_steps > horizon - o.lr_warmup_steps:
                 raise ConfigError(
                     f"optimizer.wsd_decay_steps ({o.wsd_decay_steps}) must fit after the warmup "
                     f"in the schedule ({horizon} steps, warmup {o.lr_warmup_steps})"

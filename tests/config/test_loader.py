@@ -158,6 +158,11 @@ def test_bad_override_values_are_one_line_naming_the_override(tmp_path):
     (["optimizer.lr_schedule=wsd"], "optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps"),
     (["optimizer.lr_schedule=wsd", "optimizer.wsd_decay_steps=1000000"],
      "optimizer.wsd_decay_steps (1000000) must fit after the warmup"),
+    # a run sized by train.train_tokens (10 steps of 8 x 32 tokens): the same horizon
+    (["optimizer.lr_schedule=wsd", "optimizer.wsd_decay_steps=20", "train.max_steps=null",
+      "train.train_tokens=2560", "train.global_batch_size=8", "train.seq_length=32",
+      "model.max_position_embeddings=64"],
+     "optimizer.wsd_decay_steps (20) must fit after the warmup in the schedule (10 steps"),
     (["optimizer.loss_scale=0"], "optimizer.loss_scale must be positive, got 0"),
     (["data.type=gpt", "data.paths=[]"], "data.paths is empty: name at least one shard prefix"),
     (["data.type=gpt", "data.paths=[0.5, a, b]"],
