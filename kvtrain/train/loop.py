@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kvtrain.backend import init_process_group
-from kvtrain.config import RunConfig, checkpoint_folder
+from kvtrain.config import RunConfig, TrainConfig, checkpoint_folder
 from kvtrain.data.order import order_changed, order_fingerprint
 from kvtrain.tasks.config import accuracy_masks
 
@@ -75,24 +75,11 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
             _save(ckpt, run, state)
             last_saved = state.iteration
 
-        if state.nonfinite_in_row >= t.max_consecutive_nonfinite:
-            exit_code = EXIT_NONFINITE
-            why = (f"{state.nonfinite_in_row} steps in a row had a non-finite loss or "
-                   f"gradient norm (train.max_consecutive_nonfinite); their updates were "
-                   f"skipped, so the weights are those of the last good step")
+        stopped = _stop_reason(state, result, t)
+        if stopped:
+            exit_code, why = stopped
             break
-        if result.stop_signal or result.time_up:
-            why = ("a stop signal (SIGTERM/SIGUSR1)" if result.stop_signal
-                   else f"train.exit_duration_minutes ({t.exit_duration_minutes})")
-            break
-    else:  # the end of the run
-        if window.steps:
-            metrics.write(window.flush(run, state))
-        if cfg.model.attention == "kv_shift" and t.kv_shift_stats_interval and \
-                not _due(state.iteration, t.kv_shift_stats_interval):
-            _log_shift_stats(run, state, metrics)
-        if t.eval_interval and not _due(state.iteration, t.eval_interval):
-            _validate(run, validator, state, metrics)
+    _wrap_up(run, state, window, validator, metrics)  # after a stop too
 
     if cfg.checkpoint.save_on_exit and last_saved != state.iteration and state.iteration > 0:
         _save(ckpt, run, state)
@@ -110,6 +97,38 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
 
 
 # ----------------------------------------------------------------------------- helpers of the loop
+def _stop_reason(state: TrainState, result: StepResult,
+                 t: TrainConfig) -> Optional[tuple[int, str]]:
+    """The exit code and the reason to stop after this step (None: go on)."""
+    if state.nonfinite_in_row >= t.max_consecutive_nonfinite:
+        return EXIT_NONFINITE, (
+            f"{state.nonfinite_in_row} steps in a row had a non-finite loss or gradient norm "
+            f"(train.max_consecutive_nonfinite); their updates were skipped, so the weights "
+            f"are those of the last good step")
+    if result.stop_signal or result.time_up:
+        return EXIT_OK, ("a stop signal (SIGTERM/SIGUSR1)" if result.stop_signal
+                         else f"train.exit_duration_minutes ({t.exit_duration_minutes})")
+    return None
+
+
+def _wrap_up(run: Run, state: TrainState, window: Window, validator: Validator,
+             metrics: MetricsLogger) -> None:
+    """Whether the run ended or was stopped: the record of the steps since the last
+    log line (else lost), and, at the run's last step, the final weights' α/β
+    statistics and validation where no interval took them (a resume of a run
+    stopped there has nothing left to do, so they would never be taken)."""
+    cfg, t = run.cfg, run.cfg.train
+    if window.steps:
+        metrics.write(window.flush(run, state))
+    if state.iteration < run.total_steps:
+        return
+    if cfg.model.attention == "kv_shift" and t.kv_shift_stats_interval and \
+            not _due(state.iteration, t.kv_shift_stats_interval):
+        _log_shift_stats(run, state, metrics)
+    if t.eval_interval and not _due(state.iteration, t.eval_interval):
+        _validate(run, validator, state, metrics)
+
+
 def _data_iterators(run: Run, consumed_samples: int) -> list:
     """One micro-batch iterator per model chunk (virtual stages each read the
     same micro batches), starting at ``consumed_samples``."""

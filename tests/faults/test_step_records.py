@@ -53,3 +53,30 @@ def test_a_run_ending_between_intervals_logs_validates_and_measures_its_last_ste
     assert [train[i]["steps_in_window"] for i in (2, 4, 5)] == [2, 2, 1]
     assert [r["iteration"] for r in metrics(run_dir, "valid")] == [3, 5]
     assert [r["iteration"] for r in metrics(run_dir, "kv_shift")] == [3, 5]
+
+
+def test_a_stopped_run_logs_its_last_partial_window_and_ends_a_finished_run(
+        tmp_path, corpus, cache_dir):
+    """A stop (a signal here; the time limit and the non-finite limit leave the loop
+    the same way) writes the record of the steps since the last log line; a stop on
+    the run's last step also validates and measures the final weights, which the
+    resume that follows cannot (it has nothing to do)."""
+    def job(name, max_steps, **extra):
+        cfg = tiny_config(corpus, cache_dir,
+                          train={"max_steps": max_steps, "log_interval": 2, "eval_interval": 3,
+                                 "eval_iters": 1, "kv_shift_stats_interval": 3},
+                          checkpoint={"save_interval": None})
+        return {"config": str(write_config(tmp_path / f"{name}.yaml", cfg)),
+                "run_dir": str(tmp_path / name), **extra}
+
+    jobs = [job("mid", 20, faults={"stop_after": 7}),  # stopped between two windows
+            job("last", 5, faults={"stop_after": 5}),  # stopped on its last step
+            job("last", 5)]  # ... and resumed: nothing to do
+    result = run_driver(jobs, tmp_path / "plan.json")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    mid, last = by_iteration(metrics(tmp_path / "mid")), by_iteration(metrics(tmp_path / "last"))
+    assert (sorted(mid), mid[7]["steps_in_window"]) == ([2, 4, 6, 7], 1)
+    assert [r["iteration"] for r in metrics(tmp_path / "mid", "valid")] == [3, 6]
+    assert sorted(last) == [2, 4, 5]
+    for kind in ("valid", "kv_shift"):
+        assert [r["iteration"] for r in metrics(tmp_path / "last", kind)] == [3, 5], kind
