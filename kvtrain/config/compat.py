@@ -6,15 +6,18 @@ counts mean, another data blend or tokenizer feeds other tokens, another model
 section is another model. Before a checkpoint is loaded, the config saved in
 it is compared with the run's on the keys of ``COMPARED``; a difference stops
 the run with one line, unless ``checkpoint.allow_config_changes`` names the
-key (or a section above it). What changed is then printed and recorded.
+key (or a section above it). What changed is then printed and recorded. A run
+sized by ``train.train_tokens`` also compares ``train.global_batch_size``: when
+allowed to change, the run ends where the consumed tokens reach the budget
+(``layout.total_steps`` from the checkpoint's consumed samples).
 
 Everything else may change on a resume: the parallel layout (checkpoints
 reshard), the schedule, the optimizer's hyper-parameters (the run's values
 replace those of the checkpoint's param groups; a change of one is printed and
-recorded like an allowed change, ``RECORDED``), the intervals, logging, and ``model.backend`` and the kernel choices
-(``model.rope_kernel``, ``model.kv_shift.kernel``,
-``model.cross_entropy_kernel``, ``model.swiglu_kernel``: the same weights on
-other kernels). A key newer
+recorded like an allowed change, ``RECORDED``), the intervals, logging, and
+``model.backend`` and the kernel choices (``model.rope_kernel``,
+``model.kv_shift.kernel``, ``model.cross_entropy_kernel``,
+``model.swiglu_kernel``: the same weights on other kernels). A key newer
 than the checkpoint compares as its default.
 """
 
@@ -33,6 +36,9 @@ IGNORED = ("model.backend", "model.rope_kernel", "model.kv_shift.kernel",
            "model.cross_entropy_kernel", "model.swiglu_kernel")
 # free to change, but said and recorded: the run's values override the checkpoint's
 RECORDED = ("optimizer",)
+# compared where the run is sized by train.train_tokens: the steps it has left are
+# counted in the current global batch (layout.total_steps), the checkpoint's in its own
+TOKEN_BUDGET_COMPARED = ("train.global_batch_size",)
 
 
 @dataclass(frozen=True)
@@ -92,11 +98,25 @@ def _allowed(key: str, allowed: list[str]) -> bool:
 
 def check_allowed_keys(allowed: list[str]) -> None:
     """``checkpoint.allow_config_changes`` names only keys that resume compares."""
+    compared = COMPARED + TOKEN_BUDGET_COMPARED
     for a in allowed:
-        if not any(a == c or a.startswith(c + ".") or c.startswith(a + ".") for c in COMPARED):
+        if not any(a == c or a.startswith(c + ".") or c.startswith(a + ".") for c in compared):
             raise ConfigError(
                 f"checkpoint.allow_config_changes: {a!r} is not compared on resume "
-                f"(compared: {', '.join(COMPARED)}; everything else may change freely)")
+                f"(compared: {', '.join(COMPARED)}, and {', '.join(TOKEN_BUDGET_COMPARED)} "
+                f"for a run sized by train.train_tokens; everything else may change freely)")
+
+
+def _sized_by_tokens(config: dict) -> bool:
+    """Whether the run of a config dict ends by ``train.train_tokens`` (layout's rule)."""
+    if not (config.get("train") or {}).get("train_tokens"):
+        return False
+    from .layout import total_steps
+    from .loader import from_dict
+    from .schema import RunConfig
+
+    run = from_dict(RunConfig, {k: v for k, v in config.items() if k != "resolved"})
+    return total_steps(run)[1] == "train.train_tokens"
 
 
 def check_resume_config(saved: Optional[dict], current: dict, allowed: list[str],
@@ -106,7 +126,8 @@ def check_resume_config(saved: Optional[dict], current: dict, allowed: list[str]
     is not allowed."""
     if not saved:
         return []  # a checkpoint of another tool: nothing to compare
-    changes = config_changes(saved, current)
+    keys = COMPARED + (TOKEN_BUDGET_COMPARED if _sized_by_tokens(current) else ())
+    changes = config_changes(saved, current, keys)
     refused = [c for c in changes if not _allowed(c.key, allowed)]
     if refused:
         keys = ", ".join(sorted({c.key for c in refused}))
@@ -117,4 +138,4 @@ def check_resume_config(saved: Optional[dict], current: dict, allowed: list[str]
     return changes + config_changes(saved, current, RECORDED)
 
 
-__all__ = ["COMPARED", "RECORDED", "Change", "check_allowed_keys", "check_resume_config", "config_changes"]
+__all__ = ["COMPARED", "RECORDED", "TOKEN_BUDGET_COMPARED", "Change", "check_allowed_keys", "check_resume_config", "config_changes"]

@@ -31,7 +31,9 @@ from .optimizer import current_lr
 from .processes import bind_to_launcher
 from .resume import resume
 from .runlock import hold_run_folder, removed_on_bad_input
-from .setup import Run, backend_event, build_run, run_record, write_run_config
+from .setup import (
+    Run, backend_event, build_run, fit_token_budget, run_record, write_run_config,
+)
 from .signals import StopRequests
 from .step import ForwardStep, StepResult, sync_params, train_step
 from .wandb_logger import WandbLogger
@@ -287,6 +289,9 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         c = cfg.checkpoint  # a damaged candidate is skipped with a warning (checkpoint.resume)
         resumed = resume(ckpt, plan_resume(c.resume, run.checkpoint_dir), c.verify,
                          c.load_optimizer, c.load_rng)
+        budget = fit_token_budget(run, resumed.state.iteration, resumed.state.consumed_samples)
+        if budget:  # another global batch since the checkpoint
+            resumed.add(f"kvtrain: {budget}")
     state = resumed.state
     order = _order_warning(run, state) if resumed.path is not None else None
     if resumed.path is not None:

@@ -210,7 +210,7 @@ def build_scheduler(cfg: RunConfig, optimizer, total_steps: int) -> OptimizerPar
     """
     o = cfg.optimizer
     warmup = o.lr_warmup_steps
-    decay_steps = max(o.lr_decay_steps or total_steps, warmup + 1)
+    decay_steps = lr_horizon(cfg, total_steps)
     style = {"constant": "constant", "cosine": "cosine", "wsd": "WSD"}[o.lr_schedule]
     return OptimizerParamScheduler(
         optimizer,
@@ -229,6 +229,18 @@ def build_scheduler(cfg: RunConfig, optimizer, total_steps: int) -> OptimizerPar
         wsd_decay_steps=o.wsd_decay_steps,
         lr_wsd_decay_style=o.wsd_decay_style,
     )
+
+
+def lr_horizon(cfg: RunConfig, total_steps: int) -> int:
+    """The steps over which the LR decays: ``optimizer.lr_decay_steps``, else the run's."""
+    o = cfg.optimizer
+    return max(o.lr_decay_steps or total_steps, o.lr_warmup_steps + 1)
+
+
+def set_horizon(scheduler: OptimizerParamScheduler, cfg: RunConfig, total_steps: int) -> None:
+    """Moves the schedule's end to ``total_steps`` (a resumed run whose length
+    changed with its global batch: ``setup.fit_token_budget``)."""
+    scheduler.lr_decay_steps = scheduler.wd_incr_steps = lr_horizon(cfg, total_steps)
 
 
 def current_lr(optimizer) -> float:

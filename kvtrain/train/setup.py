@@ -221,6 +221,34 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     )
 
 
+def fit_token_budget(run: Run, iteration: int, consumed_samples: int) -> Optional[str]:
+    """A resumed run sized by ``train.train_tokens`` ends where its consumed tokens
+    reach the budget: after a change of ``train.global_batch_size`` (allowed by
+    ``checkpoint.allow_config_changes``) the checkpoint's steps were of another
+    batch, so the steps left and the LR schedule's end move (what it says, or None)."""
+    from kvtrain.config.layout import total_steps
+
+    from .optimizer import set_horizon
+
+    steps, steps_from = total_steps(run.cfg, iteration, consumed_samples)
+    if steps == run.total_steps:
+        return None
+    t = run.cfg.train
+    needed = consumed_samples + (steps - iteration) * t.global_batch_size
+    if needed > len(run.datasets.train):
+        raise ConfigError(
+            f"the training data gives {len(run.datasets.train)} sequences, fewer than the "
+            f"{needed} that train.train_tokens needs after the checkpoint's {consumed_samples} "
+            f"at train.global_batch_size {t.global_batch_size}: resume with the checkpoint's "
+            f"train.global_batch_size, or one that divides {consumed_samples}")
+    before = run.total_steps
+    run.layout = dataclasses.replace(run.layout, total_steps=steps, steps_from=steps_from)
+    set_horizon(run.scheduler, run.cfg, steps)
+    return (f"{steps_from} after the checkpoint's {consumed_samples} samples: "
+            f"{steps - iteration} steps of {t.global_batch_size} left, the run and its LR "
+            f"schedule end at step {steps} (not {before})")
+
+
 def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     """The run's backend on this machine, with how it keeps documents apart and what
     computes the KV shift, RoPE and the loss (refusing what it cannot do); and those
@@ -292,5 +320,5 @@ def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = N
     return text
 
 
-__all__ = ["Run", "backend_event", "build_run", "resolve_run_dir", "run_record",
-           "write_run_config"]
+__all__ = ["Run", "backend_event", "build_run", "fit_token_budget", "resolve_run_dir",
+           "run_record", "write_run_config"]

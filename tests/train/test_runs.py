@@ -232,6 +232,36 @@ def test_time_limit_stops_and_token_budget_sets_length(short_runs):
     assert latest(root / "timelimit") == "iter_0000001"
 
 
+def test_a_token_budget_holds_when_the_global_batch_changes_on_resume(tmp_path, corpus,
+                                                                     cache_dir):
+    """train.train_tokens counts tokens; steps differ by global batch. Resuming with
+    another train.global_batch_size is refused in one line naming the key, unless
+    checkpoint.allow_config_changes names it: the run then ends when the consumed
+    tokens reach the budget (the checkpoint's 4 steps of 8 samples, then 3 of 16),
+    its cosine schedule reaching min_lr there, not at the 5 steps of 16 of a fresh run."""
+    budget = 10 * TOKENS_PER_STEP
+    jobs = []
+    for name, gbs, extra in (("first", 8, {"faults": {"stop_after": 4}}),
+                             ("refused", 16, {"expect": 2}), ("allowed", 16, {})):
+        cfg = tiny_config(corpus, cache_dir,
+                          train={"max_steps": None, "train_tokens": budget,
+                                 "global_batch_size": gbs},
+                          optimizer={"lr_schedule": "cosine", "min_lr": 1e-4},
+                          checkpoint={"save_interval": None, "allow_config_changes":
+                                      ["train.global_batch_size"] if name == "allowed" else []})
+        jobs.append({"config": str(write_config(tmp_path / f"{name}.yaml", cfg)),
+                     "run_dir": str(tmp_path / "run"), **extra})
+    result = run_driver(jobs, tmp_path / "plan.json")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "config error" in line]
+    assert len(errors) == 1 and "train.global_batch_size: 8 -> 16" in errors[0] and \
+        "checkpoint.allow_config_changes: [train.global_batch_size]" in errors[0], errors
+    train = by_iteration(metrics(tmp_path / "run"))
+    assert sorted(train) == [1, 2, 3, 4, 5, 6, 7]  # nothing lost to the refused start
+    assert train[7]["consumed_tokens"] == budget
+    assert train[6]["lr"] > 1e-4 and train[7]["lr"] == pytest.approx(1e-4)
+
+
 def test_async_save_from_an_unguarded_entry_script(tmp_path, cache_dir):
     """An entry script without ``if __name__ == "__main__":`` (the spawn
     trap: megatron's writer starts a spawn-context Manager that re-imports the
