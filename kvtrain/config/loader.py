@@ -230,16 +230,21 @@ def apply_override(data: dict, assignment: str, cls: type) -> None:
 
     The path is checked against ``cls`` so a misspelt key fails here with the
     same message as in a file; the value is parsed as a YAML scalar/flow value.
+    A mapping given for a section is merged into the file's section key by key.
     """
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE")
     path, raw = assignment.split("=", 1)
-    parts = path.strip().split(".")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         why = getattr(e, "problem", None) or first_line(e)  # str(e) spans lines
         raise ConfigError(f"--set {path}: cannot parse value {raw!r}: {why}") from None
+    _set_path(data, path.strip().split("."), value, cls)
+
+
+def _set_path(data: dict, parts: list[str], value: Any, cls: type) -> None:
+    """Sets ``parts`` (a dotted key) to ``value`` in ``data``, checking both."""
     node = data
     section = cls
     for i, part in enumerate(parts):
@@ -253,6 +258,12 @@ def apply_override(data: dict, assignment: str, cls: type) -> None:
             raise ConfigError(f"--set: unknown key '{dotted}'{hint}")
         tp = _unwrap_optional(hints[part])
         if i == len(parts) - 1:
+            if dataclasses.is_dataclass(tp) and isinstance(value, dict) and value:
+                # A section given whole replaced the file's section, silently
+                # dropping its other keys: merge it one key at a time instead.
+                for key, inner in value.items():
+                    _set_path(data, [*parts, str(key)], inner, cls)
+                return
             # Checked here, so that a bad value is blamed on the --set and not
             # on the line of the file it replaces.
             _convert(hints[part], value, dotted, "--set", None)

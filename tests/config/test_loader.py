@@ -210,3 +210,19 @@ def test_an_override_of_the_wrong_shape_is_one_line(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_set_of_a_section_merges_into_the_files_section(tmp_path):
+    """`--set 'model.kv_shift.heads={k: [0]}'` changes heads.k only: the file's other
+    keys of that section (and of sections nested in the value) stay."""
+    path = write(tmp_path, "model:\n  attention: kv_shift\n  kv_shift:\n    window: 1\n"
+                           "    heads: {k: [1], v: [1], fixed: true}\n")
+    heads = load_config(path, ["model.kv_shift.heads={k: [0]}"]).model.kv_shift.heads
+    assert (heads.k, heads.v, heads.fixed) == ([0], [1], True)
+    model = load_config(path, ["model={kv_shift: {heads: {v: [2]}}}"]).model
+    assert model.attention == "kv_shift"
+    assert (model.kv_shift.heads.k, model.kv_shift.heads.v) == ([1], [2])
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.kv_shift={heads: {kk: [0]}}"])
+    assert str(e.value).startswith("--set: unknown key 'model.kv_shift.heads.kk'"), str(e.value)
+    assert load_config(path, ["model.kv_shift.heads=null"]).model.kv_shift.heads is None
