@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -35,8 +36,32 @@ def first_line(exc: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- YAML with lines
-class _LineLoader(yaml.SafeLoader):
-    """SafeLoader that records the line of every mapping key (1-based)."""
+class _Loader(yaml.SafeLoader):
+    """SafeLoader whose zero-padded integers are decimal (see ``_construct_int``)."""
+
+
+_LEADING_ZERO = re.compile(r"[-+]?0[0-7]+")
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    """YAML 1.1 reads ``010`` as octal 8 but ``08`` (not octal) as a string that
+    becomes 8: ``seed: 010`` ran seed 8. A config number is decimal: 010 is 10."""
+    text = loader.construct_scalar(node).replace("_", "")
+    if _LEADING_ZERO.fullmatch(text):
+        return int(text, 10)
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: a YAML scalar or flow value, read as a file's values are."""
+    return yaml.load(text, Loader=_Loader)
+
+
+class _LineLoader(_Loader):
+    """The config loader that records the line of every mapping key (1-based)."""
 
 
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -236,7 +261,7 @@ def apply_override(data: dict, assignment: str, cls: type) -> None:
         raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE")
     path, raw = assignment.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = parse_value(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         why = getattr(e, "problem", None) or first_line(e)  # str(e) spans lines
         raise ConfigError(f"--set {path}: cannot parse value {raw!r}: {why}") from None

@@ -226,3 +226,16 @@ def test_set_of_a_section_merges_into_the_files_section(tmp_path):
         load_config(path, ["model.kv_shift={heads: {kk: [0]}}"])
     assert str(e.value).startswith("--set: unknown key 'model.kv_shift.heads.kk'"), str(e.value)
     assert load_config(path, ["model.kv_shift.heads=null"]).model.kv_shift.heads is None
+
+
+def test_a_zero_padded_int_is_decimal_in_files_and_overrides(tmp_path):
+    """YAML 1.1 reads 010 as octal 8 but 08 as the string '08' (then 8): a
+    zero-padded number means its decimal value everywhere (hex stays hex)."""
+    path = write(tmp_path, "train:\n  seed: 010\n  max_steps: 0_100\n  eval_iters: 09\n"
+                           "  log_interval: 0x10\n")
+    t = load_config(path).train
+    assert (t.seed, t.max_steps, t.eval_iters, t.log_interval) == (10, 100, 9, 16)
+    t = load_config(None, ["train.seed=010", "train.train_tokens=08"]).train
+    assert t.seed == 10 and t.train_tokens == 8
+    with pytest.raises(ConfigError, match="train.max_steps must be positive.*got -7"):
+        load_config(None, ["train.max_steps=-07"])
