@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 from pathlib import Path
@@ -27,6 +28,10 @@ import yaml
 
 class ConfigError(ValueError):
     """A config problem, reported as one line without a traceback by the CLI."""
+
+
+class _NotFinite(ConfigError):
+    """A float setting given nan or inf (reported as such, also for an optional one)."""
 
 
 def first_line(exc: BaseException) -> str:
@@ -161,6 +166,10 @@ def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None
                 return _convert(arg, value, key, source, line)
             except ConfigError as e:
                 errors.append(e)
+        # a number that is not finite says so, not "expected float | null"
+        for e in errors:
+            if isinstance(e, _NotFinite):
+                raise e
         raise ConfigError(
             f"{_where(key, source, line)}: expected {_type_name(tp)}, got {value!r}"
         )
@@ -196,10 +205,15 @@ def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             # PyYAML reads "1e-4" (no dot) as a string: accept numeric strings.
             number = _as_float(value)
-            if number is not None:
-                return number
-            raise ConfigError(f"{_where(key, source, line)}: expected float, got {value!r}")
-        return float(value)
+            if number is None:
+                raise ConfigError(f"{_where(key, source, line)}: expected float, got {value!r}")
+        else:
+            number = float(value)
+        if not math.isfinite(number):
+            # nan passes every `<= 0` check, and no float setting gives inf a meaning
+            raise _NotFinite(f"{_where(key, source, line)}: expected a finite number, "
+                             f"got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{_where(key, source, line)}: expected str, got {value!r}")

@@ -239,3 +239,20 @@ def test_a_zero_padded_int_is_decimal_in_files_and_overrides(tmp_path):
     assert t.seed == 10 and t.train_tokens == 8
     with pytest.raises(ConfigError, match="train.max_steps must be positive.*got -7"):
         load_config(None, ["train.max_steps=-07"])
+
+
+@pytest.mark.parametrize("value", ["nan", ".nan", "inf", "-.inf", "-Infinity"])
+@pytest.mark.parametrize("key", ["optimizer.lr", "optimizer.weight_decay", "optimizer.adam_eps",
+                                 "train.dist_timeout_minutes", "optimizer.clip_grad"])
+def test_a_float_setting_that_is_not_finite_is_one_line(key, value):
+    """nan passes every `<= 0` check (and inf means nothing for these settings)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}={value}"])
+    assert str(e.value).startswith(f"--set: {key}: expected a finite number, got "), str(e.value)
+
+
+def test_a_non_finite_float_in_a_file_names_the_file_line_and_key(tmp_path):
+    path = write(tmp_path, "optimizer:\n  lr: .nan\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}:2: optimizer.lr: expected a finite number, got nan"
