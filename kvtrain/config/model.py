@@ -233,10 +233,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Checks of the model alone (parallel checks are in RunConfig.validate)."""
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
-                    "max_position_embeddings"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"model.{key} must be positive, got {getattr(self, key)}")
+        self._validate_sizes()
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "
@@ -258,6 +255,22 @@ class ModelConfig:
             self._validate_shift_heads()
         if self.mla is not None:
             self._validate_mla()
+
+    def _validate_sizes(self) -> None:
+        """Sizes and scalars each on its own: 0 or negative ones pass the divisibility
+        checks (num_query_groups 0 silently meant MHA) or fail later in a traceback."""
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                    "max_position_embeddings", "make_vocab_size_divisible_by", "rotary_base",
+                    "norm_epsilon", "init_method_std"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key} must be positive, got {getattr(self, key)}")
+        for key in ("num_query_groups", "ffn_hidden_size"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"model.{key} must be positive (or null), got {value}")
+        for key in ("attention_dropout", "hidden_dropout"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"model.{key} must be in [0, 1), got {getattr(self, key)}")
 
     def _validate_shift_heads(self) -> None:
         """``model.kv_shift.heads``: known heads of shifted tensors, window 1 when fixed."""

@@ -131,6 +131,16 @@ def test_bad_override_values_are_one_line_naming_the_override(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
+    (["model.num_query_groups=0"], "model.num_query_groups must be positive (or null), got 0"),
+    (["model.num_query_groups=-2"], "model.num_query_groups must be positive (or null), got -2"),
+    (["model.ffn_hidden_size=-512"], "model.ffn_hidden_size must be positive (or null), got -512"),
+    (["model.make_vocab_size_divisible_by=0"],
+     "model.make_vocab_size_divisible_by must be positive, got 0"),
+    (["model.rotary_base=0"], "model.rotary_base must be positive, got 0"),
+    (["model.norm_epsilon=-1e-5"], "model.norm_epsilon must be positive, got -1e-05"),
+    (["model.init_method_std=-0.02"], "model.init_method_std must be positive, got -0.02"),
+    (["model.attention_dropout=1"], "model.attention_dropout must be in [0, 1), got 1.0"),
+    (["model.hidden_dropout=-0.1"], "model.hidden_dropout must be in [0, 1), got -0.1"),
     (["parallel.context=0"], "parallel.tensor, parallel.pipeline and parallel.context must be >= 1"),
     (["parallel.tensor=2", "model.ffn_hidden_size=101"],
      "model.ffn_hidden_size (101) must be divisible by parallel.tensor (2)"),
