@@ -105,11 +105,12 @@ NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 WORLD_SIZE=$(( NNODES * NPROC_PER_NODE ))
 
 # ---------------------------------------------------------------- run folder
-# Resolves the run folder the trainer will use and checks the config (with the
-# world size: divisibility of heads, layers, batch) before anything starts.
+# Resolves the run folder the trainer will use (~ expanded, as the trainer does)
+# and checks the config (with the world size: divisibility of heads, layers,
+# batch) before anything starts.
 RUN_DIR=$("$PYTHON" - "$CONFIG" "$WORLD_SIZE" "${RUN_DIR:-}" "${SETS[@]}" <<'PY'
 import sys
-from kvtrain.config import ConfigError, load_config
+from kvtrain.config import ConfigError, load_config, run_folder
 
 config, world, run_dir, rest = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 overrides = [rest[i + 1] for i in range(0, len(rest), 2)]
@@ -117,7 +118,7 @@ try:
     cfg = load_config(config, overrides, world_size=world)
 except ConfigError as e:
     sys.exit(f"kvtrain: config error: {e}")
-print(run_dir or cfg.run_dir or f"runs/{cfg.name}")
+print(run_folder(cfg, run_dir or None))
 PY
 ) || exit 2
 LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}

@@ -113,7 +113,7 @@ def check_time(time: str | None, signal_seconds: int) -> None:
 
 def build(args) -> tuple[list[str], dict[str, str]]:
     """The sbatch command line and the environment it needs (also for tests)."""
-    from kvtrain.config import ConfigError, load_config
+    from kvtrain.config import ConfigError, load_config, run_folder
 
     if args.nodes < 1 or args.chain < 1 or args.gpus_per_node < 0:
         raise ConfigError("--nodes and --chain must be >= 1 and --gpus-per-node >= 0")
@@ -130,7 +130,7 @@ def build(args) -> tuple[list[str], dict[str, str]]:
             raise ConfigError(f"kvtrain plan refuses this layout: {e}") from None
 
     repo = repo_root()
-    run_dir = Path(args.run_dir or cfg.run_dir or Path("runs") / cfg.name)
+    run_dir = run_folder(cfg, args.run_dir)
     run_dir = (run_dir if run_dir.is_absolute() else Path.cwd() / run_dir).resolve()
     config = Path(args.config).resolve()
     name = args.job_name or f"kvtrain-{cfg.name}"

@@ -37,6 +37,14 @@ def load_config(
     return cfg
 
 
+def run_folder(cfg: RunConfig, override: Optional[str | Path] = None) -> Path:
+    """The run folder: ``--run-dir``, else ``run_dir`` from the config, else
+    ``runs/<name>``, with ``~`` expanded. The trainer and the launchers (kvtrain
+    submit, launch/*.sh) all ask here, so that the run, its logs and stop files
+    land in one folder and not in one of them under a folder named ``~``."""
+    return Path(override or cfg.run_dir or Path("runs") / cfg.name).expanduser()
+
+
 def checkpoint_folder(configured: Optional[str], run_dir: str | Path) -> Path:
     """The folder of a run's checkpoints: ``checkpoint.dir`` with ``~`` expanded,
     a relative one under the run folder, ``<run_dir>/checkpoints`` when it is null.
@@ -65,5 +73,6 @@ __all__ = [
     "dump_yaml",
     "first_line",
     "load_config",
+    "run_folder",
     "to_dict",
 ]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from data_tools.fileio import atomic_write_text
-from kvtrain.config import ConfigError, RunConfig, checkpoint_folder, to_dict
+from kvtrain.config import ConfigError, RunConfig, checkpoint_folder, run_folder, to_dict
 from kvtrain.config.backend import BackendChoice
 from kvtrain.config.layout import Layout, derive_layout
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def resolve_run_dir(cfg: RunConfig, override: Optional[str] = None) -> Path:
     """``--run-dir``, else ``run_dir`` from the config, else ``runs/<name>``."""
-    return Path(override or cfg.run_dir or Path("runs") / cfg.name).expanduser()
+    return run_folder(cfg, override)
 
 
 @dataclass

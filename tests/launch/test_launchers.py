@@ -12,7 +12,7 @@ import time
 import pytest
 
 from .conftest import (
-    REFERENCE_STEPS, REPO, VENV_BIN, ensure_tools, free_port, launch_env, losses,
+    REFERENCE_STEPS, REPO, TINY, VENV_BIN, ensure_tools, free_port, launch_env, losses,
     short_overrides, train_records,
 )
 
@@ -212,3 +212,32 @@ def test_slurm_time_limits(time, seconds):
     from kvtrain.commands.submit import slurm_seconds
 
     assert slurm_seconds(time) == seconds
+
+
+def test_a_tilde_run_dir_is_the_trainers_folder_in_every_launcher(tmp_path, monkeypatch):
+    """The trainer expands `run_dir: ~/...` (resolve_run_dir); kvtrain submit,
+    torchrun.sh and slurm.sbatch must name the same folder for the run, its logs
+    and stop files, not <cwd>/~/..."""
+    from kvtrain.cli import build_parser
+    from kvtrain.commands.submit import build
+
+    home = tmp_path / "home"
+    cfg = tmp_path / "tilde.yaml"
+    cfg.write_text(TINY.read_text() + "run_dir: ~/kvt-runs/tilde\n")
+    run = home / "kvt-runs" / "tilde"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    for extra, folder in (([], run), (["--run-dir", "~/other"], home / "other")):
+        args = build_parser().parse_args(["submit", str(cfg), "--gpus-per-node", "0",
+                                          *extra, "--dry-run"])
+        cmd, env = build(args)
+        assert env["RUN_DIR"] == str(folder) and f"--output={folder}/logs/slurm-%j.out" in cmd
+    out = dry(TORCHRUN_SH, str(cfg), HOME=str(home))
+    assert out.returncode == 0, out.stderr
+    assert f"RUN_DIR={run} LOG_DIR={run}/logs\n" in out.stdout
+    assert f"--run-dir {run} " in out.stdout
+    for env in ({}, {"RUN_DIR": "~/kvt-runs/tilde"}):
+        out = dry(SBATCH, str(cfg), HOME=str(home), SLURM_JOB_ID="7", **env)
+        assert out.returncode == 0, out.stderr
+        assert f"RUN_DIR={run} LOG_DIR={run}/logs/slurm-7 " in out.stdout
+        assert f"--run-dir {run} " in out.stdout
