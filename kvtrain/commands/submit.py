@@ -113,7 +113,7 @@ def check_time(time: str | None, signal_seconds: int) -> None:
 
 def build(args) -> tuple[list[str], dict[str, str]]:
     """The sbatch command line and the environment it needs (also for tests)."""
-    from kvtrain.config import ConfigError, load_config, run_folder
+    from kvtrain.config import ConfigError, checkpoint_folder, load_config, run_folder
 
     if args.nodes < 1 or args.chain < 1 or args.gpus_per_node < 0:
         raise ConfigError("--nodes and --chain must be >= 1 and --gpus-per-node >= 0")
@@ -150,7 +150,9 @@ def build(args) -> tuple[list[str], dict[str, str]]:
     cmd += args.sbatch_arg
     cmd += [str(repo / "launch" / "slurm.sbatch"), str(config), *args.overrides]
 
-    env = {"RUN_DIR": str(run_dir), "KVTRAIN_REPO": str(repo)}
+    # the checkpoint folder for a container job, whose start cannot resolve it
+    env = {"RUN_DIR": str(run_dir), "KVTRAIN_REPO": str(repo),
+           "CHECKPOINT_DIR": str(checkpoint_folder(cfg.checkpoint.dir, run_dir))}
     if args.nproc_per_node:
         env["NPROC_PER_NODE"] = str(args.nproc_per_node)
     if args.max_requeues is not None:

@@ -110,6 +110,7 @@ def test_submit_dry_run():
     env = dict(w.split("=", 1) for w in words[:words.index("sbatch")])
     args = words[words.index("sbatch"):]
     assert env["RUN_DIR"] == str(REPO / "runs" / "paper-19b-kv-shift")
+    assert env["CHECKPOINT_DIR"] == env["RUN_DIR"] + "/checkpoints"  # read in the container
     assert env["CONTAINER_IMAGE"] == "reg#kvtrain:1" and env["KVTRAIN_REPO"] == str(REPO)
     for flag in ("--nodes=30", "--ntasks-per-node=1", "--gpus-per-node=8", "--time=24:00:00",
                  "--partition=gpu", "--signal=B:USR1@300", "--dependency=singleton",
@@ -241,3 +242,48 @@ def test_a_tilde_run_dir_is_the_trainers_folder_in_every_launcher(tmp_path, monk
         assert out.returncode == 0, out.stderr
         assert f"RUN_DIR={run} LOG_DIR={run}/logs/slurm-7 " in out.stdout
         assert f"--run-dir {run} " in out.stdout
+
+
+def _fake_checkpoint(folder):
+    from kvtrain.train.integrity import MARKER, TRACKER
+
+    folder.mkdir(parents=True)
+    (folder / MARKER).write_text("{}")
+    (folder.parent / TRACKER).write_text(folder.name)
+
+
+@pytest.mark.parametrize("resume", ["none", "INIT"])
+@pytest.mark.parametrize("restart", ["1", "0"])  # requeued, or the next job of a chain
+def test_a_requeued_or_chained_start_resumes_from_the_runs_own_checkpoints(
+        tmp_path, resume, restart):
+    """checkpoint.resume: none (a fresh start) or a path (a start from another run)
+    is for the first start only: once the run has checkpoints, `none` is refused
+    and the path would reload the initial checkpoint, throwing away the progress."""
+    from kvtrain.config import checkpoint_folder, load_config
+    from kvtrain.train.integrity import plan_resume
+
+    init = tmp_path / "init" / "iter_0000002"
+    _fake_checkpoint(init)
+    value = str(init) if resume == "INIT" else resume
+    run = tmp_path / "run"
+
+    def start(**env):
+        out = dry(SBATCH, str(TINY), f"checkpoint.resume={value}", "train.seed=3",
+                  SLURM_JOB_ID="9", SLURM_RESTART_COUNT=restart, RUN_DIR=str(run), **env)
+        assert out.returncode == 0, out.stderr
+        words = shlex.split(out.stdout.splitlines()[1])
+        sets = words[words.index(str(TORCHRUN_SH)) + 4:]
+        cfg = load_config(TINY, sets)
+        return sets, plan_resume(cfg.checkpoint.resume, checkpoint_folder(cfg.checkpoint.dir, run))
+
+    sets, plan = start()  # nothing saved yet: the configured start
+    assert sets == [f"checkpoint.resume={value}", "train.seed=3"]
+    assert plan.candidates == ([init] if resume == "INIT" else [])
+    own = run / "checkpoints" / "iter_0000006"
+    _fake_checkpoint(own)
+    sets, plan = start()
+    assert sets == [f"checkpoint.resume={value}", "train.seed=3", "checkpoint.resume=auto"]
+    assert plan.candidates[:1] == [own], plan.candidates
+    # in a container (no interpreter here) the checkpoints are CHECKPOINT_DIR's
+    sets, _ = start(CONTAINER_IMAGE="img", CHECKPOINT_DIR=str(run / "checkpoints"))
+    assert sets[-1] == "checkpoint.resume=auto"
