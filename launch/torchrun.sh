@@ -10,8 +10,8 @@
 # script's per-node logs go to $LOG_DIR (default <run folder>/logs).
 #
 # Environment (all optional):
-#   NPROC_PER_NODE   processes on this node (default: visible GPUs, else
-#                    SLURM_CPUS_ON_NODE on CPU, else 1)
+#   NPROC_PER_NODE   processes on this node (default: visible GPUs - none where
+#                    CUDA_VISIBLE_DEVICES is empty or -1 - else SLURM_CPUS_ON_NODE, else 1)
 #   NNODES           nodes (default: SLURM_NNODES, else 1)
 #   NODE_RANK        this node's rank (default: SLURM_NODEID, else 0); used by
 #                    the static rendezvous only
@@ -77,10 +77,16 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 # ---------------------------------------------------------------- topology
 count_gpus() {
-    if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
-        local ids
+    # Set but empty (or -1) hides every GPU: how train.device cpu runs on a GPU
+    # node (schema.py). CUDA stops at the first invalid id, so count up to it.
+    if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+        local ids id n=0
         IFS=, read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
-        echo "${#ids[@]}"
+        for id in ${ids[@]+"${ids[@]}"}; do  # bash < 4.4: an empty array is unset
+            [[ -n $id && $id != -* ]] || break
+            n=$(( n + 1 ))
+        done
+        echo "$n"
     elif [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
         echo "$SLURM_GPUS_ON_NODE"
     elif command -v nvidia-smi > /dev/null 2>&1; then

@@ -287,3 +287,18 @@ def test_a_requeued_or_chained_start_resumes_from_the_runs_own_checkpoints(
     # in a container (no interpreter here) the checkpoints are CHECKPOINT_DIR's
     sets, _ = start(CONTAINER_IMAGE="img", CHECKPOINT_DIR=str(run / "checkpoints"))
     assert sets[-1] == "checkpoint.resume=auto"
+
+
+@pytest.mark.parametrize("visible,nproc", [("", "4"), ("-1", "4"), ("0,1", "2"), ("1,-1,0", "1")])
+def test_torchrun_sh_counts_the_gpus_cuda_visible_devices_leaves(tmp_path, visible, nproc):
+    """CUDA_VISIBLE_DEVICES= (or -1) hides every GPU - how train.device: cpu runs on a
+    GPU node (schema.py) - and CUDA stops at the first invalid id: not nvidia-smi's 8."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: H100 (UUID: x$i)\"; done\n")
+    smi.chmod(0o755)
+    path = f"{tmp_path}:{launch_env()['PATH']}"
+    out = dry(TORCHRUN_SH, str(TINY), "train.device=cpu", "train.global_batch_size=16",
+              "--run-dir", str(tmp_path / "r"), CUDA_VISIBLE_DEVICES=visible,
+              SLURM_CPUS_ON_NODE="4", PATH=path)
+    assert out.returncode == 0, out.stderr
+    assert f"NPROC_PER_NODE={nproc} " in out.stdout, out.stdout
