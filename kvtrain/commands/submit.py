@@ -3,13 +3,15 @@
 Checks the config first (on N x GPUs-per-node ranks, and with ``kvtrain plan``'s
 memory estimate on GPU runs), then submits one job - or a chain of ``--chain
 K`` jobs with the same name and ``--dependency=singleton``, each starting when
-the previous one ends and resuming from its checkpoint. ``--dry-run`` prints
-the commands instead. ``--gpus-per-node 0`` submits a CPU job (gloo; one
-process per CPU of the node unless ``--nproc-per-node``).
+the previous one ends and resuming from its checkpoint. The name is the run
+folder's, so jobs of other run folders (a sweep) are not held back.
+``--dry-run`` prints the commands instead. ``--gpus-per-node 0`` submits a CPU
+job (gloo; one process per CPU of the node unless ``--nproc-per-node``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -40,8 +42,8 @@ def register(sub) -> None:
     p.add_argument("--account", "-A", help="SLURM account")
     p.add_argument("--qos", help="SLURM QOS")
     p.add_argument("--time", "-t", help="time limit per job, e.g. 24:00:00")
-    p.add_argument("--job-name", help="job name (default kvtrain-<config name>); chained "
-                   "jobs share it (--dependency=singleton)")
+    p.add_argument("--job-name", help="job name (default kvtrain-<run folder>-<hash of its "
+                   "path>); jobs of one name run one at a time (--dependency=singleton)")
     p.add_argument("--signal-seconds", type=int, default=300,
                    help="send SIGUSR1 this many seconds before the time limit: the trainer "
                         "saves and the job requeues itself (default 300)")
@@ -111,6 +113,14 @@ def check_time(time: str | None, signal_seconds: int) -> None:
             "--time)")
 
 
+def job_name(run_dir: Path) -> str:
+    """``kvtrain-<run folder>-<hash of its path>``: --dependency=singleton serialises
+    the jobs of one name, which must be those of one run folder (a chain, a second
+    submit that continues it), not a sweep of one config into several folders."""
+    digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:6]
+    return f"kvtrain-{run_dir.name}-{digest}"
+
+
 def build(args) -> tuple[list[str], dict[str, str]]:
     """The sbatch command line and the environment it needs (also for tests)."""
     from kvtrain.config import ConfigError, checkpoint_folder, load_config, run_folder
@@ -133,7 +143,7 @@ def build(args) -> tuple[list[str], dict[str, str]]:
     run_dir = run_folder(cfg, args.run_dir)
     run_dir = (run_dir if run_dir.is_absolute() else Path.cwd() / run_dir).resolve()
     config = Path(args.config).resolve()
-    name = args.job_name or f"kvtrain-{cfg.name}"
+    name = args.job_name or job_name(run_dir)
 
     cmd = ["sbatch", "--parsable", f"--job-name={name}", f"--nodes={args.nodes}",
            "--ntasks-per-node=1", f"--chdir={repo}",

@@ -114,8 +114,9 @@ def test_submit_dry_run():
     assert env["CONTAINER_IMAGE"] == "reg#kvtrain:1" and env["KVTRAIN_REPO"] == str(REPO)
     for flag in ("--nodes=30", "--ntasks-per-node=1", "--gpus-per-node=8", "--time=24:00:00",
                  "--partition=gpu", "--signal=B:USR1@300", "--dependency=singleton",
-                 "--requeue", "--job-name=kvtrain-paper-19b-kv-shift"):
+                 "--requeue"):
         assert flag in args, flag
+    assert any(a.startswith("--job-name=kvtrain-paper-19b-kv-shift-") for a in args), args
     assert args[-3:] == [str(SBATCH), str(REPO / "configs/paper/19b_kv_shift.yaml"),
                          "train.seed=5"]
 
@@ -302,3 +303,26 @@ def test_torchrun_sh_counts_the_gpus_cuda_visible_devices_leaves(tmp_path, visib
               SLURM_CPUS_ON_NODE="4", PATH=path)
     assert out.returncode == 0, out.stderr
     assert f"NPROC_PER_NODE={nproc} " in out.stdout, out.stdout
+
+
+def test_submit_names_jobs_by_run_folder(tmp_path, monkeypatch):
+    """--dependency=singleton serialises jobs of one name: a sweep of one config into
+    separate run folders must run side by side, while two jobs of one run folder
+    (a chain, or a second submit to continue it) must not overlap."""
+    from kvtrain.cli import build_parser
+    from kvtrain.commands.submit import build
+
+    monkeypatch.chdir(tmp_path)
+
+    def job(*args):
+        cmd, _ = build(build_parser().parse_args(
+            ["submit", str(TINY), "--gpus-per-node", "0", *args, "--dry-run"]))
+        assert "--dependency=singleton" in cmd
+        return next(a for a in cmd if a.startswith("--job-name="))
+
+    sweep = {job("--run-dir", f"runs/lr{lr}", "--set", f"optimizer.lr={lr}")
+             for lr in ("1e-3", "2e-3")}
+    assert len(sweep) == 2 and all(n.startswith("--job-name=kvtrain-lr") for n in sweep), sweep
+    assert len({job("--run-dir", f"{parent}/run") for parent in ("a", "b")}) == 2
+    assert job("--run-dir", "runs/x") == job("--run-dir", str(tmp_path / "runs" / "x"))
+    assert job("--job-name", "mine") == "--job-name=mine"
