@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -97,15 +98,17 @@ def prepare_data(data_dir: Path, synthetic: bool = False) -> list[str]:
                   str(tokenizer.with_suffix(".model")), "--output-prefix", str(shards / "demo"),
                   "--quiet")
         prefixes = sorted(str(p.with_suffix("")) for p in shards.glob("*.idx"))
-        return [f"data.paths=[{', '.join(prefixes)}]",
-                f"data.tokenizer={tokenizer.with_suffix('.model')}"]
+        # JSON is YAML: quoted, a comma, bracket or ' #' in --run-dir stays in the path
+        return [f"data.paths={json.dumps(prefixes)}",
+                f"data.tokenizer={json.dumps(str(tokenizer.with_suffix('.model')))}"]
     from kvtrain.data.synthetic import write_synthetic_corpus
 
     prefix = data_dir / "synthetic" / "corpus"
     if not Path(str(prefix) + ".idx").exists():
         print("kvtrain demo: data tools not available, writing a synthetic corpus", flush=True)
         write_synthetic_corpus(prefix, num_docs=3000, vocab_size=DEMO_VOCAB, seed=0)
-    return [f"data.paths=[{prefix}]", "data.tokenizer=null", f"data.eod_id={DEMO_VOCAB - 1}"]
+    return [f"data.paths={json.dumps([str(prefix)])}", "data.tokenizer=null",
+            f"data.eod_id={DEMO_VOCAB - 1}"]
 
 
 # What a run writes into its folder (the demo's data/ is kept and reused).
@@ -174,7 +177,7 @@ def train_arms(commands: dict[str, list[str]], workers: int, threads: int) -> di
         while pending or running:
             while pending and len(running) < workers:
                 arm = pending.pop(0)
-                print("+ " + " ".join(commands[arm]), flush=True)
+                print("+ " + shlex.join(commands[arm]), flush=True)  # to rerun by hand
                 proc = subprocess.Popen(commands[arm], env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, errors="replace")
                 pump = threading.Thread(target=_pump, args=(arm, proc.stdout, lock), daemon=True)

@@ -345,3 +345,29 @@ def test_demo_mistakes_are_one_line_before_anything_is_built_or_cleared(tmp_path
     assert main(["demo", "--fresh", *args]) == 2
     assert capsys.readouterr().err.strip() == message
     assert kept.read_text() == "{}" and sorted(p.name for p in demo.iterdir()) == ["vanilla"]
+
+
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+
+
+@pytest.mark.parametrize("folder", ["demo,v2", "demo[1]", "demo {a}", "demo #2", "it's"])
+def test_demo_data_overrides_survive_yaml_characters_in_the_run_dir(tmp_path, monkeypatch,
+                                                                    folder):
+    """The shard prefixes and the tokenizer are pasted into --set values: a comma
+    split one prefix into two, a bracket or ' #' made a YAML error or a comment."""
+    from kvtrain.commands import demo
+    from kvtrain.config import load_config
+
+    data = tmp_path / folder / "data"
+    cfg = load_config(DEMO_CONFIG, demo.prepare_data(data, synthetic=True))
+    assert cfg.data.paths == [str(data / "synthetic" / "corpus")]
+    # the data tools' path, without building a tokenizer: its files stand in
+    (data / "corpus.jsonl").write_text("")
+    (data / "tokenizer.model").write_text("")
+    (data / "shards").mkdir()
+    (data / "shards" / "demo.idx").write_text("")
+    monkeypatch.setattr(demo, "_data_tools_available", lambda: True)
+    cfg = load_config(DEMO_CONFIG, demo.prepare_data(data))
+    assert cfg.data.paths == [str(data / "shards" / "demo")]
+    assert cfg.data.tokenizer == str(data / "tokenizer.model")
+
