@@ -199,15 +199,18 @@ def train_arms(commands: dict[str, list[str]], workers: int, threads: int) -> di
 def finished_at(config: Path, run_dir: Path, arm: str, overrides: list[str],
                 nproc: int) -> Optional[int]:
     """The iteration of the arm's latest checkpoint when it has reached the arm's
-    ``train.max_steps`` (a rerun then has nothing to train), else None. Loads
-    the arm's config (no torch): a bad ``--set`` is one line before anything runs."""
+    total steps (a rerun then has nothing to train), else None. Loads the arm's
+    config (no torch): a bad ``--set`` is one line before anything runs."""
     from kvtrain.config import checkpoint_folder, load_config
+    from kvtrain.config.layout import total_steps
     from kvtrain.train.integrity import iteration_of, read_tracker
 
     cfg = load_config(config, overrides + [f"model.attention={arm}"], world_size=nproc)
     latest, _ = read_tracker(checkpoint_folder(cfg.checkpoint.dir, run_dir / arm))
     done = iteration_of(latest) if latest is not None else None
-    return done if done is not None and done >= cfg.train.max_steps else None
+    # the trainer's count: train.max_steps may be null (a train.train_tokens budget)
+    steps, _ = total_steps(cfg)
+    return done if done is not None and done >= steps else None
 
 
 def check_before_building(config: Path, run_dir: Path, overrides: list[str], nproc: int) -> None:

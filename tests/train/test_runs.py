@@ -371,3 +371,20 @@ def test_demo_data_overrides_survive_yaml_characters_in_the_run_dir(tmp_path, mo
     assert cfg.data.paths == [str(data / "shards" / "demo")]
     assert cfg.data.tokenizer == str(data / "tokenizer.model")
 
+
+def test_demo_rerun_of_a_token_budget_knows_when_an_arm_is_done(tmp_path):
+    """`kvtrain demo --set train.max_steps=null --set train.train_tokens=N` is valid
+    (the trainer derives the steps): the rerun compared the checkpoint's iteration
+    with None (TypeError); it compares with the run's total steps."""
+    from kvtrain.commands.demo import finished_at
+
+    folder = tmp_path / "kv_shift" / "checkpoints" / "iter_0000010"
+    folder.mkdir(parents=True)
+    (folder / "kvtrain_checkpoint.json").write_text("{}")
+    (folder.parent / "latest").write_text(folder.name)
+    budget = ["train.max_steps=null", "train.train_tokens=20480"]  # 10 steps of 16 x 128
+    assert finished_at(DEMO_CONFIG, tmp_path, "kv_shift", budget, 1) == 10
+    longer = ["train.max_steps=null", "train.train_tokens=22528"]  # 11 steps
+    assert finished_at(DEMO_CONFIG, tmp_path, "kv_shift", longer, 1) is None
+    both = ["train.max_steps=10", "train.train_tokens=1e9"]
+    assert finished_at(DEMO_CONFIG, tmp_path, "kv_shift", both, 1) == 10
