@@ -12,7 +12,13 @@ import argparse
 import importlib
 import sys
 
-from kvtrain.config import ConfigError
+from kvtrain.train.processes import record_launcher
+
+# First thing, before the subcommands import torch and megatron (seconds): a
+# launcher killed meanwhile must not be mistaken for the rank's new parent.
+record_launcher()
+
+from kvtrain.config import ConfigError  # noqa: E402
 
 # name -> module with register(subparsers)
 SUBCOMMANDS = {

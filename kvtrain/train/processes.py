@@ -7,7 +7,11 @@ wandb-core, racing the rerun in the same run folder. Now:
 * a rank started by a launcher (torchrun, or anything that sets ``WORLD_SIZE``
   / ``LOCAL_RANK``) dies with it (``data_tools.lifeline``). A rank started by
   hand (``kvtrain train`` from a shell) is not tied to its shell, so that
-  ``nohup kvtrain train ... &`` outlives the terminal;
+  ``nohup kvtrain train ... &`` outlives the terminal. The launcher is the
+  parent the CLI saw first thing (``record_launcher``), before the seconds of
+  torch and megatron imports: one killed meanwhile has left the rank with a
+  new parent, which ``os.getppid()`` would name. Such a rank, or one that is
+  an orphan already (parent 1, not a launcher), exits at once;
 * every process a rank forks from its main thread - megatron's asynchronous
   checkpoint writer and that writer's own workers, DataLoader workers - dies
   with the rank (``os.register_at_fork``; the kernel setting is cleared on
@@ -20,13 +24,37 @@ wandb-core, racing the rerun in the same run folder. Now:
 from __future__ import annotations
 
 import os
+import sys
 import threading
+from pathlib import Path
 
 from data_tools.lifeline import die_with_parent
 
 _LAUNCHER_VARIABLES = ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_RANK")
 _bound = False
 _fork_parent: dict[str, int] = {}
+_started: dict[str, int] = {}  # this process and its parent when the CLI started
+
+
+def record_launcher() -> None:
+    """Notes this process's parent (the launcher): call it before slow imports."""
+    _started.update(pid=os.getpid(), parent=os.getppid())
+
+
+def _launcher_pid() -> int:
+    if _started.get("pid") == os.getpid():  # not a forked child's copy of the record
+        return _started["parent"]
+    return os.getppid()
+
+
+def _init_is_a_launcher() -> bool:
+    """Whether pid 1 runs python or torchrun (a container whose entry point is the
+    launcher): its ranks' parent is 1 by right. Unreadable: assume it is."""
+    try:
+        command = Path("/proc/1/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return True
+    return any(word in os.path.basename(command) for word in (b"python", b"torch"))
 
 
 def _before_fork() -> None:
@@ -48,8 +76,13 @@ def bind_to_launcher() -> None:
         return
     _bound = True
     if any(name in os.environ for name in _LAUNCHER_VARIABLES):
-        die_with_parent(os.getppid())
+        parent = _launcher_pid()
+        if os.getppid() != parent or (parent == 1 and not _init_is_a_launcher()):
+            print(f"kvtrain: this rank's launcher exited before it bound to it (parent pid "
+                  f"{parent}, now {os.getppid()}): exiting", file=sys.stderr, flush=True)
+            os._exit(1)
+        die_with_parent(parent)
     os.register_at_fork(before=_before_fork, after_in_child=_in_child)
 
 
-__all__ = ["bind_to_launcher"]
+__all__ = ["bind_to_launcher", "record_launcher"]
