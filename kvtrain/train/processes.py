@@ -10,8 +10,9 @@ wandb-core, racing the rerun in the same run folder. Now:
   ``nohup kvtrain train ... &`` outlives the terminal. The launcher is the
   parent the CLI saw first thing (``record_launcher``), before the seconds of
   torch and megatron imports: one killed meanwhile has left the rank with a
-  new parent, which ``os.getppid()`` would name. Such a rank, or one that is
-  an orphan already (parent 1, not a launcher), exits at once;
+  new parent, which ``os.getppid()`` would name. Such a rank exits at once. (A
+  parent of pid 1 is no sign of an orphan: a container's entry point, a shell
+  or an init, may start the ranks itself.);
 * every process a rank forks from its main thread - megatron's asynchronous
   checkpoint writer and that writer's own workers, DataLoader workers - dies
   with the rank (``os.register_at_fork``; the kernel setting is cleared on
@@ -26,7 +27,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from pathlib import Path
 
 from data_tools.lifeline import die_with_parent
 
@@ -45,16 +45,6 @@ def _launcher_pid() -> int:
     if _started.get("pid") == os.getpid():  # not a forked child's copy of the record
         return _started["parent"]
     return os.getppid()
-
-
-def _init_is_a_launcher() -> bool:
-    """Whether pid 1 runs python or torchrun (a container whose entry point is the
-    launcher): its ranks' parent is 1 by right. Unreadable: assume it is."""
-    try:
-        command = Path("/proc/1/cmdline").read_bytes().split(b"\0")[0]
-    except OSError:
-        return True
-    return any(word in os.path.basename(command) for word in (b"python", b"torch"))
 
 
 def _before_fork() -> None:
@@ -77,7 +67,7 @@ def bind_to_launcher() -> None:
     _bound = True
     if any(name in os.environ for name in _LAUNCHER_VARIABLES):
         parent = _launcher_pid()
-        if os.getppid() != parent or (parent == 1 and not _init_is_a_launcher()):
+        if os.getppid() != parent:
             print(f"kvtrain: this rank's launcher exited before it bound to it (parent pid "
                   f"{parent}, now {os.getppid()}): exiting", file=sys.stderr, flush=True)
             os._exit(1)
