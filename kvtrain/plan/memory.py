@@ -124,7 +124,8 @@ fragmentation, taken as 3 GiB plus 5% of the rest. Expect real usage within
 about ±15% of the estimate. One calibration point: the paper (Table 13)
 measured 42,584 MiB peak for its BlaGPT-scale vanilla model at context 4096 on
 an A100 and 43,360 MiB with KV shifting (4 KV heads); ``kvtrain plan
-configs/blagpt/vanilla.yaml`` at 4096 tokens x 16 sequences per GPU with
+configs/blagpt/vanilla.yaml --gpus-per-node 1`` (one GPU: no optimizer sharding)
+at 4096 tokens x 16 sequences with
 megatron's loss, as the paper ran (``model.cross_entropy_kernel: torch``),
 estimates 44,499 MiB (te; 4.5% above), 46,918 MiB with KV shifting (+2.4 GiB: the
 raw K/V copy of 12 KV heads; the paper's layer has 4, and measured +776 MiB).
