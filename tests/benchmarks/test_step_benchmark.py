@@ -246,7 +246,8 @@ def test_device_smoke_turns_off_a_kernel_that_fails(tmp_path):
                              "--set model.cross_entropy_kernel=torch "
                              "--set model.swiglu_kernel=torch"), lines
         assert sum("triton FAILED" in line for line in lines) == 4, lines
-    assert _smoke_verdict(tmp_path, done.stdout) == lines[-1].split()[1:]
+    smoke = load_script(REPO / "benchmarks" / "device" / "smoke.py", "kvtrain_smoke")
+    assert smoke.verdict(done.stdout) == lines[-1].split()[1:]
 
 
 def _smoke_verdict(tmp_path: Path, printed: str) -> list[str]:
@@ -261,17 +262,18 @@ def _smoke_verdict(tmp_path: Path, printed: str) -> list[str]:
 def test_device_smoke_that_hung_turns_off_what_it_did_not_see_run(tmp_path):
     """checks.sh stops smoke.py after a while: a kernel that hung (or a crash) leaves
     no last line, and every kernel without its "ok" line is off for the timed runs."""
+    verdict = load_script(REPO / "benchmarks" / "device" / "smoke.py", "kvtrain_smoke").verdict
     printed = ("smoke: model.kv_shift.kernel: triton ok\n"
                "smoke: model.rope_kernel: triton FAILED: RuntimeError: boom\n"
                "Traceback (most recent call last):\n")
-    assert _smoke_verdict(tmp_path, printed) == [
+    assert _smoke_verdict(tmp_path, printed) == [  # as checks.sh asks: the command line
         "--set", "model.rope_kernel=torch", "--set", "model.cross_entropy_kernel=torch",
         "--set", "model.swiglu_kernel=torch"]
     everything_ran = "".join(f"smoke: {k}: triton ok\n" for k in (
         "model.kv_shift.kernel", "model.rope_kernel", "model.cross_entropy_kernel",
         "model.swiglu_kernel"))
-    assert _smoke_verdict(tmp_path, everything_ran) == []
-    assert _smoke_verdict(tmp_path, everything_ran + "smoke-off:\n") == []
+    assert verdict(everything_ran) == []
+    assert verdict(everything_ran + "smoke-off:\n") == []
 
 
 def test_gpu_micro_benchmarks_alternate_their_variants():
@@ -318,12 +320,9 @@ def test_the_gpu_checks_need_nothing_the_gpu_machine_lacks(tmp_path):
     assert re.search(r"^\d+/\d+ tests collected", done.stdout, re.M), done.stdout[-3000:]
     scripts = ["step", "step_profile", "shift_kernel", "cross_entropy", "swiglu", "gpu_rounds"]
     done = subprocess.run(
-        [sys.executable, "-c", "import wandb" + "".join(
-            f"\nimport benchmarks.{s}" for s in scripts) + "\nimport benchmarks.device.smoke"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert "import of wandb halted" in done.stderr  # the stand-in works
-    done = subprocess.run(
         [sys.executable, "-c", "".join(f"import benchmarks.{s}\n" for s in scripts)
-         + "import benchmarks.device.smoke\nimport kvtrain.cli\nimport kvtrain.train.loop"],
+         + "import benchmarks.device.smoke\nimport kvtrain.cli\nimport kvtrain.train.loop\n"
+         + "try:\n    import wandb\nexcept ImportError as e:\n    print(e)"],  # the stand-in
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "import of wandb halted" in done.stdout

@@ -69,6 +69,7 @@ def test_a_resume_says_when_the_data_order_changed(tmp_path, shard):
     jobs = [{"config": str(config), "run_dir": str(tmp_path / "run"), "log": str(log),
              "overrides": [f"train.max_steps={steps}"]}
             for log, steps in zip(logs, (10, 25, 100))]  # 80, 200, 800 of ~240 samples
+    jobs[2]["faults"] = {"stop_after": 26}  # the warning is said at the start: one step
     result = run_driver(jobs, tmp_path / "plan.json")
     assert result.returncode == 0, result.stdout[-3000:] + "".join(
         log.read_text()[-2000:] for log in logs if log.exists())
