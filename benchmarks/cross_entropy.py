@@ -14,8 +14,6 @@ Triton kernel (the CPU's tests run it in Triton's interpreter).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from typing import Optional
@@ -24,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.gpu_rounds import alternate, timed  # noqa: E402
+from benchmarks.gpu_rounds import (  # noqa: E402
+    alternate, parser, refused_without_gpu, timed, write_json)
 
 LOSSES = ("megatron", "fused")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -66,16 +65,12 @@ def measure(tokens: int, vocab: int, dtype: str, rounds: int) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=36000)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/cross_entropy.py needs a GPU: the fused loss is a Triton kernel "
-              "(tests/model/test_cross_entropy.py runs it in Triton's interpreter)")
+    options = parser(__doc__, DTYPES)
+    options.add_argument("--vocab", type=int, default=36000)
+    args = options.parse_args(argv)
+    if refused_without_gpu(
+            "benchmarks/cross_entropy.py needs a GPU: the fused loss is a Triton kernel "
+            "(tests/model/test_cross_entropy.py runs it in Triton's interpreter)"):
         return 2
     r = measure(args.tokens, args.vocab, args.dtype, args.rounds)
     gib = 1 << 30
@@ -85,9 +80,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {name:9s} forward+backward {r['ms'][name]:7.3f} ms, "
               f"peak above the logits {r['peak_bytes_above_logits'][name] / gib:.2f} GiB")
     print(f"  megatron / fused: time {r['time_ratio']:.2f}x, memory {r['memory_ratio']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
+    write_json(args.json, r)
     return 0
 
 

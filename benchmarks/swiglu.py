@@ -15,8 +15,6 @@ Triton's interpreter (tests/model/test_swiglu.py).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from typing import Optional
@@ -25,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.gpu_rounds import alternate, timed  # noqa: E402
+from benchmarks.gpu_rounds import (  # noqa: E402
+    alternate, parser, refused_without_gpu, timed, write_json)
 
 KERNELS = ("torch", "triton")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -54,16 +53,12 @@ def measure(tokens: int, ffn: int, dtype: str, rounds: int) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--ffn", type=int, default=5504)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/swiglu.py needs a GPU: the kernels are Triton's "
-              "(tests/model/test_swiglu.py runs them in Triton's interpreter)")
+    options = parser(__doc__, DTYPES)
+    options.add_argument("--ffn", type=int, default=5504)
+    args = options.parse_args(argv)
+    if refused_without_gpu(
+            "benchmarks/swiglu.py needs a GPU: the kernels are Triton's "
+            "(tests/model/test_swiglu.py runs them in Triton's interpreter)"):
         return 2
     r = measure(args.tokens, args.ffn, args.dtype, args.rounds)
     gib = 1 << 30
@@ -74,9 +69,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{r['peak_bytes_above_input'][k] / gib:.2f} GiB")
     print(f"  torch / triton: time {r['time_ratio']:.2f}x; triton moves "
           f"{r['triton_gb_per_s']:.0f} GB/s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
+    write_json(args.json, r)
     return 0
 
 

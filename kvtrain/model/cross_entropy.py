@@ -36,7 +36,7 @@ from torch import Tensor
 from megatron.core.models.gpt import GPTModel as MegatronGPTModel
 
 from . import triton_cross_entropy
-from .kernel_choice import explicit_choice
+from .kernel_choice import auto_choice, explicit_choice
 
 
 def choose_cross_entropy(requested: str, backend: str, cuda: bool) -> tuple[str, str]:
@@ -46,13 +46,7 @@ def choose_cross_entropy(requested: str, backend: str, cuda: bool) -> tuple[str,
                              triton_cross_entropy.available())
     if chosen is not None:
         return chosen
-    if not cuda:
-        return "torch", "auto: no GPU"
-    if backend == "local":  # the reference
-        return "torch", "auto: the local backend keeps megatron's loss"
-    if not triton_cross_entropy.available():
-        return "torch", "auto: Triton is not installed"
-    return "triton", "auto: GPU"
+    return auto_choice(cuda, backend, triton_cross_entropy.available(), "megatron's loss")
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group=None) -> Tensor:

@@ -1,7 +1,8 @@
 """The ``auto | triton | torch`` choice kvtrain's fused kernels share
 (``model.rope_kernel``, ``model.cross_entropy_kernel``, ``model.swiglu_kernel``):
-an explicit request is taken, or refused in one line naming the key, here; what
-``auto`` takes is each kernel's own rule (its ``choose_*``)."""
+an explicit request is taken, or refused in one line naming the key, here; and
+the ``auto`` rule of the loss and SwiGLU (RoPE's, which also weighs where the
+kernel runs, is its own ``choose``)."""
 
 from __future__ import annotations
 
@@ -31,4 +32,21 @@ def explicit_choice(key: str, requested: str, cuda: bool,
     return None
 
 
-__all__ = ["KERNELS", "explicit_choice"]
+def auto_choice(cuda: bool, backend: str, triton_here: bool, local_keeps: str,
+                also_torch: Optional[str] = None) -> tuple[str, str]:
+    """(name, why) of ``auto``: the Triton kernel on a GPU, torch's ops on the CPU,
+    on the ``local`` backend (the reference keeps ``local_keeps``), where
+    ``also_torch`` says why (e.g. a dtype the kernel does not take) and without
+    Triton."""
+    if not cuda:
+        return "torch", "auto: no GPU"
+    if backend == "local":  # the reference
+        return "torch", f"auto: the local backend keeps {local_keeps}"
+    if also_torch:
+        return "torch", f"auto: {also_torch}"
+    if not triton_here:
+        return "torch", "auto: Triton is not installed"
+    return "triton", "auto: GPU"
+
+
+__all__ = ["KERNELS", "auto_choice", "explicit_choice"]

@@ -34,7 +34,7 @@ from torch import Tensor
 from megatron.core.transformer.module import MegatronModule
 
 from . import triton_swiglu
-from .kernel_choice import explicit_choice
+from .kernel_choice import auto_choice, explicit_choice
 
 
 def choose_swiglu(requested: str, backend: str, cuda: bool,
@@ -45,15 +45,8 @@ def choose_swiglu(requested: str, backend: str, cuda: bool,
     chosen = explicit_choice("model.swiglu_kernel", requested, cuda, triton_swiglu.available())
     if chosen is not None:
         return chosen
-    if not cuda:
-        return "torch", "auto: no GPU"
-    if backend == "local":  # the reference
-        return "torch", "auto: the local backend keeps the torch ops"
-    if dtype == torch.float64:
-        return "torch", "auto: the Triton kernels compute in fp32, not fp64"
-    if not triton_swiglu.available():
-        return "torch", "auto: Triton is not installed"
-    return "triton", "auto: GPU"
+    fp64 = "the Triton kernels compute in fp32, not fp64" if dtype == torch.float64 else None
+    return auto_choice(cuda, backend, triton_swiglu.available(), "the torch ops", fp64)
 
 
 class SwiGLUFunction(torch.autograd.Function):
