@@ -326,3 +326,17 @@ def test_the_gpu_checks_need_nothing_the_gpu_machine_lacks(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "import of wandb halted" in done.stdout
+
+
+def test_the_shifts_own_kernels_lead_what_it_changes():
+    """An entry only one arm has (the shift's own kernel, or one it replaces) leads
+    ``extra`` whatever its time: the summary's line shows the first few, and a busy
+    op both arms call (a noisy CPU ``aten::mm``) must not push the shift out."""
+    from benchmarks.step_profile import added_by_the_shift
+
+    vanilla = {"entries": {"aten::mm": (10.0, 8), "aten::mul": (1.0, 4), "aten::cat": (0.2, 2)}}
+    shifted = {"entries": {"aten::mm": (10.9, 8), "aten::mul": (1.5, 8),
+                           "kvtrain::kv_shift": (0.05, 4)}}
+    extra = added_by_the_shift(vanilla, shifted)
+    assert [row[0] for row in extra] == ["kvtrain::kv_shift", "aten::cat", "aten::mm", "aten::mul"]
+    assert extra[1] == ["aten::cat", -0.2, -2]
