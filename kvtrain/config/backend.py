@@ -140,20 +140,24 @@ def decide_backend(requested: str, cuda: bool, te_error: Optional[str],
     return BackendChoice("te", requested, "auto: Transformer Engine on a GPU", fused)
 
 
-def document_attention(backend: str, cuda: bool, attention_dropout: float) -> str:
+def document_attention(backend: str, cuda: bool, attention_dropout: float,
+                       context: int = 1) -> str:
     """The kernel that keeps packed documents apart on ``backend``.
 
     ``te``: THD packing (``PackedSeqParams`` with ``cu_seqlens`` from the EOD
     positions); ``local``: megatron's softmax with an explicit ``[b, 1, s, s]``
     mask; ``torch``: FlexAttention with a document-causal block mask on a GPU
     (compiled; it has no dropout, so ``attention_dropout > 0`` falls back), else
-    SDPA with an explicit boolean mask (the CPU: compiling is too slow for tests).
+    SDPA with an explicit boolean mask: on the CPU (compiling is too slow for
+    tests) and under context parallelism (``context`` > 1: the attention over the
+    gathered keys masks each chunk itself).
     """
     if backend == "te":
         return "thd"
     if backend == "local":
         return "mask"
-    return "flex" if cuda and attention_dropout == 0 else "sdpa+mask"
+    flex = cuda and attention_dropout == 0 and context == 1
+    return "flex" if flex else "sdpa+mask"
 
 
 def document_mask_problem(backend: str, fused_softmax: bool, half: bool,

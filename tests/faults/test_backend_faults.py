@@ -237,6 +237,23 @@ def test_context_parallel_documents_on_te_refused():
                                            "data.eod_id=2"]), nodes=8, gpu="a100")
 
 
+def test_context_parallel_documents_record_the_kernel_that_runs(monkeypatch):
+    """On a GPU the torch backend separates documents with FlexAttention, but under
+    CP its attention over the gathered keys takes explicit masks (SDPA): the run's
+    record says which (the trainer's resolution, with a GPU faked)."""
+    import torch
+
+    from kvtrain.model.builder import Numerics
+    from kvtrain.train.setup import _resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    bf16 = Numerics(params_dtype=torch.bfloat16, bf16=True)
+    sets = ["model.backend=torch", "data.reset_attention_mask=true", "data.eod_id=2"]
+    assert _resolve_backend(load_config(None, sets), bf16)[0].documents == "flex"
+    cp = load_config(None, sets + ["parallel.context=2"])
+    assert _resolve_backend(cp, bf16)[0].documents == "sdpa+mask"
+
+
 def test_context_parallel_planned(capsys):
     from kvtrain.cli import main
 
