@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtrain.config.backend import document_attention
 from kvtrain.config.schema import ModelConfig
 
 from .flops import human_duration
@@ -36,12 +37,23 @@ def _attention_memory(plan: Plan) -> str:
     if plan.memory.attention == "torch":
         docs = ""
         if plan.cfg.data.reset_attention_mask:
-            docs = ("; documents: SDPA with a [b, 1, s, s] mask per micro batch (not counted: "
-                    "attention_dropout > 0)" if plan.cfg.model.attention_dropout > 0
-                    else "; documents: FlexAttention block mask")
+            docs = _document_attention(plan.cfg)
         return (f"attention memory: torch spec {assumed}: SDPA flash kernels, "
                 f"no s x s scores{docs}")
     return f"attention memory: te spec {assumed}: flash attention, no s x s scores"
+
+
+def _document_attention(cfg) -> str:
+    """How the torch backend will separate documents on a GPU (the kernel the run
+    records: ``kvtrain.config.backend.document_attention``), and what is not counted."""
+    dropout, context = cfg.model.attention_dropout, cfg.parallel.context
+    if document_attention("torch", True, dropout, context) == "flex":
+        return "; documents: FlexAttention block mask"
+    if context > 1:  # TorchAttention._attend_context_parallel
+        return ("; documents: SDPA with a [b, 1, s/(2 x CP), s] mask per chunk and layer "
+                "(not counted: context parallelism)")
+    return ("; documents: SDPA with a [b, 1, s, s] mask per micro batch (not counted: "
+            "attention_dropout > 0)")
 
 
 def describe_attention(m: ModelConfig) -> str:

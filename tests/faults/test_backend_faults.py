@@ -254,6 +254,14 @@ def test_context_parallel_documents_record_the_kernel_that_runs(monkeypatch):
     assert _resolve_backend(cp, bf16)[0].documents == "sdpa+mask"
 
 
+def test_plan_names_the_document_kernel_of_torch_cp_attention():
+    """The plan says what the run will record: SDPA masks, not FlexAttention, under CP."""
+    sets = ["data.reset_attention_mask=true", "data.eod_id=2", "model.backend=torch"]
+    cfg = load_config(PAPER_6_7B, sets + ["parallel.context=2"])
+    report = render(make_plan(cfg, nodes=8, gpu="a100"))
+    assert "FlexAttention" not in report and "documents: SDPA" in report, report
+
+
 def test_context_parallel_planned(capsys):
     from kvtrain.cli import main
 
