@@ -106,11 +106,14 @@ Full recomputation (megatron ``uniform``, one layer per checkpoint) keeps only
 each layer's input, ``2·sbh`` bytes (``/t`` with SP), plus one layer's full
 activations while that layer is recomputed in the backward pass.
 
-Pipeline (1F1B): the first stage keeps ``min(m, p)`` micro batches in flight,
-so its activations are those of ``L/p · min(m, p)`` layers (Korthikanti §4.2.3:
-``L`` layers' worth when ``m ≥ p``); with the interleaved schedule this grows by
-``1 + (p-1)/(p·v)``. The last stage keeps one micro batch in flight plus the
-logits: ``s·b·V/t`` in bf16 and, with megatron's cross-entropy, their fp32 copy
+Pipeline (1F1B): stage ``s`` keeps ``min(m, p - s)`` micro batches in flight,
+so the first stage's activations are those of ``L/p · min(m, p)`` layers
+(Korthikanti §4.2.3: ``L`` layers' worth when ``m ≥ p``). The interleaved schedule
+(``v`` chunks of ``L/(p·v)`` layers per stage) keeps megatron's warm-up plus one,
+``2(p-s-1) + (v-1)·p + 1`` chunk micro batches (at most all ``m·v``), i.e. that
+``/ v`` micro batches of ``L/p`` layers: ``p + (p-1)/v`` on the first stage
+(Korthikanti's ``1 + (p-1)/(p·v)`` growth), ``p - (p-1)/v`` on the last. The last
+stage also keeps the logits: ``s·b·V/t`` in bf16 and, with megatron's cross-entropy, their fp32 copy
 (its softmax, kept for the backward); kvtrain's fused loss (the ``torch`` and
 ``te`` backends' on a GPU) keeps the bf16 logits alone (``logit_bytes``).
 
@@ -335,6 +338,19 @@ def rope_copies(model: ModelConfig, parallel: ParallelConfig) -> int:
     return parallel.virtual_pipeline if parallel.virtual_pipeline and p > 1 else 1
 
 
+def micro_batches_in_flight(parallel: ParallelConfig, num_microbatches: int,
+                            stage: int) -> float:
+    """Micro batches (of the stage's ``L/p`` layers) whose activations pipeline ``stage``
+    keeps at its peak: megatron's warm-up forwards plus one (``schedules.py``
+    ``get_pp_rank_microbatches``; groups of ``p`` micro batches per virtual stage)."""
+    p, v = parallel.pipeline, parallel.virtual_pipeline
+    if not v or p == 1:
+        return float(min(num_microbatches, p - stage))  # 1F1B: stage s keeps p - s
+    # interleaved: each in-flight chunk micro batch holds one of the stage's v chunks
+    chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, num_microbatches * v)
+    return chunks / v
+
+
 def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
                      micro_batch: int, num_microbatches: int, recompute: str, stage: int = 0,
                      precision: str = "bf16", backend: str = "te") -> dict[str, float]:
@@ -348,9 +364,7 @@ def activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: i
     """
     p = parallel.pipeline
     layers = model.num_layers // p
-    in_flight = float(min(num_microbatches, p - stage))  # 1F1B: stage s keeps p - s
-    if parallel.virtual_pipeline and p > 1:
-        in_flight *= 1 + (p - 1) / (p * parallel.virtual_pipeline)
+    in_flight = micro_batches_in_flight(parallel, num_microbatches, stage)
     full = layer_activation_bytes(model, parallel, seq_length, micro_batch, precision, backend)
     working = 0.0
     if backend == "local":  # the score buffer (global memory buffer, activation dtype)
