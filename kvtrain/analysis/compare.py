@@ -130,8 +130,10 @@ def _diff(b: Optional[float], a: Optional[float]) -> Optional[float]:
     return None if a is None or b is None else b - a
 
 
-def _speed_text(vs: dict, ref: str) -> str:
-    if vs.get("target_loss") is None:
+def _speed_text(vs: dict, ref: str, val_loss: Optional[float]) -> str:
+    # without a curve on either side nothing was measured: "not reached" would
+    # call B slower than A
+    if vs.get("target_loss") is None or val_loss is None:
         return "no validation curve"
     if vs["speedup"] is None:
         return f"not reached (A = {ref} ends at {_fmt(vs['target_loss'])})"
@@ -148,7 +150,7 @@ def loss_table(summary: dict) -> list[str]:
     for r in summary["runs"]:
         vs = r.get("vs_reference")
         delta = _fmt(vs["val_loss_diff"]) if vs else "(A)"
-        speed = _speed_text(vs, ref) if vs else "-"
+        speed = _speed_text(vs, ref, r["val_loss"]) if vs else "-"
         lines.append(f"| {r['label']} | {r['attention']} | {r['iterations']} | "
                      f"{_tokens(r['tokens'])} | {_fmt(r['train_loss'])} | {_fmt(r['val_loss'])} "
                      f"| {_fmt(r['val_ppl'], 2)} | {delta} | {speed} |")
@@ -238,7 +240,8 @@ def printed_summary(summary: dict, out: Path, plots: dict[str, str]) -> str:
                 f"train {_fmt(r['train_loss'])}  val {_fmt(r['val_loss'])}")
         vs = r.get("vs_reference")
         if vs:
-            line += f"  (val - A {_fmt(vs['val_loss_diff'])}; to reach A: {_speed_text(vs, ref)})"
+            speed = _speed_text(vs, ref, r["val_loss"])
+            line += f"  (val - A {_fmt(vs['val_loss_diff'])}; to reach A: {speed})"
         lines.append(line)
         s = r["kv_shift"]
         if s and s["quadrants"]:

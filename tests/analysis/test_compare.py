@@ -167,3 +167,13 @@ def test_one_run_is_one_line(tmp_path, capsys):
     assert main(["compare", str(good)]) == 2
     assert capsys.readouterr().err.strip() == (
         "kvtrain: config error: kvtrain compare needs at least two run folders")
+
+
+def test_a_run_without_validation_records_is_not_called_slower(tmp_path):
+    """B has train records only (eval off): its speed-up is unknown, not "not reached"."""
+    a = _write_run(tmp_path / "a", [(50, 3.0), (100, 2.0)])
+    b = _write_run(tmp_path / "b", [])
+    summary, printed = compare([a, b], tmp_path / "out")
+    assert summary["runs"][1]["vs_reference"]["speedup"] is None
+    assert "not reached" not in printed and "no validation curve" in printed
+    assert "not reached" not in (tmp_path / "out" / "report.md").read_text()
