@@ -5,7 +5,8 @@ The first run is the reference A; every other run B is compared with it:
 * final train / validation loss and their difference B - A;
 * "tokens for B to reach A's final validation loss": the first point where B's
   validation curve (linear between evaluations) gets down to A's last
-  validation loss, and the speed-up = A's tokens / B's tokens ("not reached"
+  validation loss, and the speed-up = A's tokens / B's tokens (A's own first
+  point at that loss: A's last unless its curve touched it before; "not reached"
   when B's curve never gets there);
 * for KV-shift runs, the paper's Table 5 quadrant counts (α1 vs α2 against
   β1 vs β2 over all KV heads) and the coefficients per layer, from the latest
@@ -47,9 +48,13 @@ def tokens_to_reach(curve: Curve, target: float) -> Optional[float]:
 
 def speedup(a: RunData, b: RunData) -> dict:
     """B against A on the validation curves."""
-    out = {"target_loss": a.valid.final, "a_tokens": a.valid.tokens[-1] if a.valid else None,
-           "b_tokens": None, "speedup": None}
-    if not a.valid or not b.valid:
+    out = {"target_loss": a.valid.final, "a_tokens": None, "b_tokens": None, "speedup": None}
+    if not a.valid:
+        return out
+    # A's tokens by the rule applied to B (first crossing), not A's last point: on
+    # a curve that is not monotone a run would otherwise beat a copy of itself
+    out["a_tokens"] = tokens_to_reach(a.valid, a.valid.final)
+    if not b.valid:
         return out
     reached = tokens_to_reach(b.valid, a.valid.final)
     if reached is not None and reached > 0:

@@ -177,3 +177,15 @@ def test_a_run_without_validation_records_is_not_called_slower(tmp_path):
     assert summary["runs"][1]["vs_reference"]["speedup"] is None
     assert "not reached" not in printed and "no validation curve" in printed
     assert "not reached" not in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_run_against_a_copy_of_itself_is_1x_on_a_non_monotone_curve(tmp_path):
+    """A's validation loss already touched its final value at iteration 20: its
+    tokens to reach it are read by the same rule as B's (first crossing), so a
+    copy of A is 1.00x, not A's last tokens over B's first crossing (5x)."""
+    val = [(20, 2.0), (40, 3.0), (60, 2.5), (100, 2.0)]
+    a, b = _write_run(tmp_path / "a", val), _write_run(tmp_path / "b", val)
+    summary, printed = compare([a, b], tmp_path / "out")
+    vs = summary["runs"][1]["vs_reference"]
+    assert vs["a_tokens"] == vs["b_tokens"] == pytest.approx(20 * 256)
+    assert vs["speedup"] == pytest.approx(1.0) and "1.00x" in printed
