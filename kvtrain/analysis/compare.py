@@ -251,6 +251,7 @@ def printed_summary(summary: dict, out: Path, plots: dict[str, str]) -> str:
         s = r["kv_shift"]
         if s and s["quadrants"]:
             lines.append(f"  {'':<20} Table 5 quadrants: {s['quadrants']}")
+        lines += [f"  {'':<20} note: {n}" for n in r["notes"]]
     lines.append(f"  report: {out / 'report.md'}")
     for name in plots.values():
         lines.append(f"  plot:   {out / name}")

@@ -135,6 +135,20 @@ def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve]:
     return train, valid
 
 
+def nonfinite_notes(records: list[dict], metrics: Path) -> list[str]:
+    """Notes on train / valid records whose loss is not a finite number (the
+    trainer writes "nan"/"inf"): the curves skip them, so a diverged run would
+    otherwise show its last finite loss as its final one, unremarked."""
+    notes = []
+    for kind, key in (("train", "lm_loss"), ("valid", "val_loss")):
+        bad = [r.get("iteration") for r in records
+               if r.get("kind") == kind and key in r and _number(r[key]) is None]
+        if bad:
+            notes.append(f"{metrics}: {key} not finite in {len(bad)} {kind} record(s), first at "
+                         f"iteration {bad[0]} (skipped: the curve and final loss stop before)")
+    return notes
+
+
 # what makes two results of a task comparable: same checkpoint iteration, shots, limit, dtype
 EVAL_KEY = ("task", "iteration", "num_fewshot", "limit", "dtype")
 
@@ -213,6 +227,7 @@ def read_run(path: str | Path, label: Optional[str] = None) -> RunData:
         raise ConfigError(f"{metrics} has no train records with a loss")
     shifts = [r for r in records if r.get("kind") == "kv_shift"]
     evals, notes = read_evals(run)
+    notes[:0] = nonfinite_notes(records, metrics)
     if bad:
         notes.insert(0, f"{metrics}: {bad} line(s) are not JSON records (skipped)")
     return RunData(path=run, label=label or run.name, config=config, train=train, valid=valid,

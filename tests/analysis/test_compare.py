@@ -189,3 +189,16 @@ def test_a_run_against_a_copy_of_itself_is_1x_on_a_non_monotone_curve(tmp_path):
     vs = summary["runs"][1]["vs_reference"]
     assert vs["a_tokens"] == vs["b_tokens"] == pytest.approx(20 * 256)
     assert vs["speedup"] == pytest.approx(1.0) and "1.00x" in printed
+
+
+def test_a_diverged_run_says_so(tmp_path):
+    """B's last validation loss is NaN (the trainer writes "nan"): the curve stops
+    at its last finite point, and the report and the printed summary say why
+    instead of showing that point as B's final loss unremarked."""
+    a = _write_run(tmp_path / "a", [(50, 3.0), (100, 2.0)])
+    b = _write_run(tmp_path / "b", [(50, 3.0), (100, "nan")])
+    summary, printed = compare([a, b], tmp_path / "out")
+    note = f"{b / 'metrics.jsonl'}: val_loss not finite in 1 valid record(s), first at iteration 100"
+    assert any(n.startswith(note) for n in summary["runs"][1]["notes"])
+    assert note in printed and note in (tmp_path / "out" / "report.md").read_text()
+    assert not summary["runs"][0]["notes"][1:]  # A: only the cut line
