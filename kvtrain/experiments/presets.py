@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence
 
 from kvtrain.config import ConfigError, RunConfig
 from kvtrain.config.loader import apply_override, from_dict
+from kvtrain.tasks.config import TASK_TYPES
 
 PRESETS = ("fig1a", "fig1b", "ngram")
 SCALES = ("cpu", "paper")
@@ -187,6 +188,13 @@ def arm_configs(preset: str, scale: str, overrides: Sequence[str] = (),
     base = _merge(preset_config(preset, scale), extra or {})
     for assignment in overrides:
         apply_override(base, assignment, RunConfig)
+    # the results read each arm's accuracy records, which only the toy tasks have:
+    # refused here, not after every arm has trained
+    data_type = (base.get("data") or {}).get("type")
+    if data_type not in TASK_TYPES:
+        raise ConfigError(f"data.type {data_type!r}: kvtrain experiment induction trains the toy "
+                          f"tasks (data.type {' or '.join(TASK_TYPES)}); train other data with "
+                          "kvtrain train")
     out = []
     for arm in select_arms(preset, arms):
         data = _merge(base, {"name": arm.name, "model": {"attention": arm.attention,

@@ -79,6 +79,7 @@ def test_set_is_kvtrain_trains_grammar_and_applies_to_every_arm():
     (["--set", "data.induction.max_val=99999"],
      "data.induction.max_val (99999) exceeds model.vocab_size (1024)"),
     (["--arms", "nope"], "--arms: unknown arm(s) ['nope']"),
+    (["--set", "data.type=mock"], "data.type 'mock': kvtrain experiment induction trains the toy"),
 ])
 def test_bad_options_are_one_line_errors(args, message, capsys, tmp_path):
     run_dir = tmp_path / "x"
@@ -175,3 +176,11 @@ def test_tiny_grid_through_kvtrain_train(tmp_path, capsys):
         assert [r["iteration"] for r in valid] == [2, 4]
         assert all("val_acc_induction_first" in r for r in valid)
         assert not (run_dir / "arms" / arm / "run" / "wandb").exists()
+
+
+def test_a_grid_on_other_data_is_refused_before_training():
+    """Only induction / 3-gram runs have the accuracy the results read: a grid on
+    mock or text data would train every arm and then fail reading the first curve."""
+    with pytest.raises(ConfigError, match=r"^data.type 'mock': kvtrain experiment induction "
+                                          r"trains the toy tasks"):
+        arm_configs("fig1a", "cpu", ["data.type=mock"])
