@@ -50,12 +50,21 @@ class ArmJob:
 
 def arm_jobs(configs: list[tuple[Arm, RunConfig]], run_dir: Path) -> list[ArmJob]:
     """The jobs of an experiment; refuses a run folder that already holds an
-    arm's run (its results would be appended to, not replaced)."""
+    arm's run (its results would be appended to, not replaced), or runs of
+    other arms (the folder's results.csv, summary.json and plots would be
+    replaced by this selection's, without them)."""
     jobs = [ArmJob(arm, cfg, run_dir / "arms" / arm.name) for arm, cfg in configs]
     taken = [str(j.run_dir) for j in jobs if j.run_dir.exists()]
     if taken:
         raise ConfigError(f"{run_dir} already holds runs of this experiment ({', '.join(taken)}); "
                           "choose another --run-dir or remove them")
+    names = {j.arm.name for j in jobs}
+    others = sorted(p.parent.name for p in (run_dir / "arms").glob("*/run")
+                    if p.parent.name not in names)
+    if others:
+        raise ConfigError(f"{run_dir} holds runs of arm(s) {', '.join(others)} of an earlier "
+                          "experiment: this one's results.csv, summary.json and plots would "
+                          "replace theirs; choose another --run-dir")
     return jobs
 
 

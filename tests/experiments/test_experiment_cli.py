@@ -184,3 +184,13 @@ def test_a_grid_on_other_data_is_refused_before_training():
     with pytest.raises(ConfigError, match=r"^data.type 'mock': kvtrain experiment induction "
                                           r"trains the toy tasks"):
         arm_configs("fig1a", "cpu", ["data.type=mock"])
+
+
+def test_a_folder_with_runs_of_other_arms_is_refused(tmp_path):
+    """A second selection of arms into the folder of a first would write its
+    results.csv, summary.json, plots and spec.json over the first's: the
+    folder's results would lose the arms whose runs it still holds."""
+    (tmp_path / "arms" / "kv_shift-1L" / "run").mkdir(parents=True)
+    configs = arm_configs("fig1b", "cpu", arms=["vanilla-2L"])
+    with pytest.raises(ConfigError, match=r"holds runs of arm\(s\) kv_shift-1L .* replace"):
+        arm_jobs(configs, tmp_path)
