@@ -139,8 +139,10 @@ def appk_sequence(rng: np.random.Generator, length: int = 512, mid_val: int = 10
     if pool_size < 2 or max_val - mid_val - 1 < pool_size:
         raise ValueError(f"need 2 <= pool_size ({pool_size}) <= max_val - mid_val - 1 "
                          f"({max_val - mid_val - 1})")
-    if length < 3:
-        raise ValueError(f"length must be >= 3, got {length}")
+    # the first repeat comes at position 2 at the earliest and needs its label after
+    # it: a shorter sequence never holds one, and regenerating would loop forever
+    if length < 4:
+        raise ValueError(f"length must be >= 4, got {length}")
     while True:
         pool = (rng.permutation(max_val - mid_val - 1)[:pool_size] + mid_val + 1).tolist()
         draw = _Draws(rng, pool_size, chunk=length)

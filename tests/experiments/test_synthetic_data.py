@@ -209,6 +209,17 @@ def test_streams_are_separated_by_task():
     assert not (a == b).all()
 
 
+def test_a_length_with_no_room_for_a_scored_repeat_is_refused():
+    """The first repeat comes at position 2 at the earliest and needs its label
+    after it: 3 tokens never hold one, and "regenerate until one does" looped
+    forever (kvtrain experiment --set data.induction.length=3 hung in its checks)."""
+    for variant in ("appk", "strict"):
+        with pytest.raises(ValueError, match="length must be >= 4, got 3"):
+            appk_sequence(np.random.default_rng(0), 3, 10, 50, pool_size=3, variant=variant)
+    raw, predict = appk_sequence(np.random.default_rng(0), 4, 10, 50, pool_size=2)
+    assert raw[:3] == [raw[0], raw[1], raw[0]] and predict == [2]
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError):
         appk_sequence(np.random.default_rng(0), 64, 10, 50)  # pool 64 > 39 ids
