@@ -175,6 +175,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+# the main scheduling loop every second, not every 60: a requeued job the test
+# releases starts at once (no event schedules it; it waited ~45 s)
+SchedulerParameters=sched_interval=1
 SwitchType=switch/none
 MpiDefault=none
 JobRequeue=1
