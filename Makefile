@@ -5,6 +5,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
+# pytest workers of make test: 2 (our machines' cores). Most tests wait on
+# subprocesses (trainer ranks, SLURM, launchers), so two keep both cores busy;
+# each takes whole files (--dist loadfile: a module's fixtures run once).
+TEST_WORKERS ?= 2
 STAMP  := $(VENV)/.kvtrain-installed
 
 .PHONY: venv demo test clean
@@ -22,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/kvtrain demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
