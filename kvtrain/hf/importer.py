@@ -72,6 +72,10 @@ def model_config(hf: dict, where: str) -> dict:
         raise ConfigError(f"{where}: biases in attention or MLP are not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {hf.get('hidden_act')!r} is not SwiGLU (silu)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if float(theta) != int(theta):  # megatron's rotary_base is an int: it would truncate it
+        raise ConfigError(f"{where}: rope_theta {theta} is not a whole number (megatron's RoPE "
+                          "base is an int)")
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     if hf.get("head_dim") not in (None, hidden // heads):
         raise ConfigError(f"{where}: head_dim {hf['head_dim']} != hidden_size / heads")
@@ -81,7 +85,7 @@ def model_config(hf: dict, where: str) -> dict:
         "num_query_groups": hf.get("num_key_value_heads") or heads,
         "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
         "max_position_embeddings": hf["max_position_embeddings"],
-        "rotary_base": int(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "rotary_base": int(theta),
         "norm_epsilon": hf.get("rms_norm_eps", 1e-6),
         "untie_embeddings": not hf.get("tie_word_embeddings", False),
         "attention": "vanilla",

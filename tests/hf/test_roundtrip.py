@@ -188,7 +188,8 @@ def test_models_without_an_hf_form_are_refused_in_one_line(model, needle):
 
 def test_hf_folders_kvtrain_cannot_take_are_refused_in_one_line(kv_checkpoint, tmp_path):
     """What ``kvtrain import`` refuses in a Hugging Face folder, each named in one line
-    before anything is written: another architecture, scaled RoPE (Llama 3.1's), biases,
+    before anything is written: another architecture, scaled RoPE (Llama 3.1's), a RoPE
+    base megatron would truncate, biases,
     another activation, a head width other than hidden / heads, no weights, a damaged
     weights file."""
     import shutil
@@ -203,6 +204,9 @@ def test_hf_folders_kvtrain_cannot_take_are_refused_in_one_line(kv_checkpoint, t
         "llama3": ({"rope_parameters" if "rope_parameters" in config else "rope_scaling":
                     {"rope_type": "llama3", "factor": 8.0, "rope_theta": 100000.0}},
                    "RoPE scaling 'llama3' is not supported (kvtrain has plain RoPE)"),
+        "theta": ({"rope_parameters" if "rope_parameters" in config else "rope_scaling":
+                   {"rope_type": "default", "rope_theta": 10000.5}},
+                  "rope_theta 10000.5 is not a whole number (megatron's RoPE base is an int)"),
         "bias": ({"attention_bias": True}, "biases in attention or MLP are not supported"),
         "gelu": ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not SwiGLU (silu)"),
         "head_dim": ({"head_dim": 7}, "head_dim 7 != hidden_size / heads"),
