@@ -84,7 +84,9 @@ class TrainConfig:
     exit_duration_minutes: Optional[float] = None
     """Save and stop after this many minutes of wall time."""
     max_consecutive_nonfinite: int = 10
-    """Save and stop after this many non-finite steps in a row."""
+    """Save and stop after this many non-finite steps in a row (fp16 overflows count
+    under a constant ``optimizer.loss_scale``, which never backs off; not under the
+    dynamic one, which does)."""
     peak_tflops_per_device: Optional[float] = None
     """Peak dense bf16 TFLOP/s of one device, for MFU (null: guessed from the device name)."""
     dist_timeout_minutes: float = 10.0

@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - depends on the torch version
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ParamGroupOverride
 
@@ -259,8 +260,16 @@ class StepOutcome:
     grad_norm: Optional[float]
     # None: the update was applied. "overflow": fp16 loss-scale overflow (the
     # dynamic scaler backs off; normal while it calibrates). "nonfinite": the
-    # loss or the gradient norm was inf/NaN: the update was dropped.
+    # loss or the gradient norm was inf/NaN (a constant loss scale's overflow
+    # too: it never backs off): the update was dropped.
     skipped: Optional[str] = None
+
+
+def _dynamic_loss_scale(optimizer) -> bool:
+    """fp16's loss scale adapts (megatron's ``DynamicGradScaler``): a constant one
+    (``optimizer.loss_scale``) overflows again every step, a non-finite gradient."""
+    return any(isinstance(getattr(opt, "grad_scaler", None), DynamicGradScaler)
+               for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 @torch.no_grad()
@@ -274,8 +283,9 @@ def guarded_step(optimizer, scheduler: OptimizerParamScheduler, loss_is_finite: 
     untouched. The gradients are zeroed at the start of the next step.
     """
     found_inf = optimizer.prepare_grads()  # model grads -> main grads; fp16: unscale + inf check
-    if found_inf:
-        return StepOutcome(False, None, "overflow" if loss_is_finite else "nonfinite")
+    if found_inf:  # an overflow only a dynamic loss scale recovers from (it backs off)
+        recovers = loss_is_finite and _dynamic_loss_scale(optimizer)
+        return StepOutcome(False, None, "overflow" if recovers else "nonfinite")
     grad_norm = float(optimizer.get_grad_norm())
     if not (loss_is_finite and math.isfinite(grad_norm)):
         return StepOutcome(False, grad_norm, "nonfinite")

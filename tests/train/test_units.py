@@ -246,3 +246,21 @@ def test_metrics_logger_sends_every_record_kind_to_wandb(tmp_path):
     ]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["grad_norm"] == "inf" and lines[3]["message"] == "stopped"
+
+
+@pytest.mark.parametrize("scaler, skipped", [("constant", "nonfinite"), ("dynamic", "overflow")])
+def test_an_fp16_overflow_counts_as_non_finite_under_a_constant_loss_scale(scaler, skipped):
+    """A dynamic loss scale backs off after an overflow (a streak of them is normal while
+    it calibrates); a constant one (``optimizer.loss_scale``) overflows again every step,
+    so its overflows are non-finite steps that ``train.max_consecutive_nonfinite`` stops."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    from kvtrain.train.optimizer import guarded_step
+
+    # (megatron's scalers keep their scale on the GPU: only their class matters here)
+    grad_scaler = object.__new__(ConstantGradScaler if scaler == "constant" else DynamicGradScaler)
+    inner = SimpleNamespace(grad_scaler=grad_scaler)
+    for optimizer in (SimpleNamespace(prepare_grads=lambda: True, grad_scaler=grad_scaler),
+                      SimpleNamespace(prepare_grads=lambda: True, chained_optimizers=[inner])):
+        outcome = guarded_step(optimizer, None, loss_is_finite=True)
+        assert not outcome.updated and outcome.skipped == skipped
