@@ -54,7 +54,7 @@ class SamplingOptions:
         """Itself, or ConfigError naming the bad option."""
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too: it fails every comparison
             raise ConfigError(f"--temperature must be >= 0 (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")

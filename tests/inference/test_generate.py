@@ -304,3 +304,12 @@ def test_the_eod_prefix_follows_how_the_run_saw_documents(mp1, arm_runs):
         assert result.prompt_tokens == first + PROMPTS[1], result.prompt_tokens
     (result,) = generate(loaded.model, separated, codec, prompts, options, prefix_eod=True)
     assert result.prompt_tokens == [codec.eod] + PROMPTS[1]  # asked for: given
+
+
+def test_a_nan_temperature_is_one_line(tmp_path, capsys):
+    """--temperature nan passed the ``< 0`` check and ended in a traceback from
+    torch.multinomial after the model was loaded."""
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "1",
+                 "--temperature", "nan"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "kvtrain: config error: --temperature must be >= 0 (got nan)"
