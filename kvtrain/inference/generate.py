@@ -185,8 +185,11 @@ def choose_tokens(logits: torch.Tensor, options: SamplingOptions,
     """The next token of each row of ``logits`` [b, V] (fp32), [b] int64."""
     if options.temperature == 0:
         return logits.argmax(-1)
+    # the row's max at 0 first: a temperature near 0 then sends the other logits
+    # to -inf, rather than the max to inf (and the softmax to NaN)
+    scaled = (logits - logits.amax(-1, keepdim=True)) / options.temperature  # [b, V]
     out = []
-    for row, gen in zip(logits / options.temperature, generators):
+    for row, gen in zip(scaled, generators):
         if options.top_k:
             kth = torch.topk(row, min(options.top_k, row.numel())).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

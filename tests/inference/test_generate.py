@@ -313,3 +313,15 @@ def test_a_nan_temperature_is_one_line(tmp_path, capsys):
                  "--temperature", "nan"]) == 2
     assert capsys.readouterr().err.strip() == \
         "kvtrain: config error: --temperature must be >= 0 (got nan)"
+
+
+def test_a_tiny_temperature_samples_the_argmax():
+    """logits / temperature overflowed to inf for a temperature near 0 (1e-40),
+    and the softmax of inf - inf is NaN: torch.multinomial raised."""
+    from kvtrain.inference.generate import SamplingOptions, choose_tokens
+
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5], [0.5, -1.0, 4.0, 3.9]])  # [b, V]
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    for cut in ({}, dict(top_k=2), dict(top_p=0.5)):
+        options = SamplingOptions(temperature=1e-40, **cut).check()
+        assert choose_tokens(logits, options, gens).tolist() == [1, 2]
