@@ -60,6 +60,8 @@ class SamplingOptions:
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
             raise ConfigError(f"--top-k must be >= 0 (got {self.top_k})")
+        if not -2**63 <= self.seed < 2**63:  # seed + prompt index must fit torch's 64 bits
+            raise ConfigError(f"--seed must be in [-2^63, 2^63) (got {self.seed})")
         if self.temperature == 0 and (self.top_p < 1.0 or self.top_k > 0):
             raise ConfigError("--top-p/--top-k need sampling: set --temperature > 0")
         return self

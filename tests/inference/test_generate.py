@@ -325,3 +325,17 @@ def test_a_tiny_temperature_samples_the_argmax():
     for cut in ({}, dict(top_k=2), dict(top_p=0.5)):
         options = SamplingOptions(temperature=1e-40, **cut).check()
         assert choose_tokens(logits, options, gens).tolist() == [1, 2]
+
+
+def test_a_seed_torch_cannot_take_is_one_line(tmp_path, capsys):
+    """A --seed outside torch's 64-bit range passed the checks and raised
+    'Overflow when unpacking long long' when the generators were seeded (greedy too)."""
+    from kvtrain.inference.generate import SamplingOptions
+
+    for seed in (2**63, -2**63 - 1):
+        assert main(["generate", str(tmp_path / "run"), "--prompt", "1",
+                     "--seed", str(seed)]) == 2
+        assert capsys.readouterr().err.strip() == \
+            f"kvtrain: config error: --seed must be in [-2^63, 2^63) (got {seed})"
+    SamplingOptions(seed=-2**63).check()
+    SamplingOptions(seed=2**63 - 1).check()
