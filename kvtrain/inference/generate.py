@@ -134,6 +134,17 @@ class PromptCodec:
         return " ".join(str(int(i)) for i in ids)
 
 
+def _utf8(text: str, where: str) -> str:
+    """``text``, or ConfigError where it holds a lone surrogate: bytes of an argument
+    that are not UTF-8, or a JSON escape such as ``\\udcff`` (the tokenizer cannot take it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text ({text[e.start]!r} at character "
+                          f"{e.start})") from None
+    return text
+
+
 def read_prompts(texts: Sequence[str] = (), file: Optional[str] = None) -> list[tuple[str, dict]]:
     """(prompt, extra fields) of ``--prompt`` values, then of ``--prompts FILE``.
 
@@ -141,7 +152,7 @@ def read_prompts(texts: Sequence[str] = (), file: Optional[str] = None) -> list[
     fields are copied to the output) or one JSON string; any other name: one
     prompt per line, blank lines skipped.
     """
-    prompts = [(t, {}) for t in texts]
+    prompts = [(_utf8(t, f"--prompt {n}"), {}) for n, t in enumerate(texts, 1)]
     if file is None:
         return prompts
     path = Path(file)
@@ -159,10 +170,12 @@ def read_prompts(texts: Sequence[str] = (), file: Optional[str] = None) -> list[
             item = json.loads(line)
         except ValueError as e:
             raise ConfigError(f"--prompts {path} line {n}: not JSON ({e})") from None
+        where = f"--prompts {path} line {n}"
         if isinstance(item, dict) and isinstance(item.get("prompt"), str):
-            prompts.append((item["prompt"], {k: v for k, v in item.items() if k != "prompt"}))
+            prompts.append((_utf8(item["prompt"], where),
+                            {k: v for k, v in item.items() if k != "prompt"}))
         elif isinstance(item, str):
-            prompts.append((item, {}))
+            prompts.append((_utf8(item, where), {}))
         else:
             raise ConfigError(f"--prompts {path} line {n}: expected a JSON string or an object "
                               f"with a \"prompt\" string")

@@ -339,3 +339,20 @@ def test_a_seed_torch_cannot_take_is_one_line(tmp_path, capsys):
             f"kvtrain: config error: --seed must be in [-2^63, 2^63) (got {seed})"
     SamplingOptions(seed=-2**63).check()
     SamplingOptions(seed=2**63 - 1).check()
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    """A --prompt of bytes that are not UTF-8 (the shell hands them on as lone
+    surrogates), or a JSONL prompt with a lone surrogate escape, reached
+    sentencepiece after the model was loaded: a pybind11 cast traceback."""
+    import os
+
+    lines = tmp_path / "p.jsonl"
+    lines.write_text('"1 2"\n{"prompt": "the \\udcff cat"}\n')
+    for argv, message in (
+            (["--prompt", "1", "--prompt", os.fsdecode(b"the \xff cat")],
+             "--prompt 2: not UTF-8 text ('\\udcff' at character 4)"),
+            (["--prompts", str(lines)],
+             f"--prompts {lines} line 2: not UTF-8 text ('\\udcff' at character 4)")):
+        assert main(["generate", str(tmp_path / "run"), *argv]) == 2
+        assert capsys.readouterr().err.strip() == f"kvtrain: config error: {message}"
