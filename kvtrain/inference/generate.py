@@ -157,7 +157,8 @@ def read_prompts(texts: Sequence[str] = (), file: Optional[str] = None) -> list[
         return prompts
     path = Path(file)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # utf-8-sig: a byte order mark (Windows editors write one) is not prompt text
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--prompts {path}: cannot read ({e})") from None
     for n, line in enumerate(lines, 1):

@@ -356,3 +356,14 @@ def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path, capsys):
              f"--prompts {lines} line 2: not UTF-8 text ('\\udcff' at character 4)")):
         assert main(["generate", str(tmp_path / "run"), *argv]) == 2
         assert capsys.readouterr().err.strip() == f"kvtrain: config error: {message}"
+
+
+def test_a_prompts_file_with_a_byte_order_mark(tmp_path):
+    """A UTF-8 file starting with a byte order mark (Windows editors write one):
+    its .jsonl form was refused ("Unexpected UTF-8 BOM"), and in a plain file the
+    mark became part of the first prompt (fed to the tokenizer)."""
+    from kvtrain.inference.generate import read_prompts
+
+    for name, text in (("p.jsonl", '{"prompt": "5 6"}\n"7"\n'), ("p.txt", "5 6\n7\n")):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert read_prompts([], str(tmp_path / name)) == [("5 6", {}), ("7", {})]
