@@ -47,7 +47,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     """Overlap the DP gradient reduce-scatter with backward (GPU runs)."""
     overlap_param_gather: bool = False
-    """Overlap the distributed optimizer's param all-gather with forward (GPU runs)."""
+    """Overlap the distributed optimizer's param all-gather with forward (GPU runs);
+    needs ``distributed_optimizer``."""
     cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
     """Context-parallel communication of Transformer Engine's attention (model.backend te):
     p2p (ring), all_gather, or a2a (needs the KV heads per TP rank to divide by
@@ -292,6 +293,9 @@ class RunConfig:
             raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline >= 2")
         if p.sequence_parallel and p.tensor < 2:
             raise ConfigError("parallel.sequence_parallel needs parallel.tensor >= 2")
+        if p.overlap_param_gather and not p.distributed_optimizer:  # as Megatron-LM refuses it
+            raise ConfigError("parallel.overlap_param_gather needs parallel.distributed_optimizer "
+                              "(it overlaps that optimizer's parameter all-gather)")
         if p.sequence_parallel and t.seq_length % (p.tensor * p.context):
             raise ConfigError(
                 f"train.seq_length ({t.seq_length}) must be divisible by parallel.tensor "

@@ -66,7 +66,7 @@ def megatron_optimizer_config(cfg: RunConfig, numerics: Numerics) -> MegatronOpt
         params_dtype=numerics.params_dtype,
         loss_scale=o.loss_scale,
         use_distributed_optimizer=p.distributed_optimizer,
-        overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
+        overlap_param_gather=p.overlap_param_gather,
     )
 
 

@@ -127,7 +127,7 @@ def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,  # bf16 grads accumulate and reduce in fp32
         overlap_grad_reduce=p.overlap_grad_reduce,
-        overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
+        overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.distributed_optimizer,
         check_for_nan_in_grad=False,  # non-finite steps are handled by the trainer
     )

@@ -147,6 +147,8 @@ def test_bad_override_values_are_one_line_naming_the_override(tmp_path):
     (["model.num_layers=4", "parallel.virtual_pipeline=2"],
      "parallel.virtual_pipeline needs parallel.pipeline >= 2"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel needs parallel.tensor >= 2"),
+    (["parallel.overlap_param_gather=true", "parallel.distributed_optimizer=false"],
+     "parallel.overlap_param_gather needs parallel.distributed_optimizer"),
     (["parallel.tensor=2", "parallel.sequence_parallel=true", "train.seq_length=33",
       "model.max_position_embeddings=64"],
      "train.seq_length (33) must be divisible by parallel.tensor x parallel.context (2)"),
