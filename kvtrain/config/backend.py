@@ -140,8 +140,13 @@ def decide_backend(requested: str, cuda: bool, te_error: Optional[str],
     return BackendChoice("te", requested, "auto: Transformer Engine on a GPU", fused)
 
 
-def document_attention(backend: str, cuda: bool, attention_dropout: float,
-                       context: int = 1) -> str:
+# FlexAttention's GPU kernels multiply with Triton's tl.dot, which needs 16 channels
+# (inductor raises NotImplementedError for narrower heads)
+FLEX_MIN_HEAD_DIM = 16
+
+
+def document_attention(backend: str, cuda: bool, attention_dropout: float, context: int,
+                       head_dim: int) -> str:
     """The kernel that keeps packed documents apart on ``backend``.
 
     ``te``: THD packing (``PackedSeqParams`` with ``cu_seqlens`` from the EOD
@@ -149,14 +154,15 @@ def document_attention(backend: str, cuda: bool, attention_dropout: float,
     mask; ``torch``: FlexAttention with a document-causal block mask on a GPU
     (compiled; it has no dropout, so ``attention_dropout > 0`` falls back), else
     SDPA with an explicit boolean mask: on the CPU (compiling is too slow for
-    tests) and under context parallelism (``context`` > 1: the attention over the
-    gathered keys masks each chunk itself).
+    tests), under context parallelism (``context`` > 1: the attention over the
+    gathered keys masks each chunk itself) and for heads narrower than
+    ``FLEX_MIN_HEAD_DIM`` (``head_dim``: the narrower of the Q/K and V heads).
     """
     if backend == "te":
         return "thd"
     if backend == "local":
         return "mask"
-    flex = cuda and attention_dropout == 0 and context == 1
+    flex = cuda and attention_dropout == 0 and context == 1 and head_dim >= FLEX_MIN_HEAD_DIM
     return "flex" if flex else "sdpa+mask"
 
 

@@ -200,6 +200,12 @@ class ModelConfig:
         return self.num_query_groups or self.num_attention_heads
 
     @property
+    def head_dim(self) -> int:
+        """Channels of the narrower of a query/key head and a value head (MLA's differ)."""
+        shape = self.attention_shape()
+        return min(shape.qk_width, shape.v_width) // self.num_attention_heads
+
+    @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size

@@ -87,7 +87,8 @@ class TorchAttention(MegatronModule):
         self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.documents_kernel = document_attention(
-            "torch", torch.cuda.is_available(), self.dropout)
+            "torch", torch.cuda.is_available(), self.dropout, config.context_parallel_size,
+            min(head_dim, v_channels or config.kv_channels))
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 attention_mask: Optional[Tensor], attn_mask_type: Optional[AttnMaskType] = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtrain.config.backend import document_attention
+from kvtrain.config.backend import FLEX_MIN_HEAD_DIM, document_attention
 from kvtrain.config.schema import ModelConfig
 
 from .flops import human_duration
@@ -47,13 +47,14 @@ def _document_attention(cfg) -> str:
     """How the torch backend will separate documents on a GPU (the kernel the run
     records: ``kvtrain.config.backend.document_attention``), and what is not counted."""
     dropout, context = cfg.model.attention_dropout, cfg.parallel.context
-    if document_attention("torch", True, dropout, context) == "flex":
+    if document_attention("torch", True, dropout, context, cfg.model.head_dim) == "flex":
         return "; documents: FlexAttention block mask"
     if context > 1:  # TorchAttention._attend_context_parallel
         return ("; documents: SDPA with a [b, 1, s/(2 x CP), s] mask per chunk and layer "
                 "(not counted: context parallelism)")
-    return ("; documents: SDPA with a [b, 1, s, s] mask per micro batch (not counted: "
-            "attention_dropout > 0)")
+    why = ("attention_dropout > 0" if dropout > 0 else
+           f"heads of {cfg.model.head_dim} < {FLEX_MIN_HEAD_DIM} channels")
+    return f"; documents: SDPA with a [b, 1, s, s] mask per micro batch (not counted: {why})"
 
 
 def describe_attention(m: ModelConfig) -> str:

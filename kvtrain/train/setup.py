@@ -265,7 +265,8 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
     if cfg.data.reset_attention_mask:
         backend = dataclasses.replace(backend, documents=document_attention(
-            backend.name, cuda, cfg.model.attention_dropout, cfg.parallel.context))
+            backend.name, cuda, cfg.model.attention_dropout, cfg.parallel.context,
+            cfg.model.head_dim))
     shift = None
     if cfg.model.attention == "kv_shift":
         shift, shift_why = choose_kernel(cfg.model.kv_shift.kernel, cuda, numerics.params_dtype)

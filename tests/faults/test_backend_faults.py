@@ -595,3 +595,26 @@ def test_the_calibration_point_in_the_memory_docstring_is_current():
         cfg = load_config(f"configs/blagpt/{arm}.yaml", sets)
         plan = make_plan(cfg, nodes=1, gpus_per_node=1, gpu="a100")
         assert round(plan.memory.total / 2**20) == int(mib.replace(",", "")), arm
+
+
+@pytest.mark.parametrize("hidden, kernel", [(32, "sdpa+mask"), (64, "flex")])
+def test_documents_take_flex_attention_only_at_a_head_dim_it_compiles(monkeypatch, hidden, kernel):
+    """FlexAttention's GPU kernels need heads of >= 16 channels (Triton's tl.dot;
+    inductor raises NotImplementedError below): narrower heads separate documents
+    with SDPA masks, and the record says so (4 heads: 8 and 16 channels)."""
+    import torch
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from kvtrain.model.attention import TorchAttention
+    from kvtrain.model.builder import Numerics, transformer_config
+    from kvtrain.train.setup import _resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    bf16 = Numerics(params_dtype=torch.bfloat16, bf16=True)
+    cfg = load_config(None, ["model.backend=torch", "data.reset_attention_mask=true",
+                             "data.eod_id=2", "model.num_attention_heads=4",
+                             f"model.hidden_size={hidden}"])
+    assert _resolve_backend(cfg, bf16)[0].documents == kernel
+    attention = TorchAttention(transformer_config(cfg.model, cfg.parallel), 1,
+                               AttnMaskType.causal, "self")
+    assert attention.documents_kernel == kernel
