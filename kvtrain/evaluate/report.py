@@ -99,8 +99,10 @@ def log_to_wandb(cfg: RunConfig, run_dir: Path, iteration: Optional[int],
     for task, values in tasks.items():
         metrics.update({f"eval/{task}/{m}": v for m, v in values.items()})
     logger.log(metrics)
-    run_id = logger.run_id
+    run_id, logged = logger.run_id, logger.active  # inactive: wandb failed, it said why
     logger.finish()
+    if not logged:
+        return f"wandb: run {run_id} not logged to (see the warning above)"
     return f"wandb: logged to run {run_id} ({mode})"
 
 

@@ -10,6 +10,10 @@ lost to a crash draws over them instead of being dropped as "non-monotonic".
 ``mode: auto`` is offline unless ``WANDB_MODE`` says otherwise or an API key is
 configured *and* the wandb host answers (an online init with no network would
 block for minutes). Only global rank 0 talks to wandb.
+
+wandb only mirrors ``metrics.jsonl``: a wandb that fails to start, or whose
+service dies mid-run (a preemption's SIGTERM reaches wandb-core too, and every
+``log`` then raises), is dropped with one warning and the run goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from data_tools.fileio import atomic_write_text
+from kvtrain.config.loader import first_line
 from kvtrain.config.schema import WandbConfig
 
 RUN_ID_FILE = "wandb_run_id"
@@ -89,26 +94,29 @@ class WandbLogger:
         self.run_id = run_id_for(run_dir)
         wandb_dir = Path(cfg.dir).expanduser() if cfg.dir else Path(run_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
-            project=cfg.project,
-            entity=cfg.entity,
-            name=cfg.name or run_name,
-            group=cfg.group,
-            tags=list(cfg.tags) or None,
-            dir=str(wandb_dir),  # wandb writes into <dir>/wandb/
-            mode=self.mode,
-            id=self.run_id,
-            resume="allow",
-            config=config,
-            settings=wandb.Settings(
-                x_disable_stats=True,  # no system-metrics sampler thread next to training
-                console="off",  # stdout stays ours (the log lines are logged as metrics)
-                silent=True,
-                init_timeout=120,
-            ),
-        )
-        self.run.define_metric("iteration")
-        self.run.define_metric("*", step_metric="iteration")
+        try:
+            self.run = wandb.init(
+                project=cfg.project,
+                entity=cfg.entity,
+                name=cfg.name or run_name,
+                group=cfg.group,
+                tags=list(cfg.tags) or None,
+                dir=str(wandb_dir),  # wandb writes into <dir>/wandb/
+                mode=self.mode,
+                id=self.run_id,
+                resume="allow",
+                config=config,
+                settings=wandb.Settings(
+                    x_disable_stats=True,  # no system-metrics sampler thread next to training
+                    console="off",  # stdout stays ours (the log lines are logged as metrics)
+                    silent=True,
+                    init_timeout=120,
+                ),
+            )
+            self.run.define_metric("iteration")
+            self.run.define_metric("*", step_metric="iteration")
+        except Exception as e:  # wandb's errors have no common base
+            self._lost("did not start", e)
 
     @property
     def active(self) -> bool:
@@ -117,9 +125,21 @@ class WandbLogger:
     def log(self, metrics: dict[str, Any]) -> None:
         if self.run is None:
             return
-        self.run.log({k: v for k, v in metrics.items() if v is not None})
+        try:
+            self.run.log({k: v for k, v in metrics.items() if v is not None})
+        except Exception as e:
+            self._lost("stopped", e)
 
     def finish(self, exit_code: int = 0) -> None:
-        if self.run is not None:
-            self.run.finish(exit_code=exit_code)
-            self.run = None
+        run, self.run = self.run, None
+        if run is not None:
+            try:
+                run.finish(exit_code=exit_code)
+            except Exception as e:
+                self._lost("could not finish", e)
+
+    def _lost(self, what: str, error: Exception) -> None:
+        """Goes on without wandb, saying so once (the next calls are no-ops)."""
+        self.run = None
+        print(f"kvtrain: warning: wandb {what} ({first_line(error)}); the run goes on "
+              f"without it (metrics.jsonl has every record)", flush=True)

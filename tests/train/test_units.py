@@ -264,3 +264,47 @@ def test_an_fp16_overflow_counts_as_non_finite_under_a_constant_loss_scale(scale
                       SimpleNamespace(prepare_grads=lambda: True, chained_optimizers=[inner])):
         outcome = guarded_step(optimizer, None, loss_is_finite=True)
         assert not outcome.updated and outcome.skipped == skipped
+
+
+def test_a_wandb_that_fails_to_start_or_dies_does_not_stop_training(monkeypatch, tmp_path, capsys):
+    """wandb is a mirror of metrics.jsonl: a wandb.init that fails (no service, a
+    timeout) or a wandb-core that dies mid-run (SIGTERM of a preemption reaches it
+    too: every ``log`` then raises ``ConnectionResetError``) gives one warning and
+    the run goes on without wandb, through its stop, save and ``finish``."""
+    import sys
+
+    from kvtrain.config import WandbConfig
+    from kvtrain.train.wandb_logger import WandbLogger
+
+    class DeadRun:
+        def define_metric(self, *a, **k):
+            pass
+
+        def log(self, row):
+            raise ConnectionResetError("Connection lost")
+
+        def finish(self, exit_code=0):
+            raise ConnectionResetError("Connection lost")
+
+    def failing_init(**kwargs):
+        raise TimeoutError("wandb service did not start")
+
+    fake = SimpleNamespace(init=failing_init, Settings=lambda **k: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = WandbConfig(mode="offline")
+    logger = WandbLogger(cfg, tmp_path, "run", {})
+    assert not logger.active
+    logger.log({"iteration": 1, "train/lm_loss": 2.0})
+    logger.finish()
+    out = capsys.readouterr().out
+    assert out.count("kvtrain: warning: wandb") == 1 and "TimeoutError" in out, out
+
+    fake.init = lambda **kwargs: DeadRun()
+    logger = WandbLogger(cfg, tmp_path, "run", {})
+    assert logger.active
+    for it in (1, 2, 3):
+        logger.log({"iteration": it, "train/lm_loss": 2.0})
+    assert not logger.active
+    logger.finish(exit_code=0)
+    out = capsys.readouterr().out
+    assert out.count("kvtrain: warning: wandb") == 1 and "ConnectionResetError" in out, out
