@@ -9,7 +9,8 @@ lost to a crash draws over them instead of being dropped as "non-monotonic".
 
 ``mode: auto`` is offline unless ``WANDB_MODE`` says otherwise or an API key is
 configured *and* the wandb host answers (an online init with no network would
-block for minutes). Only global rank 0 talks to wandb.
+block for minutes). The host is wandb's: ``WANDB_BASE_URL``'s for a self-hosted
+server (where ``wandb login --host`` keeps its key in ~/.netrc), else api.wandb.ai. Only global rank 0 talks to wandb.
 
 wandb only mirrors ``metrics.jsonl``: a wandb that fails to start, or whose
 service dies mid-run (a preemption's SIGTERM reaches wandb-core too, and every
@@ -23,6 +24,7 @@ import secrets
 import socket
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlparse
 
 from data_tools.fileio import atomic_write_text
 from kvtrain.config.loader import first_line
@@ -31,12 +33,18 @@ from kvtrain.config.schema import WandbConfig
 RUN_ID_FILE = "wandb_run_id"
 
 
-def _api_key_configured() -> bool:
+def _wandb_server() -> tuple[str, int]:
+    """(host, port) of the wandb server the run would log to."""
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    return url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
+
+
+def _api_key_configured(host: str) -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     try:
-        return "api.wandb.ai" in netrc.read_text()
+        return host in netrc.read_text()
     except OSError:
         return False
 
@@ -60,7 +68,8 @@ def resolve_mode(cfg: WandbConfig) -> str:
         return env
     if env == "dryrun":
         return "offline"
-    if _api_key_configured() and _host_reachable(os.environ.get("WANDB_BASE_HOST", "api.wandb.ai")):
+    host, port = _wandb_server()
+    if _api_key_configured(host) and _host_reachable(host, port):
         return "online"
     return "offline"
 

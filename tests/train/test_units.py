@@ -212,6 +212,32 @@ def test_wandb_mode_resolution(monkeypatch, tmp_path):
     assert first == wandb_logger.run_id_for(tmp_path) and len(first) == 8
 
 
+def test_wandb_auto_mode_asks_the_self_hosted_server(monkeypatch, tmp_path):
+    """``mode: auto`` with a self-hosted wandb (``WANDB_BASE_URL``, and the key that
+    ``wandb login --host`` writes into ~/.netrc under that host) goes online when
+    that server answers, not by whether api.wandb.ai does."""
+    from kvtrain.config import WandbConfig
+    from kvtrain.train import wandb_logger
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine wandb.corp.example\n  login user\n  password " + "k" * 40 + "\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://wandb.corp.example:8080")
+    asked = []
+
+    def reachable(host, port=443, timeout=2.0):
+        asked.append((host, port))
+        return (host, port) == ("wandb.corp.example", 8080)
+
+    monkeypatch.setattr(wandb_logger, "_host_reachable", reachable)
+    assert wandb_logger.resolve_mode(WandbConfig()) == "online", asked
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.corp.example")
+    assert wandb_logger.resolve_mode(WandbConfig()) == "offline"  # port 443 does not answer
+    assert asked[-1] == ("wandb.corp.example", 443)
+
+
 def test_metrics_logger_sends_every_record_kind_to_wandb(tmp_path):
     """metrics.jsonl and wandb get the same numbers: train/, valid/ and kv_shift/
     names against the ``iteration`` step; strings stay out of wandb, and a
