@@ -32,7 +32,8 @@ from .processes import bind_to_launcher
 from .resume import resume
 from .runlock import hold_run_folder, removed_on_bad_input
 from .setup import (
-    Run, backend_event, build_run, fit_token_budget, run_record, write_run_config,
+    Run, backend_event, build_run, fit_token_budget, run_config_text, run_record,
+    write_run_config,
 )
 from .signals import StopRequests
 from .step import ForwardStep, StepResult, sync_params, train_step
@@ -275,7 +276,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         run = build_run(cfg, Path(run_dir))
         rank0 = run.rank == 0
         if rank0:
-            text = write_run_config(cfg, run.run_dir, run.resolved)
+            text = run_config_text(cfg, run.resolved)
             say(f"kvtrain: run folder {run.run_dir.resolve()}\n--- resolved config ---\n"
                 f"{text}--- layout: world {run.world_size} = TP {cfg.parallel.tensor} x PP "
                 f"{cfg.parallel.pipeline} x DP {run.dp_size}; {run.num_microbatches} micro "
@@ -292,6 +293,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         budget = fit_token_budget(run, resumed.state.iteration, resumed.state.consumed_samples)
         if budget:  # another global batch since the checkpoint
             resumed.add(f"kvtrain: {budget}")
+        if rank0:  # once the start is taken: a refused one leaves the config of the records
+            write_run_config(cfg, run.run_dir, run.resolved)
     state = resumed.state
     order = _order_warning(run, state) if resumed.path is not None else None
     if resumed.path is not None:

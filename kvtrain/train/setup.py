@@ -304,11 +304,11 @@ def _documents(cfg: RunConfig, datasets, backend: str) -> Optional[Callable]:
     return Documents(eod=int(datasets.tokenizer.eod), thd=backend == "te")
 
 
-def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = None) -> str:
-    """Saves the resolved config as ``<run_dir>/config.yaml``; returns the YAML
-    (block style, one key a line: it is read by people as much as by programs).
-    ``resolved`` (``Run.resolved``) goes in as a comment header, so the file
-    still loads as a config; programs read it from metrics.jsonl's event."""
+def run_config_text(cfg: RunConfig, resolved: Optional[dict] = None) -> str:
+    """The resolved config as YAML (block style, one key a line: it is read by
+    people as much as by programs). ``resolved`` (``Run.resolved``) goes in as a
+    comment header, so the text still loads as a config; programs read it from
+    metrics.jsonl's event."""
     import yaml
 
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
@@ -316,10 +316,16 @@ def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = N
         backend = BackendChoice(**resolved["backend"])
         text = (f"# resolved at the last start: device {resolved['device']}\n"
                 f"# backend: {backend.name} ({backend.details()})\n{text}")
+    return text
+
+
+def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = None) -> str:
+    """Saves :func:`run_config_text` as ``<run_dir>/config.yaml``; returns it."""
+    text = run_config_text(cfg, resolved)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", text)
     return text
 
 
 __all__ = ["Run", "backend_event", "build_run", "fit_token_budget", "resolve_run_dir",
-           "run_record", "write_run_config"]
+           "run_config_text", "run_record", "write_run_config"]

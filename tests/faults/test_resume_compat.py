@@ -118,6 +118,9 @@ def resumes(tmp_path_factory, corpus, cache_dir):
     jobs.append({"config": str(config), "run_dir": str(root / "strict_missing"), "expect": 2,
                  "overrides": ["checkpoint.allow_config_changes=[model.attention]",
                                f"checkpoint.resume={vanilla_ckpt}"]})
+    # a refused resume in the run's own folder (resume: auto)
+    jobs.append({"config": str(config), "run_dir": str(root / "saved"), "expect": 2,
+                 "overrides": ["model.attention=vanilla"]})
     result = run_driver(jobs, root / "plan.json", nproc=1)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return root, result
@@ -138,6 +141,17 @@ def test_changed_model_or_sequence_length_is_refused(resumes):
     assert any("model.hidden_size: 32 -> 64" in e for e in errors), errors
     for name in ("vanilla", "seq", "hidden"):
         assert metrics(root / name, None) == []  # nothing trained, nothing written
+
+
+def test_a_refused_resume_leaves_the_run_folders_config(resumes):
+    """config.yaml says what trained the run's checkpoints and records (kvtrain
+    compare reads an arm's attention and tokens from it): a start refused in the
+    run's own folder leaves it as it was, not the config that never ran."""
+    from kvtrain.config import read_yaml
+
+    root, result = resumes
+    saved = read_yaml(root / "saved" / "config.yaml")
+    assert saved["model"]["attention"] == "kv_shift", saved["model"]
 
 
 def test_strict_load_names_the_parameters(resumes):
