@@ -116,6 +116,7 @@ class TrainState:
 
     iteration: int = 0
     consumed_samples: int = 0
+    consumed_tokens: Optional[int] = None  # counted (loop.count_tokens_from); None: not yet
     skipped_steps: int = 0  # optimizer updates dropped (non-finite, fp16 overflow)
     nonfinite_in_row: int = 0
     # [[index, crc32], ...] of a few training samples drawn (kvtrain/data/order.py):

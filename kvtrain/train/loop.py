@@ -64,6 +64,7 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
                             t.micro_batch_size, (signal_flag, stop.time_flag))
         state.iteration += 1
         state.consumed_samples += t.global_batch_size
+        state.consumed_tokens += t.global_batch_size * t.seq_length
         window.add(result, time.perf_counter() - started)
         _count_skips(state, result, metrics)
 
@@ -158,6 +159,17 @@ def _order_warning(run: Run, state: TrainState) -> Optional[str]:
             f"this run draws from the new order, and samples already trained on may come again")
 
 
+def count_tokens_from(state: TrainState, t: TrainConfig) -> None:
+    """Starts the token count of a fresh run, or of a checkpoint from before it was
+    counted: its samples at its own sequence length. The count is kept, not derived
+    from consumed_samples, as train.seq_length may change on a resume
+    (checkpoint.allow_config_changes; the change names the checkpoint's length)."""
+    if state.consumed_tokens is None:
+        saved = {c.key: c.saved for c in state.extra.get("config_changes") or []}
+        state.consumed_tokens = state.consumed_samples * saved.get("train.seq_length",
+                                                                   t.seq_length)
+
+
 def _count_skips(state: TrainState, result: StepResult, metrics: MetricsLogger) -> None:
     skipped = result.outcome.skipped
     if skipped is None:
@@ -237,7 +249,7 @@ class Window:
             "kind": "train",
             "iteration": state.iteration,
             "consumed_samples": state.consumed_samples,
-            "consumed_tokens": state.consumed_samples * t.seq_length,
+            "consumed_tokens": state.consumed_tokens,
             "lm_loss": sum(self.losses) / len(self.losses) if self.losses else float("nan"),
             "lr": current_lr(run.optimizer),
             "grad_norm": self.grad_norm,
@@ -296,6 +308,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         if rank0:  # once the start is taken: a refused one leaves the config of the records
             write_run_config(cfg, run.run_dir, run.resolved)
     state = resumed.state
+    count_tokens_from(state, cfg.train)
     order = _order_warning(run, state) if resumed.path is not None else None
     if resumed.path is not None:
         note = "" if state.extra.get("rng_restored") else " (RNG states not restored: layout changed)"

@@ -169,6 +169,9 @@ def test_allowed_change_is_printed_and_recorded(resumes):
     assert len(events) == 1 and events[0]["iteration"] == 3, events
     assert events[0]["changes"] == {"train.seq_length": [32, 16]}
     assert [r["iteration"] for r in metrics(root / "seq_allowed")] == [4]
+    # the tokens go on counting: 3 steps of 8 x 32 tokens, then one of 8 x 16
+    # (not 4 x 8 x 16: the count fell below the checkpoint's 768)
+    assert [r["consumed_tokens"] for r in metrics(root / "seq_allowed")] == [3 * 8 * 32 + 8 * 16]
 
 
 def test_refusal_is_one_line_on_the_command_line(resumes, tmp_path):

@@ -334,3 +334,19 @@ def test_a_wandb_that_fails_to_start_or_dies_does_not_stop_training(monkeypatch,
     logger.finish(exit_code=0)
     out = capsys.readouterr().out
     assert out.count("kvtrain: warning: wandb") == 1 and "ConnectionResetError" in out, out
+
+
+def test_the_token_count_of_a_checkpoint_from_before_it_was_kept():
+    """A checkpoint without ``consumed_tokens`` counts its samples at its own
+    sequence length, which an allowed change of ``train.seq_length`` names."""
+    from kvtrain.config.compat import Change
+    from kvtrain.train.checkpoint import TrainState
+    from kvtrain.train.loop import count_tokens_from
+
+    t = SimpleNamespace(seq_length=16)
+    fresh, kept = TrainState(), TrainState(consumed_samples=24, consumed_tokens=500)
+    old = TrainState(consumed_samples=24,
+                     extra={"config_changes": [Change("train.seq_length", 32, 16)]})
+    for state in (fresh, kept, old):
+        count_tokens_from(state, t)
+    assert (fresh.consumed_tokens, kept.consumed_tokens, old.consumed_tokens) == (0, 500, 768)
