@@ -77,8 +77,13 @@ def init_process_group(timeout_minutes: float = 10.0, device: str = "auto") -> D
 
 
 def init_model_parallel(tensor: int = 1, pipeline: int = 1, virtual_pipeline: Optional[int] = None,
-                        context: int = 1) -> None:
-    """megatron's parallel state (TP/PP/CP/DP groups) over the default group."""
+                        context: int = 1, timeout_minutes: float = 10.0) -> None:
+    """megatron's parallel state (TP/PP/CP/DP groups) over the default group.
+
+    ``timeout_minutes`` bounds every collective in these groups: megatron's own
+    default (30 minutes) would leave a hung rank's peers waiting that long in
+    the gradient reduce or a TP all-reduce, whatever the default group's says.
+    """
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -90,6 +95,7 @@ def init_model_parallel(tensor: int = 1, pipeline: int = 1, virtual_pipeline: Op
         pipeline_model_parallel_size=pipeline,
         virtual_pipeline_model_parallel_size=virtual_pipeline,
         context_parallel_size=context,
+        distributed_timeout_minutes=timeout_minutes,
     )
     _MEGATRON_GROUPS.extend(g for g in _process_groups() if g not in before)
 
@@ -138,7 +144,7 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, virtual_pipeline: Optio
                      timeout_minutes: float = 10.0, device: str = "auto") -> DistEnv:
     """Process group + megatron parallel state + seeds, in that order."""
     env = init_process_group(timeout_minutes, device)
-    init_model_parallel(tensor, pipeline, virtual_pipeline, context)
+    init_model_parallel(tensor, pipeline, virtual_pipeline, context, timeout_minutes)
     set_seed(seed)
     return env
 

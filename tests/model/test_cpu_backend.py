@@ -107,3 +107,30 @@ def test_reinitialising_model_parallel_releases_the_old_groups(single_rank):
         init_model_parallel(1, 1)
     assert counts()[0] == groups
     assert counts()[1] <= threads + 2  # a stray helper thread at most, not 3 per group
+
+
+def hung_peer_worker(rank, world):
+    """Rank 0 all-reduces over megatron's data-parallel group, rank 1 never joins."""
+    import time
+
+    from megatron.core import parallel_state
+
+    from kvtrain.backend import init_distributed
+
+    init_distributed(seed=1, timeout_minutes=0.03)  # 1.8 s
+    waited = None
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=parallel_state.get_data_parallel_group())
+        except RuntimeError:
+            waited = time.monotonic() - started
+    dist.barrier()  # over the world group: rank 1 waits for rank 0's verdict
+    return waited
+
+
+def test_megatron_groups_time_out_after_the_configured_minutes():
+    """train.dist_timeout_minutes bounds the wait on a hung rank in megatron's groups
+    too (they were made with megatron's default, 30 minutes)."""
+    waited, _ = run_distributed(hung_peer_worker, 2, timeout=300)
+    assert waited is not None and waited < 10
