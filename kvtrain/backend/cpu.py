@@ -24,7 +24,8 @@ What is patched, and why:
 * ``torch.cuda.{get,set}_rng_state/manual_seed/manual_seed_all`` and megatron's
   ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state`` map to the
   CPU generator, so megatron's RNG tracker forks a real generator state for
-  tensor-parallel regions (dropout, TP-sharded init) exactly as on a GPU.
+  tensor-parallel regions (dropout, TP-sharded init) exactly as on a GPU (its
+  warning that the CPU generator moved inside such a region is filtered out).
 * ``torch.cuda.memory_*`` / ``max_memory_allocated`` return 0, ``empty_cache``
   and ``nvtx`` calls are no-ops.
 * ``Tensor.type()`` with no argument reports ``torch.cuda.<X>Tensor``: the
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import types
 
@@ -234,11 +236,19 @@ def _patch_tensor_methods() -> None:
     torch.Tensor.type = type_
 
 
+def _not_the_cpu_rng_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("CPU RNG state changed within GPU RNG context")
+
+
 def _patch_megatron_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # The tracker's fork() warns when the CPU generator moved inside it; here the
+    # forked "CUDA" stream is the CPU generator, so every dropout in a TP region
+    # (once per layer and micro batch) would warn of what is intended.
+    logging.getLogger(mrandom.__name__).addFilter(_not_the_cpu_rng_warning)
 
 
 def enable_cpu_backend(force: bool = False, device: str = "auto") -> bool:

@@ -42,6 +42,18 @@ def test_megatron_rng_tracker_forks_a_real_stream(mp1):
     assert not torch.equal(torch.rand(4), inside)  # the forked stream is another one
 
 
+
+def test_forked_stream_draws_do_not_warn(mp1, caplog):
+    """Dropout inside megatron's TP fork draws from the forked stream, which on the
+    CPU backend is the CPU generator: megatron's check that the CPU generator was
+    left alone there is meaningless and warned once per layer and micro batch."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    with caplog.at_level("WARNING"):
+        with get_cuda_rng_tracker().fork():
+            torch.nn.functional.dropout(torch.ones(8), 0.5)
+    assert "CPU RNG state changed" not in caplog.text
+
 def test_disabled_by_environment():
     code = ("import os; os.environ['KVTRAIN_CPU_BACKEND']='0';"
             "from kvtrain.backend import enable_cpu_backend; print(enable_cpu_backend())")
