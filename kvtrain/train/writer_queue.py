@@ -20,6 +20,7 @@ need a cross-process queue: the manager is then started with ``__main__``
 hidden (so the child imports nothing of ours), asks the kernel for SIGKILL
 when its parent dies (``data_tools.lifeline``: Linux ``PR_SET_PDEATHSIG``, a
 polling thread elsewhere),
+ignores the stop signals (SIGTERM, SIGUSR1: the trainer's, see ``signals``)
 and imports torch's checkpoint classes in the background right away.
 
 Only the standard library is imported at module level: this module is what
@@ -29,6 +30,7 @@ the manager process unpickles as its initializer.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from contextlib import contextmanager
@@ -42,6 +44,11 @@ def _init_manager(parent_pid: int) -> None:
     from data_tools.lifeline import die_with_parent  # standard library only
 
     die_with_parent(parent_pid, poll=True)
+    # SLURM sends SIGTERM/SIGUSR1 to every process of the job; they ask the trainer
+    # to save and stop, and that save's results come through this process.
+    for name in ("SIGTERM", "SIGUSR1"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
     def warm() -> None:
         try:

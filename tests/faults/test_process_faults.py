@@ -221,3 +221,22 @@ def test_a_rank_whose_launcher_died_during_its_imports_exits_at_once(tmp_path):
                                   launcher_waits=True)
     assert launcher.wait(timeout=30) == 0
     assert out.read_text().splitlines() == ["bound alive", "rc=0"], out.read_text()
+
+
+def test_the_async_writers_queue_outlives_the_stop_signals(monkeypatch):
+    """SLURM signals every process of the job: the results queue's manager process
+    must survive SIGTERM/SIGUSR1 like the trainer does, or the save the trainer
+    makes on that stop finds its queue gone."""
+    from kvtrain.train import writer_queue
+
+    monkeypatch.setattr(writer_queue, "_MANAGER", None)
+    queue = writer_queue.results_queue(async_save=True)
+    manager = writer_queue._MANAGER
+    try:
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            os.kill(manager._process.pid, sig)
+        time.sleep(0.3)
+        queue.put("written")
+        assert queue.get(timeout=5) == "written"
+    finally:
+        manager.shutdown()
