@@ -70,7 +70,6 @@ import copy
 import json
 import logging
 import os
-import random
 import shutil
 import time
 from contextlib import contextmanager
@@ -78,12 +77,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -97,6 +94,7 @@ from .integrity import (
     checkpoint_folders, own_shards, save_failure_reason, set_aside,
 )
 from .optimizer import adam_step, inner_optimizers, run_param_groups_kept
+from .rng_states import restore_rng_state, rng_sharded_object
 from .save_agreement import gather_or_fail, on_rank0_or_fail
 from .step import sync_params
 
@@ -167,27 +165,6 @@ def ensure_writer_queue(async_save: bool) -> None:
         filesystem_async._results_queue = results_queue(async_save)
 
 
-# ----------------------------------------------------------------------------- RNG
-def rng_state() -> dict:
-    """This rank's RNG states (Python, NumPy, torch, CUDA, megatron's TP tracker)."""
-    return {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def current_layout() -> dict:
     return {
         "tensor": parallel_state.get_tensor_model_parallel_world_size(),
@@ -196,23 +173,6 @@ def current_layout() -> dict:
         "data": parallel_state.get_data_parallel_world_size(with_context_parallel=True),
         "world": dist.get_world_size(),
     }
-
-
-def _rng_sharded_object() -> ShardedObject:
-    """Every rank's RNG state: one object per (PP, TP) position holding the list
-    over data-parallel ranks (gathered here), saved by DP rank 0."""
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    states = [None] * dist.get_world_size(group)
-    dist.all_gather_object(states, rng_state(), group=group)
-    pp = parallel_state.get_pipeline_model_parallel_rank()
-    tp = parallel_state.get_tensor_model_parallel_rank()
-    return ShardedObject(
-        "rng_state", states,
-        (parallel_state.get_pipeline_model_parallel_world_size(),
-         parallel_state.get_tensor_model_parallel_world_size()),
-        (pp, tp),
-        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
-    )
 
 
 @contextmanager
@@ -313,7 +273,7 @@ class Checkpointer:
                 sd, is_loading=loading, metadata=dict(SHARDING_METADATA))
             sd["opt_param_scheduler"] = self.scheduler.state_dict()
         if rng:
-            sd["rng_state"] = _rng_sharded_object()
+            sd["rng_state"] = rng_sharded_object()
         if state is not None:
             # Plain values: saved once (common.pt) and identical on every rank.
             sd["kvtrain"] = {"state": asdict(state), "layout": current_layout(),
@@ -487,13 +447,17 @@ class Checkpointer:
             self._fix_adam_steps()
         else:
             self.optimizer.reload_model_params()  # main params <- loaded weights
+        kept_back = (None if rng else
+                     "checkpoint.load_rng: false" if not load_rng else "layout changed")
         if rng:
             states = loaded["rng_state"]
-            set_rng_state(states[parallel_state.get_data_parallel_rank(with_context_parallel=True)])
+            dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+            kept_back = restore_rng_state(states[dp_rank])
         state = TrainState(**meta.get("state", {}))
         if not load_optimizer:
             state.nonfinite_in_row = 0
-        state.extra = {"same_layout": same_layout, "rng_restored": rng,
+        state.extra = {"same_layout": same_layout, "rng_restored": kept_back is None,
+                       "rng_kept_back": kept_back,
                        "saved_layout": saved_layout, "config_changes": changes}
         return state
 

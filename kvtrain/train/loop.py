@@ -311,7 +311,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
     count_tokens_from(state, cfg.train)
     order = _order_warning(run, state) if resumed.path is not None else None
     if resumed.path is not None:
-        note = "" if state.extra.get("rng_restored") else " (RNG states not restored: layout changed)"
+        why = state.extra.get("rng_kept_back")
+        note = f" (RNG states not restored: {why})" if why else ""
         say(f"kvtrain: resumed from {resumed.path} at iteration {state.iteration}{note}")
         if order:
             say(f"kvtrain: warning: {order}")

@@ -350,3 +350,22 @@ def test_the_token_count_of_a_checkpoint_from_before_it_was_kept():
     for state in (fresh, kept, old):
         count_tokens_from(state, t)
     assert (fresh.consumed_tokens, kept.consumed_tokens, old.consumed_tokens) == (0, 500, 768)
+
+
+def test_rng_states_saved_on_another_device_are_not_restored(mp1):
+    """A GPU checkpoint's states (CUDA generators: 16 bytes) resumed on the CPU, or the
+    other way round, would break the first dropout in a tensor-parallel region (the
+    tracker's fork sets them on this device's generator): they are kept back, and why
+    is said; this device's own states are restored."""
+    from megatron.core import tensor_parallel
+
+    from kvtrain.train.rng_states import restore_rng_state, rng_state
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    mine = rng_state()
+    assert restore_rng_state(mine) is None
+    on_gpu = {**mine, "cuda": torch.zeros(16, dtype=torch.uint8),
+              "tracker": {name: torch.zeros(16, dtype=torch.uint8) for name in mine["tracker"]}}
+    assert restore_rng_state(on_gpu) == "saved on a GPU"
+    with tracker.fork():  # this device's generator states still in the tracker
+        torch.rand(2)
