@@ -44,7 +44,8 @@ def register(sub) -> None:
     p.add_argument("--log-samples", action="store_true",
                    help="also write every request's log-likelihoods (<record>.samples.jsonl)")
     p.add_argument("--out", default=None, metavar="FILE",
-                   help="results JSON (default: RUN_DIR/eval/<tasks>-iter_XXXXXXX.json)")
+                   help="results JSON (default: RUN_DIR/eval/<tasks>-iter_XXXXXXX"
+                        "[-Kshot][-limitN][-bf16].json)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the code an HF folder's config.json names (auto_map) when kvtrain "
                         "did not export the folder (kvtrain's own exports need no flag)")
