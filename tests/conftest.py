@@ -11,21 +11,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-# The longest files (about a minute each on 2 cores), started first: make test's
-# workers take whole files in collection order (xdist --dist loadfile), so one
-# left to the end keeps a worker busy while the other has nothing to do.
-LONGEST_FIRST = ("tests/train/test_runs.py", "tests/model/test_kernel_compile.py",
-                 "tests/train/test_exact_resume.py", "tests/launch/test_slurm.py",
-                 "tests/faults/test_checkpoint_faults.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    """The longest files first; `gpu` tests are skipped without a CUDA device (and only then)."""
-    def rank(item) -> int:
-        path = item.nodeid.split("::")[0]
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the order within a file and among the rest is kept
+    """`gpu` tests are skipped without a CUDA device (and only then)."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
