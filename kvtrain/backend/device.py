@@ -23,13 +23,13 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from kvtrain.config import ConfigError
 
-# Variables that list the GPU ids a job or step was given (any value but "none").
+# Variables that list the GPU ids a job or step was given (any value but _NO_GPUS's).
 _GPU_LIST_VARS = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "GPU_DEVICE_ORDINAL")
 # Variables that give a GPU count, optionally typed ("a100:4", "gpu:2").
 _GPU_COUNT_VARS = ("SLURM_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE",
                    "SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS_PER_NODE")
-# CUDA_VISIBLE_DEVICES values that hide every GPU (SLURM writes NoDevFiles
-# when the job has no GPU gres).
+# Values of CUDA_VISIBLE_DEVICES (and of the lists above) that give no GPU (SLURM
+# writes NoDevFiles when the job has no GPU gres).
 _NO_GPUS = ("", "-1", "none", "NoDevFiles")
 NVIDIA_DEVICE_FILES = "/dev/nvidia[0-9]*"
 
@@ -48,9 +48,9 @@ def gpus_given(environ: Mapping[str, str],
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() not in _NO_GPUS:
         found.append(f"CUDA_VISIBLE_DEVICES={visible}")
-    for name in _GPU_LIST_VARS:
+    for name in _GPU_LIST_VARS:  # SLURM sets GPU_DEVICE_ORDINAL=NoDevFiles too
         value = environ.get(name, "").strip()
-        if value and value.lower() != "none":
+        if value.lower() not in (v.lower() for v in _NO_GPUS):
             found.append(f"{name}={value}")
     for name in _GPU_COUNT_VARS:
         value = environ.get(name, "")

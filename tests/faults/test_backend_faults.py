@@ -119,6 +119,8 @@ def fake_devices(*paths: str):
     ({"CUDA_VISIBLE_DEVICES": ""}, (), []),
     ({"CUDA_VISIBLE_DEVICES": "-1"}, (), []),
     ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, (), []),
+    # what SLURM sets for a job without GPU gres on a node that has some
+    ({"CUDA_VISIBLE_DEVICES": "NoDevFiles", "GPU_DEVICE_ORDINAL": "NoDevFiles"}, (), []),
     ({"SLURM_GPUS_PER_NODE": "0", "SLURM_JOB_ID": "7"}, (), []),
     ({"CUDA_VISIBLE_DEVICES": "0,1"}, (), ["CUDA_VISIBLE_DEVICES=0,1"]),
     ({"SLURM_JOB_GPUS": "2"}, (), ["SLURM_JOB_GPUS=2"]),
