@@ -456,8 +456,7 @@ class Checkpointer:
         state = TrainState(**meta.get("state", {}))
         if not load_optimizer:
             state.nonfinite_in_row = 0
-        state.extra = {"same_layout": same_layout, "rng_restored": kept_back is None,
-                       "rng_kept_back": kept_back,
+        state.extra = {"same_layout": same_layout, "rng_kept_back": kept_back,
                        "saved_layout": saved_layout, "config_changes": changes}
         return state
 

@@ -306,7 +306,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         if budget:  # another global batch since the checkpoint
             resumed.add(f"kvtrain: {budget}")
         if rank0:  # once the start is taken: a refused one leaves the config of the records
-            write_run_config(cfg, run.run_dir, run.resolved)
+            write_run_config(text, run.run_dir)  # the text printed above
     state = resumed.state
     count_tokens_from(state, cfg.train)
     order = _order_warning(run, state) if resumed.path is not None else None

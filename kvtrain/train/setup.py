@@ -319,12 +319,10 @@ def run_config_text(cfg: RunConfig, resolved: Optional[dict] = None) -> str:
     return text
 
 
-def write_run_config(cfg: RunConfig, run_dir: Path, resolved: Optional[dict] = None) -> str:
-    """Saves :func:`run_config_text` as ``<run_dir>/config.yaml``; returns it."""
-    text = run_config_text(cfg, resolved)
+def write_run_config(text: str, run_dir: Path) -> None:
+    """Saves ``text`` (:func:`run_config_text`) as ``<run_dir>/config.yaml``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", text)
-    return text
 
 
 __all__ = ["Run", "backend_event", "build_run", "fit_token_budget", "resolve_run_dir",
