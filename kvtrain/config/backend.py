@@ -68,6 +68,9 @@ class BackendChoice:
     cross_entropy: Optional[str] = None
     """What computes the loss (``model.cross_entropy_kernel`` resolved: ``triton`` or
     ``torch``, and why; ``kvtrain.model.cross_entropy``); None where not resolved."""
+    context_parallel: Optional[str] = None
+    """How the attention exchanges keys and values over the CP group when
+    ``parallel.context`` > 1 (:func:`context_attention`); None without CP."""
     swiglu: Optional[str] = None
     """What computes the MLP's activation (``model.swiglu_kernel`` resolved: ``triton``
     or ``torch``, and why; ``kvtrain.model.swiglu``); None where not resolved."""
@@ -80,11 +83,12 @@ class BackendChoice:
     def details(self) -> str:
         """Why this backend and its kernels: ``auto: no GPU; fused softmax: no``, plus
         ``; documents: <kernel>`` when documents are separated and ``; KV shift:
-        <kernel>`` for KV-shift attention, ``; RoPE: <kernel>``, ``; cross-entropy:
+        <kernel>`` for KV-shift attention, ``; context parallel: <exchange>`` under CP, ``; RoPE: <kernel>``, ``; cross-entropy:
         <kernel>``, ``; SwiGLU: <kernel>``, and ``; multi-tensor ops: <kernels>; optimizer: <update>`` once
         the optimizer is built."""
         fused = "yes" if self.fused_softmax else "no"
         docs = f"; documents: {self.documents}" if self.documents else ""
+        docs += f"; context parallel: {self.context_parallel}" if self.context_parallel else ""
         shift = f"; KV shift: {self.shift_kernel}" if self.shift_kernel else ""
         rope = f"; RoPE: {self.rope}" if self.rope else ""
         loss = f"; cross-entropy: {self.cross_entropy}" if self.cross_entropy else ""
@@ -164,6 +168,18 @@ def document_attention(backend: str, cuda: bool, attention_dropout: float, conte
         return "mask"
     flex = cuda and attention_dropout == 0 and context == 1 and head_dim >= FLEX_MIN_HEAD_DIM
     return "flex" if flex else "sdpa+mask"
+
+
+def context_attention(backend: str, cp_comm_type: str) -> str:
+    """How the attention exchanges K/V over the context-parallel group: Transformer
+    Engine's ``parallel.cp_comm_type``; on ``torch`` kvtrain's attention, which
+    all-gathers K and V (``kvtrain.model.context_parallel``) whatever that key says
+    (a config written for a te cluster still smoke-tests on the CPU, and says so)."""
+    if backend == "te":
+        return f"{cp_comm_type} (Transformer Engine)"
+    note = "" if cp_comm_type == "all_gather" else \
+        f"; parallel.cp_comm_type {cp_comm_type} applies to model.backend te"
+    return f"all_gather of K/V (kvtrain{note})"
 
 
 def document_mask_problem(backend: str, fused_softmax: bool, half: bool,

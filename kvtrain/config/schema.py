@@ -52,7 +52,8 @@ class ParallelConfig:
     cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
     """Context-parallel communication of Transformer Engine's attention (model.backend te):
     p2p (ring), all_gather, or a2a (needs the KV heads per TP rank to divide by
-    parallel.context). The torch backend always all-gathers K and V over the CP group."""
+    parallel.context). The torch backend always all-gathers K and V over the CP group
+    (the backend line and `kvtrain plan` say which exchange runs)."""
 
 
 # ----------------------------------------------------------------------------- training

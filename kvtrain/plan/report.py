@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtrain.config.backend import FLEX_MIN_HEAD_DIM, document_attention
+from kvtrain.config.backend import FLEX_MIN_HEAD_DIM, context_attention, document_attention
 from kvtrain.config.schema import ModelConfig
 
 from .flops import human_duration
@@ -34,13 +34,16 @@ def _attention_memory(plan: Plan) -> str:
                 "materialised (torch softmax: fp32 scores + probabilities per layer)")
     assumed = "assumed (model.backend auto: a GPU cluster with Transformer Engine)" \
         if backend == "auto" else f"(model.backend {backend})"
+    cp = plan.cfg.parallel
+    cp = (f"; context parallel: {context_attention(plan.memory.attention, cp.cp_comm_type)}"
+          if cp.context > 1 else "")
     if plan.memory.attention == "torch":
         docs = ""
         if plan.cfg.data.reset_attention_mask:
             docs = _document_attention(plan.cfg)
         return (f"attention memory: torch spec {assumed}: SDPA flash kernels, "
-                f"no s x s scores{docs}")
-    return f"attention memory: te spec {assumed}: flash attention, no s x s scores"
+                f"no s x s scores{docs}{cp}")
+    return f"attention memory: te spec {assumed}: flash attention, no s x s scores{cp}"
 
 
 def _document_attention(cfg) -> str:

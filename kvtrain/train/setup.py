@@ -253,7 +253,8 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     """The run's backend on this machine, with how it keeps documents apart and what
     computes the KV shift, RoPE and the loss (refusing what it cannot do); and those
     kernels, for the model's builder."""
-    from kvtrain.config.backend import check_document_masks, document_attention
+    from kvtrain.config.backend import (check_document_masks, context_attention,
+                                        document_attention)
     from kvtrain.model import rope
     from kvtrain.model.cross_entropy import choose_cross_entropy
     from kvtrain.model.shift_kernels import choose_kernel
@@ -267,6 +268,9 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
         backend = dataclasses.replace(backend, documents=document_attention(
             backend.name, cuda, cfg.model.attention_dropout, cfg.parallel.context,
             cfg.model.head_dim))
+    if cfg.parallel.context > 1:
+        backend = dataclasses.replace(backend, context_parallel=context_attention(
+            backend.name, cfg.parallel.cp_comm_type))
     shift = None
     if cfg.model.attention == "kv_shift":
         shift, shift_why = choose_kernel(cfg.model.kv_shift.kernel, cuda, numerics.params_dtype)

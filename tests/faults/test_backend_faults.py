@@ -256,6 +256,34 @@ def test_context_parallel_documents_record_the_kernel_that_runs(monkeypatch):
     assert _resolve_backend(cp, bf16)[0].documents == "sdpa+mask"
 
 
+def test_context_parallel_records_the_communication_that_runs(monkeypatch):
+    """parallel.cp_comm_type is Transformer Engine's: on torch the attention all-gathers
+    K/V whatever it says, and the run's record says which ran (None without CP)."""
+    import torch
+
+    from kvtrain.model.builder import Numerics
+    from kvtrain.train.setup import _resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    bf16 = Numerics(params_dtype=torch.bfloat16, bf16=True)
+    sets = ["model.backend=torch", "parallel.context=2", "parallel.cp_comm_type=a2a"]
+    torch_cp = _resolve_backend(load_config(None, sets), bf16)[0]
+    assert torch_cp.context_parallel.startswith("all_gather of K/V (kvtrain")
+    assert "parallel.cp_comm_type a2a applies to model.backend te" in torch_cp.context_parallel
+    assert "; context parallel: all_gather" in torch_cp.describe()
+    assert _resolve_backend(load_config(None, ["model.backend=torch"]), bf16)[0] \
+        .context_parallel is None
+    from kvtrain.config.backend import context_attention
+    assert context_attention("te", "a2a") == "a2a (Transformer Engine)"
+    assert context_attention("torch", "p2p").startswith("all_gather of K/V")
+    # the plan says the same: te's ring by default (auto assumes te), torch's all-gather
+    assert "context parallel: p2p (Transformer Engine)" in render(make_plan(
+        load_config(PAPER_6_7B, ["parallel.context=2"]), nodes=8, gpu="a100"))
+    assert "context parallel: all_gather of K/V" in render(make_plan(
+        load_config(PAPER_6_7B, ["parallel.context=2", "model.backend=torch"]), nodes=8,
+        gpu="a100"))
+
+
 def test_plan_names_the_document_kernel_of_torch_cp_attention():
     """The plan says what the run will record: SDPA masks, not FlexAttention, under CP."""
     sets = ["data.reset_attention_mask=true", "data.eod_id=2", "model.backend=torch"]
