@@ -186,7 +186,8 @@ class CheckpointConfig:
     """Keep the newest K checkpoints; null keeps all."""
     resume: str = "auto"
     """``auto``: the checkpoint ``latest`` names, else (damaged, missing) the newest intact
-    one; ``none`` (refused where checkpoints exist); or a checkpoint path (no fallback)."""
+    one; ``none`` (refused where checkpoints exist); or a checkpoint path (no fallback): the
+    run's first start; a rerun continues from the run's own checkpoints descending from it."""
     async_save: bool = False
     """Write checkpoints in the background (GPU runs)."""
     save_on_exit: bool = True

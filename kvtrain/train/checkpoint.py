@@ -120,6 +120,9 @@ class TrainState:
     # [[index, crc32], ...] of a few training samples drawn (kvtrain/data/order.py):
     # a resume tells whether the dataset it builds still gives them
     data_order: Optional[list] = None
+    # the explicit checkpoint.resume (resolved) this history began from; also in the
+    # marker, where integrity.plan_resume finds a rerun's own checkpoints
+    started_from: Optional[str] = None
     extra: dict = field(default_factory=dict)
 
 
@@ -380,6 +383,8 @@ class Checkpointer:
                 "version": FORMAT_VERSION, "saved_at": time.time(),
                 "save_seconds": round(seconds, 3),
                 "manifest": build_manifest(work, known)}
+        if state.started_from is not None:
+            info["started_from"] = state.started_from
         atomic_write_text(work / MARKER, json.dumps(info, indent=1) + "\n")
         final = self.root / checkpoint_name(state.iteration)
         if final.exists():  # same iteration from a history not loaded: kept aside

@@ -34,7 +34,11 @@ names no checkpoint folder gives one warning. The caller tries the candidates
 in order and skips (with one warning each) those that fail verification or
 loading; if there were candidates and none loads, the run stops with one line
 listing them: a folder that holds checkpoints never restarts from scratch.
-An explicit ``checkpoint.resume: PATH`` has one candidate and no fallback.
+An explicit ``checkpoint.resume: PATH`` has one candidate and no fallback: the
+run's first start. Its checkpoints record PATH (the marker's ``started_from``,
+carried on through later resumes), so a rerun of the same command after a crash
+or a requeue continues from the run's own checkpoints that descend from PATH
+(newest first, PATH last), not from PATH again.
 ``resume: none`` is refused when the folder holds checkpoints (keep_last would
 delete them and the new saves replace those of the same number).
 
@@ -234,6 +238,7 @@ class ResumePlan:
     candidates: list[Path] = field(default_factory=list)
     explicit: bool = False
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # said, but nothing passed over
 
 
 def plan_resume(resume: str, root: Path) -> ResumePlan:
@@ -261,8 +266,23 @@ def plan_resume(resume: str, root: Path) -> ResumePlan:
             plan.warnings.append(warn(f"{problem} and {root} holds no checkpoint: "
                                       "starting from scratch"))
         return plan
-    return ResumePlan(root, candidates=[_explicit_checkpoint(Path(value).expanduser())],
-                      explicit=True)
+    start = _explicit_checkpoint(Path(value).expanduser())
+    own = [p for p in plan_resume("auto", root).candidates if _started_from(p) == start.resolve()]
+    if own:  # a rerun: PATH was this history's first start
+        return ResumePlan(root, candidates=own + [start], notes=[
+            f"checkpoint.resume {value}: this run started from it and trained on; continuing "
+            f"from its own checkpoints ({', '.join(p.name for p in own)}) descending from it"])
+    return ResumePlan(root, candidates=[start], explicit=True)
+
+
+def _started_from(path: Path) -> Optional[Path]:
+    """The explicit ``checkpoint.resume`` checkpoint the history of ``path`` began
+    from (its marker's ``started_from``), None if none or unreadable."""
+    try:
+        start = read_marker(path).get("started_from")
+    except CheckpointError:
+        return None
+    return Path(start) if isinstance(start, str) else None
 
 
 def _explicit_checkpoint(path: Path) -> Path:

@@ -53,6 +53,8 @@ def resume(ckpt: Checkpointer, plan: ResumePlan, verify: str = "full",
     resumed = Resumed(fell_back=bool(plan.warnings))
     for note in plan.warnings:
         resumed.add(note)
+    for note in plan.notes:
+        resumed.add(f"kvtrain: {note}")
     rejected = []
     for path in plan.candidates:
         problem, warning = _verify(ckpt, path, verify)
@@ -69,6 +71,8 @@ def resume(ckpt: Checkpointer, plan: ResumePlan, verify: str = "full",
             continue
         if warning:
             resumed.add(warn(warning))
+        if plan.explicit:  # this history's first start: its checkpoints will say so
+            state.started_from = str(path.resolve())
         resumed.path, resumed.state = path, state
         resumed.fell_back |= bool(rejected)
         _set_aside_after(ckpt, path, state.iteration, resumed)

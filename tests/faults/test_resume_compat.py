@@ -118,6 +118,10 @@ def resumes(tmp_path_factory, corpus, cache_dir):
     jobs.append({"config": str(config), "run_dir": str(root / "strict_missing"), "expect": 2,
                  "overrides": ["checkpoint.allow_config_changes=[model.attention]",
                                f"checkpoint.resume={vanilla_ckpt}"]})
+    # an explicit start, then a rerun of the same command (a crash, a requeue)
+    jobs += [{"config": str(config), "run_dir": str(root / "rerun"),
+              "overrides": [f"checkpoint.resume={ckpt}", f"train.max_steps={steps}"]}
+             for steps in (4, 5)]
     # a refused resume in the run's own folder (resume: auto)
     jobs.append({"config": str(config), "run_dir": str(root / "saved"), "expect": 2,
                  "overrides": ["model.attention=vanilla"]})
@@ -172,6 +176,21 @@ def test_allowed_change_is_printed_and_recorded(resumes):
     # the tokens go on counting: 3 steps of 8 x 32 tokens, then one of 8 x 16
     # (not 4 x 8 x 16: the count fell below the checkpoint's 768)
     assert [r["consumed_tokens"] for r in metrics(root / "seq_allowed")] == [3 * 8 * 32 + 8 * 16]
+
+
+def test_a_rerun_of_an_explicit_start_continues_its_own_history(resumes):
+    """checkpoint.resume: PATH starts the run; the same command again continues from
+    the run's own iter_4 (its marker records PATH), not from PATH's iteration 3."""
+    import json
+
+    root, result = resumes
+    assert [r["iteration"] for r in metrics(root / "rerun")] == [4, 5]
+    assert "this run started from it and trained on" in result.stdout
+    start = root / "saved" / "checkpoints" / "iter_0000003"
+    marker = json.loads((root / "rerun" / "checkpoints" / "iter_0000005" /
+                         "kvtrain_checkpoint.json").read_text())
+    assert marker["started_from"] == str(start.resolve())
+    assert not list((root / "rerun" / "checkpoints").glob("abandoned-*"))
 
 
 def test_refusal_is_one_line_on_the_command_line(resumes, tmp_path):

@@ -160,6 +160,41 @@ def test_resume_resolution_and_tracker(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_explicit_resume_continues_the_history_it_started(tmp_path):
+    """checkpoint.resume: PATH is the run's first start. A rerun of the same command
+    (a crash, a requeue outside slurm.sbatch) continues from the run's own checkpoints
+    that descend from PATH (their marker says so), not from PATH again, which would
+    throw away everything trained since."""
+    import json
+
+    from kvtrain.train.checkpoint import MARKER
+    from kvtrain.train.integrity import plan_resume
+
+    def fake(path, started_from=None):
+        path.mkdir(parents=True)
+        (path / "metadata.json").write_text("{}")
+        info = {"iteration": int(path.name[5:])}
+        if started_from is not None:
+            info["started_from"] = started_from
+        (path / MARKER).write_text(json.dumps(info))
+        return path
+
+    init = fake(tmp_path / "other" / "iter_0000002")
+    root = tmp_path / "run" / "checkpoints"
+    plan = plan_resume(str(init), root)  # the first start: PATH
+    assert plan.candidates == [init] and plan.explicit
+    own = fake(root / "iter_0000006", started_from=str(init.resolve()))
+    newer = fake(root / "iter_0000008", started_from=str(init.resolve()))
+    plan = plan_resume(str(init), root)  # the rerun: its own newest, then the older, then PATH
+    assert plan.candidates == [newer, own, init] and not plan.explicit
+    assert "continuing from its own checkpoints" in plan.notes[0] and not plan.warnings
+    # checkpoints of another origin (a rollback to PATH in a folder trained without it)
+    other = tmp_path / "run2" / "checkpoints"
+    fake(other / "iter_0000009")
+    plan = plan_resume(str(init), other)
+    assert plan.candidates == [init] and plan.explicit
+
+
 # ----------------------------------------------------------------------------- KV-shift stats
 def test_table5_quadrants_and_layer_means():
     from kvtrain.train.evaluation import shift_statistics
