@@ -53,20 +53,25 @@ def register(sub) -> None:
 
 def run_induction(args) -> int:
     from kvtrain.config import ConfigError
-    from kvtrain.experiments.presets import arm_configs
+    from kvtrain.experiments.presets import arm_configs, select_arms
+    from kvtrain.experiments.runner import earlier_group
 
     if args.workers < 1 or args.nproc < 1 or args.threads < 0:
         raise ConfigError("--workers and --nproc must be >= 1, --threads >= 0")
     overrides = list(args.overrides) + (["wandb.enabled=false"] if args.no_wandb else [])
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
-    group = f"{args.preset}-{args.scale}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # Every arm's config is built and validated before anything is trained.
-    configs = arm_configs(args.preset, args.scale, overrides, arms, world_size=args.nproc,
-                          extra={"wandb": {"group": group}})
+    selected = [a.name for a in select_arms(args.preset, arms)]
     run_dir = args.run_dir or os.path.join("runs", f"induction-{args.preset}-{args.scale}")
+    # a folder's experiment is continued: its arms stay one wandb group
+    group = earlier_group(run_dir, args.preset, args.scale) or \
+        f"{args.preset}-{args.scale}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # Every arm's config is built and validated before anything is trained (all
+    # of the preset's: those the folder already holds are checked against them).
+    configs = arm_configs(args.preset, args.scale, overrides, world_size=args.nproc,
+                          extra={"wandb": {"group": group}})
     steps = configs[0][1].train.max_steps
-    print(f"experiment induction --preset {args.preset} --scale {args.scale}: {len(configs)} "
-          f"arms ({', '.join(a.name for a, _ in configs)}), {steps} steps each, "
+    print(f"experiment induction --preset {args.preset} --scale {args.scale}: {len(selected)} "
+          f"arms ({', '.join(selected)}), {steps} steps each, "
           f"{args.workers} at a time -> {run_dir}", flush=True)
     from kvtrain.experiments.results import format_summary
     from kvtrain.experiments.runner import run_experiment
@@ -74,13 +79,14 @@ def run_induction(args) -> int:
     spec = {"preset": args.preset, "scale": args.scale, "overrides": overrides,
             "wandb_group": group}
     summary = run_experiment(configs, run_dir, spec, workers=args.workers, threads=args.threads,
-                             nproc=args.nproc, title=f"{args.preset} ({args.scale})")
+                             nproc=args.nproc, title=f"{args.preset} ({args.scale})",
+                             selected=selected)
     print(format_summary(summary))
     print(f"wrote {run_dir}/results.csv, {run_dir}/accuracy.png, {run_dir}/loss.png, "
           f"{run_dir}/summary.json")
     failed = [arm for arm, a in summary["arms"].items() if a["exit_code"] != 0]
     if failed:
-        print(f"kvtrain: arm(s) {', '.join(failed)} failed; see "
-              f"{run_dir}/arms/<arm>/train.log", flush=True)
+        print(f"kvtrain: arm(s) {', '.join(failed)} failed or did not finish; see "
+              f"{run_dir}/arms/<arm>/train.log (the same command continues them)", flush=True)
         return 1
     return 0

@@ -70,14 +70,16 @@ def _every(interval: int) -> dict:
 
 
 # Shared by every preset and scale: the paper's optimizer (Appendix N) and the
-# experiment's bookkeeping (no checkpoints: an arm is short and rerun whole).
+# experiment's bookkeeping (no checkpoints at the cpu scale: an arm is short and
+# an unfinished one restarts; resume auto, so that an arm rerun into its folder
+# continues from its checkpoints where --set or the scale saves some).
 _COMMON = {
     "model": {"rotary_base": 100000, "init_method_std": 0.02},
     "train": {"seed": 1234},
     "optimizer": {"lr_schedule": "constant", "weight_decay": 0.1, "adam_beta1": 0.9,
                   "adam_beta2": 0.95, "adam_eps": 1e-8, "clip_grad": 1.0},
     "data": {"type": "induction", "seed": 0, "eval_seed": 1_000_003, "num_workers": 0},
-    "checkpoint": {"save_interval": None, "save_on_exit": False, "resume": "none"},
+    "checkpoint": {"save_interval": None, "save_on_exit": False, "resume": "auto"},
     "wandb": {"project": "kvtrain-induction"},
 }
 
@@ -89,6 +91,8 @@ _PAPER = {
               "max_steps": 10000, "eval_iters": 1, **_every(250)},
     "optimizer": {"lr": 2e-4, "lr_warmup_steps": 1000},
     "data": {"induction": {"max_val": 8000}},
+    # an arm takes hours on GPUs: a stopped or failed one resumes from these
+    "checkpoint": {"save_interval": 1000, "save_on_exit": True},
 }
 
 # CPU: App. K data with length 128 (the pool of distinct ids per sequence is

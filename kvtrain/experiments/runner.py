@@ -9,8 +9,10 @@ rerun. The curve of an arm is read from its ``metrics.jsonl``.
 
 Outputs in the run folder: ``results.csv``, ``accuracy.png``, ``loss.png``,
 ``summary.json``, ``spec.json`` (preset, scale, overrides, arms, command) and
-per arm ``arm.yaml``, ``curve.csv``, ``train.log`` and the run folder ``run/``
-(config.yaml, metrics.jsonl, wandb/ with one wandb run per arm).
+per arm ``arm.yaml``, ``curve.csv``, ``train.log``, ``result.json`` (exit code,
+wall time) and the run folder ``run/`` (config.yaml, metrics.jsonl, wandb/
+with one wandb run per arm). A rerun into the folder continues the experiment
+(``arm_jobs``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from kvtrain.config import ConfigError, RunConfig, dump_yaml
+from data_tools.fileio import atomic_write_text
+
+from kvtrain.config import ConfigError, RunConfig, dump_yaml, load_config, to_dict
+from kvtrain.config.compat import config_changes
+from kvtrain.config.layout import total_steps
 from kvtrain.plan.params import count_params
 
 from .presets import Arm
@@ -35,36 +41,97 @@ _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK
                  "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
+RESULT = "result.json"  # per arm: the runner's record of its process (exit code, wall time)
+
+
 @dataclass
 class ArmJob:
-    """One arm to train: its config and its folder (``arms/<arm>``)."""
+    """One arm of an experiment's folder: its config, its folder (``arms/<arm>``)
+    and, for an arm not trained by this command, what its earlier run gave."""
 
     arm: Arm
     cfg: RunConfig
     folder: Path
+    earlier: Optional[ArmResult] = None
 
     @property
     def run_dir(self) -> Path:
         return self.folder / "run"
 
 
-def arm_jobs(configs: list[tuple[Arm, RunConfig]], run_dir: Path) -> list[ArmJob]:
-    """The jobs of an experiment; refuses a run folder that already holds an
-    arm's run (its results would be appended to, not replaced), or runs of
-    other arms (the folder's results.csv, summary.json and plots would be
-    replaced by this selection's, without them)."""
-    jobs = [ArmJob(arm, cfg, run_dir / "arms" / arm.name) for arm, cfg in configs]
-    taken = [str(j.run_dir) for j in jobs if j.run_dir.exists()]
-    if taken:
-        raise ConfigError(f"{run_dir} already holds runs of this experiment ({', '.join(taken)}); "
-                          "choose another --run-dir or remove them")
-    names = {j.arm.name for j in jobs}
-    others = sorted(p.parent.name for p in (run_dir / "arms").glob("*/run")
-                    if p.parent.name not in names)
-    if others:
-        raise ConfigError(f"{run_dir} holds runs of arm(s) {', '.join(others)} of an earlier "
-                          "experiment: this one's results.csv, summary.json and plots would "
-                          "replace theirs; choose another --run-dir")
+def earlier_group(run_dir: str | Path, preset: str, scale: str) -> Optional[str]:
+    """The wandb group of the experiment a folder holds (its arms stay one group),
+    None for a new folder; refuses a folder of another preset or scale."""
+    path = Path(run_dir) / "spec.json"
+    if not path.exists():
+        return None
+    try:
+        spec = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path}: not JSON ({e}); choose another --run-dir") from None
+    if (spec.get("preset"), spec.get("scale")) != (preset, scale):
+        raise ConfigError(f"{run_dir} holds an experiment of preset {spec.get('preset')} (scale "
+                          f"{spec.get('scale')}), not {preset} ({scale}); choose another --run-dir")
+    return spec.get("wandb_group")
+
+
+def _check_same_config(job: ArmJob) -> None:
+    """An arm already in the folder must be the arm this command would train:
+    otherwise the grid's results would mix settings. Logging (wandb) may differ."""
+    saved = to_dict(load_config(job.folder / "arm.yaml"))
+    keys = tuple(k for k in saved if k != "wandb")
+    changes = config_changes(saved, to_dict(job.cfg), keys)
+    if changes:
+        raise ConfigError(
+            f"{job.folder / 'arm.yaml'} differs from this command's config of arm {job.arm.name} "
+            f"({'; '.join(map(str, changes[:3]))}): the arms of an experiment share one config; "
+            "rerun with its --set values, or choose another --run-dir")
+
+
+def _earlier_result(job: ArmJob) -> ArmResult:
+    """What the arm's earlier run in the folder gave."""
+    record = job.folder / RESULT
+    result = json.loads(record.read_text()) if record.exists() else {}
+    metrics = job.run_dir / "metrics.jsonl"
+    rows = curve_from_metrics(metrics, job.arm.name, job.cfg.data.type, result.get("started")) \
+        if metrics.exists() else []
+    # no record: the runner was stopped while the arm trained
+    return ArmResult(job.arm.name, rows, result.get("wall_s", 0.0), result.get("exit_code"),
+                     _params(job.cfg))
+
+
+def _finished(result: ArmResult, cfg: RunConfig) -> bool:
+    """Whether an arm's earlier run exited cleanly at its last step."""
+    return result.exit_code == 0 and bool(result.rows) and \
+        result.rows[-1]["step"] >= total_steps(cfg)[0]
+
+
+def arm_jobs(configs: list[tuple[Arm, RunConfig]], run_dir: Path,
+             selected: Optional[list[str]] = None) -> list[ArmJob]:
+    """The arms of an experiment's folder, in the preset's order: the
+    ``selected`` ones (None: all) and those it already holds. A finished arm
+    keeps its earlier result (``earlier``); an unfinished selected one is
+    trained again (the trainer resumes its run from its latest checkpoint, if
+    any); an unselected one is kept as it is. Refuses an arm whose config
+    differs from the one it was trained with, or arms of another preset."""
+    known = {arm.name for arm, _ in configs}
+    strangers = sorted(p.parent.name for p in (run_dir / "arms").glob("*/arm.yaml")
+                       if p.parent.name not in known)
+    if strangers:
+        raise ConfigError(f"{run_dir} holds arm(s) {', '.join(strangers)}, not arms of this "
+                          f"preset ({', '.join(sorted(known))}); choose another --run-dir")
+    jobs = []
+    for arm, cfg in configs:
+        job = ArmJob(arm, cfg, run_dir / "arms" / arm.name)
+        present = (job.folder / "arm.yaml").exists()
+        chosen = selected is None or arm.name in selected
+        if present:
+            _check_same_config(job)
+            earlier = _earlier_result(job)
+            if _finished(earlier, cfg) or not chosen:
+                job.earlier = earlier
+        if present or chosen:
+            jobs.append(job)
     return jobs
 
 
@@ -97,11 +164,17 @@ def _finish(job: ArmJob, code: int, started: float) -> ArmResult:
     rows = curve_from_metrics(metrics, job.arm.name, job.cfg.data.type, started) \
         if metrics.exists() else []
     write_results(rows, job.folder / "curve.csv")
-    n = count_params(job.cfg.model)
-    params = {"total": int(n.total), "non_embedding": int(n.non_embedding)}
+    atomic_write_text(job.folder / RESULT, json.dumps({"exit_code": code,
+                                                       "wall_s": round(wall, 1),
+                                                       "started": started}))
     status = "done" if code == 0 else f"FAILED (exit {code}; see {job.folder / 'train.log'})"
     print(f"[{job.arm.name}] {status} in {wall:.0f} s", flush=True)
-    return ArmResult(job.arm.name, rows, wall, code, params)
+    return ArmResult(job.arm.name, rows, wall, code, _params(job.cfg))
+
+
+def _params(cfg: RunConfig) -> dict:
+    n = count_params(cfg.model)
+    return {"total": int(n.total), "non_embedding": int(n.non_embedding)}
 
 
 def run_arms(jobs: list[ArmJob], workers: int = 1, threads: int = 0,
@@ -136,18 +209,26 @@ def run_arms(jobs: list[ArmJob], workers: int = 1, threads: int = 0,
 
 def run_experiment(configs: list[tuple[Arm, RunConfig]], run_dir: str | Path,
                    spec: dict, workers: int = 1, threads: int = 0, nproc: int = 1,
-                   title: Optional[str] = None) -> dict:
-    """Trains the arms and writes results.csv, accuracy.png, loss.png,
-    summary.json and spec.json (``spec`` plus the run's layout). Returns the summary."""
+                   title: Optional[str] = None, selected: Optional[list[str]] = None) -> dict:
+    """Trains the ``selected`` arms (None: all) that are not finished in the
+    folder and writes results.csv, accuracy.png, loss.png, summary.json and
+    spec.json (``spec`` plus the run's layout) of every arm the folder then
+    holds (``arm_jobs``). Returns the summary."""
     run_dir = Path(run_dir)
-    jobs = arm_jobs(configs, run_dir)
+    jobs = arm_jobs(configs, run_dir, selected)
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "arms": [j.arm.name for j in jobs], "workers": workers, "threads": threads,
             "nproc": nproc, "commands": [" ".join(arm_command(j.folder / "arm.yaml", j.run_dir,
                                                                 nproc)) for j in jobs]}
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
     t0 = time.time()
-    results = run_arms(jobs, workers, threads, nproc)
+    for job in jobs:
+        if job.earlier is not None:
+            state = "finished earlier" if _finished(job.earlier, job.cfg) else "not selected"
+            print(f"[{job.arm.name}] {state}: kept ({job.run_dir})", flush=True)
+    trained = run_arms([j for j in jobs if j.earlier is None], workers, threads, nproc)
+    by_name = {r.arm: r for r in trained}
+    results = [j.earlier or by_name[j.arm.name] for j in jobs]
     rows = [row for r in results for row in r.rows]
     write_results(rows, run_dir / "results.csv")
     names = [r.arm for r in results]

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvtrain.cli import main
-from kvtrain.config import ConfigError, to_dict
+from kvtrain.config import ConfigError, dump_yaml, to_dict
 from kvtrain.experiments.presets import arm_configs, preset_arms
 from kvtrain.experiments.results import curve_from_metrics
-from kvtrain.experiments.runner import arm_jobs
+from kvtrain.experiments.runner import arm_jobs, earlier_group
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY = ["train.max_steps=4", "train.eval_interval=2", "train.log_interval=2",
@@ -43,7 +43,9 @@ def test_every_arm_is_a_validated_run_config_differing_only_in_its_keys(preset, 
         assert (cfg.model.attention, cfg.model.num_layers, cfg.name) == \
             (arm.attention, arm.num_layers, arm.name)
         assert without_arm_keys(cfg) == shared  # same seed, data, optimizer, width
-    assert shared["checkpoint"]["resume"] == "none"
+    # an arm rerun into its folder resumes from its checkpoints (the paper scale saves some)
+    assert shared["checkpoint"]["resume"] == "auto"
+    assert shared["checkpoint"]["save_interval"] == (1000 if scale == "paper" else None)
     assert shared["data"]["type"] == ("ngram" if preset == "ngram" else "induction")
 
 
@@ -88,13 +90,6 @@ def test_bad_options_are_one_line_errors(args, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not run_dir.exists()  # refused before anything is written
-
-
-def test_a_folder_with_runs_is_refused(tmp_path):
-    configs = arm_configs("fig1b", "cpu")
-    (tmp_path / "arms" / "vanilla-2L" / "run").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="already holds runs of this experiment"):
-        arm_jobs(configs, tmp_path)
 
 
 def test_curve_from_metrics(tmp_path):
@@ -176,6 +171,12 @@ def test_tiny_grid_through_kvtrain_train(tmp_path, capsys):
         assert [r["iteration"] for r in valid] == [2, 4]
         assert all("val_acc_induction_first" in r for r in valid)
         assert not (run_dir / "arms" / arm / "run" / "wandb").exists()
+    # the same command again: both arms are finished, kept, and the results rewritten
+    assert main(["experiment", "induction", "--preset", "fig1a", "--run-dir", str(run_dir),
+                 "--arms", ",".join(arms), "--no-wandb", *sets]) == 0
+    out = capsys.readouterr().out
+    assert all(f"[{arm}] finished earlier" in out for arm in arms), out
+    check_outputs(run_dir, arms)
 
 
 def test_a_grid_on_other_data_is_refused_before_training():
@@ -186,11 +187,98 @@ def test_a_grid_on_other_data_is_refused_before_training():
         arm_configs("fig1a", "cpu", ["data.type=mock"])
 
 
-def test_a_folder_with_runs_of_other_arms_is_refused(tmp_path):
-    """A second selection of arms into the folder of a first would write its
-    results.csv, summary.json, plots and spec.json over the first's: the
-    folder's results would lose the arms whose runs it still holds."""
-    (tmp_path / "arms" / "kv_shift-1L" / "run").mkdir(parents=True)
-    configs = arm_configs("fig1b", "cpu", arms=["vanilla-2L"])
-    with pytest.raises(ConfigError, match=r"holds runs of arm\(s\) kv_shift-1L .* replace"):
-        arm_jobs(configs, tmp_path)
+def fake_arm(run_dir: Path, cfg, last_step: int, exit_code: int = 0) -> None:
+    """An arm's folder as the runner leaves it: arm.yaml, result.json and the
+    run's metrics.jsonl, with validation records every 2 steps up to ``last_step``."""
+    folder = run_dir / "arms" / cfg.name
+    (folder / "run").mkdir(parents=True)
+    (folder / "arm.yaml").write_text(dump_yaml(cfg))
+    (folder / "result.json").write_text(json.dumps({"exit_code": exit_code, "wall_s": 7.0,
+                                                    "started": 100.0}))
+    records = [r for s in range(2, last_step + 1, 2) for r in (
+        {"kind": "train", "iteration": s, "lm_loss": 5.5 - s / 4, "lr": 0.1, "time": 99.5 + s},
+        {"kind": "valid", "iteration": s, "val_loss": 5.0 - s / 4,
+         "val_acc_induction_first": s / 4, "val_acc_induction_all": s / 8, "time": 100.0 + s})]
+    (folder / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+TINY_SETS = [x for kv in TINY + ["wandb.enabled=false"] for x in ("--set", kv)]
+
+
+def fake_grid(run_dir: Path, finished: list[str], unfinished: list[str] = (),
+              sets: list[str] = TINY, preset: str = "fig1a") -> None:
+    """A grid's folder after a first ``kvtrain experiment`` (spec.json and arms)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.json").write_text(json.dumps({"preset": preset, "scale": "cpu",
+                                                   "wandb_group": "g"}))
+    for arm, cfg in arm_configs(preset, "cpu", sets + ["wandb.enabled=false"],
+                                extra={"wandb": {"group": "g"}}):
+        if arm.name in finished or arm.name in unfinished:
+            fake_arm(run_dir, cfg, 4 if arm.name in finished else 2,
+                     0 if arm.name in finished else 1)
+
+
+def test_a_rerun_keeps_finished_arms_and_trains_the_others(tmp_path):
+    """Into a grid's folder: a finished arm is kept (its result read back), an
+    unfinished one is trained again (the trainer resumes or restarts its run),
+    arms not yet run are added; unselected arms in the folder are kept as they are."""
+    fake_grid(tmp_path, finished=["kv_shift-1L"], unfinished=["vanilla-2L"])
+    configs = arm_configs("fig1a", "cpu", TINY + ["wandb.enabled=false"])
+    # an arm the runner was stopped before starting: its arm.yaml alone
+    (tmp_path / "arms" / "vanilla-4L").mkdir()
+    (tmp_path / "arms" / "vanilla-4L" / "arm.yaml").write_text(dump_yaml(configs[3][1]))
+    jobs = arm_jobs(configs, tmp_path)
+    assert [(j.arm.name, j.earlier is not None) for j in jobs] == [
+        ("kv_shift-1L", True), ("vanilla-1L", False), ("vanilla-2L", False),
+        ("vanilla-4L", False)]
+    kept = jobs[0].earlier
+    assert (kept.exit_code, kept.wall_s, [r["step"] for r in kept.rows]) == (0, 7.0, [2, 4])
+    jobs = arm_jobs(configs, tmp_path, selected=["vanilla-1L"])
+    assert [(j.arm.name, j.earlier is not None) for j in jobs] == [
+        ("kv_shift-1L", True), ("vanilla-1L", False), ("vanilla-2L", True), ("vanilla-4L", True)]
+    assert jobs[2].earlier.exit_code == 1 and jobs[2].earlier.rows[-1]["step"] == 2
+    assert jobs[3].earlier.exit_code is None and jobs[3].earlier.rows == []
+
+
+def test_a_rerun_of_a_finished_grid_merges_every_arm_without_training(tmp_path, capsys):
+    """A second --arms selection into a grid's folder: the results are those of
+    every arm the folder holds (a first version replaced them with the selection's)."""
+    fake_grid(tmp_path, finished=["kv_shift-1L", "vanilla-2L"])
+    rc = main(["experiment", "induction", "--preset", "fig1a", "--run-dir", str(tmp_path),
+               "--arms", "vanilla-2L", *TINY_SETS])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "[vanilla-2L] finished earlier" in out
+    check_outputs(tmp_path, ["kv_shift-1L", "vanilla-2L"])
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    assert spec["arms"] == ["kv_shift-1L", "vanilla-2L"] and spec["wandb_group"] == "g"
+    assert not (tmp_path / "arms" / "vanilla-2L" / "train.log").exists()  # nothing trained
+
+
+@pytest.mark.parametrize("grid, args, message", [
+    ({"finished": ["vanilla-2L"], "sets": TINY + ["train.max_steps=6"]}, [],
+     "arms/vanilla-2L/arm.yaml differs from this command's config of arm vanilla-2L "
+     "(train.max_steps: 6 -> 4)"),
+    ({"finished": ["vanilla-2L"], "preset": "fig1b"}, [],
+     "holds an experiment of preset fig1b (scale cpu), not fig1a (cpu)"),
+])
+def test_an_incompatible_rerun_is_one_line(tmp_path, capsys, grid, args, message):
+    fake_grid(tmp_path / "x", **grid)
+    rc = main(["experiment", "induction", "--preset", "fig1a", "--run-dir", str(tmp_path / "x"),
+               *TINY_SETS, *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_damaged_spec_is_refused(tmp_path):
+    (tmp_path / "spec.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"spec.json: not JSON .* choose another --run-dir"):
+        earlier_group(tmp_path, "fig1a", "cpu")
+
+
+def test_a_folder_with_arms_of_another_preset_is_refused(tmp_path):
+    fake_grid(tmp_path, finished=["kv_shift-2L"], preset="ngram",
+              sets=["train.max_steps=4", "train.eval_interval=2"])
+    (tmp_path / "spec.json").unlink()
+    with pytest.raises(ConfigError, match=r"holds arm\(s\) kv_shift-2L, not arms of this preset"):
+        arm_jobs(arm_configs("fig1a", "cpu", TINY), tmp_path)
