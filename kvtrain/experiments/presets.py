@@ -205,5 +205,8 @@ def arm_configs(preset: str, scale: str, overrides: Sequence[str] = (),
                                                           "num_layers": arm.num_layers}})
         cfg = from_dict(RunConfig, data)
         cfg.validate(world_size=world_size)
+        if cfg.train.eval_interval is None:  # the same for every arm
+            raise ConfigError("train.eval_interval null: kvtrain experiment reads each arm's "
+                              "curve from its validation records; give it an interval")
         out.append((arm, cfg))
     return out

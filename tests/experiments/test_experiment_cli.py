@@ -187,6 +187,14 @@ def test_a_grid_on_other_data_is_refused_before_training():
         arm_configs("fig1a", "cpu", ["data.type=mock"])
 
 
+def test_a_grid_without_validation_is_refused_before_training():
+    """The curves are the validation records: without them every arm would
+    train and the results be empty (NaN accuracies, never 95 %)."""
+    with pytest.raises(ConfigError, match=r"^train.eval_interval null: kvtrain experiment reads "
+                                          r"each arm's curve from its validation"):
+        arm_configs("fig1a", "cpu", ["train.eval_interval=null"])
+
+
 def fake_arm(run_dir: Path, cfg, last_step: int, exit_code: int = 0) -> None:
     """An arm's folder as the runner leaves it: arm.yaml, result.json and the
     run's metrics.jsonl, with validation records every 2 steps up to ``last_step``."""
