@@ -12,6 +12,7 @@ every prediction position, ``loss`` the LM loss on the fixed evaluation set
 from __future__ import annotations
 
 import csv
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,18 @@ def plot_curves(rows: list[dict], path: str | Path, metric: str = "accuracy", ti
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def summary_json(summary: dict) -> str:
+    """``summary.json``'s text: a number that is not finite (an arm without a
+    curve, a diverged loss) is null, as JSON has no NaN."""
+    def clean(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        return [clean(v) for v in value] if isinstance(value, list) else value
+    return json.dumps(clean(summary), indent=2, allow_nan=False)
 
 
 def format_summary(summary: dict) -> str:

@@ -34,7 +34,8 @@ from kvtrain.config.layout import total_steps
 from kvtrain.plan.params import count_params
 
 from .presets import Arm
-from .results import ArmResult, curve_from_metrics, plot_curves, summarize, write_results
+from .results import (ArmResult, curve_from_metrics, plot_curves, summarize, summary_json,
+                      write_results)
 
 # Launcher variables of an enclosing torchrun/SLURM job: an arm is its own job.
 _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
@@ -240,5 +241,5 @@ def run_experiment(configs: list[tuple[Arm, RunConfig]], run_dir: str | Path,
     for key in ("preset", "scale", "overrides"):
         if key in spec:
             summary[key] = spec[key]
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "summary.json").write_text(summary_json(summary))
     return summary

@@ -290,3 +290,25 @@ def test_a_folder_with_arms_of_another_preset_is_refused(tmp_path):
     (tmp_path / "spec.json").unlink()
     with pytest.raises(ConfigError, match=r"holds arm\(s\) kv_shift-2L, not arms of this preset"):
         arm_jobs(arm_configs("fig1a", "cpu", TINY), tmp_path)
+
+
+def test_summary_json_of_an_arm_without_a_curve_is_strict_json(tmp_path, capsys):
+    """An arm that failed before its first evaluation has no curve: its numbers
+    are null in summary.json (NaN is not JSON: jq and JSON.parse refuse the file)."""
+    fake_grid(tmp_path, finished=["kv_shift-1L"])
+    cfg = arm_configs("fig1a", "cpu", TINY + ["wandb.enabled=false"],
+                      extra={"wandb": {"group": "g"}})[3][1]
+    (tmp_path / "arms" / "vanilla-4L").mkdir()
+    (tmp_path / "arms" / "vanilla-4L" / "arm.yaml").write_text(dump_yaml(cfg))
+    (tmp_path / "arms" / "vanilla-4L" / "result.json").write_text(
+        json.dumps({"exit_code": 1, "wall_s": 3.0, "started": 100.0}))
+    assert main(["experiment", "induction", "--preset", "fig1a", "--run-dir", str(tmp_path),
+                 "--arms", "kv_shift-1L", *TINY_SETS]) == 1
+    assert "arm(s) vanilla-4L failed" in capsys.readouterr().out
+
+    def refuse(name):
+        raise ValueError(f"{name} in summary.json")
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
+    failed = summary["arms"]["vanilla-4L"]
+    assert (failed["final_accuracy"], failed["final_step"], failed["exit_code"]) == (None, None, 1)
+    assert summary["arms"]["kv_shift-1L"]["final_accuracy"] == 1.0
