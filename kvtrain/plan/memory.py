@@ -144,7 +144,7 @@ from typing import Optional
 
 from kvtrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
 
-from .params import stage_params
+from .params import attention_backend, stage_params
 
 GiB = 1024**3
 OVERHEAD_FIXED = 3 * GiB
@@ -184,11 +184,6 @@ def score_bytes_kept(model: ModelConfig, precision: str) -> float:
     dropout = model.attention_dropout > 0
     separate_probs = e if (precision != "fp32" or dropout) else 0
     return 4 + separate_probs + (1 if dropout else 0)
-
-
-def attention_backend(model: ModelConfig) -> str:
-    """The backend the plan assumes: ``auto`` is ``te`` on a GPU cluster."""
-    return "te" if model.backend == "auto" else model.backend
 
 
 def layer_activation_bytes(model: ModelConfig, parallel: ParallelConfig, seq_length: int,
@@ -423,8 +418,8 @@ def _estimate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, 
               num_microbatches: int, recompute: str, distributed_optimizer: bool) -> MemoryEstimate:
     precision = train.precision
     sb = state_bytes(precision)
-    stages = stage_params(model, parallel)
     backend = attention_backend(model)
+    stages = stage_params(model, parallel, backend)
     # megatron's distributed optimizer shards its state over DP x CP
     shards = dp * parallel.context if distributed_optimizer else 1
     best: Optional[MemoryEstimate] = None

@@ -12,8 +12,10 @@ and ``L`` layers:
 
 With ``model.mla`` the attention terms are MLA's (``ModelConfig.attention_shape``:
 query, K/V down and up projections, output ``n·d_v·h``, latent norms); per
-rank they are counted as megatron's local spec splits them (every matrix over
-TP; TE's spec keeps the down projections whole on each rank).
+rank they are counted as the backend's spec shards them: megatron's local spec
+(``torch``, ``local``) splits every matrix over TP, its TE spec (``te``, and
+``auto`` as the plan assumes) keeps the down projections whole on each rank
+(``TELinear`` with ``parallel_mode='duplicated'``).
 
 ``V`` is the vocabulary padded to a multiple of ``make_vocab_size_divisible_by
 × TP`` (megatron's rule, as in ``ModelConfig.padded_vocab_size``), so the embedding
@@ -30,6 +32,7 @@ GPTModel built on the meta device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from data_tools import units
 from kvtrain.config.layout import shift_coefficients
@@ -117,6 +120,21 @@ def count_params(model: ModelConfig, tensor_parallel: int = 1) -> ParamCounts:
     )
 
 
+def attention_backend(model: ModelConfig) -> str:
+    """The backend the plan assumes: ``auto`` is ``te`` on a GPU cluster."""
+    return "te" if model.backend == "auto" else model.backend
+
+
+def duplicated_matrices(model: ModelConfig, backend: str) -> int:
+    """Weights of one layer that every TP rank holds whole: MLA's down projections
+    on ``te`` (megatron's TE spec builds them as ``TELinear``, which
+    ``MLASelfAttention`` makes ``duplicated``; the local spec's are column-parallel)."""
+    m = model.mla
+    if m is None or backend != "te":
+        return 0
+    return model.hidden_size * (m.kv_lora_rank + m.qk_pos_emb_head_dim + (m.q_lora_rank or 0))
+
+
 @dataclass(frozen=True)
 class StageParams:
     """Parameters held by one GPU of a pipeline stage (its TP shard)."""
@@ -127,8 +145,10 @@ class StageParams:
     embedding: int  # the embedding/output-layer part of ``params``
 
 
-def stage_params(model: ModelConfig, parallel: ParallelConfig) -> list[StageParams]:
-    """Per-GPU parameters of every pipeline stage (all TP ranks of a stage hold the same count).
+def stage_params(model: ModelConfig, parallel: ParallelConfig,
+                 backend: Optional[str] = None) -> list[StageParams]:
+    """Per-GPU parameters of every pipeline stage (all TP ranks of a stage hold the same count)
+    on ``backend`` (None: the one the plan assumes, :func:`attention_backend`).
 
     Exact for megatron's layout when ``num_layers`` divides by PP (the config
     requires it): each stage builds ``L/PP`` layers.
@@ -136,7 +156,8 @@ def stage_params(model: ModelConfig, parallel: ParallelConfig) -> list[StagePara
     t, p = parallel.tensor, parallel.pipeline
     counts = count_params(model, t)
     lp = counts.layer
-    per_layer = lp.matrices // t + lp.norms + lp.kv_shift // t
+    whole = duplicated_matrices(model, backend or attention_backend(model))
+    per_layer = (lp.matrices - whole) // t + whole + lp.norms + lp.kv_shift // t
     layers = model.num_layers // p
     emb_shard = counts.input_embedding // t
     stages = []
