@@ -13,8 +13,9 @@ time, so planning stays light). Per token, training (forward + backward =
   ``w`` adds per element; width ``g·d`` for K and V, ``h`` for Q).
 
 Wall time: ``step FLOPs / (GPUs × peak × MFU)``. MFU counts model FLOPs only,
-so the recomputed forward of ``recompute: full`` (hardware FLOPs, reported
-too) is part of what lowers the MFU you should assume, not an extra term.
+so what recompute re-runs (hardware FLOPs, reported too: every layer's forward
+with ``recompute: full``, core attention's with ``selective``) is part of what
+lowers the MFU you should assume, not an extra term.
 """
 
 from __future__ import annotations
@@ -57,10 +58,14 @@ class StepFlops:
 
     @property
     def hardware(self) -> float:
-        """Model FLOPs plus the forward recomputed by ``recompute: full``."""
+        """Model FLOPs plus the forward that recompute re-runs: every layer's with
+        ``full``; core attention's with ``selective`` (megatron's ``core_attn``
+        module; the projections and the KV shift around it are not recomputed)."""
         extra = 0.0
         if self.recompute == "full":
             extra = self.sequences * (self.per_sequence.forward - self.per_sequence.logits)
+        elif self.recompute == "selective":
+            extra = self.sequences * self.per_sequence.attention
         return self.model + extra
 
     def part(self, name: str) -> float:

@@ -143,7 +143,8 @@ def render(plan: Plan, source: str = "") -> str:
         + (f", KV shift {100 * plan.flops.part('kv_shift') / plan.flops.model:.2g}%"
            if plan.flops.part("kv_shift") else "")
         + ")"
-        + (f"; {plan.flops.hardware:.3e} with the recomputed forward"
+        + (f"; {plan.flops.hardware:.3e} with the recomputed "
+           + ("forward" if plan.flops.recompute == "full" else "core attention")
            if plan.flops.hardware != plan.flops.model else ""),
         f"time         at MFU {plan.mfu:g}: {plan.step_seconds:.2f} s per step, "
         f"{plan.tokens_per_step / plan.step_seconds / plan.world:,.0f} tokens/s per GPU, "
