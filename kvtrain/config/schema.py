@@ -90,7 +90,9 @@ class TrainConfig:
     under a constant ``optimizer.loss_scale``, which never backs off; not under the
     dynamic one, which does)."""
     peak_tflops_per_device: Optional[float] = None
-    """Peak dense bf16 TFLOP/s of one device, for MFU (null: guessed from the device name)."""
+    """Peak dense TFLOP/s of one device at the run's precision, for MFU (null: guessed
+    from the device name for bf16/fp16; an fp32 run reports no MFU unless this names
+    its peak: TF32's under TE, whose GEMMs use it, else FP32's)."""
     dist_timeout_minutes: float = 10.0
     """Timeout of collective operations (a hung rank fails the job after this)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"

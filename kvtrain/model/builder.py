@@ -42,6 +42,11 @@ class Numerics:
             return cls(params_dtype=torch.float16, fp16=True)
         return cls()
 
+    @property
+    def precision(self) -> str:
+        """The resolved ``train.precision``: bf16, fp16 or fp32."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
 
 def kv_shift_options(model: ModelConfig, seed: int,
                      kernel: Optional[str] = None) -> KVShiftOptions:

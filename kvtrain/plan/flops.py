@@ -12,7 +12,8 @@ time, so planning stays light). Per token, training (forward + backward =
 * KV shifting ``3·L·(2w+1)·width`` per shifted tensor (``w+1`` multiplies and
   ``w`` adds per element; width ``g·d`` for K and V, ``h`` for Q).
 
-Wall time: ``step FLOPs / (GPUs × peak × MFU)``. MFU counts model FLOPs only,
+Wall time: ``step FLOPs / (GPUs × peak × MFU)``, the peak of the run's matmuls
+(``GPU.peak``: bf16 tensor cores; for fp32 TF32's on ``te``, FP32 cores' else). MFU counts model FLOPs only,
 so what recompute re-runs (hardware FLOPs, reported too: every layer's forward
 with ``recompute: full``, core attention's with ``selective``) is part of what
 lowers the MFU you should assume, not an extra term.
@@ -31,15 +32,27 @@ from kvtrain.train.flops import FlopsBreakdown, forward_flops_per_sequence
 class GPU:
     name: str
     memory_gib: float
-    peak_tflops: float  # dense bf16
+    peak_tflops: float  # dense bf16 (fp16 the same)
+    tf32_tflops: float  # dense TF32 tensor cores
+    fp32_tflops: float  # FP32 cores
+
+    def peak(self, precision: str, backend: str) -> tuple[float, str]:
+        """Peak TFLOP/s the matmuls of a ``precision`` run on ``backend`` reach, and
+        its name: fp32 runs TE's GEMMs as TF32 (``CUBLAS_COMPUTE_32F_FAST_TF32``) and
+        PyTorch's with TF32 off (its default; kvtrain leaves it), on FP32 cores."""
+        if precision != "fp32":  # auto is bf16 on a GPU
+            return self.peak_tflops, "fp16" if precision == "fp16" else "bf16"
+        if backend == "te":
+            return self.tf32_tflops, "tf32"
+        return self.fp32_tflops, "fp32"
 
 
-# 80 GB cards; dense bf16 peak without sparsity.
+# 80 GB cards; dense peaks without sparsity.
 GPUS = {
-    "a100": GPU("A100-80G", 80.0, 312.0),
-    "a800": GPU("A800-80G", 80.0, 312.0),  # A100 with reduced NVLink (the paper's 19B)
-    "h800": GPU("H800-80G", 80.0, 989.0),  # H100 SXM compute, reduced NVLink
-    "h100": GPU("H100-80G", 80.0, 989.0),
+    "a100": GPU("A100-80G", 80.0, 312.0, 156.0, 19.5),
+    "a800": GPU("A800-80G", 80.0, 312.0, 156.0, 19.5),  # A100, reduced NVLink (the paper's 19B)
+    "h800": GPU("H800-80G", 80.0, 989.0, 494.5, 67.0),  # H100 SXM compute, reduced NVLink
+    "h100": GPU("H100-80G", 80.0, 989.0, 494.5, 67.0),
 }
 
 

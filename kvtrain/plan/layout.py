@@ -53,8 +53,13 @@ class Plan:
         return self.cfg.train.global_batch_size * self.cfg.train.seq_length
 
     @property
+    def peak(self) -> tuple[float, str]:
+        """The card's peak TFLOP/s at this run's precision on the assumed backend."""
+        return self.gpu.peak(self.cfg.train.precision, self.memory.attention)
+
+    @property
     def step_seconds(self) -> float:
-        return step_seconds(self.flops, self.world, self.gpu.peak_tflops, self.mfu)
+        return step_seconds(self.flops, self.world, self.peak[0], self.mfu)
 
     @property
     def total_seconds(self) -> float:
@@ -100,7 +105,9 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
         warnings.append(f"{num_microbatches} micro batches per step for PP {p.pipeline}: "
                         "the pipeline bubble dominates (want micro batches >= 4 x PP)")
     if t.precision == "fp32":
-        warnings.append("train.precision fp32 on GPU: bf16 is the paper's setting and ~2x faster")
+        fp32, kind = card.peak("fp32", attention_backend(m))
+        warnings.append(f"train.precision fp32 on GPU ({kind} matmuls): bf16 is the paper's "
+                        f"setting and its peak is {card.peak_tflops / fp32:.0f}x higher")
     if cfg.data.reset_attention_mask and attention_backend(m) == "local":
         warnings.append("data.reset_attention_mask on the local backend: refused at start where "
                         "apex's fused softmax is installed (NVIDIA's container) and 16 < "

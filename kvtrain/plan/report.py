@@ -100,7 +100,7 @@ def render(plan: Plan, source: str = "") -> str:
         + (f"; KV shift adds {pc.kv_shift}" if pc.kv_shift else ""),
         f"             {pc.total:,} exactly; {mem.params:,} on the busiest GPU (stage {mem.stage})",
         f"cluster      {plan.world} x {plan.gpu.name} = {plan.nodes} node(s) x "
-        f"{plan.gpus_per_node}; {plan.gpu.peak_tflops:.0f} TFLOP/s bf16 and "
+        f"{plan.gpus_per_node}; {plan.peak[0]:g} TFLOP/s {plan.peak[1]} and "
         f"{plan.gpu.memory_gib:.0f} GiB each",
         f"layout       TP {p.tensor} x PP {p.pipeline}"
         + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else "")
@@ -186,6 +186,7 @@ def as_dict(plan: Plan) -> dict[str, Any]:
         "flops_per_step": plan.flops.model,
         "hardware_flops_per_step": plan.flops.hardware,
         "mfu": plan.mfu,
+        "peak_tflops": plan.peak[0],
         "step_seconds": plan.step_seconds,
         "days": plan.total_seconds / 86400,
         "warnings": plan.warnings,

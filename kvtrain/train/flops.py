@@ -85,7 +85,10 @@ def training_flops_per_step(model: ModelConfig, seq_length: int, global_batch_si
 
 
 # Dense bf16 peak TFLOP/s (no sparsity) by device-name fragment, for MFU when
-# train.peak_tflops_per_device is not set. Order matters: first match wins.
+# train.peak_tflops_per_device is not set; fp16's is the same on these cards. Order
+# matters: first match wins. No guess for fp32: its matmuls run on TF32 tensor cores
+# (TE's GEMMs) or on FP32 cores (PyTorch's default, TF32 off), 8-16x apart, so
+# an fp32 run names its peak or reports no MFU.
 PEAK_BF16_TFLOPS = (
     ("H200 NVL", 835.0), ("H200", 989.0),
     ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
@@ -97,17 +100,21 @@ PEAK_BF16_TFLOPS = (
 )
 
 
-def guess_peak_tflops() -> float | None:
-    """Peak TFLOP/s of this process's device, or None when unknown (e.g. CPU)."""
+def guess_peak_tflops(precision: str) -> float | None:
+    """Peak TFLOP/s of this process's device at ``precision`` (bf16 / fp16 / fp32,
+    resolved), or None when unknown (e.g. CPU, fp32)."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    return peak_tflops_of(torch.cuda.get_device_name())
+    return peak_tflops_of(torch.cuda.get_device_name(), precision)
 
 
-def peak_tflops_of(device_name: str) -> float | None:
-    """Dense bf16 peak TFLOP/s of a GPU by its name (torch.cuda.get_device_name)."""
+def peak_tflops_of(device_name: str, precision: str = "bf16") -> float | None:
+    """Dense 16-bit peak TFLOP/s of a GPU by its name (torch.cuda.get_device_name);
+    None for ``precision`` fp32 (see ``PEAK_BF16_TFLOPS``)."""
+    if precision == "fp32":
+        return None
     for fragment, tflops in PEAK_BF16_TFLOPS:
         if fragment in device_name:
             return tflops

@@ -214,7 +214,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
         datasets=datasets,
         flops_per_step=training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size,
                                                layout.padded_vocab_size),
-        peak_tflops=t.peak_tflops_per_device or guess_peak_tflops(),
+        peak_tflops=t.peak_tflops_per_device or guess_peak_tflops(numerics.precision),
         checkpoint_dir=checkpoint_folder(cfg.checkpoint.dir, run_dir),
         backend=backend, device="cuda" if torch.cuda.is_available() else "cpu",
         documents=_documents(cfg, datasets, backend.name),

@@ -250,7 +250,8 @@ def test_plan_refuses_impossible_layouts_in_one_line(args, code, message):
      "2 micro batches per step for PP 4: the pipeline bubble dominates (want micro batches "
      ">= 4 x PP)"),
     (["parallel.tensor=2", "train.precision=fp32", "parallel.recompute=full"], 1, 8,
-     "train.precision fp32 on GPU: bf16 is the paper's setting and ~2x faster"),
+     "train.precision fp32 on GPU (tf32 matmuls): bf16 is the paper's setting and its peak "
+     "is 2x higher"),
 ])
 def test_plan_warns_of_layouts_that_work_badly(sets, nodes, gpus_per_node, warning):
     """Layouts that run but waste the cluster: the plan's one warning each (the paper's

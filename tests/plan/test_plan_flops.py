@@ -26,3 +26,21 @@ def test_hardware_flops_add_what_each_recompute_mode_reruns(recompute):
              "selective": core_attention,
              "full": layer_matmuls + core_attention}[recompute]
     assert flops.hardware - flops.model == pytest.approx(extra, rel=1e-12)
+
+
+@pytest.mark.parametrize("precision, backend, peak", [
+    ("bf16", "auto", 312.0),  # dense 16-bit tensor cores
+    ("fp16", "torch", 312.0),
+    ("fp32", "auto", 156.0),  # planned as te: TE's GEMMs run fp32 as TF32
+    ("fp32", "te", 156.0),
+    ("fp32", "torch", 19.5),  # PyTorch leaves TF32 off: FP32 cores
+    ("fp32", "local", 19.5),
+])
+def test_wall_time_uses_the_peak_of_the_runs_precision(precision, backend, peak):
+    from kvtrain.plan import make_plan
+
+    cfg = load_config(REPO / "configs" / "paper" / "1.5b_vanilla.yaml",
+                      [f"train.precision={precision}", f"model.backend={backend}",
+                       "parallel.recompute=full"])
+    plan = make_plan(cfg, nodes=8, gpu="a100", mfu=0.5)
+    assert plan.step_seconds == pytest.approx(plan.flops.model / (64 * peak * 1e12 * 0.5))

@@ -48,6 +48,10 @@ def test_peak_of_the_gpu_names_torch_reports():
     assert peak_tflops_of("NVIDIA H200 NVL") == 835.0
     assert peak_tflops_of("NVIDIA A100-SXM4-80GB") == 312.0
     assert peak_tflops_of("NVIDIA GeForce RTX 4090") is None
+    # fp16 tensor cores peak as bf16's; an fp32 run's matmuls run on TF32 (TE's
+    # GEMMs) or FP32 cores (PyTorch's default): no guess, the config names its peak
+    assert peak_tflops_of("NVIDIA A100-SXM4-80GB", "fp16") == 312.0
+    assert peak_tflops_of("NVIDIA A100-SXM4-80GB", "fp32") is None
 
 
 # ----------------------------------------------------------------------------- schedules
