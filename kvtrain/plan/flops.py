@@ -8,7 +8,8 @@ time, so planning stays light). Per token, training (forward + backward =
 * ``6N`` over the matrix parameters: QKV ``h·(h+2gd)``, output projection
   ``h·h``, SwiGLU ``3·h·f`` per layer, and the output layer ``h·V``;
 * causal attention ``3·L·2·2·h·(s+1)/2`` (QK^T and A·V; a query sees
-  ``(s+1)/2`` keys on average, which is what flash attention computes);
+  ``(s+1)/2`` keys on average, which is what flash attention computes; the
+  same with ``data.reset_attention_mask``, whose kernels compute less);
 * KV shifting ``3·L·(2w+1)·width`` per shifted tensor (``w+1`` multiplies and
   ``w`` adds per element; width ``g·d`` for K and V, ``h`` for Q).
 

@@ -6,7 +6,10 @@ Per token and layer, forward pass (a multiply-add is 2 FLOPs):
   values g KV heads of d dims each), output projection ``2·h·h``;
 * attention: ``QK^T`` and ``A·V`` each ``2·s·h`` over the keys a query sees;
   with the causal mask a query sees on average ``(s+1)/2`` keys, which is what
-  a causal kernel (flash attention) computes;
+  a causal kernel (flash attention) computes. Separated documents
+  (``data.reset_attention_mask``) are counted the same (the Megatron/PaLM
+  convention: model FLOPs do not depend on the data), though the kernels skip
+  the keys of other documents: their MFU is the full causal count's;
 * SwiGLU MLP: three matrices, ``3·2·h·f``;
 * MLA (``model.mla``): the projections are its query, K/V down and up
   projections and the output ``n·d_v·h``; QK^T contracts over ``n·(d_nope+d_pe)``
