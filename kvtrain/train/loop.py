@@ -317,7 +317,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         if order:
             say(f"kvtrain: warning: {order}")
     wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, run_record(cfg, run.resolved),
-                        active=rank0)
+                        active=rank0, fresh=resumed.path is None)
     metrics = MetricsLogger(run.run_dir, wandb, active=rank0)
     # a fresh start in a folder with records (checkpoints deleted, or checkpoint.dir
     # moved) drops them all: they are another history, kept in a copy

@@ -2,10 +2,13 @@
 
 Megatron-LM opens a new wandb run on every restart. Here the run id is created
 once and kept in ``<run_dir>/wandb_run_id``; every later start of the same run
-folder calls ``wandb.init(id=..., resume="allow")``, so the dashboards show one
-continuous run. Metrics are plotted against ``iteration`` (declared as the step
-metric) rather than wandb's internal step, so a resumed run that re-does steps
-lost to a crash draws over them instead of being dropped as "non-monotonic".
+folder that resumes a checkpoint calls ``wandb.init(id=..., resume="allow")``,
+so the dashboards show one continuous run. Metrics are plotted against
+``iteration`` (declared as the step metric) rather than wandb's internal step, so
+a resumed run that re-does steps lost to a crash draws over them instead of being
+dropped as "non-monotonic". A start from step 0 in a folder that has an id
+(its checkpoints deleted, ``checkpoint.dir`` moved) is another history: it gets
+a new id, replacing the stored one, and the old wandb run is left as it was.
 
 ``mode: auto`` is offline unless ``WANDB_MODE`` says otherwise or an API key is
 configured *and* the wandb host answers (an online init with no network would
@@ -74,13 +77,19 @@ def resolve_mode(cfg: WandbConfig) -> str:
     return "offline"
 
 
-def run_id_for(run_dir: Path) -> str:
-    """The wandb run id of ``run_dir``: read, or created and stored on first use."""
+def stored_run_id(run_dir: Path) -> Optional[str]:
     path = Path(run_dir) / RUN_ID_FILE
-    if path.exists():
-        run_id = path.read_text().strip()
-        if run_id:
-            return run_id
+    run_id = path.read_text().strip() if path.exists() else ""
+    return run_id or None
+
+
+def run_id_for(run_dir: Path, fresh: bool = False) -> str:
+    """The wandb run id of ``run_dir``: read, or created and stored on first use;
+    ``fresh`` (a start from step 0): a new one, replacing the stored one."""
+    path = Path(run_dir) / RUN_ID_FILE
+    run_id = None if fresh else stored_run_id(run_dir)
+    if run_id:
+        return run_id
     # wandb's own id format (8 of [a-z0-9]); its generator moved between releases
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
     run_id = "".join(secrets.choice(alphabet) for _ in range(8))
@@ -92,15 +101,23 @@ class WandbLogger:
     """Rank 0's wandb run; a no-op object when wandb is disabled or on other ranks."""
 
     def __init__(self, cfg: WandbConfig, run_dir: Path, run_name: str, config: dict,
-                 active: bool = True):
+                 active: bool = True, fresh: bool = False):
+        """``fresh``: the run starts from step 0 (no checkpoint resumed), so it
+        does not continue the wandb run this folder had."""
         self.mode = resolve_mode(cfg) if active else "disabled"
         self.run = None
         self.run_id: Optional[str] = None
+        old = stored_run_id(run_dir) if active and fresh else None
         if self.mode == "disabled":
+            if old:  # a later resume of this history must not log into the old run
+                (Path(run_dir) / RUN_ID_FILE).unlink()
             return
         import wandb
 
-        self.run_id = run_id_for(run_dir)
+        self.run_id = run_id_for(run_dir, fresh)
+        if old:
+            print(f"kvtrain: wandb: a start from step 0 logs to a new wandb run {self.run_id} "
+                  f"(this folder's run {old} is another history, left as it was)", flush=True)
         wandb_dir = Path(cfg.dir).expanduser() if cfg.dir else Path(run_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
         try:

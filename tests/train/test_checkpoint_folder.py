@@ -32,9 +32,10 @@ def launched(tmp_path_factory, cache_dir):
         checkpoint={"save_interval": 2, "keep_last": None, "dir": f"~/{ck}"}))
     run_dir = tmp_path / "run"
     job = {"config": str(relative), "run_dir": str(run_dir)}
-    jobs = [dict(job, cwd=str(tmp_path / "here")),
+    wandb = ["wandb.enabled=true", "wandb.mode=offline"]  # the two starts from step 0
+    jobs = [dict(job, cwd=str(tmp_path / "here"), overrides=wandb),
             dict(job, cwd=str(tmp_path / "there"), overrides=["train.max_steps=6"]),
-            dict(job, overrides=["checkpoint.dir=elsewhere", "train.max_steps=2"]),
+            dict(job, overrides=["checkpoint.dir=elsewhere", "train.max_steps=2", *wandb]),
             {"config": str(homed), "run_dir": str(tmp_path / "homed"),
              "cwd": str(tmp_path / "cwd"), "env": {"HOME": str(home)}}]
     for where in ("here", "there", "cwd"):
@@ -56,7 +57,8 @@ def test_a_relative_checkpoint_dir_is_under_the_run_folder(launched):
     """``checkpoint.dir: ck`` is ``<run_dir>/ck`` whatever the working directory:
     the same run restarted from another directory (a job script that changes
     directory) resumes. A start that finds no checkpoint in a run folder with
-    records (here: checkpoint.dir changed) drops them, and keeps them in a copy."""
+    records (here: checkpoint.dir changed) drops them, and keeps them in a copy;
+    it opens a new wandb run."""
     from kvtrain.config import checkpoint_folder
 
     root, run_dir = launched["root"], launched["run_dir"]
@@ -67,5 +69,10 @@ def test_a_relative_checkpoint_dir_is_under_the_run_folder(launched):
     (copy,) = run_dir.glob("metrics.jsonl.before-0-*")
     kept = [json.loads(line) for line in copy.read_text().splitlines()]
     assert [r["iteration"] for r in kept if r["kind"] == "train"] == list(range(1, 7))
+    # ... and logs to a new wandb run: its steps from 0 would go backwards in the old one
+    first, fresh = (p.name.rsplit("-", 1)[1] for p in
+                    sorted((run_dir / "wandb").glob("offline-run-*")))
+    assert first != fresh == (run_dir / "wandb_run_id").read_text().strip()
+    assert f"a start from step 0 logs to a new wandb run {fresh}" in launched["stdout"]
     assert checkpoint_folder("~/ck", run_dir) == Path("~/ck").expanduser()
     assert checkpoint_folder(None, run_dir) == run_dir / "checkpoints"

@@ -375,6 +375,37 @@ def test_a_wandb_that_fails_to_start_or_dies_does_not_stop_training(monkeypatch,
     assert out.count("kvtrain: warning: wandb") == 1 and "ConnectionResetError" in out, out
 
 
+def test_a_start_from_step_0_opens_a_new_wandb_run_and_a_resume_the_same(monkeypatch, tmp_path,
+                                                                          capsys):
+    """The run id kept in the run folder is resumed only by a run that resumes a
+    checkpoint: a fresh start (checkpoints deleted, checkpoint.dir moved) logs
+    steps from 0 again, which wandb would drop or mix into the old run's history.
+    It gets a new id (said in one line); a fresh start without wandb forgets the
+    old id, so that its later resumes do not log into the old run either."""
+    import sys
+
+    from kvtrain.config import WandbConfig
+    from kvtrain.train.wandb_logger import RUN_ID_FILE, WandbLogger
+
+    ids = []
+    run = SimpleNamespace(define_metric=lambda *a, **k: None)
+    fake = SimpleNamespace(init=lambda **kwargs: ids.append(kwargs["id"]) or run,
+                           Settings=lambda **k: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg, stored = WandbConfig(mode="offline"), tmp_path / RUN_ID_FILE
+    for fresh in (True, False, True, False):
+        WandbLogger(cfg, tmp_path, "run", {}, fresh=fresh)
+    assert ids[0] == ids[1] != ids[2] == ids[3], ids
+    assert stored.read_text().strip() == ids[2] and len(ids[2]) == 8
+    out = capsys.readouterr().out
+    assert out.count("kvtrain: wandb:") == 1 and f"new wandb run {ids[2]}" in out and \
+        ids[0] in out, out
+    WandbLogger(WandbConfig(enabled=False), tmp_path, "run", {}, fresh=True)
+    assert not stored.exists()
+    WandbLogger(cfg, tmp_path, "run", {}, fresh=False)
+    assert ids[4] not in ids[:4]
+
+
 def test_the_token_count_of_a_checkpoint_from_before_it_was_kept():
     """A checkpoint without ``consumed_tokens`` counts its samples at its own
     sequence length, which an allowed change of ``train.seq_length`` names."""
