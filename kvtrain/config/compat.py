@@ -9,7 +9,8 @@ the run with one line, unless ``checkpoint.allow_config_changes`` names the
 key (or a section above it). What changed is then printed and recorded. A run
 sized by ``train.train_tokens`` also compares ``train.global_batch_size``: when
 allowed to change, the run ends where the consumed tokens reach the budget
-(``layout.total_steps`` from the checkpoint's consumed samples).
+(``layout.total_steps`` from the checkpoint's consumed tokens, as a changed
+``train.seq_length`` does).
 
 Everything else may change on a resume: the parallel layout (checkpoints
 reshard), the schedule, the optimizer's hyper-parameters (the run's values

@@ -57,16 +57,16 @@ def padded_vocab_size(model: "ModelConfig", tensor_parallel: int = 1) -> int:
 
 
 def total_steps(cfg: "RunConfig", iteration: int = 0,
-                consumed_samples: int = 0) -> tuple[int, str]:
+                consumed_tokens: int = 0) -> tuple[int, str]:
     """Optimizer steps of the run and the key that set them: ``max_steps``, or the
     steps that cover ``train_tokens``, whichever comes first. A resumed run passes
-    its checkpoint's ``iteration`` and ``consumed_samples``: the budget counts the
-    tokens consumed (steps before may have had another global batch), and the
-    steps left are of the current global batch."""
+    its checkpoint's ``iteration`` and the tokens it consumed, as counted step by
+    step (steps before may have had another global batch or sequence length:
+    ``train.loop.count_tokens_from``); the steps left are of the current ones."""
     t = cfg.train
     by_tokens = None
     if t.train_tokens:
-        left = max(t.train_tokens - consumed_samples * t.seq_length, 0)
+        left = max(t.train_tokens - consumed_tokens, 0)
         by_tokens = iteration + math.ceil(left / (t.global_batch_size * t.seq_length))
     if by_tokens is not None and (t.max_steps is None or by_tokens <= t.max_steps):
         return by_tokens, "train.train_tokens"

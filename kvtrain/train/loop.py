@@ -302,13 +302,13 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         c = cfg.checkpoint  # a damaged candidate is skipped with a warning (checkpoint.resume)
         resumed = resume(ckpt, plan_resume(c.resume, run.checkpoint_dir), c.verify,
                          c.load_optimizer, c.load_rng)
-        budget = fit_token_budget(run, resumed.state.iteration, resumed.state.consumed_samples)
+        count_tokens_from(resumed.state, cfg.train)  # what the budget left is counted from
+        budget = fit_token_budget(run, resumed.state)
         if budget:  # another global batch since the checkpoint
             resumed.add(f"kvtrain: {budget}")
         if rank0:  # once the start is taken: a refused one leaves the config of the records
             write_run_config(text, run.run_dir)  # the text printed above
     state = resumed.state
-    count_tokens_from(state, cfg.train)
     order = _order_warning(run, state) if resumed.path is not None else None
     if resumed.path is not None:
         why = state.extra.get("rng_kept_back")

@@ -28,6 +28,8 @@ from .flops import guess_peak_tflops, training_flops_per_step
 if TYPE_CHECKING:
     from kvtrain.backend import DistEnv
 
+    from .checkpoint import TrainState
+
 
 def resolve_run_dir(cfg: RunConfig, override: Optional[str] = None) -> Path:
     """``--run-dir``, else ``run_dir`` from the config, else ``runs/<name>``."""
@@ -221,16 +223,18 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     )
 
 
-def fit_token_budget(run: Run, iteration: int, consumed_samples: int) -> Optional[str]:
+def fit_token_budget(run: Run, state: "TrainState") -> Optional[str]:
     """A resumed run sized by ``train.train_tokens`` ends where its consumed tokens
-    reach the budget: after a change of ``train.global_batch_size`` (allowed by
+    (``state.consumed_tokens``, counted) reach the budget: after a change of
+    ``train.global_batch_size`` or ``train.seq_length`` (allowed by
     ``checkpoint.allow_config_changes``) the checkpoint's steps were of another
-    batch, so the steps left and the LR schedule's end move (what it says, or None)."""
+    size, so the steps left and the LR schedule's end move (what it says, or None)."""
     from kvtrain.config.layout import total_steps
 
     from .optimizer import set_horizon
 
-    steps, steps_from = total_steps(run.cfg, iteration, consumed_samples)
+    iteration, consumed_samples = state.iteration, state.consumed_samples
+    steps, steps_from = total_steps(run.cfg, iteration, state.consumed_tokens)
     if steps == run.total_steps:
         return None
     t = run.cfg.train
@@ -244,9 +248,9 @@ def fit_token_budget(run: Run, iteration: int, consumed_samples: int) -> Optiona
     before = run.total_steps
     run.layout = dataclasses.replace(run.layout, total_steps=steps, steps_from=steps_from)
     set_horizon(run.scheduler, run.cfg, steps)
-    return (f"{steps_from} after the checkpoint's {consumed_samples} samples: "
-            f"{steps - iteration} steps of {t.global_batch_size} left, the run and its LR "
-            f"schedule end at step {steps} (not {before})")
+    return (f"{steps_from} after the checkpoint's {state.consumed_tokens} tokens: "
+            f"{steps - iteration} steps of {t.global_batch_size} x {t.seq_length} left, the "
+            f"run and its LR schedule end at step {steps} (not {before})")
 
 
 def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:

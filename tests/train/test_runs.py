@@ -232,25 +232,33 @@ def test_time_limit_stops_and_token_budget_sets_length(short_runs):
     assert latest(root / "timelimit") == "iter_0000001"
 
 
-def test_a_token_budget_holds_when_the_global_batch_changes_on_resume(tmp_path, corpus,
-                                                                     cache_dir):
+def test_a_token_budget_holds_when_the_batch_or_its_length_changes_on_resume(tmp_path, corpus,
+                                                                             cache_dir):
     """train.train_tokens counts tokens; steps differ by global batch. Resuming with
     another train.global_batch_size is refused in one line naming the key, unless
     checkpoint.allow_config_changes names it: the run then ends when the consumed
     tokens reach the budget (the checkpoint's 4 steps of 8 samples, then 3 of 16),
-    its cosine schedule reaching min_lr there, not at the 5 steps of 16 of a fresh run."""
+    its cosine schedule reaching min_lr there, not at the 5 steps of 16 of a fresh run.
+    The same checkpoint resumed with an allowed train.seq_length of 16 (in another
+    folder) counts the tokens it consumed at 32: 12 steps of 8 x 16 are left, not
+    the 16 that its samples counted at the new length would leave."""
     budget = 10 * TOKENS_PER_STEP
     jobs = []
     for name, gbs, extra in (("first", 8, {"faults": {"stop_after": 4}}),
-                             ("refused", 16, {"expect": 2}), ("allowed", 16, {})):
+                             ("refused", 16, {"expect": 2}), ("allowed", 16, {}),
+                             ("shorter", 8, {})):
         cfg = tiny_config(corpus, cache_dir,
                           train={"max_steps": None, "train_tokens": budget,
                                  "global_batch_size": gbs},
                           optimizer={"lr_schedule": "cosine", "min_lr": 1e-4},
                           checkpoint={"save_interval": None, "allow_config_changes":
                                       ["train.global_batch_size"] if name == "allowed" else []})
+        if name == "shorter":
+            cfg["train"]["seq_length"] = 16
+            cfg["checkpoint"].update(resume=str(tmp_path / "run" / "checkpoints" / "iter_0000004"),
+                                     allow_config_changes=["train.seq_length"])
         jobs.append({"config": str(write_config(tmp_path / f"{name}.yaml", cfg)),
-                     "run_dir": str(tmp_path / "run"), **extra})
+                     "run_dir": str(tmp_path / ("run" if name != "shorter" else name)), **extra})
     result = run_driver(jobs, tmp_path / "plan.json")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "config error" in line]
@@ -260,6 +268,11 @@ def test_a_token_budget_holds_when_the_global_batch_changes_on_resume(tmp_path, 
     assert sorted(train) == [1, 2, 3, 4, 5, 6, 7]  # nothing lost to the refused start
     assert train[7]["consumed_tokens"] == budget
     assert train[6]["lr"] > 1e-4 and train[7]["lr"] == pytest.approx(1e-4)
+    assert "after the checkpoint's 1024 tokens: 12 steps of 8 x 16 left, the run and its LR " \
+        "schedule end at step 16 (not 20)" in result.stdout
+    shorter = by_iteration(metrics(tmp_path / "shorter"))
+    assert sorted(shorter) == list(range(5, 17)) and shorter[16]["consumed_tokens"] == budget
+    assert shorter[15]["lr"] > 1e-4 and shorter[16]["lr"] == pytest.approx(1e-4)
 
 
 def test_async_save_from_an_unguarded_entry_script(tmp_path, cache_dir):
