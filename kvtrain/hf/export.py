@@ -13,6 +13,12 @@ The checkpoint (any TP/PP/DP layout) is loaded whole into this one CPU process
 * the tokenizer files when the run has a sentencepiece tokenizer (``tokenizer``);
 * ``kvtrain_export.json``: the checkpoint, run folder, iteration and config it came from.
 
+config.json also says whether the run kept packed documents apart
+(``reset_attention_mask``, Megatron-LM's name, with the EOD as ``eos_token_id``).
+Neither model honours it inside a row (the stock Llama cannot, and the KV-shift
+code keeps to the same input contract): such a model is fed one document per row,
+without an EOS before it (see ``modeling_kvshift_llama``).
+
 The folder is written next to ``out_dir`` under a temporary name and renamed
 when complete: a failed export leaves nothing half-written.
 """
@@ -61,7 +67,10 @@ def hf_config(cfg: RunConfig, special: dict, dtype: str):
         tie_word_embeddings=not m.untie_embeddings, hidden_act="silu", attention_bias=False,
         mlp_bias=False, initializer_range=m.init_method_std,
         bos_token_id=special.get("bos"), eos_token_id=special.get("eos"),
-        pad_token_id=special.get("pad"), dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
+        pad_token_id=special.get("pad"), dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
+        # how it was trained: true, every packed document attended to and shifted with
+        # nothing before it (its EOD is eos_token_id); read back by kvtrain import
+        reset_attention_mask=cfg.data.reset_attention_mask)
     if m.attention == "vanilla":
         from transformers import LlamaConfig
 

@@ -10,7 +10,8 @@ Llama. Coefficients that the folder lacks start as the paper initialises them
 (``kv_shift.initial_parameter``, drawn when the model is built); a KV-shift
 folder imported with other shift options than it was exported with is refused,
 and options its ``kv_shift`` omits are those its modeling code fills in
-(``DEFAULT_KV_SHIFT``).
+(``DEFAULT_KV_SHIFT``). An export's ``reset_attention_mask`` becomes
+``data.reset_attention_mask`` unless the config or ``--set`` names that key.
 
 The checkpoint (``save_weights``) is megatron dist_checkpointing's torch_dist
 format, written like the trainer's (``iter_*.incomplete``, then the marker with
@@ -43,6 +44,7 @@ import torch
 
 from kvtrain.config import ConfigError, RunConfig, apply_override, first_line, \
     from_dict, read_yaml, to_dict
+from kvtrain.tasks.config import TASK_TYPES
 
 # architecture keys: what the HF folder decides (``--set`` may not change them)
 ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -120,6 +122,7 @@ def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
     data.setdefault("train", {}).setdefault("seq_length", arch["max_position_embeddings"])
     for assignment in overrides:
         apply_override(data, assignment, RunConfig)
+    _documents_from(hf, data)
     cfg = from_dict(RunConfig, data, source=str(config) if config else None)
     cfg.validate()
     decided = model_config(hf, where)
@@ -135,6 +138,21 @@ def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
             raise ConfigError(f"{where} holds KV-shift weights ({saved}); the import must keep "
                               "model.attention kv_shift with these model.kv_shift options")
     return cfg
+
+
+def _documents_from(hf: dict, data: dict) -> None:
+    """An export's ``reset_attention_mask`` (documents kept apart in training, the EOD
+    being ``eos_token_id``) where ``data`` (the config and ``--set``) does not decide:
+    what ``kvtrain generate`` reads (no EOD before a prompt) and what a run continuing
+    the model trains with. A toy task has one sequence per sample: not given."""
+    d = data.get("data") or {}
+    if "reset_attention_mask" not in hf or "reset_attention_mask" in d or \
+            d.get("type") in TASK_TYPES:
+        return
+    d["reset_attention_mask"] = bool(hf["reset_attention_mask"])
+    if d["reset_attention_mask"] and d.get("tokenizer") is None and d.get("eod_id") is None:
+        d["eod_id"] = hf.get("eos_token_id")
+    data["data"] = d
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -115,6 +115,33 @@ def test_stock_llama_gets_kv_shift(mp1, tmp_path):
     assert cfg_saved.model.attention == "kv_shift" and cfg_saved.train.seed == 5
 
 
+@pytest.mark.parametrize("attention", ["kv_shift", "vanilla"])
+def test_document_separation_is_exported_and_imported(mp1, tmp_path, attention):
+    """A run that kept packed documents apart (``data.reset_attention_mask``) made a
+    model that never attended or shifted across an end-of-document token: its
+    config.json says so (``reset_attention_mask``, the EOD being ``eos_token_id``),
+    and the import gives the checkpoint that option and EOD (``kvtrain generate``
+    then puts no EOD before a prompt); the training config of the import decides
+    for the run that continues it."""
+    from kvtrain.hf.export import export_model
+
+    for separated in (True, False):
+        cfg = run_config(model_config(attention=attention))
+        cfg.data.reset_attention_mask = separated
+        out = tmp_path / f"hf-{separated}"
+        out.mkdir()
+        export_model(build(cfg), cfg, out)
+        config = json.loads((out / "config.json").read_text())
+        assert config["reset_attention_mask"] is separated
+        assert config["eos_token_id"] == VOCAB - 1
+        saved, _ = saved_config(import_hf(out, tmp_path / f"ckpt-{separated}"))
+        assert saved.data.reset_attention_mask is separated
+        assert saved.data.eod_id == (VOCAB - 1 if separated else None)
+    back = import_hf(tmp_path / "hf-True", tmp_path / "ckpt-set",
+                     overrides=["data.reset_attention_mask=false"])
+    assert not saved_config(back)[0].data.reset_attention_mask
+
+
 def test_one_line_errors(kv_checkpoint, tmp_path):
     path, _ = kv_checkpoint
     (tmp_path / "full").mkdir()

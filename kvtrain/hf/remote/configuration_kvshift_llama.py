@@ -2,7 +2,9 @@
 
 A ``LlamaConfig`` plus ``kv_shift``: ``{"shift": ["k", "v"], "window": 1,
 "mode": "free"}`` (which projections are shifted, how many previous tokens
-are mixed in, and how the stored coefficients become mixing weights).
+are mixed in, and how the stored coefficients become mixing weights), and
+``reset_attention_mask`` (whether training kept packed documents apart; see
+``modeling_kvshift_llama``).
 Self-contained: imports only public transformers APIs.
 """
 

@@ -17,6 +17,12 @@ so that beam search reorders them with the keys and values. Pad tokens of a
 left-padded batch are zeroed before the shift and masked in attention, and
 positions count from each sequence's first real token: every row of a batch
 decodes as it would alone.
+
+``config.reset_attention_mask`` (true: training kept packed documents apart, each
+attending to and shifting with nothing before it) is not acted on inside a row,
+as the stock Llama of a vanilla export cannot either: give such a model one
+document per row, without an EOS before it; a row of documents joined by EOS
+attends across them, which it never did in training.
 """
 
 from __future__ import annotations
