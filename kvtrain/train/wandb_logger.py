@@ -23,6 +23,7 @@ service dies mid-run (a preemption's SIGTERM reaches wandb-core too, and every
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import socket
 from pathlib import Path
@@ -34,6 +35,7 @@ from kvtrain.config.loader import first_line
 from kvtrain.config.schema import WandbConfig
 
 RUN_ID_FILE = "wandb_run_id"
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what wandb generates ([a-z0-9]) and accepts
 
 
 def _wandb_server() -> tuple[str, int]:
@@ -78,8 +80,19 @@ def resolve_mode(cfg: WandbConfig) -> str:
 
 
 def stored_run_id(run_dir: Path) -> Optional[str]:
+    """The run id kept in ``run_dir``; None if none, or (with one warning) if the
+    file is unreadable or holds no wandb id: the run then logs to a new wandb run."""
     path = Path(run_dir) / RUN_ID_FILE
-    run_id = path.read_text().strip() if path.exists() else ""
+    try:
+        run_id = path.read_text(encoding="utf-8").strip() if path.exists() else ""
+    except (OSError, UnicodeDecodeError) as e:
+        run_id, problem = None, f"unreadable ({first_line(e)})"
+    else:
+        problem = None if not run_id or _RUN_ID.fullmatch(run_id) else f"holds {run_id[:40]!r}"
+    if problem:
+        print(f"kvtrain: warning: {path} {problem}, not a wandb run id: logging to a new "
+              "wandb run", flush=True)
+        return None
     return run_id or None
 
 

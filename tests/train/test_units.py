@@ -406,6 +406,29 @@ def test_a_start_from_step_0_opens_a_new_wandb_run_and_a_resume_the_same(monkeyp
     assert ids[4] not in ids[:4]
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00bad", b"has spaces\n", b"a/b\n"])
+def test_a_damaged_wandb_run_id_file_is_a_warning_and_a_new_run(monkeypatch, tmp_path, capsys,
+                                                                content):
+    """wandb_run_id that is not UTF-8 or not a wandb id (a bad edit, a damaged disk):
+    one warning naming the file, and a new run id, not a traceback at start."""
+    import sys
+
+    from kvtrain.config import WandbConfig
+    from kvtrain.train.wandb_logger import RUN_ID_FILE, WandbLogger
+
+    ids = []
+    run = SimpleNamespace(define_metric=lambda *a, **k: None)
+    fake = SimpleNamespace(init=lambda **kwargs: ids.append(kwargs["id"]) or run,
+                           Settings=lambda **k: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    stored = tmp_path / RUN_ID_FILE
+    stored.write_bytes(content)
+    WandbLogger(WandbConfig(mode="offline"), tmp_path, "run", {}, fresh=False)
+    out = capsys.readouterr().out
+    assert f"kvtrain: warning: {stored}" in out and "new wandb run" in out, out
+    assert len(ids) == 1 and stored.read_text().strip() == ids[0] and len(ids[0]) == 8
+
+
 def test_the_token_count_of_a_checkpoint_from_before_it_was_kept():
     """A checkpoint without ``consumed_tokens`` counts its samples at its own
     sequence length, which an allowed change of ``train.seq_length`` names."""
