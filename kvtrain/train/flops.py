@@ -103,14 +103,25 @@ PEAK_BF16_TFLOPS = (
 )
 
 
-def guess_peak_tflops(precision: str) -> float | None:
-    """Peak TFLOP/s of this process's device at ``precision`` (bf16 / fp16 / fp32,
-    resolved), or None when unknown (e.g. CPU, fp32)."""
+def mfu_peak(configured: float | None, precision: str) -> tuple[float | None, str]:
+    """The peak TFLOP/s MFU is measured against, and where it comes from (or why
+    there is none: recorded with the backend, so a null MFU is explained).
+    ``configured``: ``train.peak_tflops_per_device``; ``precision``: resolved."""
     import torch
 
+    if configured:
+        return configured, f"{configured:g} TFLOP/s per device (train.peak_tflops_per_device)"
+    ask = "set train.peak_tflops_per_device for MFU"
     if not torch.cuda.is_available():
-        return None
-    return peak_tflops_of(torch.cuda.get_device_name(), precision)
+        return None, f"none: no GPU ({ask})"
+    if precision == "fp32":
+        return None, (f"none: fp32 matmuls run on TF32 tensor cores (TE) or FP32 cores "
+                      f"(PyTorch), 8-16x apart ({ask})")
+    name = torch.cuda.get_device_name()
+    peak = peak_tflops_of(name, precision)
+    if peak is None:
+        return None, f"none: no known peak for {name} ({ask})"
+    return peak, f"{peak:g} TFLOP/s per device ({name}'s dense {precision} peak)"
 
 
 def peak_tflops_of(device_name: str, precision: str = "bf16") -> float | None:

@@ -294,6 +294,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
                 f"{cfg.parallel.pipeline} x DP {run.dp_size}; {run.num_microbatches} micro "
                 f"batches per step; {run.total_steps} steps")
             say(f"kvtrain: {run.backend.describe()}, device {run.device}")
+            say(f"kvtrain: MFU against {run.mfu_basis}")
             if run.backend.warning:
                 say(f"kvtrain: warning: {run.backend.warning}")
         ckpt = Checkpointer(run.checkpoint_dir, run.model, run.optimizer, run.scheduler,

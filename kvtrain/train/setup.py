@@ -23,7 +23,7 @@ from kvtrain.config import ConfigError, RunConfig, checkpoint_folder, run_folder
 from kvtrain.config.backend import BackendChoice
 from kvtrain.config.layout import Layout, derive_layout
 
-from .flops import guess_peak_tflops, training_flops_per_step
+from .flops import mfu_peak, training_flops_per_step
 
 if TYPE_CHECKING:
     from kvtrain.backend import DistEnv
@@ -52,7 +52,8 @@ class Run:
     forward_backward: Any
     datasets: Any
     flops_per_step: float
-    peak_tflops: Optional[float]
+    peak_tflops: Optional[float]  # MFU's denominator (None: no MFU)
+    mfu_basis: str  # what peak_tflops is, or why there is none (flops.mfu_peak)
     checkpoint_dir: Path
     backend: BackendChoice
     device: str  # "cuda" | "cpu"
@@ -73,7 +74,7 @@ class Run:
     @property
     def resolved(self) -> dict:
         """What this start's ``auto`` settings became (plain data, for every record)."""
-        return {"backend": self.backend.as_dict(), "device": self.device}
+        return {"backend": self.backend.as_dict(), "device": self.device, "mfu": self.mfu_basis}
 
 
 def run_record(cfg: RunConfig, resolved: dict) -> dict:
@@ -85,7 +86,8 @@ def run_record(cfg: RunConfig, resolved: dict) -> dict:
 def backend_event(run: Run, iteration: int) -> dict:
     """The metrics.jsonl record of the resolved backend and device (one per start)."""
     return {"kind": "event", "iteration": iteration,
-            "message": f"{run.backend.describe()}, device {run.device}", **run.resolved}
+            "message": f"{run.backend.describe()}, device {run.device}; MFU against {run.mfu_basis}",
+            **run.resolved}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +210,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
                     else run_dir / "data_cache")
     valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
     datasets = build_datasets(cfg, cache_dir, steps * t.global_batch_size, valid_samples)
+    peak, mfu_basis = mfu_peak(t.peak_tflops_per_device, numerics.precision)
 
     return Run(
         cfg=cfg, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
@@ -216,7 +219,8 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
         datasets=datasets,
         flops_per_step=training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size,
                                                layout.padded_vocab_size),
-        peak_tflops=t.peak_tflops_per_device or guess_peak_tflops(numerics.precision),
+        peak_tflops=peak,
+        mfu_basis=mfu_basis,
         checkpoint_dir=checkpoint_folder(cfg.checkpoint.dir, run_dir),
         backend=backend, device="cuda" if torch.cuda.is_available() else "cpu",
         documents=_documents(cfg, datasets, backend.name),
@@ -322,7 +326,8 @@ def run_config_text(cfg: RunConfig, resolved: Optional[dict] = None) -> str:
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
     if resolved:
         backend = BackendChoice(**resolved["backend"])
-        text = (f"# resolved at the last start: device {resolved['device']}\n"
+        mfu = f"; MFU against {resolved['mfu']}" if resolved.get("mfu") else ""
+        text = (f"# resolved at the last start: device {resolved['device']}{mfu}\n"
                 f"# backend: {backend.name} ({backend.details()})\n{text}")
     return text
 

@@ -553,6 +553,7 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     from kvtrain.model.specs import backend_choice
     from kvtrain.model.swiglu import choose_swiglu
     from kvtrain.train import multi_tensor
+    from kvtrain.train.flops import mfu_peak
     from kvtrain.train.optimizer import adam_kernel, megatron_adam_class
 
     cuda = torch.cuda.is_available()
@@ -582,9 +583,13 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
                 "cross-entropy: torch (auto: no GPU); SwiGLU: torch (auto: no GPU); "
                 "multi-tensor ops: torch foreach (kvtrain); "
                 "optimizer: torch fused AdamW (kvtrain)), device cpu") in ok.stdout
+    # what MFU is measured against is said too: on the CPU, none and why
+    mfu = "none: no GPU (set train.peak_tflops_per_device for MFU)" if device == "cpu" else \
+        mfu_peak(None, "bf16")[1]
+    assert f"kvtrain: MFU against {mfu}" in ok.stdout
     events = [r for r in metrics(tmp_path / "run", kind="event") if "backend" in r]
-    assert [(e["iteration"], e["backend"], e["device"]) for e in events] == \
-        [(0, expected.as_dict(), device)]
+    assert [(e["iteration"], e["backend"], e["device"], e["mfu"]) for e in events] == \
+        [(0, expected.as_dict(), device, mfu)]
     saved = tmp_path / "run" / "config.yaml"
     assert f"# backend: {expected.name} ({expected.reason}" in saved.read_text()
     assert (f"; KV shift: {expected.shift_kernel}; RoPE: {rope}; cross-entropy: {loss}; "
@@ -594,7 +599,8 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     assert yaml.safe_load(saved.read_text())["model"]["backend"] == "auto"
     (common,) = (tmp_path / "run" / "checkpoints").glob("*/common.pt")
     resolved = torch.load(common, weights_only=False)["kvtrain"]["config"]["resolved"]
-    assert resolved == {"backend": expected.as_dict(), "device": device}
+    assert resolved == {"backend": expected.as_dict(), "device": device, "mfu": mfu}
+    assert f"device {device}; MFU against {mfu}\n" in saved.read_text()
 
     # a job given a GPU that torch cannot see (on a GPU machine: hidden from torch)
     lost_gpu = {"CUDA_VISIBLE_DEVICES": "0"} if device == "cpu" else \

@@ -54,6 +54,26 @@ def test_peak_of_the_gpu_names_torch_reports():
     assert peak_tflops_of("NVIDIA A100-SXM4-80GB", "fp32") is None
 
 
+def test_the_mfu_basis_is_said_whatever_it_is(monkeypatch):
+    """What MFU is measured against, or why a run reports none (the CPU, an fp32 run,
+    an unknown GPU): recorded with the backend, so a null mfu is never unexplained."""
+    import torch
+
+    from kvtrain.train.flops import mfu_peak
+
+    assert mfu_peak(400.0, "fp32") == (400.0, "400 TFLOP/s per device (train.peak_tflops_per_device)")
+    peak, why = mfu_peak(None, "bf16")
+    assert peak is None and why.startswith("none: no GPU") and "peak_tflops_per_device" in why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert mfu_peak(None, "bf16") == (989.0, "989 TFLOP/s per device (NVIDIA H200's dense bf16 peak)")
+    peak, why = mfu_peak(None, "fp32")
+    assert peak is None and why.startswith("none: fp32") and "TF32" in why
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA GeForce RTX 4090")
+    peak, why = mfu_peak(None, "bf16")
+    assert peak is None and "NVIDIA GeForce RTX 4090" in why
+
+
 # ----------------------------------------------------------------------------- schedules
 def _schedule(tmp_cfg_overrides, steps):
     from kvtrain.train.optimizer import build_scheduler, current_lr
