@@ -314,7 +314,7 @@ class KVShiftMixin:
         if ctx.sequence_len_offset == 0:
             tail_all[:, start:end].zero_()  # a new sequence: nothing before it
         joined = torch.cat([tail_all[:, start:end], x], dim=0)  # [w + s, b, h, d]
-        shifted = shift_tokens(joined, coef)[w:]
+        shifted = fused_shift(joined, coef, impl=self.kv_shift.kernel)[w:]  # the forward's bits
         tail_all[:, start:end] = joined[-w:].detach()
         return shifted
 

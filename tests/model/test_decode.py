@@ -64,3 +64,44 @@ def test_beam_reorder_moves_the_tail_with_the_cache(mp1):
                     runtime_gather_output=True)
         full = model(tokens[[1, 0]], pos, None, runtime_gather_output=True)
     torch.testing.assert_close(nxt[:, 0], full[:, 5], atol=1e-5, rtol=1e-5)
+
+
+
+class _Given(torch.nn.Module):
+    """A QKV projection that hands on its input: the test gives the raw Q/K/V."""
+
+    def forward(self, x):
+        return x, None
+
+
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "auto"), (torch.float32, "auto"),
+                                          (torch.float32, "torch")])
+@pytest.mark.parametrize("shift,window", [(["k", "v"], 1), (["q", "k", "v"], 2)])
+def test_decode_shifts_bit_for_bit_as_the_full_forward(mp1, dtype, kernel, shift, window):
+    """From the same raw Q/K/V, a prefill then one-token steps give the shifted Q/K/V
+    of the full forward to the bit (bf16 too): greedy generation then picks what a
+    teacher-forced forward predicts. (The projections and attention over the cache
+    run other matmul shapes, so the logits may still differ in the last bits.)"""
+    from kvtrain.model.builder import Numerics
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=VOCAB, max_position_embeddings=64, attention="kv_shift",
+                      kv_shift=KVShiftConfig(shift=shift, window=window, kernel=kernel))
+    numerics = Numerics(params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    model = build_gpt(cfg, transformer_config(cfg, numerics=numerics), backend="torch").eval()
+    attn = model.decoder.layers[0].self_attention
+    attn.linear_qkv = _Given()
+    raw = torch.randn(SEQ, 3, 32 + 2 * 2 * 8, generator=torch.Generator().manual_seed(0))
+    raw = raw.to(dtype)  # [s, b, q + k + v]
+    with torch.no_grad():
+        full = attn.get_query_key_value_tensors(raw)[:3]
+        ctx = StaticInferenceContext(max_batch_size=3, max_sequence_length=SEQ)
+        attn._call.inference = ctx  # what the layer's forward notes while decoding
+        steps = []
+        for start, end in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, SEQ)]:
+            steps.append(attn.get_query_key_value_tensors(raw[start:end])[:3])
+            ctx.sequence_len_offset += end - start
+    for n, name in enumerate("qkv"):
+        decoded = torch.cat([step[n] for step in steps])
+        assert decoded.dtype == full[n].dtype == dtype
+        assert torch.equal(decoded, full[n]), f"{name}: decode differs from the full forward"
