@@ -112,8 +112,11 @@ def export_tokenizer(model_path: str | Path, out_dir: Path) -> dict[str, Optiona
     shutil.copyfile(model_path, out_dir / "tokenizer.model")
     tok.save(str(out_dir / "tokenizer.json"))
     names = {f"{k}_token": v for k, v in piece.items() if v is not None}
+    # split_special_tokens: "</s>" in a text is plain text, as sentencepiece (and so the
+    # training data) reads it, not the EOD id (tokenizer.json cannot hold that switch)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
               "add_eos_token": False, "clean_up_tokenization_spaces": False,
+              "split_special_tokens": True,
               "model_max_length": 1 << 30, "padding_side": "left", **names}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     (out_dir / "special_tokens_map.json").write_text(json.dumps(names, indent=1) + "\n")

@@ -52,3 +52,24 @@ def test_export_parity(mp1, tmp_path, variant):
     else:
         assert type(hf).__name__ == "KVShiftLlamaForCausalLM"
         assert config["kv_shift"]["window"] == cfg.model.kv_shift.window
+
+
+def test_exported_tokenizer_reads_special_piece_text_as_sentencepiece_does(tmp_path):
+    """A text holding "</s>", "<s>", "<pad>" or "<unk>" is plain text to sentencepiece
+    (what preprocessing and ``kvtrain generate`` encode with): the exported tokenizer
+    must not turn it into the special ids (an EOD inside a document lm-eval scores)."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from kvtrain.hf.tokenizer import export_tokenizer
+    from tests.hf.test_layouts import sentencepiece_model
+
+    model_file = sentencepiece_model(tmp_path)
+    (tmp_path / "hf").mkdir()
+    export_tokenizer(model_file, tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    for text in ("a</s>b", "x <s> y", "<pad> and <unk>"):
+        assert tok(text)["input_ids"] == sp.encode(text), text
+        assert tok.encode(text, add_special_tokens=False) == sp.encode(text), text
+    assert (tok.eos_token_id, tok.pad_token_id) == (sp.eos_id(), sp.pad_id())
