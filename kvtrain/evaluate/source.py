@@ -78,9 +78,12 @@ def run_folder_of(named: Path, checkpoint: Path) -> Optional[Path]:
 
 
 def _stamp_of(checkpoint: Path, dtype: str) -> dict:
+    from kvtrain.hf.export import EXPORT_VERSION
+
     common = checkpoint / "common.pt"
     stat = common.stat() if common.exists() else None
     return {"checkpoint": str(checkpoint.resolve()), "dtype": dtype,
+            "export_version": EXPORT_VERSION,
             "common_size": stat.st_size if stat else None,
             "common_mtime_ns": stat.st_mtime_ns if stat else None}
 

@@ -42,6 +42,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 REMOTE = Path(__file__).with_name("remote")
 REMOTE_FILES = ("configuration_kvshift_llama.py", "modeling_kvshift_llama.py")
 RECORD = "kvtrain_export.json"
+# The export's format: raised when what an export writes changes (2: the tokenizer's
+# split_special_tokens, config.json's reset_attention_mask), so that kvtrain eval's
+# cached exports of an older kvtrain are redone (kvtrain.evaluate.source)
+EXPORT_VERSION = 2
 AUTO_MAP = {"AutoConfig": "configuration_kvshift_llama.KVShiftLlamaConfig",
             "AutoModelForCausalLM": "modeling_kvshift_llama.KVShiftLlamaForCausalLM"}
 
@@ -134,7 +138,7 @@ def export_model(model: torch.nn.Module, cfg: RunConfig, out_dir: Path, dtype: s
     if cfg.model.attention == "kv_shift":
         for name in REMOTE_FILES:
             shutil.copyfile(REMOTE / name, out_dir / name)
-    info = {"format": "kvtrain-hf-export", "version": 1, "dtype": dtype,
+    info = {"format": "kvtrain-hf-export", "version": EXPORT_VERSION, "dtype": dtype,
             "attention": cfg.model.attention, "exported_at": time.time(), **(record or {}),
             "config": to_dict(cfg)}
     (out_dir / RECORD).write_text(json.dumps(info, indent=1, default=str) + "\n")

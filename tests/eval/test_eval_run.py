@@ -147,6 +147,23 @@ def test_second_eval_reuses_the_export(evaluated, capsys):
     assert "kvt_ll" in out and "perplexity" in out  # the printed table
 
 
+def test_an_export_of_an_older_kvtrain_is_redone(evaluated, capsys):
+    """A cached export from before a change of the export format (e.g. the tokenizer's
+    split_special_tokens) is exported again, not scored with its old files."""
+    from kvtrain.evaluate.source import STAMP
+
+    folder = evaluated["run"] / "eval" / "hf-iter_0000000-fp32"
+    stamp = json.loads((folder / STAMP).read_text())
+    stamp.pop("export_version", None)  # what an older kvtrain wrote
+    (folder / STAMP).write_text(json.dumps(stamp))
+    before = (folder / "model.safetensors").stat().st_mtime_ns
+    code = main(["eval", str(evaluated["checkpoint"]), "--tasks", "kvt_ll", "--include-path",
+                 str(evaluated["tasks"]), "--limit", "1", "--no-wandb", "--device", "cpu"])
+    capsys.readouterr()
+    assert code == 0 and (folder / "model.safetensors").stat().st_mtime_ns != before
+    assert "export_version" in json.loads((folder / STAMP).read_text())
+
+
 def test_eval_of_a_checkpoints_folder_writes_into_its_run(evaluated, capsys):
     """``kvtrain eval RUN/checkpoints``: results and the export go to RUN (where
     ``kvtrain compare RUN`` reads them), not to RUN/checkpoints."""
