@@ -109,7 +109,11 @@ def _special_ids(cfg: RunConfig, tokenizer: Optional[Path], out: Path) -> dict:
         from .tokenizer import export_tokenizer
 
         return export_tokenizer(tokenizer, out)
-    eod = cfg.data.eod_id
+    from kvtrain.data.tokenizer import VocabOnlyTokenizer
+
+    # the end of a document the trainer and kvtrain generate use (data.eod_id, else
+    # the last id of the vocabulary), so that HF generate stops where they do
+    eod = VocabOnlyTokenizer(cfg.model.vocab_size, cfg.data.eod_id, "export").eod
     return {"bos": None, "eos": eod, "pad": eod, "unk": None}
 
 

@@ -73,3 +73,17 @@ def test_exported_tokenizer_reads_special_piece_text_as_sentencepiece_does(tmp_p
         assert tok(text)["input_ids"] == sp.encode(text), text
         assert tok.encode(text, add_special_tokens=False) == sp.encode(text), text
     assert (tok.eos_token_id, tok.pad_token_id) == (sp.eos_id(), sp.pad_id())
+
+
+def test_a_run_without_tokenizer_exports_the_eod_kvtrain_generate_stops_at(mp1, tmp_path):
+    """data.tokenizer and data.eod_id null (mock data, foreign shards): kvtrain's
+    loaders take the last id of the vocabulary as the end of a document, and so does
+    the export (config.json and generation_config.json), so HF generate stops there."""
+    from kvtrain.data.tokenizer import load_tokenizer
+
+    cfg = run_config(model_config(attention="vanilla"))
+    cfg.data.eod_id = None
+    export_model(build(cfg), cfg, tmp_path, record={"iteration": 0})
+    eod = load_tokenizer(cfg.data, cfg.model).eod
+    assert json.loads((tmp_path / "config.json").read_text())["eos_token_id"] == eod
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == eod
