@@ -38,7 +38,7 @@ def curve_from_metrics(path: str | Path, arm: str, task: str,
         if rec.get("kind") == "train":
             loss = rec.get("lm_loss")
             train_loss = float(loss) if isinstance(loss, (int, float)) else math.nan
-            lr = float(rec.get("lr") or math.nan)
+            lr = float(rec["lr"]) if isinstance(rec.get("lr"), (int, float)) else math.nan
         elif rec.get("kind") == "valid":
             rows.append({
                 "arm": arm, "step": int(rec["iteration"]),
