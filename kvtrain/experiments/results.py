@@ -81,11 +81,13 @@ def _arm_summary(r: ArmResult) -> dict:
     rows = r.rows or [dict.fromkeys(CURVE_FIELDS, math.nan)]
     steps = [x["step"] for x in rows]
     last = rows[-1]
+    # a NaN (an evaluation without an accuracy) would make max() depend on the order
+    finite = [x["accuracy"] for x in rows if math.isfinite(x["accuracy"])]
     return {
         "final_step": last["step"],
         "final_accuracy": last["accuracy"],
         "final_accuracy_all": last["accuracy_all"],
-        "max_accuracy": max(x["accuracy"] for x in rows),
+        "max_accuracy": max(finite, default=math.nan),
         "final_loss": last["loss"],
         "steps_to_95": steps_to_threshold(steps, [x["accuracy"] for x in rows]),
         "steps_to_95_all": steps_to_threshold(steps, [x["accuracy_all"] for x in rows]),
