@@ -9,10 +9,11 @@ rerun. The curve of an arm is read from its ``metrics.jsonl``.
 
 Outputs in the run folder: ``results.csv``, ``accuracy.png``, ``loss.png``,
 ``summary.json``, ``spec.json`` (preset, scale, overrides, arms, command) and
-per arm ``arm.yaml``, ``curve.csv``, ``train.log``, ``result.json`` (exit code,
-wall time) and the run folder ``run/`` (config.yaml, metrics.jsonl, wandb/
-with one wandb run per arm). A rerun into the folder continues the experiment
-(``arm_jobs``).
+per arm ``arm.yaml``, ``curve.csv``, ``train.log`` (the output of every
+attempt, each after a line ``===== attempt N, <time>: <command> =====``),
+``result.json`` (exit code, wall time) and the run folder ``run/``
+(config.yaml, metrics.jsonl, wandb/ with one wandb run per arm). A rerun into
+the folder continues the experiment (``arm_jobs``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK
 
 
 RESULT = "result.json"  # per arm: the runner's record of its process (exit code, wall time)
+ATTEMPT = "===== attempt "  # starts the line that opens each attempt's output in train.log
 
 
 @dataclass
@@ -153,10 +155,24 @@ def _start(job: ArmJob, threads: int, nproc: int) -> tuple[subprocess.Popen, flo
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    with open(job.folder / "train.log", "w") as log:
-        proc = subprocess.Popen(arm_command(cfg_path, job.run_dir, nproc), stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
+    command = arm_command(cfg_path, job.run_dir, nproc)
+    log_path = job.folder / "train.log"
+    # Appended: an arm trained again (the same command continues a grid) keeps
+    # the output of its earlier attempts, the failure a user debugs among them.
+    attempt = 1 + _attempts_logged(log_path)
+    with open(log_path, "a") as log:
+        log.write(f"{ATTEMPT}{attempt}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: "
+                  f"{' '.join(command)} =====\n")
+        log.flush()
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, time.time()
+
+
+def _attempts_logged(log_path: Path) -> int:
+    if not log_path.exists():
+        return 0
+    with open(log_path, errors="replace") as log:
+        return sum(line.startswith(ATTEMPT) for line in log)
 
 
 def _finish(job: ArmJob, code: int, started: float) -> ArmResult:

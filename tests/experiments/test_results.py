@@ -1,11 +1,16 @@
 """An experiment's results read back from its arms: the curve of an arm's
-``metrics.jsonl`` and the summary of its rows."""
+``metrics.jsonl``, the summary of its rows, and what an arm trained again in
+its folder keeps of its earlier attempts (the trainer replaced by a python
+that prints and exits)."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 
+from kvtrain.experiments import runner
+from kvtrain.experiments.presets import arm_configs
 from kvtrain.experiments.results import ArmResult, curve_from_metrics, summarize
 
 
@@ -40,3 +45,27 @@ def test_max_accuracy_ignores_a_nan_wherever_it_is(tmp_path):
         assert summary["arms"]["arm"]["max_accuracy"] == 0.5
     nothing = summarize([ArmResult("arm", rows[:1], 1.0, 0)], 1.0)
     assert math.isnan(nothing["arms"]["arm"]["max_accuracy"])
+
+
+def fake_trainer(monkeypatch, code: int, text: str) -> None:
+    """Arms "trained" by a python that prints ``text`` and exits ``code``."""
+    command = [sys.executable, "-c", f"print({text!r}); raise SystemExit({code})"]
+    monkeypatch.setattr(runner, "arm_command", lambda cfg_path, run_dir, nproc=1: command)
+
+
+def an_arm(tmp_path) -> runner.ArmJob:
+    arm, cfg = arm_configs("fig1a", "cpu", ["wandb.enabled=false"])[0]
+    return runner.ArmJob(arm, cfg, tmp_path / "arms" / arm.name)
+
+
+def test_a_rerun_arm_keeps_the_log_of_its_failure(tmp_path, monkeypatch):
+    """The same command continues a failed arm: its train.log keeps the failed
+    attempt's output, and each attempt starts with a line naming it."""
+    job = an_arm(tmp_path)
+    fake_trainer(monkeypatch, 1, "the first attempt failed")
+    assert runner.run_arms([job])[0].exit_code == 1
+    fake_trainer(monkeypatch, 0, "the second attempt finished")
+    assert runner.run_arms([job])[0].exit_code == 0
+    log = (job.folder / "train.log").read_text().splitlines()
+    assert log[1::2] == ["the first attempt failed", "the second attempt finished"], log
+    assert [line.split(",")[0] for line in log[::2]] == ["===== attempt 1", "===== attempt 2"]
