@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from kvtrain.analysis.runs import read_records
 from kvtrain.tasks.config import MASKS
@@ -27,14 +27,16 @@ THRESHOLD = 0.95
 
 
 def curve_from_metrics(path: str | Path, arm: str, task: str,
-                       start_time: Optional[float] = None) -> list[dict]:
+                       starts: Sequence[float] = ()) -> list[dict]:
     """The curve rows of one arm from its run's ``metrics.jsonl``: one per
     ``valid`` record, with the latest ``train`` record's loss and lr;
-    ``elapsed_s`` counts from ``start_time`` (default: the first record)."""
+    ``elapsed_s`` is ``training_time`` given the ``starts`` of the arm's attempts."""
     first, every = MASKS[task]
+    records = read_records(Path(path))[0]
+    times = [float(r["time"]) if isinstance(r.get("time"), (int, float)) else math.nan
+             for r in records]
     rows, train_loss, lr = [], math.nan, math.nan
-    for rec in read_records(Path(path))[0]:
-        start_time = rec.get("time", 0.0) if start_time is None else start_time
+    for rec, elapsed in zip(records, training_time(times, starts)):
         if rec.get("kind") == "train":
             loss = rec.get("lm_loss")
             train_loss = float(loss) if isinstance(loss, (int, float)) else math.nan
@@ -45,9 +47,37 @@ def curve_from_metrics(path: str | Path, arm: str, task: str,
                 "accuracy": float(rec.get(f"val_acc_{first}", math.nan)),
                 "accuracy_all": float(rec.get(f"val_acc_{every}", math.nan)),
                 "loss": float(rec["val_loss"]), "train_loss": train_loss, "lr": lr,
-                "elapsed_s": round(float(rec.get("time", math.nan)) - start_time, 2),
+                "elapsed_s": round(elapsed, 2),
             })
     return rows
+
+
+def training_time(times: list[float], starts: Sequence[float] = ()) -> list[float]:
+    """The seconds of training behind each record written at ``times``, given
+    when each attempt at the run started (``starts``; records before them all
+    count from the first record).
+
+    A run resumed from a checkpoint holds the records of several attempts: each
+    attempt counts from its own start, after the time of the attempts before
+    it up to their last record kept. Not counted: the time between attempts and
+    what a crash lost after its last checkpoint (the trainer drops those
+    records): they are not behind this curve (the runner's ``wall_s`` of an arm
+    is the time of all its attempts)."""
+    pending, out = sorted(starts), []
+    behind, start, last = 0.0, None, None
+    for t in times:
+        if not math.isfinite(t):
+            out.append(math.nan)
+            continue
+        begun = None
+        while pending and pending[0] <= t:  # an attempt without records is passed over
+            begun = pending.pop(0)
+        if start is None or begun is not None:
+            behind += 0.0 if start is None else last - start
+            start = t if begun is None else begun
+        out.append(behind + t - start)
+        last = t
+    return out
 
 
 def steps_to_threshold(steps: list[int], accuracies: list[float],

@@ -11,9 +11,9 @@ Outputs in the run folder: ``results.csv``, ``accuracy.png``, ``loss.png``,
 ``summary.json``, ``spec.json`` (preset, scale, overrides, arms, command) and
 per arm ``arm.yaml``, ``curve.csv``, ``train.log`` (the output of every
 attempt, each after a line ``===== attempt N, <time>: <command> =====``),
-``result.json`` (exit code, wall time) and the run folder ``run/``
-(config.yaml, metrics.jsonl, wandb/ with one wandb run per arm). A rerun into
-the folder continues the experiment (``arm_jobs``).
+``result.json`` (exit code, wall time of all attempts, their start times) and
+the run folder ``run/`` (config.yaml, metrics.jsonl, wandb/ with one wandb run
+per arm). A rerun into the folder continues the experiment (``arm_jobs``).
 """
 
 from __future__ import annotations
@@ -91,16 +91,29 @@ def _check_same_config(job: ArmJob) -> None:
             "rerun with its --set values, or choose another --run-dir")
 
 
+def _record(folder: Path) -> dict:
+    """The arm's ``result.json`` ({} when none): ``exit_code`` (None while an
+    attempt runs), ``wall_s`` (of every attempt that ended) and ``starts`` (the
+    time each attempt started)."""
+    path = folder / RESULT
+    result = json.loads(path.read_text()) if path.exists() else {}
+    if "started" in result:  # written before attempts were counted: one attempt
+        result.setdefault("starts", [result.pop("started")])
+    return result
+
+
+def _curve(job: ArmJob, starts: list[float]) -> list[dict]:
+    metrics = job.run_dir / "metrics.jsonl"
+    return curve_from_metrics(metrics, job.arm.name, job.cfg.data.type, starts) \
+        if metrics.exists() else []
+
+
 def _earlier_result(job: ArmJob) -> ArmResult:
     """What the arm's earlier run in the folder gave."""
-    record = job.folder / RESULT
-    result = json.loads(record.read_text()) if record.exists() else {}
-    metrics = job.run_dir / "metrics.jsonl"
-    rows = curve_from_metrics(metrics, job.arm.name, job.cfg.data.type, result.get("started")) \
-        if metrics.exists() else []
-    # no record: the runner was stopped while the arm trained
-    return ArmResult(job.arm.name, rows, result.get("wall_s", 0.0), result.get("exit_code"),
-                     _params(job.cfg))
+    result = _record(job.folder)
+    # no exit code: the runner was stopped while the arm trained
+    return ArmResult(job.arm.name, _curve(job, result.get("starts", [])),
+                     result.get("wall_s", 0.0), result.get("exit_code"), _params(job.cfg))
 
 
 def _finished(result: ArmResult, cfg: RunConfig) -> bool:
@@ -160,12 +173,16 @@ def _start(job: ArmJob, threads: int, nproc: int) -> tuple[subprocess.Popen, flo
     # Appended: an arm trained again (the same command continues a grid) keeps
     # the output of its earlier attempts, the failure a user debugs among them.
     attempt = 1 + _attempts_logged(log_path)
+    earlier, started = _record(job.folder), time.time()
+    # recorded before it runs: if the runner is stopped, the curve still tells
+    # this attempt's records from those of the attempt before
+    _write_record(job, None, earlier.get("wall_s", 0.0), earlier.get("starts", []) + [started])
     with open(log_path, "a") as log:
         log.write(f"{ATTEMPT}{attempt}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: "
                   f"{' '.join(command)} =====\n")
         log.flush()
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return proc, time.time()
+    return proc, started
 
 
 def _attempts_logged(log_path: Path) -> int:
@@ -175,18 +192,23 @@ def _attempts_logged(log_path: Path) -> int:
         return sum(line.startswith(ATTEMPT) for line in log)
 
 
-def _finish(job: ArmJob, code: int, started: float) -> ArmResult:
-    wall = time.time() - started
-    metrics = job.run_dir / "metrics.jsonl"
-    rows = curve_from_metrics(metrics, job.arm.name, job.cfg.data.type, started) \
-        if metrics.exists() else []
-    write_results(rows, job.folder / "curve.csv")
+def _write_record(job: ArmJob, code: Optional[int], wall: float, starts: list[float]) -> None:
     atomic_write_text(job.folder / RESULT, json.dumps({"exit_code": code,
                                                        "wall_s": round(wall, 1),
-                                                       "started": started}))
+                                                       "starts": starts}))
+
+
+def _finish(job: ArmJob, code: int, started: float) -> ArmResult:
+    wall = time.time() - started
+    record = _record(job.folder)
+    starts = record.get("starts") or [started]
+    total = record.get("wall_s", 0.0) + wall  # an arm trained again: all its attempts
+    rows = _curve(job, starts)
+    write_results(rows, job.folder / "curve.csv")
+    _write_record(job, code, total, starts)
     status = "done" if code == 0 else f"FAILED (exit {code}; see {job.folder / 'train.log'})"
     print(f"[{job.arm.name}] {status} in {wall:.0f} s", flush=True)
-    return ArmResult(job.arm.name, rows, wall, code, _params(job.cfg))
+    return ArmResult(job.arm.name, rows, total, code, _params(job.cfg))
 
 
 def _params(cfg: RunConfig) -> dict:

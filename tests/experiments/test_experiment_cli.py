@@ -104,7 +104,7 @@ def test_curve_from_metrics(tmp_path):
     ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    rows = curve_from_metrics(path, "arm", "induction", start_time=100.0)
+    rows = curve_from_metrics(path, "arm", "induction", starts=[100.0])
     assert [(r["step"], r["accuracy"], r["accuracy_all"], r["loss"], r["train_loss"], r["lr"],
              r["elapsed_s"]) for r in rows] == [(2, 0.25, 0.5, 4.5, 5.0, 0.1, 2.0),
                                                  (4, 1.0, 0.75, 3.5, 4.0, 0.2, 4.0)]
