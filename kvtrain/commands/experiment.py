@@ -53,6 +53,7 @@ def register(sub) -> None:
 
 def run_induction(args) -> int:
     from kvtrain.config import ConfigError
+    from kvtrain.config.layout import total_steps
     from kvtrain.experiments.presets import arm_configs, select_arms
     from kvtrain.experiments.runner import earlier_group
 
@@ -69,7 +70,7 @@ def run_induction(args) -> int:
     # of the preset's: those the folder already holds are checked against them).
     configs = arm_configs(args.preset, args.scale, overrides, world_size=args.nproc,
                           extra={"wandb": {"group": group}})
-    steps = configs[0][1].train.max_steps
+    steps = total_steps(configs[0][1])[0]  # train.max_steps or train.train_tokens
     print(f"experiment induction --preset {args.preset} --scale {args.scale}: {len(selected)} "
           f"arms ({', '.join(selected)}), {steps} steps each, "
           f"{args.workers} at a time -> {run_dir}", flush=True)

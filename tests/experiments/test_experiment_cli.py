@@ -312,3 +312,16 @@ def test_summary_json_of_an_arm_without_a_curve_is_strict_json(tmp_path, capsys)
     failed = summary["arms"]["vanilla-4L"]
     assert (failed["final_accuracy"], failed["final_step"], failed["exit_code"]) == (None, None, 1)
     assert summary["arms"]["kv_shift-1L"]["final_accuracy"] == 1.0
+
+
+def test_the_steps_each_arm_trains_are_printed_when_train_tokens_sets_them(tmp_path, capsys):
+    """train.train_tokens (512 = 4 steps of 4 x 32 tokens) sets the run length,
+    not train.max_steps (null): the opening line says 4 steps, not None."""
+    sets = [x for x in TINY if not x.startswith("train.max_steps")] + [
+        "train.max_steps=null", "train.train_tokens=512"]
+    fake_grid(tmp_path, finished=["kv_shift-1L"], sets=sets)
+    assert main(["experiment", "induction", "--preset", "fig1a", "--run-dir", str(tmp_path),
+                 "--arms", "kv_shift-1L", "--no-wandb",
+                 *[x for kv in sets for x in ("--set", kv)]]) == 0
+    out = capsys.readouterr().out
+    assert "1 arms (kv_shift-1L), 4 steps each" in out and "finished earlier" in out, out
