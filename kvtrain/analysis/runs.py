@@ -235,13 +235,17 @@ def read_run(path: str | Path, label: Optional[str] = None) -> RunData:
 
 
 def unique_labels(paths: list[Path]) -> list[str]:
-    """Folder names, with as many parent folders as it takes to tell them apart."""
-    parts = [Path(p).resolve().parts for p in paths]
-    for depth in range(1, max(len(p) for p in parts) + 1):
-        labels = ["/".join(p[-depth:]) for p in parts]
-        if len(set(labels)) == len(labels):
-            return labels
-    return [str(p) for p in paths]
+    """Folder names, with as many parent folders as it takes to tell them apart;
+    refuses a folder given twice (its runs would be labelled alike)."""
+    resolved = [Path(p).resolve() for p in paths]
+    for i, path in enumerate(resolved):
+        if path in resolved[:i]:
+            raise ConfigError(f"run folder {path} is given twice: name each run once")
+    parts = [p.parts for p in resolved]
+    depth = 1  # distinct folders: their whole paths at most tell them apart
+    while len({"/".join(p[-depth:]) for p in parts}) < len(parts):
+        depth += 1
+    return ["/".join(p[-depth:]) for p in parts]
 
 
 __all__ = ["Curve", "EVAL_KEY", "RunData", "eval_key", "eval_setting", "interpolate",

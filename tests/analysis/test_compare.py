@@ -202,3 +202,16 @@ def test_a_diverged_run_says_so(tmp_path):
     assert any(n.startswith(note) for n in summary["runs"][1]["notes"])
     assert note in printed and note in (tmp_path / "out" / "report.md").read_text()
     assert not summary["runs"][0]["notes"][1:]  # A: only the cut line
+
+
+def test_the_same_run_twice_is_one_line(tmp_path, capsys):
+    """A run folder named twice (as itself, or through a link to it) would be
+    two identically labelled runs in the report and its plots: refused."""
+    a = _write_run(tmp_path / "a", [(100, 2.0)])
+    b = _write_run(tmp_path / "b", [(100, 2.0)])
+    (tmp_path / "link").symlink_to(a)
+    for again in (a, tmp_path / "link"):
+        assert main(["compare", str(a), str(b), str(again)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"kvtrain: config error: run folder {a.resolve()} is given twice: name each run once")
+    assert not (tmp_path / "compare").exists()
