@@ -233,6 +233,15 @@ class WandbConfig:
     """auto: offline unless WANDB_MODE says otherwise or an API key is set."""
 
 
+def _check_seeds(seeds: dict) -> None:
+    """megatron's datasets seed numpy.random.RandomState, which takes 0 to 2**32 - 1
+    (the toy tasks' SeedSequence no negative one): a seed outside failed on every
+    rank after the process group started."""
+    for key, seed in seeds.items():
+        if seed is not None and not 0 <= seed < 2**32:
+            raise ConfigError(f"{key} must be in [0, 2**32 - 1], got {seed}")
+
+
 @dataclass
 class RunConfig:
     """A whole run: one YAML file."""
@@ -368,6 +377,7 @@ class RunConfig:
                               f"got {t.eval_iters}")
         if t.seq_length < 1:
             raise ConfigError(f"train.seq_length must be positive, got {t.seq_length}")
+        _check_seeds({"train.seed": t.seed})
 
     def _validate_optimizer(self) -> None:
         o = self.optimizer
@@ -431,6 +441,7 @@ class RunConfig:
                 f"data.split {d.split!r} has no validation part but train.eval_interval is set "
                 "(give the validation part a weight or set train.eval_interval: null)"
             )
+        _check_seeds({"data.seed": d.seed, "data.eval_seed": d.eval_seed})
         if d.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {d.num_workers}")
         needs_eod = d.reset_attention_mask or d.eod_mask_loss

@@ -104,6 +104,19 @@ def test_cross_field_checks(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("key", ["train.seed", "data.seed", "data.eval_seed"])
+@pytest.mark.parametrize("value", ["-1", str(2**32)])
+def test_a_seed_numpy_cannot_take_is_one_line(key, value):
+    """megatron's datasets seed numpy.random.RandomState (0 to 2**32 - 1) and the toy
+    tasks numpy's SeedSequence (>= 0): a seed outside was a traceback from every rank
+    after the process group started, not a config error."""
+    data_type = "ngram" if key == "data.eval_seed" else "mock"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"data.type={data_type}", f"{key}={value}"])
+    assert str(e.value) == f"{key} must be in [0, 2**32 - 1], got {value}"
+    assert load_config(None, [f"{key}={2**32 - 1}"])  # the largest one numpy takes
+
+
 def test_round_trip(tmp_path):
     cfg = load_config(None, ["model.attention=kv_shift", "model.kv_shift.mode=clamp"])
     again = load_config(write(tmp_path, dump_yaml(cfg)))
