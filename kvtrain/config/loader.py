@@ -197,10 +197,14 @@ def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None
             # Allow whole numbers written 1e9 / 1.0e9 (token budgets); PyYAML
             # reads an exponent without a sign as a string.
             number = _as_float(value)
-            if number is not None and number.is_integer():
-                return int(number)
-            raise ConfigError(f"{_where(key, source, line)}: expected int, got {value!r}")
-        return value
+            if number is None or not number.is_integer():
+                raise ConfigError(f"{_where(key, source, line)}: expected int, got {value!r}")
+        # numpy, torch and megatron hold ints in 64 bits: a larger one hung the
+        # trainer (max_steps) or forked without end (num_workers), never an error
+        number = int(value if isinstance(value, int) else number)
+        if not -2**63 <= number < 2**63:
+            raise ConfigError(f"{_where(key, source, line)}: expected a 64-bit int, got {value!r}")
+        return number
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             # PyYAML reads "1e-4" (no dot) as a string: accept numeric strings.

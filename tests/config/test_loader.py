@@ -117,6 +117,21 @@ def test_a_seed_numpy_cannot_take_is_one_line(key, value):
     assert load_config(None, [f"{key}={2**32 - 1}"])  # the largest one numpy takes
 
 
+@pytest.mark.parametrize("value,shown", [(str(2**63), str(2**63)), ("1e23", "'1e23'"),
+                                         (str(-2**63 - 1), str(-2**63 - 1))])
+def test_an_int_beyond_64_bits_is_one_line(tmp_path, value, shown):
+    """An int setting beyond 64 bits was accepted: train.max_steps=1e23 hung the
+    trainer building its sample index, data.num_workers=10**23 started DataLoader
+    workers until the machine ran out of processes."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"data.num_workers={value}"])
+    assert str(e.value) == f"--set: data.num_workers: expected a 64-bit int, got {shown}"
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, f"train:\n  max_steps: {value}\n"))
+    assert str(e.value).startswith(f"{tmp_path / 'c.yaml'}:2: train.max_steps: expected ")
+    assert load_config(None, [f"train.train_tokens={2**63 - 1}"]).train.train_tokens == 2**63 - 1
+
+
 def test_round_trip(tmp_path):
     cfg = load_config(None, ["model.attention=kv_shift", "model.kv_shift.mode=clamp"])
     again = load_config(write(tmp_path, dump_yaml(cfg)))
