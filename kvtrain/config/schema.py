@@ -233,6 +233,11 @@ class WandbConfig:
     """auto: offline unless WANDB_MODE says otherwise or an API key is set."""
 
 
+# The longest timeout torch's process groups hold (int64 nanoseconds); beyond
+# it each rank failed at start (an OverflowError, or a negative socket timeout).
+_MAX_TIMEOUT_MINUTES = (2**63 - 1) // (60 * 10**9)
+
+
 def _check_seeds(seeds: dict) -> None:
     """megatron's datasets seed numpy.random.RandomState, which takes 0 to 2**32 - 1
     (the toy tasks' SeedSequence no negative one): a seed outside failed on every
@@ -372,6 +377,10 @@ class RunConfig:
         for key, value in positive.items():
             if value is not None and value <= 0:
                 raise ConfigError(f"{key} must be positive (or null), got {value}")
+        if t.dist_timeout_minutes > _MAX_TIMEOUT_MINUTES:
+            raise ConfigError(f"train.dist_timeout_minutes must be at most {_MAX_TIMEOUT_MINUTES} "
+                              f"(torch keeps it in 64-bit nanoseconds, 292 years), got "
+                              f"{t.dist_timeout_minutes}")
         if t.eval_interval is not None and t.eval_iters < 1:
             raise ConfigError(f"train.eval_iters must be >= 1 when train.eval_interval is set, "
                               f"got {t.eval_iters}")

@@ -132,6 +132,18 @@ def test_an_int_beyond_64_bits_is_one_line(tmp_path, value, shown):
     assert load_config(None, [f"train.train_tokens={2**63 - 1}"]).train.train_tokens == 2**63 - 1
 
 
+@pytest.mark.parametrize("minutes", ["1e20", "1.4e12", "153722868"])
+def test_a_timeout_torch_cannot_hold_is_one_line(minutes):
+    """torch keeps a process group's timeout in 64-bit nanoseconds: a larger
+    train.dist_timeout_minutes was a traceback at the start of every rank
+    (OverflowError, or a socket 'timed out after -8233720368547758ms')."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"train.dist_timeout_minutes={minutes}"])
+    assert str(e.value) == (f"train.dist_timeout_minutes must be at most 153722867 (torch "
+                            f"keeps it in 64-bit nanoseconds, 292 years), got {float(minutes)}")
+    assert load_config(None, ["train.dist_timeout_minutes=153722867"])
+
+
 def test_round_trip(tmp_path):
     cfg = load_config(None, ["model.attention=kv_shift", "model.kv_shift.mode=clamp"])
     again = load_config(write(tmp_path, dump_yaml(cfg)))
