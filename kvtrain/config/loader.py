@@ -74,6 +74,9 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
     lines = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, (list, dict)):  # YAML's `? [a, b]`: unhashable, and no key
+            raise ConfigError(f"{loader.name}:{key_node.start_mark.line + 1}: a key must be "
+                              f"a name, got a {'list' if isinstance(key, list) else 'mapping'}")
         if key in mapping:
             raise ConfigError(
                 f"{loader.name}:{key_node.start_mark.line + 1}: duplicate key {key!r}"

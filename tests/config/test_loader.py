@@ -59,6 +59,17 @@ def test_section_must_be_mapping_and_no_duplicates(tmp_path):
         load_config(write(tmp_path, "optimizer:\n  lr: 1.0\n  lr: 2.0\n"))
 
 
+def test_a_key_that_is_a_list_or_mapping_is_one_line(tmp_path):
+    """YAML allows a complex key (`? [a, b]`); no config key is one, and it was
+    a TypeError traceback (unhashable type: 'list') from the loader."""
+    path = write(tmp_path, "model:\n  ? [a, b]\n  : 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}:2: a key must be a name, got a list"
+    with pytest.raises(ConfigError, match="c.yaml:1: a key must be a name, got a mapping"):
+        load_config(write(tmp_path, "{a: 1}: 2\n"))
+
+
 def test_invalid_yaml_names_line(tmp_path):
     with pytest.raises(ConfigError, match=r"c.yaml:3: invalid YAML"):
         load_config(write(tmp_path, "model:\n  - a\n  b: c\n"))
