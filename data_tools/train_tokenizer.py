@@ -162,6 +162,8 @@ def _stderr(message: str) -> None:
 def run(args) -> int:
     """CLI entry (see data_tools.cli)."""
     try:
+        if not 0 <= args.seed < 2**32:  # sentencepiece's seed is unsigned 32-bit
+            raise ValueError(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
         inputs = readers.discover(args.input, args.format)
         train(inputs, args.output, args.vocab_size, json_key=args.json_key,
               text_mode=args.text_mode, max_documents=args.max_documents, seed=args.seed,

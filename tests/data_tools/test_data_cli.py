@@ -143,6 +143,17 @@ def test_preprocess_option_and_tokenizer_mistakes_are_one_line(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
 
 
+def test_train_tokenizer_seed_sentencepiece_cannot_take_is_one_line(tmp_path):
+    """sentencepiece's seed is 32-bit unsigned: --seed -1 was a TypeError traceback."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    for seed in ("-1", str(2**32)):
+        err = _one_error_line(h.kvtrain("data", "train-tokenizer", "-i", str(corpus),
+                                        "--vocab-size", "300", "-o", str(tmp_path / "t"),
+                                        "--seed", seed, check=False), "train-tokenizer")
+        assert err.endswith(f"--seed must be in [0, 2**32 - 1], got {seed}"), err
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
+
+
 def test_inspect_with_a_damaged_meta_file_still_reports(tmp_path):
     """The .meta.json next to a shard is a record, not the data: damaged, it is
     one warning naming it and the report goes on."""
