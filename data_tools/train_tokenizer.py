@@ -164,6 +164,8 @@ def run(args) -> int:
     try:
         if not 0 <= args.seed < 2**32:  # sentencepiece's seed is unsigned 32-bit
             raise ValueError(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
+        if args.max_documents is not None and args.max_documents < 1:  # 0 silently meant all
+            raise ValueError(f"--max-documents must be at least 1, got {args.max_documents}")
         inputs = readers.discover(args.input, args.format)
         train(inputs, args.output, args.vocab_size, json_key=args.json_key,
               text_mode=args.text_mode, max_documents=args.max_documents, seed=args.seed,

@@ -154,6 +154,18 @@ def test_train_tokenizer_seed_sentencepiece_cannot_take_is_one_line(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
 
 
+def test_train_tokenizer_max_documents_below_one_is_one_line(tmp_path):
+    """--max-documents 0 silently read every document, and -1 stopped after one
+    (then sentencepiece failed on 'Vocabulary size too high')."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    for n in ("0", "-1"):
+        err = _one_error_line(h.kvtrain("data", "train-tokenizer", "-i", str(corpus),
+                                        "--vocab-size", "300", "-o", str(tmp_path / "t"),
+                                        "--max-documents", n, check=False), "train-tokenizer")
+        assert err.endswith(f"--max-documents must be at least 1, got {n}"), err
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
+
+
 def test_inspect_with_a_damaged_meta_file_still_reports(tmp_path):
     """The .meta.json next to a shard is a record, not the data: damaged, it is
     one warning naming it and the report goes on."""
