@@ -121,6 +121,17 @@ def job_name(run_dir: Path) -> str:
     return f"kvtrain-{run_dir.name}-{digest}"
 
 
+def check_folders(folders: dict[str, Path]) -> None:
+    """A file where the run's folder would be (a typo in --run-dir): one line
+    here, not a job that fails on the cluster after waiting in the queue."""
+    from data_tools.fileio import not_a_folder
+    from kvtrain.config import ConfigError
+
+    for key, folder in folders.items():
+        if why := not_a_folder(folder):
+            raise ConfigError(f"{key} {why}")
+
+
 def build(args) -> tuple[list[str], dict[str, str]]:
     """The sbatch command line and the environment it needs (also for tests)."""
     from kvtrain.config import ConfigError, checkpoint_folder, load_config, run_folder
@@ -142,6 +153,9 @@ def build(args) -> tuple[list[str], dict[str, str]]:
     repo = repo_root()
     run_dir = run_folder(cfg, args.run_dir)
     run_dir = (run_dir if run_dir.is_absolute() else Path.cwd() / run_dir).resolve()
+    checkpoints = checkpoint_folder(cfg.checkpoint.dir, run_dir)
+    check_folders({"--run-dir" if args.run_dir else "run_dir": run_dir,
+                   "checkpoint.dir": checkpoints})
     config = Path(args.config).resolve()
     name = args.job_name or job_name(run_dir)
 
@@ -162,7 +176,7 @@ def build(args) -> tuple[list[str], dict[str, str]]:
 
     # the checkpoint folder for a container job, whose start cannot resolve it
     env = {"RUN_DIR": str(run_dir), "KVTRAIN_REPO": str(repo),
-           "CHECKPOINT_DIR": str(checkpoint_folder(cfg.checkpoint.dir, run_dir))}
+           "CHECKPOINT_DIR": str(checkpoints)}
     if args.nproc_per_node:
         env["NPROC_PER_NODE"] = str(args.nproc_per_node)
     if args.max_requeues is not None:
@@ -184,7 +198,12 @@ def run(args) -> int:
     if shutil.which("sbatch") is None:
         print("kvtrain submit: sbatch not found (is this a SLURM login node?)", file=sys.stderr)
         return 1
-    Path(env["RUN_DIR"], "logs").mkdir(parents=True, exist_ok=True)
+    logs = Path(env["RUN_DIR"], "logs")
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # read-only, or a place no folder can be made (/proc)
+        print(f"kvtrain submit: cannot make the log folder {logs}: {e.strerror}", file=sys.stderr)
+        return 1
     jobs = []
     for _ in range(args.chain):
         out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)

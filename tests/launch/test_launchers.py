@@ -4,6 +4,7 @@ single-node run, and a signal to torchrun.sh saving and resuming."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import subprocess
@@ -205,6 +206,31 @@ def test_submit_refuses_a_bad_time_limit_in_one_line(capsys, time, message):
                  "1", "--time", time, "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"kvtrain: config error: {message}") and "\n" not in err, err
+
+
+def test_submit_refuses_a_run_folder_it_cannot_make_in_one_line(tmp_path, monkeypatch, capsys):
+    """A --run-dir (or checkpoint.dir) that is a file, or a folder that cannot be
+    made: one line before sbatch, not a NotADirectoryError traceback at mkdir
+    (or a queued job failing on the cluster hours later)."""
+    from kvtrain.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/called\necho 1\n")
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    for extra, code, message in (
+            (["--run-dir", str(blocker)], 2,
+             f"kvtrain: config error: --run-dir {blocker} is a file, not a folder"),
+            (["--run-dir", str(tmp_path / "r"), "--set", f"checkpoint.dir={blocker}/c"], 2,
+             f"kvtrain: config error: checkpoint.dir {blocker}/c: {blocker} is a file, "
+             "not a folder"),
+            (["--run-dir", "/proc/kvtrain-run"], 1, "kvtrain submit: cannot make the log "
+             "folder /proc/kvtrain-run/logs: No such file or directory")):
+        assert main(["submit", str(TINY), "--gpus-per-node", "0", *extra]) == code
+        assert capsys.readouterr().err.strip() == message
+    assert not (tmp_path / "called").exists()  # sbatch never ran
 
 
 @pytest.mark.parametrize("time,seconds", [("90", 5400), ("30:00", 1800), ("24:00:00", 86400),
