@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kvtrain.config import ConfigError
+
 DEMO_VOCAB = 2048
 
 
@@ -76,9 +78,18 @@ def _data_tools_available() -> bool:
         return False
 
 
-def _tool(*argv: str) -> None:
+class DataStepError(ConfigError):
+    """A data tool the demo ran failed; the tool printed its own line first."""
+
+    kind = "data error"
+
+
+def _tool(data_dir: Path, *argv: str) -> None:
     print("+ kvtrain data " + " ".join(argv), flush=True)
-    subprocess.run([sys.executable, "-m", "data_tools", *argv], check=True)
+    code = subprocess.run([sys.executable, "-m", "data_tools", *argv]).returncode
+    if code != 0:  # the tool said why; a CalledProcessError traceback only hid it
+        raise DataStepError(f"kvtrain data {argv[0]} failed (exit {code}, its error is above): "
+                            f"fix or remove what it reads in {data_dir} and rerun")
 
 
 def prepare_data(data_dir: Path, synthetic: bool = False) -> list[str]:
@@ -89,12 +100,12 @@ def prepare_data(data_dir: Path, synthetic: bool = False) -> list[str]:
         tokenizer = data_dir / "tokenizer"
         shards = data_dir / "shards"
         if not corpus.exists():
-            _tool("demo-corpus", "--output", str(corpus))
+            _tool(data_dir, "demo-corpus", "--output", str(corpus))
         if not tokenizer.with_suffix(".model").exists():
-            _tool("train-tokenizer", "--input", str(corpus), "--vocab-size", str(DEMO_VOCAB),
-                  "--output", str(tokenizer))
+            _tool(data_dir, "train-tokenizer", "--input", str(corpus), "--vocab-size",
+                  str(DEMO_VOCAB), "--output", str(tokenizer))
         if not list(shards.glob("*.idx")):
-            _tool("preprocess", "--input", str(corpus), "--tokenizer",
+            _tool(data_dir, "preprocess", "--input", str(corpus), "--tokenizer",
                   str(tokenizer.with_suffix(".model")), "--output-prefix", str(shards / "demo"),
                   "--quiet")
         prefixes = sorted(str(p.with_suffix("")) for p in shards.glob("*.idx"))

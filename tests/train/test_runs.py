@@ -360,6 +360,24 @@ def test_demo_mistakes_are_one_line_before_anything_is_built_or_cleared(tmp_path
     assert kept.read_text() == "{}" and sorted(p.name for p in demo.iterdir()) == ["vanilla"]
 
 
+def test_a_failing_demo_data_step_is_its_own_line_and_one_more(tmp_path, capfd):
+    """A data tool that fails under kvtrain demo (here: an empty corpus.jsonl left in
+    the data folder, so train-tokenizer has no text) was the tool's line and then a
+    CalledProcessError traceback; now the tool's line and one line naming the step."""
+    from kvtrain.cli import main
+
+    data = tmp_path / "demo" / "data"
+    data.mkdir(parents=True)
+    (data / "corpus.jsonl").write_text("")
+    assert main(["demo", "--run-dir", str(tmp_path / "demo"), "--steps", "1"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [
+        "kvtrain data train-tokenizer: error: no text to train on: every input document was "
+        "skipped or empty",
+        f"kvtrain: data error: kvtrain data train-tokenizer failed (exit 1, its error is "
+        f"above): fix or remove what it reads in {data} and rerun"], err
+
+
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
