@@ -235,6 +235,10 @@ def write(output: str, max_bytes: int | None = None) -> dict:
 
 def run(args) -> int:
     """CLI entry (see data_tools.cli)."""
+    if args.max_mb is not None and not args.max_mb > 0:  # 0 silently meant no limit
+        print(f"kvtrain data demo-corpus: error: --max-mb must be positive, got {args.max_mb}",
+              file=sys.stderr)
+        return 1
     stats = write(args.output, int(args.max_mb * 1e6) if args.max_mb else None)
     print(f"demo-corpus: wrote {args.output}: {stats['documents']} documents, "
           f"{stats['bytes'] / 1e6:.1f} MB (Python {stats['python']} standard library docstrings)",

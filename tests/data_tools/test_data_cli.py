@@ -166,6 +166,15 @@ def test_train_tokenizer_max_documents_below_one_is_one_line(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
 
 
+def test_demo_corpus_max_mb_not_positive_is_one_line(tmp_path):
+    """--max-mb 0 silently wrote the whole corpus, and -1 one document."""
+    for mb in ("0", "-1", "nan"):
+        err = _one_error_line(h.kvtrain("data", "demo-corpus", "-o", str(tmp_path / "c.jsonl"),
+                                        "--max-mb", mb, check=False), "demo-corpus")
+        assert err.endswith(f"--max-mb must be positive, got {float(mb)}"), err
+    assert os.listdir(tmp_path) == []
+
+
 def test_inspect_with_a_damaged_meta_file_still_reports(tmp_path):
     """The .meta.json next to a shard is a record, not the data: damaged, it is
     one warning naming it and the report goes on."""
