@@ -273,6 +273,9 @@ class RunConfig:
     def validate(self, world_size: Optional[int] = None) -> None:
         """Cross-field checks, each one clear line. ``world_size`` enables DP checks."""
         m, p, t = self.model, self.parallel, self.train
+        if not self.name.strip():  # runs/<name> would be runs itself
+            raise ConfigError("name is empty: it names the run (its folder runs/<name> and its "
+                              "wandb run)")
         m.validate()
         if p.tensor < 1 or p.pipeline < 1 or p.context < 1:
             raise ConfigError("parallel.tensor, parallel.pipeline and parallel.context must be >= 1")

@@ -155,6 +155,16 @@ def test_a_timeout_torch_cannot_hold_is_one_line(minutes):
     assert load_config(None, ["train.dist_timeout_minutes=153722867"])
 
 
+@pytest.mark.parametrize("name", ["''", "' '"])
+def test_an_empty_run_name_is_one_line(name):
+    """name: '' made the run folder runs/<name> = runs itself: the run's lock,
+    checkpoints and metrics went in among the other runs' folders."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"name={name}"])
+    assert str(e.value) == ("name is empty: it names the run (its folder runs/<name> and "
+                            "its wandb run)")
+
+
 def test_round_trip(tmp_path):
     cfg = load_config(None, ["model.attention=kv_shift", "model.kv_shift.mode=clamp"])
     again = load_config(write(tmp_path, dump_yaml(cfg)))
