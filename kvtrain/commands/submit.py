@@ -138,6 +138,13 @@ def build(args) -> tuple[list[str], dict[str, str]]:
 
     if args.nodes < 1 or args.chain < 1 or args.gpus_per_node < 0:
         raise ConfigError("--nodes and --chain must be >= 1 and --gpus-per-node >= 0")
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:  # 0 silently meant the default
+        raise ConfigError(f"--nproc-per-node must be >= 1 (leave it out for the default), "
+                          f"got {args.nproc_per_node}")
+    for option, value in (("--max-requeues", args.max_requeues),
+                          ("--signal-seconds", args.signal_seconds)):
+        if value is not None and value < 0:  # passed on to sbatch and slurm.sbatch as they were
+            raise ConfigError(f"{option} must be >= 0, got {value}")
     check_time(args.time, args.signal_seconds)
     nproc = args.nproc_per_node or (args.gpus_per_node or None)
     world = args.nodes * nproc if nproc else None

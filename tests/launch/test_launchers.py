@@ -208,6 +208,23 @@ def test_submit_refuses_a_bad_time_limit_in_one_line(capsys, time, message):
     assert err.startswith(f"kvtrain: config error: {message}") and "\n" not in err, err
 
 
+@pytest.mark.parametrize("option,value,message", [
+    ("--nproc-per-node", "0", "--nproc-per-node must be >= 1 (leave it out for the default), "
+                              "got 0"),
+    ("--nproc-per-node", "-2", "--nproc-per-node must be >= 1 (leave it out for the default), "
+                               "got -2"),
+    ("--max-requeues", "-1", "--max-requeues must be >= 0, got -1"),
+    ("--signal-seconds", "-5", "--signal-seconds must be >= 0, got -5"),
+])
+def test_submit_refuses_option_values_out_of_range(capsys, option, value, message):
+    """--nproc-per-node 0 silently meant the default (-2 was blamed on the world
+    size); --max-requeues -1 and --signal-seconds -5 went to the job as they were."""
+    from kvtrain.cli import main
+
+    assert main(["submit", str(TINY), "--gpus-per-node", "0", option, value, "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == f"kvtrain: config error: {message}"
+
+
 def test_submit_refuses_a_run_folder_it_cannot_make_in_one_line(tmp_path, monkeypatch, capsys):
     """A --run-dir (or checkpoint.dir) that is a file, or a folder that cannot be
     made: one line before sbatch, not a NotADirectoryError traceback at mkdir
