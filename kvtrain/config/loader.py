@@ -304,9 +304,12 @@ def _set_path(data: dict, parts: list[str], value: Any, cls: type) -> None:
             raise ConfigError(f"--set: unknown key '{dotted}'{hint}")
         tp = _unwrap_optional(hints[part])
         if i == len(parts) - 1:
-            if dataclasses.is_dataclass(tp) and isinstance(value, dict) and value:
+            if dataclasses.is_dataclass(tp) and isinstance(value, dict):
                 # A section given whole replaced the file's section, silently
-                # dropping its other keys: merge it one key at a time instead.
+                # dropping its other keys: merge it one key at a time instead
+                # ({} merges nothing; it switches on an optional section left out).
+                if not value and not isinstance(node.get(part), dict):
+                    node[part] = {}
                 for key, inner in value.items():
                     _set_path(data, [*parts, str(key)], inner, cls)
                 return

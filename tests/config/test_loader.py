@@ -299,6 +299,13 @@ def test_set_of_a_section_merges_into_the_files_section(tmp_path):
         load_config(path, ["model.kv_shift={heads: {kk: [0]}}"])
     assert str(e.value).startswith("--set: unknown key 'model.kv_shift.heads.kk'"), str(e.value)
     assert load_config(path, ["model.kv_shift.heads=null"]).model.kv_shift.heads is None
+    # an empty section merges nothing: the file's keys stay (it replaced them by defaults)
+    model = load_config(path, ["model={}"]).model
+    assert model.attention == "kv_shift" and model.kv_shift.heads.fixed is True
+    assert load_config(path, ["model.kv_shift.heads={}"]).model.kv_shift.heads.k == [1]
+    # ... and an optional section the file leaves out is switched on with its defaults
+    assert load_config(path, ["model.mla={}", "model.num_query_groups=null"]).model.mla \
+        is not None
 
 
 def test_a_zero_padded_int_is_decimal_in_files_and_overrides(tmp_path):
