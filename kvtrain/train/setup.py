@@ -12,6 +12,7 @@ is what they became, printed and recorded by the trainer.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -173,6 +174,10 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     numerics = Numerics.from_precision(t.precision)
     if numerics.fp16 and not torch.cuda.is_available():
         raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
+    cpus = len(os.sched_getaffinity(0))  # checked here: plan and submit run elsewhere
+    if cfg.data.num_workers > cpus:  # more never helps; a slip (100000) exhausts the node
+        raise ConfigError(f"data.num_workers ({cfg.data.num_workers}) exceeds the {cpus} CPUs "
+                          "this rank may use: DataLoader workers per rank, each a process")
     backend, kernels = _resolve_backend(cfg, numerics)  # once per run
     tconfig = transformer_config(cfg.model, p, numerics, rope_fusion=kernels.rope_fusion)
     # Set before DDP is built (DDP reads it): gradients are divided by the token

@@ -122,3 +122,18 @@ def test_preprocess_without_documents_is_an_error(tmp_path):
     assert len(errors) == 1 and str(empty) in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert not list((tmp_path / "out").glob("*")), list((tmp_path / "out").glob("*"))
+
+
+def test_more_loader_workers_than_cpus_is_one_line(tmp_path, corpus, cache_dir):
+    """data.num_workers beyond this machine's CPUs (a slip: 100000) started that many
+    DataLoader processes per rank until the machine ran out of them: one line at start."""
+    import os
+
+    cfg = tiny_config(corpus, cache_dir)
+    cfg["data"]["num_workers"] = 100000
+    result = run(["train", str(write_config(tmp_path / "c.yaml", cfg)),
+                  "--run-dir", str(tmp_path / "run")], timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "data.num_workers (100000)" in lines[0], result.stderr[-3000:]
+    assert f"{len(os.sched_getaffinity(0))} CPUs" in lines[0], lines
