@@ -54,7 +54,8 @@ def register(sub) -> None:
     p.add_argument("--max-requeues", type=int, default=None,
                    help="requeue at most this many times (default 50)")
     p.add_argument("--container-image", help="run in this container (pyxis/enroot)")
-    p.add_argument("--container-mounts", help="pyxis --container-mounts (default: repo, run folder)")
+    p.add_argument("--container-mounts", help="more pyxis --container-mounts (the repo, the run "
+                   "folder and its checkpoint and log folders are mounted unless these cover them)")
     p.add_argument("--run-dir", help="run folder (default: the config's, else runs/<name>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (repeatable)")

@@ -369,3 +369,25 @@ def test_submit_names_jobs_by_run_folder(tmp_path, monkeypatch):
     assert len({job("--run-dir", f"{parent}/run") for parent in ("a", "b")}) == 2
     assert job("--run-dir", "runs/x") == job("--run-dir", str(tmp_path / "runs" / "x"))
     assert job("--job-name", "mine") == "--job-name=mine"
+
+
+def test_a_container_job_mounts_every_folder_the_run_writes(tmp_path):
+    """The trainer in the container is given host paths: a folder it writes that is
+    not mounted is the container's own, and checkpoints saved there (checkpoint.dir
+    on scratch storage) vanish with it - the requeued start finds none and trains
+    from step 0. The user's CONTAINER_MOUNTS add to these mounts, they do not drop
+    them (the repo, the run folder)."""
+    def mounts(**env):
+        out = dry(SBATCH, str(TINY), "checkpoint.dir=/scratch/ck", SLURM_JOB_ID="3",
+                  RUN_DIR="/shared/r", CHECKPOINT_DIR="/scratch/ck", CONTAINER_IMAGE="img",
+                  **env)
+        assert out.returncode == 0, out.stderr
+        words = shlex.split(out.stdout.splitlines()[1])
+        return next(w for w in words if w.startswith("--container-mounts=")).split("=", 1)[1]
+
+    assert mounts() == f"{REPO}:{REPO},/shared/r:/shared/r,/scratch/ck:/scratch/ck"
+    assert mounts(LOG_DIR="/logs/k") == \
+        f"{REPO}:{REPO},/shared/r:/shared/r,/scratch/ck:/scratch/ck,/logs/k:/logs/k"
+    assert mounts(CONTAINER_MOUNTS="/data:/data:ro,/scratch:/scratch") == \
+        f"/data:/data:ro,/scratch:/scratch,{REPO}:{REPO},/shared/r:/shared/r"
+    assert mounts(CONTAINER_MOUNTS="/:/") == "/:/"
