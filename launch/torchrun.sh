@@ -23,6 +23,8 @@
 #   PYTHON           interpreter (default: $VIRTUAL_ENV or the repo's .venv, else python3)
 #   LOG_DIR          folder of the node logs node<NODE_RANK>.log (default <run folder>/logs)
 #   STOP_FILE        a path: when it appears, stop as on SIGUSR1 (slurm.sbatch's relay)
+#   KVTRAIN_CHECKPOINT_DIR  the checkpoint folder slurm.sbatch took for a container
+#                    job: a config whose checkpoint folder is another is refused
 #   KVTRAIN_DRY_RUN=1  check the config, print the torchrun command and exit
 #
 # Single node:   launch/torchrun.sh configs/demo.yaml train.max_steps=20
@@ -115,8 +117,9 @@ WORLD_SIZE=$(( NNODES * NPROC_PER_NODE ))
 # and checks the config (with the world size: divisibility of heads, layers,
 # batch) before anything starts.
 RUN_DIR=$("$PYTHON" - "$CONFIG" "$WORLD_SIZE" "${RUN_DIR:-}" "${SETS[@]}" <<'PY'
+import os
 import sys
-from kvtrain.config import ConfigError, load_config, run_folder
+from kvtrain.config import ConfigError, checkpoint_folder, load_config, run_folder
 
 config, world, run_dir, rest = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 overrides = [rest[i + 1] for i in range(0, len(rest), 2)]
@@ -124,7 +127,13 @@ try:
     cfg = load_config(config, overrides, world_size=world)
 except ConfigError as e:
     sys.exit(f"kvtrain: config error: {e}")
-print(run_folder(cfg, run_dir or None))
+run = run_folder(cfg, run_dir or None)
+taken, ours = os.environ.get("KVTRAIN_CHECKPOINT_DIR"), checkpoint_folder(cfg.checkpoint.dir, run)
+if taken and os.path.abspath(taken) != os.path.abspath(ours):
+    sys.exit(f"kvtrain: config error: checkpoint.dir: the run's checkpoint folder is {ours}, but "
+             f"slurm.sbatch took CHECKPOINT_DIR={taken} (for the resume and the container's "
+             f"mounts): set CHECKPOINT_DIR={ours} (kvtrain submit does)")
+print(run)
 PY
 ) || exit 2
 LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}

@@ -55,7 +55,8 @@ def launch_env(**extra: str) -> dict[str, str]:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES",
                 "NODE_RANK", "NPROC_PER_NODE", "RDZV_ENDPOINT", "RUN_DIR", "LOG_DIR",
                 "STOP_FILE", "SLURM_JOB_ID", "SLURM_NODEID", "SLURM_NNODES",
-                "SLURM_CPUS_ON_NODE", "SLURM_STEP_ID", "KVTRAIN_DRY_RUN"):
+                "SLURM_CPUS_ON_NODE", "SLURM_STEP_ID", "KVTRAIN_DRY_RUN", "CHECKPOINT_DIR",
+                "KVTRAIN_CHECKPOINT_DIR"):
         env.pop(key, None)
     env.update(extra)
     return env

@@ -391,3 +391,33 @@ def test_a_container_job_mounts_every_folder_the_run_writes(tmp_path):
     assert mounts(CONTAINER_MOUNTS="/data:/data:ro,/scratch:/scratch") == \
         f"/data:/data:ro,/scratch:/scratch,{REPO}:{REPO},/shared/r:/shared/r"
     assert mounts(CONTAINER_MOUNTS="/:/") == "/:/"
+
+
+def test_a_container_job_refuses_a_checkpoint_dir_that_is_not_the_configs(tmp_path):
+    """Without kvtrain's interpreter on the batch host, slurm.sbatch takes the
+    checkpoint folder from CHECKPOINT_DIR (else <RUN_DIR>/checkpoints) to decide the
+    resume and the mounts; a config's checkpoint.dir elsewhere would be saved into
+    the container's own filesystem and lost. torchrun.sh, in the container, holds
+    the config: it refuses the mismatch in one line before anything starts."""
+    srun = tmp_path / "srun"  # runs the step's torchrun.sh here, as a dry run
+    srun.write_text('#!/bin/sh\nwhile [ "$1" != bash ]; do shift; done\n'
+                    'KVTRAIN_DRY_RUN=1 exec "$@"\n')
+    srun.chmod(0o755)
+    run, ck = tmp_path / "r", tmp_path / "scratch" / "ck"
+
+    def job(*sets, **env):
+        return subprocess.run(
+            ["bash", str(SBATCH), str(TINY), *sets], cwd=REPO, capture_output=True, text=True,
+            timeout=60, env=launch_env(SLURM_JOB_ID="5", RUN_DIR=str(run), CONTAINER_IMAGE="img",
+                                       PATH=f"{tmp_path}:{launch_env()['PATH']}", **env))
+
+    out = job(f"checkpoint.dir={ck}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    line = [ln for ln in out.stderr.splitlines() if "kvtrain" in ln]
+    assert line == [f"kvtrain: config error: checkpoint.dir: the run's checkpoint folder is "
+                    f"{ck}, but slurm.sbatch took CHECKPOINT_DIR={run}/checkpoints (for "
+                    f"the resume and the container's mounts): set CHECKPOINT_DIR={ck} "
+                    f"(kvtrain submit does)"], out.stderr
+    ok = job(f"checkpoint.dir={ck}", CHECKPOINT_DIR=str(ck))
+    assert ok.returncode == 0 and "--run-dir" in ok.stdout, ok.stdout + ok.stderr
+    assert job().returncode == 0
