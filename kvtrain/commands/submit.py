@@ -50,7 +50,7 @@ def register(sub) -> None:
     p.add_argument("--chain", type=int, default=1,
                    help="submit this many jobs in a chain (default 1)")
     p.add_argument("--no-singleton", action="store_true",
-                   help="do not add --dependency=singleton")
+                   help="do not add --dependency=singleton (refused with --chain)")
     p.add_argument("--max-requeues", type=int, default=None,
                    help="requeue at most this many times (default 50)")
     p.add_argument("--container-image", help="run in this container (pyxis/enroot)")
@@ -146,6 +146,10 @@ def build(args) -> tuple[list[str], dict[str, str]]:
                           ("--signal-seconds", args.signal_seconds)):
         if value is not None and value < 0:  # passed on to sbatch and slurm.sbatch as they were
             raise ConfigError(f"{option} must be >= 0, got {value}")
+    if args.chain > 1 and args.no_singleton:
+        raise ConfigError(f"--chain {args.chain} with --no-singleton: the {args.chain} jobs would "
+                          "start at once on one run folder (--dependency=singleton runs them "
+                          "one after another)")
     check_time(args.time, args.signal_seconds)
     nproc = args.nproc_per_node or (args.gpus_per_node or None)
     world = args.nodes * nproc if nproc else None

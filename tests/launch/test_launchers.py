@@ -421,3 +421,18 @@ def test_a_container_job_refuses_a_checkpoint_dir_that_is_not_the_configs(tmp_pa
     ok = job(f"checkpoint.dir={ck}", CHECKPOINT_DIR=str(ck))
     assert ok.returncode == 0 and "--run-dir" in ok.stdout, ok.stdout + ok.stderr
     assert job().returncode == 0
+
+
+def test_submit_refuses_a_chain_without_singleton_in_one_line(capsys):
+    """--chain K submits K identical jobs: without --dependency=singleton they would
+    all start at once on one run folder, K-1 of them holding their nodes only to be
+    refused by its lock."""
+    from kvtrain.cli import main
+
+    assert main(["submit", str(TINY), "--gpus-per-node", "0", "--chain", "3",
+                 "--no-singleton", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("kvtrain: config error: --chain 3 with --no-singleton: the 3 jobs would start "
+                   "at once on one run folder (--dependency=singleton runs them one after "
+                   "another)"), err
+    assert main(["submit", str(TINY), "--gpus-per-node", "0", "--no-singleton", "--dry-run"]) == 0
