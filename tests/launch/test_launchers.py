@@ -436,3 +436,33 @@ def test_submit_refuses_a_chain_without_singleton_in_one_line(capsys):
                    "at once on one run folder (--dependency=singleton runs them one after "
                    "another)"), err
     assert main(["submit", str(TINY), "--gpus-per-node", "0", "--no-singleton", "--dry-run"]) == 0
+
+
+def _image_env() -> dict[str, str]:
+    """The environment docker/Dockerfile's ENV instructions give the image."""
+    text = (REPO / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    env = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            env.update(w.split("=", 1) for w in shlex.split(line[4:]))
+    return env
+
+
+def test_the_image_runs_its_interpreter_not_a_mounted_checkouts_venv(tmp_path):
+    """docker/README: a checkout mounted over /opt/kvtrain runs with the image's
+    packages. Its .venv (make's: a host interpreter, CPU torch) must not be taken:
+    its python is missing in the image, or it is the CPU build."""
+    repo = tmp_path / "kvtrain"
+    (repo / "launch").mkdir(parents=True)
+    (repo / "launch" / "torchrun.sh").write_text(TORCHRUN_SH.read_text())
+    venv_python = repo / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text("#!/bin/sh\necho 'the host .venv ran' >&2\nexit 1\n")
+    venv_python.chmod(0o755)
+    env = launch_env(KVTRAIN_DRY_RUN="1")
+    del env["PYTHON"]  # launch_env's: the container has only the image's
+    env.update(_image_env())
+    out = subprocess.run(["bash", str(repo / "launch" / "torchrun.sh"), str(TINY), "--run-dir",
+                          str(tmp_path / "r")], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "python -m torch.distributed.run" in out.stdout and ".venv" not in out.stdout
