@@ -221,7 +221,10 @@ def run(args) -> int:
         out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
         if out.returncode != 0:
             msg = (out.stderr or out.stdout).strip().splitlines()
-            print(f"kvtrain submit: sbatch failed: {msg[-1] if msg else out.returncode}",
+            # the jobs already queued will train: say which
+            queued = (f" (job {len(jobs) + 1} of the chain of {args.chain}; submitted and "
+                      f"queued: {' '.join(jobs)})") if jobs else ""
+            print(f"kvtrain submit: sbatch failed: {msg[-1] if msg else out.returncode}{queued}",
                   file=sys.stderr)
             return 1
         jobs.append(out.stdout.strip().split(";")[0])

@@ -466,3 +466,22 @@ def test_the_image_runs_its_interpreter_not_a_mounted_checkouts_venv(tmp_path):
                           str(tmp_path / "r")], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert "python -m torch.distributed.run" in out.stdout and ".venv" not in out.stdout
+
+
+def test_a_chain_cut_short_by_sbatch_names_the_jobs_it_submitted(tmp_path, monkeypatch, capsys):
+    """sbatch refusing the 3rd job of --chain 3 (a QOS job limit): the first two are
+    queued and will train; the user must learn which, not only that sbatch failed."""
+    from kvtrain.cli import main
+
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.parent.mkdir()
+    sbatch.write_text(f"#!/bin/sh\necho x >> {tmp_path}/calls\nn=$(wc -l < {tmp_path}/calls)\n"
+                      "[ $n -le 2 ] || { echo 'sbatch: error: QOSMaxSubmitJobPerUserLimit' >&2; "
+                      "exit 1; }\necho $((100 + n))\n")
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{sbatch.parent}:{launch_env()['PATH']}")
+    assert main(["submit", str(TINY), "--gpus-per-node", "0", "--chain", "3", "--run-dir",
+                 str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("kvtrain submit: sbatch failed: sbatch: error: QOSMaxSubmitJobPerUserLimit "
+                   "(job 3 of the chain of 3; submitted and queued: 101 102)"), err
