@@ -189,20 +189,19 @@ def build(args) -> tuple[list[str], dict[str, str]]:
     # the checkpoint folder for a container job, whose start cannot resolve it
     env = {"RUN_DIR": str(run_dir), "KVTRAIN_REPO": str(repo),
            "CHECKPOINT_DIR": str(checkpoints)}
-    if args.nproc_per_node:
-        env["NPROC_PER_NODE"] = str(args.nproc_per_node)
-    if args.max_requeues is not None:
-        env["MAX_REQUEUES"] = str(args.max_requeues)
-    if args.container_image:
-        env["CONTAINER_IMAGE"] = args.container_image
-    if args.container_mounts:
-        env["CONTAINER_MOUNTS"] = args.container_mounts
+    # sbatch passes the submitting shell's environment on, where the scripts read
+    # these: each is this command's (empty: the scripts' default), not a leftover
+    # of the shell that contradicts the layout checked here or the logs it names
+    env |= {"NPROC_PER_NODE": str(nproc or ""), "LOG_DIR": "", "KVTRAIN_DRY_RUN": "",
+            "MAX_REQUEUES": "" if args.max_requeues is None else str(args.max_requeues),
+            "CONTAINER_IMAGE": args.container_image or "",
+            "CONTAINER_MOUNTS": args.container_mounts or ""}
     return cmd, env
 
 
 def run(args) -> int:
     cmd, env = build(args)
-    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if v) + " " + shlex.join(cmd)
     if args.dry_run:
         for _ in range(args.chain):
             print(shown)

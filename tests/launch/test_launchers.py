@@ -485,3 +485,30 @@ def test_a_chain_cut_short_by_sbatch_names_the_jobs_it_submitted(tmp_path, monke
     err = capsys.readouterr().err.strip()
     assert err == ("kvtrain submit: sbatch failed: sbatch: error: QOSMaxSubmitJobPerUserLimit "
                    "(job 3 of the chain of 3; submitted and queued: 101 102)"), err
+
+
+def test_submit_is_not_overridden_by_the_submitting_shells_launcher_variables(
+        tmp_path, monkeypatch, capsys):
+    """sbatch passes the submitting shell's environment to the job, where
+    slurm.sbatch and torchrun.sh read it: an NPROC_PER_NODE left from a workstation
+    test ran 1 process on each 2-GPU node, a layout submit never checked (silently,
+    when the config fits it), and a LOG_DIR put the logs elsewhere than submit said."""
+    from kvtrain.cli import main
+
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.parent.mkdir()
+    sbatch.write_text(f"#!/bin/sh\nenv > {tmp_path}/env\necho 7\n")
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{sbatch.parent}:{launch_env()['PATH']}")
+    for key, value in (("NPROC_PER_NODE", "1"), ("LOG_DIR", "/elsewhere"), ("MAX_REQUEUES", "0"),
+                       ("CONTAINER_IMAGE", "img"), ("KVTRAIN_DRY_RUN", "1")):
+        monkeypatch.setenv(key, value)
+    run = tmp_path / "run"
+    assert main(["submit", str(TINY), "--gpus-per-node", "2", "--no-plan", "--run-dir",
+                 str(run)]) == 0
+    assert f"logs {run}/logs/slurm-<job id>" in capsys.readouterr().out
+    env = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines()
+               if "=" in line)
+    assert env["NPROC_PER_NODE"] == "2"
+    assert [env.get(k) for k in ("LOG_DIR", "MAX_REQUEUES", "CONTAINER_IMAGE",
+                                 "KVTRAIN_DRY_RUN")] == ["", "", "", ""]
