@@ -19,6 +19,11 @@ forever (``_get_num_epochs``). Parts we need (train; valid when evaluating)
 must own documents; parts we do not use are dropped from the split matrix
 without moving the boundaries of the others.
 
+megatron keys its index caches by the shard's path, not its content: a corpus
+written again under the same name (a rerun of preprocess) would be read through
+the first one's indices. The key here also holds each shard's file sizes and
+mtimes (``StampedGPTDataset``), so a rewritten shard gets indices of its own.
+
 Unweighted prefixes (``data.paths: [a, b]``) are blended with weights equal to
 their token counts, i.e. like one corpus. megatron itself would build one
 epoch of each and blend min(asked, one epoch): a run needing more than one
@@ -27,6 +32,8 @@ epoch, or a validation part smaller than eval_iters batches, came up short.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -82,6 +89,46 @@ def _blend(paths: list) -> tuple[tuple, dict[str, int]]:
     return (prefixes, weights), {prefix: n for prefix, (n, _) in sizes.items()}
 
 
+def _file_stamps(prefixes: list[str]) -> dict[str, list[int]]:
+    """Each shard's .bin and .idx sizes and mtimes, as rank 0 (which builds the index
+    caches) sees them: every rank must key the caches alike, also where a node reads
+    its own copy of the shards."""
+    import torch.distributed as dist
+
+    stamps = {}
+    for prefix in prefixes:
+        files = [os.stat(f"{prefix}{ext}") for ext in (".bin", ".idx")]
+        stamps[prefix] = [n for st in files for n in (st.st_size, st.st_mtime_ns)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [stamps]
+        dist.broadcast_object_list(box, src=0)
+        stamps = box[0]
+    return stamps
+
+
+@functools.cache
+def _stamped_gpt_dataset() -> type:
+    """megatron's GPTDataset whose index-cache key also holds the shards' file stamps
+    (``config.shard_files``); made on first use, as megatron is slow to import."""
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    class StampedGPTDataset(GPTDataset):
+        @staticmethod
+        def _key_config_attributes() -> list[str]:
+            return GPTDataset._key_config_attributes() + ["shard_files"]
+
+    # pickle finds the class by this module's name (module __getattr__ below)
+    StampedGPTDataset.__module__, StampedGPTDataset.__qualname__ = __name__, "StampedGPTDataset"
+    return StampedGPTDataset
+
+
+def __getattr__(name: str):
+    # unpickling a dataset (a loader worker started by spawn) looks the class up here
+    if name == "StampedGPTDataset":
+        return _stamped_gpt_dataset()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def plan_split(split_matrix: list, counts: dict[str, int], needed: tuple[bool, bool, bool],
                split: str) -> list:
     """The split matrix to build: parts we draw from are checked to own documents
@@ -117,7 +164,7 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 
     from .tokenizer import load_tokenizer
 
@@ -148,6 +195,7 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
+    ds_config.shard_files = _file_stamps(blend[0]) if blend is not None else None
     needed = (True, valid_samples > 0, False)
     if blend is not None:
         ds_config.split_matrix = plan_split(ds_config.split_matrix, counts, needed, d.split)
@@ -160,7 +208,7 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         # a weighted blend: megatron's builder takes a size for every part (it asserts
         # otherwise, and shares each part's size out by weight): 0 for a part not built
         sizes = [0 if n is None else n for n in sizes]
-    cls = GPTDataset if d.type == "gpt" else MockGPTDataset
+    cls = _stamped_gpt_dataset() if d.type == "gpt" else MockGPTDataset
     train, valid, test = BlendedMegatronDatasetBuilder(
         cls, sizes, lambda: True, ds_config
     ).build()

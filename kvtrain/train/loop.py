@@ -155,8 +155,9 @@ def _order_warning(run: Run, state: TrainState) -> Optional[str]:
         return None
     return (f"the training data's order changed since the checkpoint (megatron orders the "
             f"samples for the number a run asks for: train.max_steps or train.train_tokens "
-            f"past an epoch, or data.*, changed it): from sample {state.consumed_samples} on "
-            f"this run draws from the new order, and samples already trained on may come again")
+            f"past an epoch, data.*, or a shard written again under its name changed it): "
+            f"from sample {state.consumed_samples} on this run draws from the new order, "
+            f"and samples already trained on may come again")
 
 
 def count_tokens_from(state: TrainState, t: TrainConfig) -> None:

@@ -7,6 +7,7 @@ checkpoint's run drew."""
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -20,11 +21,15 @@ from tests.train.conftest import VOCAB, tiny_config, write_config
 def shard(tmp_path_factory) -> str:
     from kvtrain.data.synthetic import write_shard
 
-    rng = np.random.default_rng(0)
+    # ~7.8k tokens: ~240 samples of 32
+    return write_shard(tmp_path_factory.mktemp("order") / "a", _documents(0, 200, 20, 60))
+
+
+def _documents(seed: int, count: int, low: int, high: int) -> list:
+    rng = np.random.default_rng(seed)
     eod = VOCAB - 1
-    docs = [np.append(rng.integers(0, eod, size=int(n)), eod).astype(np.int32)
-            for n in rng.integers(20, 60, size=200)]  # ~7.8k tokens: ~240 samples of 32
-    return write_shard(tmp_path_factory.mktemp("order") / "a", docs)
+    return [np.append(rng.integers(0, eod, size=int(n)), eod).astype(np.int32)
+            for n in rng.integers(low, high, size=count)]
 
 
 def _train_set(single_rank, tmp_path, shard, samples):
@@ -53,6 +58,27 @@ def test_nothing_drawn_or_nothing_saved_is_no_change(single_rank, tmp_path, shar
     assert order_fingerprint(data, 0) is None and order_fingerprint(None, 5) is None
     assert not order_changed(data, None) and not order_changed(data, [])
     assert order_changed(data, [[10_000, 0]])  # the index is past the dataset now
+
+
+def test_a_shard_rewritten_under_its_name_gets_new_indices(single_rank, tmp_path):
+    """megatron's index cache is keyed by the shard's path, not its content: another
+    corpus written under the same name (a rerun of preprocess) was read through the
+    first one's cached indices (an IndexError at its first sample, or silently the
+    wrong samples). The rebuilt dataset is the one a fresh cache gives, and a resume
+    from a checkpoint of the old corpus is told its order changed."""
+    from kvtrain.data.synthetic import write_shard
+
+    shard = write_shard(tmp_path / "data" / "a", _documents(0, 200, 20, 60))
+    drawn = order_fingerprint(_train_set(single_rank, tmp_path / "run", shard, 20), 20)
+    write_shard(shard, _documents(1, 30, 20, 60))  # ~1.2k tokens: ~36 samples of 32
+    rebuilt = _train_set(single_rank, tmp_path / "run", shard, 20)
+    fresh = _train_set(single_rank, tmp_path / "fresh", shard, 20)
+    assert len(rebuilt) == len(fresh) < 200
+    assert all(np.array_equal(rebuilt[i]["tokens"], fresh[i]["tokens"])
+               for i in range(len(fresh)))
+    assert order_changed(rebuilt, drawn)
+    # a loader worker started by spawn gets the dataset pickled: its class is found
+    assert len(pickle.loads(pickle.dumps(rebuilt))) == len(fresh)
 
 
 def test_a_resume_says_when_the_data_order_changed(tmp_path, shard):
