@@ -78,6 +78,33 @@ def _shard_size(prefix: str) -> tuple[int, int]:
     return int(ds.sequence_lengths.shape[0]), int(ds.sequence_lengths.sum(dtype="int64"))
 
 
+def _check_made_with(prefix: str, tokenizer: Any, data: Any, model: Any) -> None:
+    """Refuses a shard whose ``.meta.json`` (preprocess, merge) records another
+    tokenizer, EOD id or a larger vocabulary than the run's: its ids would be read
+    as other pieces, its document ends missed, or overrun the embedding. Shards
+    without a record (megatron's own) are not checked."""
+    from data_tools.indexed import read_meta
+
+    meta = read_meta(prefix) or {}
+    made = meta.get("fingerprint") if isinstance(meta.get("fingerprint"), dict) else meta
+    sha = getattr(tokenizer, "sha256", None)  # a sentencepiece model (data.tokenizer)
+    if sha is not None and made.get("tokenizer_sha256", sha) != sha:
+        raise ConfigError(
+            f"data.paths: shard {prefix} was made with another tokenizer than data.tokenizer "
+            f"{data.tokenizer} (sha256 {str(made['tokenizer_sha256'])[:12]}... vs {sha[:12]}..., "
+            f"its .meta.json says): its ids are other pieces; give the tokenizer it was made with")
+    if data.tokenizer is None and data.eod_id is not None and made.get("eod",
+                                                                       data.eod_id) != data.eod_id:
+        raise ConfigError(
+            f"data.eod_id {data.eod_id} is not the EOD id {made['eod']} that shard {prefix} "
+            f"ends its documents with (its .meta.json says)")
+    vocab = meta.get("vocab_size")
+    if isinstance(vocab, int) and vocab > model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({model.vocab_size}) is smaller than the vocabulary of the "
+            f"tokenizer shard {prefix} was made with ({vocab}, its .meta.json says)")
+
+
 def _blend(paths: list) -> tuple[tuple, dict[str, int]]:
     """The blend to hand megatron, and each prefix's sequence count (its shard
     checked). Unweighted prefixes get their token counts as weights: one corpus
@@ -176,6 +203,8 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         return Datasets(train=train, valid=valid, test=None, tokenizer=None)
     tokenizer = load_tokenizer(d, cfg.model)
     blend, counts = _blend(d.paths) if d.type == "gpt" else (None, {})
+    for prefix in blend[0] if blend is not None else []:
+        _check_made_with(prefix, tokenizer, d, cfg.model)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     ds_config = GPTDatasetConfig(
         random_seed=d.seed if d.seed is not None else cfg.train.seed,

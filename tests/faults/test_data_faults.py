@@ -137,3 +137,39 @@ def test_more_loader_workers_than_cpus_is_one_line(tmp_path, corpus, cache_dir):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "data.num_workers (100000)" in lines[0], result.stderr[-3000:]
     assert f"{len(os.sched_getaffinity(0))} CPUs" in lines[0], lines
+
+
+# case: (the shard's .meta.json fingerprint and top level made to say, the run's data
+# section, the key the refusal names)
+MADE_WITH = {
+    "another_tokenizer": ({"tokenizer_sha256": "0" * 64}, {}, {}, "data.tokenizer"),
+    "another_eod": ({"eod": 7}, {}, {"tokenizer": None, "eod_id": 9}, "data.eod_id"),
+    "a_larger_vocabulary": ({}, {"vocab_size": 60_000}, {"tokenizer": None},
+                            "model.vocab_size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MADE_WITH))
+def test_a_shard_made_with_another_tokenizer_is_refused(tmp_path, corpus, case):
+    """A shard's .meta.json records the tokenizer (sha256), EOD id and vocabulary it
+    was made with; the trainer read ids of one vocabulary as another's, or missed
+    every document end, without a word."""
+    import json
+
+    from kvtrain.data import build_datasets
+
+    if corpus.kind != "text":
+        pytest.fail("the test corpus has no .meta.json: the data tools are missing")
+    prefix = _copy_shard(corpus.prefix, tmp_path / "data")
+    meta = json.loads(Path(corpus.prefix + ".meta.json").read_text())
+    fingerprint, top, data, key = MADE_WITH[case]
+    meta["fingerprint"].update(fingerprint)
+    meta.update(top)
+    Path(prefix + ".meta.json").write_text(json.dumps(meta))
+    cfg = tiny_config(corpus, tmp_path / "cache")
+    cfg["data"].update(paths=[prefix], **data)
+    cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    with pytest.raises(ConfigError) as err:
+        build_datasets(cfg, str(tmp_path / "cache"), 8, 0)
+    message = str(err.value)
+    assert prefix in message and key in message and "\n" not in message, message
