@@ -10,6 +10,7 @@ Vanilla and KV shifting differ by one key: ``model.attention``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -439,10 +440,10 @@ class RunConfig:
             if any(w <= 0 for w in weights):
                 raise ConfigError(f"data.paths weights must be positive, got {weights}")
         parts = [x.strip() for x in d.split.split(",")]
-        try:
-            values = [float(x) for x in parts]
-        except ValueError:
-            values = []
+        # plain decimals only: megatron reads the split as the runs of digits and dots
+        # in it, so 1e-3, 1_000 or inf (float() takes them) would be other numbers there
+        plain = all(re.fullmatch(r"[0-9]+\.?[0-9]*|\.[0-9]+", x) for x in parts)
+        values = [float(x) for x in parts] if plain else []
         if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or not values[0] > 0:
             raise ConfigError(
                 f"data.split must be up to three non-negative training,validation,test weights "

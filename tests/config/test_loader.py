@@ -243,6 +243,13 @@ def test_bad_override_values_are_one_line_naming_the_override(tmp_path):
     (["data.type=gpt", "data.paths=[0, a, 1, b]"], "data.paths weights must be positive"),
     (["data.split=a,b"], "data.split must be up to three non-negative training,validation,test"),
     (["data.split=0,1"], "with a positive training part"),
+    # numbers float() reads but megatron's split parser (runs of digits and dots) reads
+    # otherwise: 1,1e-3 as 1,1,3 (silently), 90,1e1,0 and 1_000,10,0 as four parts (an
+    # assertion), 1,inf as 1
+    (["data.split=90,1e1,0"], "data.split must be up to three non-negative training,validation"),
+    (["data.split=1,1e-3"], "data.split must be up to three non-negative training,validation"),
+    (["data.split=1_000,10,0"], "data.split must be up to three non-negative training,valid"),
+    (["data.split=1,inf"], "data.split must be up to three non-negative training,validation"),
     (["data.num_workers=-1"], "data.num_workers must be >= 0, got -1"),
     (["data.type=gpt", "data.paths=[a]", "data.reset_attention_mask=true", "data.tokenizer=null",
       "data.eod_id=null"], "need the end-of-document id: set data.tokenizer or data.eod_id"),
