@@ -47,6 +47,10 @@ def load_tokenizer(data: DataConfig, model: ModelConfig, key: str = "data.tokeni
         tokenizer = SentencePieceTokenizer(str(Path(data.tokenizer).expanduser()))
     except (OSError, RuntimeError, ValueError) as e:
         raise ConfigError(f"{key} {data.tokenizer}: cannot load ({e})") from None
+    if data.eod_id is not None and data.eod_id != tokenizer.eod:  # meant another one
+        raise ConfigError(
+            f"data.eod_id ({data.eod_id}) differs from the end-of-document id of {key} "
+            f"({tokenizer.eod}): with a tokenizer, leave data.eod_id out (null)")
     if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({model.vocab_size}) is smaller than the vocabulary of "

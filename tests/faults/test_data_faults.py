@@ -173,3 +173,23 @@ def test_a_shard_made_with_another_tokenizer_is_refused(tmp_path, corpus, case):
         build_datasets(cfg, str(tmp_path / "cache"), 8, 0)
     message = str(err.value)
     assert prefix in message and key in message and "\n" not in message, message
+
+
+def test_an_eod_id_other_than_the_tokenizers_is_refused(corpus):
+    """data.eod_id applies without a tokenizer; with one, a different value was
+    ignored silently (the user meant another end of document): one line."""
+    from dataclasses import replace
+
+    from kvtrain.data.tokenizer import load_tokenizer
+
+    if corpus.tokenizer is None:
+        pytest.fail("the test corpus has no tokenizer: the data tools are missing")
+    cfg = load_config(None, ["data.type=gpt", f"data.paths=[{corpus.prefix}]",
+                             f"data.tokenizer={corpus.tokenizer}",
+                             "model.vocab_size=512"])
+    eod = load_tokenizer(cfg.data, cfg.model).eod
+    assert load_tokenizer(replace(cfg.data, eod_id=eod), cfg.model).eod == eod  # the same: fine
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(replace(cfg.data, eod_id=eod + 1), cfg.model)
+    message = str(err.value)
+    assert message.startswith(f"data.eod_id ({eod + 1})") and str(eod) in message, message
