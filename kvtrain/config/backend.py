@@ -9,7 +9,7 @@ machine offers - a GPU, an importable Transformer Engine, apex's fused softmax
 kernels - by :func:`decide_backend`, a pure function: the trainer probes the
 machine (``kvtrain.model.specs.backend_choice``) and the planner, which has no
 GPU, assumes the cluster's answer. Both then apply the same refusals
-(:func:`check_document_masks`); :func:`document_attention` names the kernel that
+(:func:`check_document_masks`, :func:`check_te_precision`); :func:`document_attention` names the kernel that
 separates documents on each backend.
 
 This module imports neither torch nor megatron, so ``kvtrain plan`` and config
@@ -221,5 +221,23 @@ def check_document_masks(cfg, choice: BackendChoice, half: bool) -> None:
         )
 
 
-__all__ = ["BackendChoice", "TE_NOT_INSTALLED", "check_document_masks", "decide_backend",
-           "document_attention", "document_mask_problem"]
+def check_te_precision(cfg, choice: BackendChoice, half: bool) -> None:
+    """Refuses ``te`` in fp32 (``half`` False) with THD-packed documents or context
+    parallelism: Transformer Engine's only fp32 attention is its unfused one, which
+    takes neither (its flash and cuDNN kernels are 16-bit only), so TE would stop at
+    the first forward with "No dot product attention backend is available"."""
+    if choice.name != "te" or half:
+        return
+    needs = [key for key, on in (("data.reset_attention_mask", cfg.data.reset_attention_mask),
+                                 (f"parallel.context {cfg.parallel.context}",
+                                  cfg.parallel.context > 1)) if on]
+    if needs:
+        raise ConfigError(
+            f"{' and '.join(needs)} on model.backend te (the backend is te: {choice.reason}) "
+            f"needs train.precision bf16 or fp16: Transformer Engine's only fp32 attention "
+            f"(unfused) takes neither THD-packed documents nor context parallelism; use "
+            f"train.precision bf16, or model.backend torch for fp32")
+
+
+__all__ = ["BackendChoice", "TE_NOT_INSTALLED", "check_document_masks", "check_te_precision",
+           "decide_backend", "document_attention", "document_mask_problem"]

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvtrain.config import ConfigError, RunConfig
-from kvtrain.config.backend import BackendChoice, check_document_masks
+from kvtrain.config.backend import BackendChoice, check_document_masks, check_te_precision
 from kvtrain.config.layout import derive_layout
 
 from .flops import GPU, GPUS, StepFlops, step_flops, step_seconds
@@ -142,8 +142,9 @@ def _check_config(cfg: RunConfig) -> None:
         why = "model.backend auto, planned as te" if cfg.model.backend == "auto" else \
             f"model.backend {cfg.model.backend}"
         # the GPU-side answer: unknown apex kernels count as absent (a warning says so)
-        check_document_masks(cfg, BackendChoice(assumed, cfg.model.backend, why, False),
-                             half=cfg.train.precision != "fp32")
+        choice = BackendChoice(assumed, cfg.model.backend, why, False)
+        check_document_masks(cfg, choice, half=cfg.train.precision != "fp32")
+        check_te_precision(cfg, choice, half=cfg.train.precision != "fp32")
     except ConfigError as e:
         raise PlanError(str(e)) from None
 

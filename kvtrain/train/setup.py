@@ -266,8 +266,8 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     """The run's backend on this machine, with how it keeps documents apart and what
     computes the KV shift, RoPE and the loss (refusing what it cannot do); and those
     kernels, for the model's builder."""
-    from kvtrain.config.backend import (check_document_masks, context_attention,
-                                        document_attention)
+    from kvtrain.config.backend import (check_document_masks, check_te_precision,
+                                        context_attention, document_attention)
     from kvtrain.model import rope
     from kvtrain.model.cross_entropy import choose_cross_entropy
     from kvtrain.model.shift_kernels import choose_kernel
@@ -277,6 +277,7 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     cuda = torch.cuda.is_available()
     backend = backend_choice(cfg.model.backend)
     check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
+    check_te_precision(cfg, backend, half=numerics.bf16 or numerics.fp16)
     if cfg.data.reset_attention_mask:
         backend = dataclasses.replace(backend, documents=document_attention(
             backend.name, cuda, cfg.model.attention_dropout, cfg.parallel.context,

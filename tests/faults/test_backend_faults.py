@@ -239,6 +239,34 @@ def test_context_parallel_documents_on_te_refused():
                                            "data.eod_id=2"]), nodes=8, gpu="a100")
 
 
+@pytest.mark.parametrize("sets", [["data.reset_attention_mask=true", "data.eod_id=2"],
+                                  ["parallel.context=2"]], ids=["documents", "cp"])
+def test_te_in_fp32_refuses_what_only_its_16_bit_attention_does(monkeypatch, sets):
+    """Transformer Engine's one fp32 attention is its unfused one, which takes neither
+    THD-packed documents nor context parallelism (its flash and cuDNN kernels are
+    16-bit only): TE would stop at the first forward ("No dot product attention
+    backend is available"). te in fp32 with either stops in one line at start (the
+    trainer's resolution, with a GPU and TE faked) and in the plan."""
+    import torch
+
+    from kvtrain.model import specs
+    from kvtrain.model.builder import Numerics
+    from kvtrain.train.setup import _resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(specs, "te_import_error", lambda: None)
+    with pytest.raises(ConfigError, match="train.precision") as e:
+        _resolve_backend(load_config(None, sets + ["model.backend=te"]), Numerics())
+    assert "model.backend te" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    bf16 = Numerics(params_dtype=torch.bfloat16, bf16=True)
+    assert _resolve_backend(load_config(None, sets + ["model.backend=te"]), bf16)[0].name == "te"
+    assert _resolve_backend(load_config(None, sets + ["model.backend=torch"]), Numerics())[0] \
+        .name == "torch"
+    assert _resolve_backend(load_config(None, ["model.backend=te"]), Numerics())[0].name == "te"
+    with pytest.raises(PlanError, match="train.precision"):
+        make_plan(load_config(PAPER_6_7B, sets + ["train.precision=fp32"]), nodes=8, gpu="a100")
+
+
 def test_context_parallel_documents_record_the_kernel_that_runs(monkeypatch):
     """On a GPU the torch backend separates documents with FlexAttention, but under
     CP its attention over the gathered keys takes explicit masks (SDPA): the run's
