@@ -123,6 +123,9 @@ class TrainState:
     # the explicit checkpoint.resume (resolved) this history began from; also in the
     # marker, where integrity.plan_resume finds a rerun's own checkpoints
     started_from: Optional[str] = None
+    # the log window open at the save (loop.Window.saved): a resume logs its steps in
+    # the next record, as the run would have, instead of losing them
+    window: Optional[dict] = None
     extra: dict = field(default_factory=dict)
 
 

@@ -52,7 +52,7 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
     """Trains from ``state`` to the end of the run (or a stop); returns the exit code."""
     cfg, t = run.cfg, run.cfg.train
     iterators = _data_iterators(run, state.consumed_samples)
-    forward_step, window = ForwardStep(hooks, run.documents), Window()
+    forward_step, window = ForwardStep(hooks, run.documents), Window.resumed(state.window)
     last_saved = state.iteration if state.iteration > 0 else None
     exit_code, why = EXIT_OK, None
     while state.iteration < run.total_steps:
@@ -67,8 +67,11 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
         state.consumed_tokens += t.global_batch_size * t.seq_length
         window.add(result, time.perf_counter() - started)
         _count_skips(state, result, metrics)
+        stopped = _stop_reason(state, result, t)
 
-        if _due(state.iteration, t.log_interval):
+        # a last step logs its partial window before its save: a window kept in the
+        # checkpoint is one no record holds yet (a resume logs it once)
+        if _due(state.iteration, t.log_interval) or stopped or state.iteration >= run.total_steps:
             metrics.write(window.flush(run, state))
         if cfg.model.attention == "kv_shift" and _due(state.iteration, t.kv_shift_stats_interval):
             _log_shift_stats(run, state, metrics)
@@ -76,17 +79,16 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
             _validate(run, validator, state, metrics)
         ckpt.finalize()  # completes a finished async save, if any
         if _due(state.iteration, cfg.checkpoint.save_interval):
-            _save(ckpt, run, state)
+            _save(ckpt, run, state, window)
             last_saved = state.iteration
 
-        stopped = _stop_reason(state, result, t)
         if stopped:
             exit_code, why = stopped
             break
-    _wrap_up(run, state, window, validator, metrics)  # after a stop too
+    _wrap_up(run, state, validator, metrics)  # after a stop too
 
     if cfg.checkpoint.save_on_exit and last_saved != state.iteration and state.iteration > 0:
-        _save(ckpt, run, state)
+        _save(ckpt, run, state, window)
         last_saved = state.iteration
     ckpt.close()  # waits for an async save to complete
     done = f"iteration {state.iteration}/{run.total_steps}"
@@ -115,15 +117,11 @@ def _stop_reason(state: TrainState, result: StepResult,
     return None
 
 
-def _wrap_up(run: Run, state: TrainState, window: Window, validator: Validator,
-             metrics: MetricsLogger) -> None:
-    """Whether the run ended or was stopped: the record of the steps since the last
-    log line (else lost), and, at the run's last step, the final weights' α/β
+def _wrap_up(run: Run, state: TrainState, validator: Validator, metrics: MetricsLogger) -> None:
+    """At the run's last step (stopped there or not): the final weights' α/β
     statistics and validation where no interval took them (a resume of a run
     stopped there has nothing left to do, so they would never be taken)."""
     cfg, t = run.cfg, run.cfg.train
-    if window.steps:
-        metrics.write(window.flush(run, state))
     if state.iteration < run.total_steps:
         return
     if cfg.model.attention == "kv_shift" and t.kv_shift_stats_interval and \
@@ -143,8 +141,9 @@ def _data_iterators(run: Run, consumed_samples: int) -> list:
                           run.dp_size, run.cfg.data.num_workers, seed=t.seed) for _ in run.model]
 
 
-def _save(ckpt: Checkpointer, run: Run, state: TrainState) -> None:
+def _save(ckpt: Checkpointer, run: Run, state: TrainState, window: Window) -> None:
     state.data_order = order_fingerprint(run.datasets.train, state.consumed_samples)
+    state.window = window.saved()
     ckpt.save(state)
 
 
@@ -235,6 +234,18 @@ class Window:
             self.losses.append(result.loss)
         self.grad_norm = result.outcome.grad_norm
         self.skipped += result.outcome.skipped is not None
+
+    def saved(self) -> Optional[dict]:
+        """The steps not yet logged, for a checkpoint (None: none)."""
+        if not self.steps:
+            return None
+        return {"steps": self.steps, "losses": list(self.losses), "seconds": self.seconds,
+                "grad_norm": self.grad_norm, "skipped": self.skipped}
+
+    @classmethod
+    def resumed(cls, saved: Optional[dict]) -> "Window":
+        """The window a checkpoint saved (:meth:`saved`; None: a new one)."""
+        return cls(**saved) if saved else cls()
 
     def flush(self, run: Run, state: TrainState) -> dict:
         """The train record of the window (collective: peak memory is a max over ranks)."""

@@ -60,18 +60,25 @@ def test_a_stopped_run_logs_its_last_partial_window_and_ends_a_finished_run(
     """A stop (a signal here; the time limit and the non-finite limit leave the loop
     the same way) writes the record of the steps since the last log line; a stop on
     the run's last step also validates and measures the final weights, which the
-    resume that follows cannot (it has nothing to do)."""
-    def job(name, max_steps, **extra):
+    resume that follows cannot (it has nothing to do). A run killed after a checkpoint
+    taken inside a window (step 3 of the window 3-4) logs, once resumed, the record of
+    the whole window, the steps before the checkpoint included: the same as the run
+    that was not interrupted, no step missing from metrics.jsonl; a stop on a save's
+    step (9) logs its partial window once, not again after the resume."""
+    def job(name, max_steps, save_interval=None, **extra):
         cfg = tiny_config(corpus, cache_dir,
                           train={"max_steps": max_steps, "log_interval": 2, "eval_interval": 3,
                                  "eval_iters": 1, "kv_shift_stats_interval": 3},
-                          checkpoint={"save_interval": None})
+                          checkpoint={"save_interval": save_interval})
         return {"config": str(write_config(tmp_path / f"{name}.yaml", cfg)),
                 "run_dir": str(tmp_path / name), **extra}
 
     jobs = [job("mid", 20, faults={"stop_after": 7}),  # stopped between two windows
             job("last", 5, faults={"stop_after": 5}),  # stopped on its last step
-            job("last", 5)]  # ... and resumed: nothing to do
+            job("last", 5),  # ... and resumed: nothing to do
+            job("killed", 20, 3, faults={"kill_after_save": 3}, expect=-9),
+            job("killed", 20, 3, faults={"stop_after": 9}),  # resumed at 3, stopped at 9
+            job("killed", 20, 3, faults={"stop_after": 10})]  # resumed at 9, stopped at 10
     result = run_driver(jobs, tmp_path / "plan.json")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     mid, last = by_iteration(metrics(tmp_path / "mid")), by_iteration(metrics(tmp_path / "last"))
@@ -80,3 +87,7 @@ def test_a_stopped_run_logs_its_last_partial_window_and_ends_a_finished_run(
     assert sorted(last) == [2, 4, 5]
     for kind in ("valid", "kv_shift"):
         assert [r["iteration"] for r in metrics(tmp_path / "last", kind)] == [3, 5], kind
+    killed = by_iteration(metrics(tmp_path / "killed"))
+    assert sorted(killed) == [2, 4, 6, 8, 9, 10], killed
+    assert [killed[i]["steps_in_window"] for i in (4, 9, 10)] == [2, 1, 1]
+    assert killed[4]["lm_loss"] == mid[4]["lm_loss"]  # steps 3 and 4, bit-identical
