@@ -414,6 +414,9 @@ class RunConfig:
         if o.lr_schedule == "wsd":
             if not o.wsd_decay_steps:
                 raise ConfigError("optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps")
+            if o.wsd_decay_steps < 1:  # megatron would never start the decay
+                raise ConfigError(f"optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps "
+                                  f">= 1, got {o.wsd_decay_steps}")
             # the scheduler's horizon (build_scheduler): train.max_steps or train_tokens
             horizon = o.lr_decay_steps or total_steps(self)[0]
             if o.wsd_decay_steps > horizon - o.lr_warmup_steps:

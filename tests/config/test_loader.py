@@ -229,6 +229,9 @@ def test_bad_override_values_are_one_line_naming_the_override(tmp_path):
     (["optimizer.lr_warmup_steps=10", "optimizer.lr_decay_steps=10"],
      "optimizer.lr_decay_steps (10) must exceed optimizer.lr_warmup_steps (10)"),
     (["optimizer.lr_schedule=wsd"], "optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps"),
+    # a negative count passed: the decay then never started, the LR stayed at its peak
+    (["optimizer.lr_schedule=wsd", "optimizer.wsd_decay_steps=-5"],
+     "optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps >= 1, got -5"),
     (["optimizer.lr_schedule=wsd", "optimizer.wsd_decay_steps=1000000"],
      "optimizer.wsd_decay_steps (1000000) must fit after the warmup"),
     # a run sized by train.train_tokens (10 steps of 8 x 32 tokens): the same horizon
