@@ -147,6 +147,16 @@ def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
     return model
 
 
+def _check_this_machine(cfg: RunConfig, numerics) -> None:
+    """What only the machine that trains can check (plan and submit run elsewhere)."""
+    if numerics.fp16 and not torch.cuda.is_available():
+        raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
+    cpus = len(os.sched_getaffinity(0))
+    if cfg.data.num_workers > cpus:  # more never helps; a slip (100000) exhausts the node
+        raise ConfigError(f"data.num_workers ({cfg.data.num_workers}) exceeds the {cpus} CPUs "
+                          "this rank may use: DataLoader workers per rank, each a process")
+
+
 def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> Run:
     """Builds the run on this rank (collective: every rank calls it).
 
@@ -172,12 +182,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
                                timeout_minutes=t.dist_timeout_minutes, device=t.device)
     cfg.validate(world_size=env.world_size)
     numerics = Numerics.from_precision(t.precision)
-    if numerics.fp16 and not torch.cuda.is_available():
-        raise ConfigError("train.precision fp16 needs a GPU (use fp32 or auto on CPU)")
-    cpus = len(os.sched_getaffinity(0))  # checked here: plan and submit run elsewhere
-    if cfg.data.num_workers > cpus:  # more never helps; a slip (100000) exhausts the node
-        raise ConfigError(f"data.num_workers ({cfg.data.num_workers}) exceeds the {cpus} CPUs "
-                          "this rank may use: DataLoader workers per rank, each a process")
+    _check_this_machine(cfg, numerics)
     backend, kernels = _resolve_backend(cfg, numerics)  # once per run
     tconfig = transformer_config(cfg.model, p, numerics, rope_fusion=kernels.rope_fusion)
     # Set before DDP is built (DDP reads it): gradients are divided by the token
