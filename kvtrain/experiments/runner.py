@@ -96,7 +96,12 @@ def _record(folder: Path) -> dict:
     attempt runs), ``wall_s`` (of every attempt that ended) and ``starts`` (the
     time each attempt started)."""
     path = folder / RESULT
-    result = json.loads(path.read_text()) if path.exists() else {}
+    try:
+        result = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({e}); remove it to train the arm again") from None
+    if not isinstance(result, dict):
+        raise ConfigError(f"{path}: not a JSON object; remove it to train the arm again")
     if "started" in result:  # written before attempts were counted: one attempt
         result.setdefault("starts", [result.pop("started")])
     return result

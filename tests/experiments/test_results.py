@@ -110,3 +110,17 @@ def test_a_resumed_arm_counts_the_time_of_its_earlier_attempts(tmp_path, monkeyp
     assert saved["exit_code"] == 0 and saved["wall_s"] == round(result.wall_s, 1)
     again = runner.arm_jobs([(job.arm, job.cfg)], tmp_path, [])[0].earlier  # read back
     assert [r["elapsed_s"] for r in again.rows] == elapsed and again.wall_s == saved["wall_s"]
+
+
+def test_a_damaged_result_json_is_one_line(tmp_path):
+    """An arm's result.json that is not a JSON object (a bad edit, a damaged disk):
+    one line naming the file, not a traceback from the runner."""
+    import pytest
+
+    from kvtrain.config import ConfigError
+
+    for text in ("{not json", "[1, 2]"):
+        (tmp_path / runner.RESULT).write_text(text)
+        with pytest.raises(ConfigError) as e:
+            runner._record(tmp_path)
+        assert str(tmp_path / runner.RESULT) in str(e.value) and "\n" not in str(e.value)
