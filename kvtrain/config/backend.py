@@ -221,17 +221,26 @@ def check_document_masks(cfg, choice: BackendChoice, half: bool) -> None:
         )
 
 
-def check_te_precision(cfg, choice: BackendChoice, half: bool) -> None:
-    """Refuses ``te`` in fp32 (``half`` False) with THD-packed documents or context
-    parallelism: Transformer Engine's only fp32 attention is its unfused one, which
-    takes neither (its flash and cuDNN kernels are 16-bit only), so TE would stop at
-    the first forward with "No dot product attention backend is available"."""
-    if choice.name != "te" or half:
+def check_te_precision(cfg, choice: BackendChoice, half: bool,
+                       capability: Optional[tuple[int, int]] = None) -> None:
+    """Refuses ``te`` in fp32 (``half`` False), or on a GPU before compute capability
+    8.0 (``capability``, the trainer's GPU; None: not known, as in the planner), with
+    THD-packed documents or context parallelism: Transformer Engine's only attention
+    there is its unfused one, which takes neither (its flash and cuDNN kernels are
+    16-bit and sm80+ only), so TE would stop at the first forward with "No dot
+    product attention backend is available"."""
+    if choice.name != "te":
         return
     needs = [key for key, on in (("data.reset_attention_mask", cfg.data.reset_attention_mask),
                                  (f"parallel.context {cfg.parallel.context}",
                                   cfg.parallel.context > 1)) if on]
-    if needs:
+    if needs and capability is not None and tuple(capability) < (8, 0):
+        raise ConfigError(
+            f"{' and '.join(needs)} on model.backend te needs a GPU of compute capability "
+            f"8.0 or newer (this one: {capability[0]}.{capability[1]}): Transformer Engine's "
+            f"only attention before it (unfused) takes neither THD-packed documents nor "
+            f"context parallelism; use model.backend torch")
+    if needs and not half:
         raise ConfigError(
             f"{' and '.join(needs)} on model.backend te (the backend is te: {choice.reason}) "
             f"needs train.precision bf16 or fp16: Transformer Engine's only fp32 attention "
@@ -240,4 +249,4 @@ def check_te_precision(cfg, choice: BackendChoice, half: bool) -> None:
 
 
 __all__ = ["BackendChoice", "TE_NOT_INSTALLED", "check_document_masks", "check_te_precision",
-           "decide_backend", "document_attention", "document_mask_problem"]
+           "context_attention", "decide_backend", "document_attention", "document_mask_problem"]

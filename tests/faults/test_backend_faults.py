@@ -254,6 +254,7 @@ def test_te_in_fp32_refuses_what_only_its_16_bit_attention_does(monkeypatch, set
     from kvtrain.train.setup import _resolve_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(specs, "te_import_error", lambda: None)
     with pytest.raises(ConfigError, match="train.precision") as e:
         _resolve_backend(load_config(None, sets + ["model.backend=te"]), Numerics())
@@ -265,6 +266,30 @@ def test_te_in_fp32_refuses_what_only_its_16_bit_attention_does(monkeypatch, set
     assert _resolve_backend(load_config(None, ["model.backend=te"]), Numerics())[0].name == "te"
     with pytest.raises(PlanError, match="train.precision"):
         make_plan(load_config(PAPER_6_7B, sets + ["train.precision=fp32"]), nodes=8, gpu="a100")
+
+
+@pytest.mark.parametrize("sets", [["data.reset_attention_mask=true", "data.eod_id=2"],
+                                  ["parallel.context=2"]], ids=["documents", "cp"])
+def test_te_before_ampere_refuses_what_only_its_fused_attention_does(monkeypatch, sets):
+    """Before compute capability 8.0 (V100: 7.0) Transformer Engine has neither flash
+    nor cuDNN attention, and its unfused one takes neither THD-packed documents nor
+    context parallelism: one line at start, naming the GPU's capability."""
+    import torch
+
+    from kvtrain.model import specs
+    from kvtrain.model.builder import Numerics
+    from kvtrain.train.setup import _resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
+    monkeypatch.setattr(specs, "te_import_error", lambda: None)
+    fp16 = Numerics(params_dtype=torch.float16, fp16=True)
+    with pytest.raises(ConfigError, match=r"compute capability 8.0 or newer \(this one: 7.0\)") as e:
+        _resolve_backend(load_config(None, sets + ["model.backend=te"]), fp16)
+    assert "model.backend torch" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert _resolve_backend(load_config(None, ["model.backend=te"]), fp16)[0].name == "te"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert _resolve_backend(load_config(None, sets + ["model.backend=te"]), fp16)[0].name == "te"
 
 
 def test_context_parallel_documents_record_the_kernel_that_runs(monkeypatch):
