@@ -512,3 +512,47 @@ def test_submit_is_not_overridden_by_the_submitting_shells_launcher_variables(
     assert env["NPROC_PER_NODE"] == "2"
     assert [env.get(k) for k in ("LOG_DIR", "MAX_REQUEUES", "CONTAINER_IMAGE",
                                  "KVTRAIN_DRY_RUN")] == ["", "", "", ""]
+
+
+def _fake_tool(folder, name, body):
+    path = folder / name
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("when", ["config check", "step"])
+def test_a_stop_requeues_the_job(tmp_path, when):
+    """SIGUSR1 to the batch shell (--signal=B:USR1, a preemption notice) while it
+    still checks the config - a requeued job with little time left - killed it:
+    the trap came after the check, and the job was not requeued. It is noted from
+    the start now, and the step is then not started (there is nothing to save)."""
+    bin_dir, calls, run = tmp_path / "bin", tmp_path / "calls", tmp_path / "run"
+    bin_dir.mkdir()
+    _fake_tool(bin_dir, "scontrol", f'echo "scontrol $*" >> {calls}\n')
+    # srun: the step, told to stop as it runs (as the trainer does, it exits 0)
+    _fake_tool(bin_dir, "srun", f'echo srun >> {calls}\nkill -USR1 "$PPID"\n'
+                                'while [ ! -e "$STOP_FILE" ]; do sleep 0.05; done\n')
+    # the interpreter of the config check: says when it runs, waits for the signal
+    wait = when == "config check"
+    _fake_tool(bin_dir, "python", (f"touch {tmp_path}/checking\n"
+                                   f"while [ ! -e {tmp_path}/signalled ]; do sleep 0.05; done\n"
+                                   if wait else "") + f"echo {run}\necho {run}/checkpoints\n")
+    proc = subprocess.Popen(
+        ["bash", str(SBATCH), str(TINY)], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env=launch_env(SLURM_JOB_ID="8", SLURM_RESTART_COUNT="0", MAX_REQUEUES="2",
+                       PYTHON=str(bin_dir / "python"), PATH=f"{bin_dir}:{launch_env()['PATH']}"))
+    try:
+        if wait:
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "checking").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGUSR1)
+            (tmp_path / "signalled").touch()
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    step = [] if wait else ["srun"]
+    assert proc.returncode == 0, err
+    assert calls.read_text().splitlines() == step + ["scontrol requeue 8"], err
