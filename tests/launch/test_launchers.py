@@ -521,11 +521,15 @@ def _fake_tool(folder, name, body):
 
 
 @pytest.mark.parametrize("when", ["config check", "step"])
-def test_a_stop_requeues_the_job(tmp_path, when):
+@pytest.mark.parametrize("restart,requeued", [("0", True), ("2", False)])
+def test_a_stop_requeues_the_job_or_fails_it_when_no_requeue_is_left(
+        tmp_path, when, restart, requeued):
     """SIGUSR1 to the batch shell (--signal=B:USR1, a preemption notice) while it
     still checks the config - a requeued job with little time left - killed it:
     the trap came after the check, and the job was not requeued. It is noted from
-    the start now, and the step is then not started (there is nothing to save)."""
+    the start now, and the step is then not started (there is nothing to save).
+    With MAX_REQUEUES used up the job exited 0 (COMPLETED, so --dependency=afterok
+    went on) though its training was unfinished: now it fails, in one line."""
     bin_dir, calls, run = tmp_path / "bin", tmp_path / "calls", tmp_path / "run"
     bin_dir.mkdir()
     _fake_tool(bin_dir, "scontrol", f'echo "scontrol $*" >> {calls}\n')
@@ -540,7 +544,7 @@ def test_a_stop_requeues_the_job(tmp_path, when):
     proc = subprocess.Popen(
         ["bash", str(SBATCH), str(TINY)], cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
-        env=launch_env(SLURM_JOB_ID="8", SLURM_RESTART_COUNT="0", MAX_REQUEUES="2",
+        env=launch_env(SLURM_JOB_ID="8", SLURM_RESTART_COUNT=restart, MAX_REQUEUES="2",
                        PYTHON=str(bin_dir / "python"), PATH=f"{bin_dir}:{launch_env()['PATH']}"))
     try:
         if wait:
@@ -554,5 +558,12 @@ def test_a_stop_requeues_the_job(tmp_path, when):
         if proc.poll() is None:
             proc.kill()
     step = [] if wait else ["srun"]
-    assert proc.returncode == 0, err
-    assert calls.read_text().splitlines() == step + ["scontrol requeue 8"], err
+    if requeued:
+        assert proc.returncode == 0, err
+        assert calls.read_text().splitlines() == step + ["scontrol requeue 8"], err
+    else:
+        assert proc.returncode == 1, err
+        assert (calls.read_text().splitlines() if calls.exists() else []) == step, err
+        assert err.strip().splitlines()[-1] == (
+            "slurm.sbatch: job 8 stopped before the end of its training and MAX_REQUEUES (2) "
+            "is reached: not requeued (submit it again to continue from its last checkpoint)")
