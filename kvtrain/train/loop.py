@@ -2,8 +2,9 @@
 
 The loop itself only sequences the pieces: a step (``step.train_step``),
 then whatever is due at this iteration - a log line, KV-shift statistics,
-validation, a checkpoint - and then the stop conditions, which every rank
-evaluates on the same all-reduced flags so all ranks leave at the same step.
+validation, a checkpoint - unless the step stops the run: the stop conditions,
+which every rank evaluates on the same all-reduced flags so all ranks leave at
+the same step, go straight to the save.
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
         # checkpoint is one no record holds yet (a resume logs it once)
         if _due(state.iteration, t.log_interval) or stopped or state.iteration >= run.total_steps:
             metrics.write(window.flush(run, state))
+        if stopped:
+            # The save comes first: a signal's margin (--signal-seconds) or the time
+            # left by exit_duration_minutes is for it, and a validation ate into it
+            # (the time limit could kill the save, or the batch script's requeue).
+            # The validation and α/β statistics due at this step are not taken: the
+            # resume starts at the next step, so their curves miss this one point;
+            # a stop on the run's last step takes them after the save (_wrap_up).
+            exit_code, why = stopped
+            break
         if cfg.model.attention == "kv_shift" and _due(state.iteration, t.kv_shift_stats_interval):
             _log_shift_stats(run, state, metrics)
         if _due(state.iteration, t.eval_interval):
@@ -81,15 +91,13 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
         if _due(state.iteration, cfg.checkpoint.save_interval):
             _save(ckpt, run, state, window)
             last_saved = state.iteration
-
-        if stopped:
-            exit_code, why = stopped
-            break
-    _wrap_up(run, state, validator, metrics)  # after a stop too
-
-    if cfg.checkpoint.save_on_exit and last_saved != state.iteration and state.iteration > 0:
+    # a stop saves where its step's interval asks for one too (save_on_exit false)
+    c = cfg.checkpoint
+    if (c.save_on_exit or (why and _due(state.iteration, c.save_interval))) and \
+            last_saved != state.iteration and state.iteration > 0:
         _save(ckpt, run, state, window)
         last_saved = state.iteration
+    _wrap_up(run, state, validator, metrics, stopped=why is not None)  # after a stop too
     ckpt.close()  # waits for an async save to complete
     done = f"iteration {state.iteration}/{run.total_steps}"
     saved = f"; checkpoint {ckpt.root}/latest = iteration {last_saved}" if last_saved else ""
@@ -117,17 +125,19 @@ def _stop_reason(state: TrainState, result: StepResult,
     return None
 
 
-def _wrap_up(run: Run, state: TrainState, validator: Validator, metrics: MetricsLogger) -> None:
+def _wrap_up(run: Run, state: TrainState, validator: Validator, metrics: MetricsLogger,
+             stopped: bool) -> None:
     """At the run's last step (stopped there or not): the final weights' α/β
     statistics and validation where no interval took them (a resume of a run
-    stopped there has nothing left to do, so they would never be taken)."""
+    stopped there has nothing left to do, so they would never be taken); a stop
+    skipped those of its step in the loop."""
     cfg, t = run.cfg, run.cfg.train
     if state.iteration < run.total_steps:
         return
     if cfg.model.attention == "kv_shift" and t.kv_shift_stats_interval and \
-            not _due(state.iteration, t.kv_shift_stats_interval):
+            (stopped or not _due(state.iteration, t.kv_shift_stats_interval)):
         _log_shift_stats(run, state, metrics)
-    if t.eval_interval and not _due(state.iteration, t.eval_interval):
+    if t.eval_interval and (stopped or not _due(state.iteration, t.eval_interval)):
         _validate(run, validator, state, metrics)
 
 

@@ -64,7 +64,10 @@ def test_a_stopped_run_logs_its_last_partial_window_and_ends_a_finished_run(
     taken inside a window (step 3 of the window 3-4) logs, once resumed, the record of
     the whole window, the steps before the checkpoint included: the same as the run
     that was not interrupted, no step missing from metrics.jsonl; a stop on a save's
-    step (9) logs its partial window once, not again after the resume."""
+    step (9) logs its partial window once, not again after the resume. A stop saves
+    before anything else: the validation and α/β statistics due at its step (9) are
+    not taken (they ate into the time the signal leaves for the save), except on the
+    run's last step (6 in "last"), which no resume takes again."""
     def job(name, max_steps, save_interval=None, **extra):
         cfg = tiny_config(corpus, cache_dir,
                           train={"max_steps": max_steps, "log_interval": 2, "eval_interval": 3,
@@ -74,8 +77,8 @@ def test_a_stopped_run_logs_its_last_partial_window_and_ends_a_finished_run(
                 "run_dir": str(tmp_path / name), **extra}
 
     jobs = [job("mid", 20, faults={"stop_after": 7}),  # stopped between two windows
-            job("last", 5, faults={"stop_after": 5}),  # stopped on its last step
-            job("last", 5),  # ... and resumed: nothing to do
+            job("last", 6, faults={"stop_after": 6}),  # stopped on its last step
+            job("last", 6),  # ... and resumed: nothing to do
             job("killed", 20, 3, faults={"kill_after_save": 3}, expect=-9),
             job("killed", 20, 3, faults={"stop_after": 9}),  # resumed at 3, stopped at 9
             job("killed", 20, 3, faults={"stop_after": 10})]  # resumed at 9, stopped at 10
@@ -84,9 +87,10 @@ def test_a_stopped_run_logs_its_last_partial_window_and_ends_a_finished_run(
     mid, last = by_iteration(metrics(tmp_path / "mid")), by_iteration(metrics(tmp_path / "last"))
     assert (sorted(mid), mid[7]["steps_in_window"]) == ([2, 4, 6, 7], 1)
     assert [r["iteration"] for r in metrics(tmp_path / "mid", "valid")] == [3, 6]
-    assert sorted(last) == [2, 4, 5]
+    assert sorted(last) == [2, 4, 6]
     for kind in ("valid", "kv_shift"):
-        assert [r["iteration"] for r in metrics(tmp_path / "last", kind)] == [3, 5], kind
+        assert [r["iteration"] for r in metrics(tmp_path / "last", kind)] == [3, 6], kind
+        assert [r["iteration"] for r in metrics(tmp_path / "killed", kind)] == [3, 6], kind
     killed = by_iteration(metrics(tmp_path / "killed"))
     assert sorted(killed) == [2, 4, 6, 8, 9, 10], killed
     assert [killed[i]["steps_in_window"] for i in (4, 9, 10)] == [2, 1, 1]
