@@ -189,9 +189,9 @@ echo "=== $(date '+%F %T') $(hostname): node $NODE_RANK of $NNODES, $NPROC_PER_N
 printf '%q ' "${CMD[@]}"
 echo
 
-# Who passes a stop request on to the workers (and only to them: signalling
-# torchrun, or the workers' process groups as torchrun does, also kills the
-# trainer's helper processes - data loader workers, the checkpoint writer):
+# Who passes a stop request on to the workers (and only to them: torchrun,
+# signalled, tears its workers down; the trainer's helper processes - data
+# loader workers, the checkpoint writer - ignore the stop signals):
 # * a signal to this script (kill, a scheduler): forwarded as SIGUSR1;
 # * STOP_FILE appearing (launch/slurm.sbatch creates it when the batch shell
 #   gets --signal=B:USR1@T): SIGUSR1.

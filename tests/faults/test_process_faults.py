@@ -240,3 +240,22 @@ def test_the_async_writers_queue_outlives_the_stop_signals(monkeypatch):
         assert queue.get(timeout=5) == "written"
     finally:
         manager.shutdown()
+
+
+def test_loader_workers_outlive_the_stop_signals():
+    """A stop signal to every process of the job step (`scancel --signal=USR1 JOB`
+    without --batch, the time limit's SIGTERM) reaches the data loader workers
+    too: they must go on serving batches while the trainer finishes its step and
+    saves (launch/slurm.sbatch's header said they die of it)."""
+    import torch
+
+    from kvtrain.data import micro_batches
+
+    data = [{"tokens": torch.tensor([i])} for i in range(64)]
+    batches = micro_batches(data, 0, 2, 0, 1, num_workers=1)
+    assert next(batches)["tokens"].tolist() == [[0], [1]]
+    (worker,) = batches._workers
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        os.kill(worker.pid, sig)
+    assert [next(batches)["tokens"].tolist() for _ in range(8)][-1] == [[16], [17]]
+    assert worker.is_alive()
