@@ -83,12 +83,16 @@ TIME_FORMS = "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
 
 def slurm_seconds(text: str) -> int | None:
     """Seconds of a SLURM time limit (``sbatch --time``), None for no limit
-    (0, UNLIMITED, INFINITE); a ConfigError when it is none of SLURM's forms."""
+    (0, -1, UNLIMITED, INFINITE); a ConfigError when it is none of SLURM's forms.
+    As in SLURM (parse_time.c) the fields are not range-checked: 99:99:99 is
+    362439 s, and "D-" is D days."""
     from kvtrain.config import ConfigError
 
-    if text.strip().upper() in ("UNLIMITED", "INFINITE"):
+    text = text.strip()
+    if text.upper() in ("UNLIMITED", "INFINITE", "-1"):
         return None
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    form = text + "0" if text.endswith("-") else text  # "D-" is "D-0"
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", form)
     if m is None:
         raise ConfigError(f"--time {text!r} is not a SLURM time limit ({TIME_FORMS})")
     days, first, second, third = (int(g) if g is not None else None for g in m.groups())

@@ -252,8 +252,12 @@ def test_submit_refuses_a_run_folder_it_cannot_make_in_one_line(tmp_path, monkey
 
 @pytest.mark.parametrize("time,seconds", [("90", 5400), ("30:00", 1800), ("24:00:00", 86400),
                                           ("2-12", 216000), ("1-00:30", 88200),
-                                          ("1-00:00:10", 86410), ("UNLIMITED", None)])
+                                          ("1-00:00:10", 86410), ("UNLIMITED", None),
+                                          ("99:99:99", 362439), ("2-", 172800), ("-1", None)])
 def test_slurm_time_limits(time, seconds):
+    """SLURM's own reading (parse_time.c, sbatch 22.05 on the test cluster): fields
+    are not range-checked (99:99:99 is a 4-04:41:00 limit), "D-" is D days and -1
+    no limit (both were refused here)."""
     from kvtrain.commands.submit import slurm_seconds
 
     assert slurm_seconds(time) == seconds
