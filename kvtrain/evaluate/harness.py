@@ -204,7 +204,9 @@ def prefix_token_of(hf_dir: Path) -> Optional[int]:
     tokenizer's BOS, which a kvtrain model never saw: its documents follow the
     end-of-document token (EOD, the tokenizer's EOS), as ``kvtrain generate``
     feeds them. A kvtrain export (its record present) gets its EOS id; any
-    other folder keeps lm-eval's choice, the one its model was trained with."""
+    other folder keeps lm-eval's choice, the one its model was trained with.
+    A run that kept documents apart predicted a document's first token at the
+    previous document's EOD too: ``language_model`` scores that EOD alone."""
     from kvtrain.hf.export import RECORD
 
     if not (Path(hf_dir) / RECORD).is_file():
@@ -219,6 +221,38 @@ def prefix_token_of(hf_dir: Path) -> Optional[int]:
         if isinstance(eos, int) and not isinstance(eos, bool):
             return eos
     return None
+
+
+def language_model(hf_dir: Path, spec: EvalSpec, trust: bool):
+    """lm-eval's model of ``hf_dir``. A kvtrain export whose config.json records
+    ``reset_attention_mask`` (training kept packed documents apart) scores a row
+    that starts with the prefix EOD as two documents, as training saw them: the
+    EOD alone predicts the first token (the previous document's EOD attended only
+    to its own document), the rest is the document alone (it attended to and
+    shifted with nothing before it; ``kvtrain generate`` feeds it so). The model
+    code cannot separate documents inside a row (``kvtrain.hf.export``)."""
+    from lm_eval.models.huggingface import HFLM
+
+    eod = prefix_token_of(hf_dir)
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    apart = (eod is not None and isinstance(config, dict)
+             and config.get("reset_attention_mask") is True)
+
+    class DocumentsApartLM(HFLM):
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            logits = super()._model_call(inps, attn_mask, labels)
+            first = inps[:, 0] == eod  # the prefix: a text never encodes to EOD
+            if labels is None and inps.shape[1] > 1 and bool(first.any()):
+                logits[first, 1:] = super()._model_call(inps[first, 1:])
+            return logits
+
+    # logits_cache=False: lm-eval 0.4.13 scores requests whose context + continuation[:-1]
+    # coincide from one forward, but gathers a shorter continuation's log-probs at the
+    # longer one's first positions (wrong log-likelihoods, e.g. winogrande-like pairs)
+    return (DocumentsApartLM if apart else HFLM)(
+        pretrained=str(hf_dir), device=spec.device, dtype=DTYPES[spec.dtype],
+        batch_size=spec.batch_size, logits_cache=False, trust_remote_code=trust,
+        prefix_token_id=eod)
 
 
 def metrics_of(results: dict[str, dict]) -> dict[str, dict[str, float]]:
@@ -254,18 +288,10 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
     """Evaluates the Hugging Face folder ``hf_dir`` on ``spec.tasks`` (``loaded``:
     what ``load_tasks`` returned for them, when already called)."""
     lm_eval = import_harness()
-    from lm_eval.models.huggingface import HFLM
-
     trust = trusts_remote_code(hf_dir, spec.trust_remote_code)  # refused: before anything
     # the tasks before the model: a refused task costs nothing
     manager, tasks = loaded or load_tasks(spec.tasks, spec.include_path)
-    # logits_cache=False: lm-eval 0.4.13 scores requests whose context + continuation[:-1]
-    # coincide from one forward, but gathers a shorter continuation's log-probs at the
-    # longer one's first positions (wrong log-likelihoods, e.g. winogrande-like pairs)
-    lm = HFLM(pretrained=str(hf_dir), device=spec.device, dtype=DTYPES[spec.dtype],
-              batch_size=spec.batch_size, logits_cache=False,
-              trust_remote_code=trust,
-              prefix_token_id=prefix_token_of(hf_dir))
+    lm = language_model(hf_dir, spec, trust)
     answer = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=spec.num_fewshot, limit=spec.limit,
         task_manager=manager, bootstrap_iters=spec.bootstrap_iters,
@@ -283,5 +309,5 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
         lm_eval_version=getattr(lm_eval, "__version__", ""))
 
 
-__all__ = ["EvalOutput", "EvalSpec", "import_harness", "load_tasks",
+__all__ = ["EvalOutput", "EvalSpec", "import_harness", "language_model", "load_tasks",
            "metrics_of", "prefix_token_of", "run_harness", "task_manager", "trusts_remote_code", "UnknownTask"]

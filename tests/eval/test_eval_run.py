@@ -136,6 +136,65 @@ def test_a_document_scored_whole_follows_eod(evaluated):
     assert sample["resps"][0][0] == pytest.approx(after_eod, abs=1e-4)
 
 
+def _kept_apart(evaluated, folder):
+    """A copy of the run's export as a run with ``data.reset_attention_mask`` exports it."""
+    import shutil
+
+    shutil.copytree(evaluated["run"] / "eval" / "hf-iter_0000000-fp32", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "reset_attention_mask": True}))
+    return folder
+
+
+def test_a_document_of_a_run_that_kept_documents_apart(evaluated, tmp_path):
+    """``data.reset_attention_mask``: in training a document's first token was
+    predicted at the previous document's EOD, which attended only to its own
+    document, and the document's tokens attended to and shifted with nothing
+    before them (as ``kvtrain generate`` feeds a prompt). lm-eval scores the
+    first token after an EOD alone and the rest on the document alone, not on
+    one row EOD + document (whose tokens would attend to and shift with the EOD)."""
+    from transformers import AutoTokenizer
+
+    from kvtrain.evaluate.harness import EvalSpec, run_harness
+    from kvtrain.inference.loading import load_model
+
+    export = _kept_apart(evaluated, tmp_path / "apart")
+    out = run_harness(export, EvalSpec(tasks=["kvt_roll"], include_path=evaluated["tasks"],
+                                       batch_size=1, bootstrap_iters=0, log_samples=True))
+    (sample,) = out.samples
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    ids = tokenizer.encode(ROLL_DOC)
+    model = load_model(evaluated["checkpoint"], backend="local").model
+
+    def logp(tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], None,
+                           runtime_gather_output=True)[..., :SPM_VOCAB]
+        return torch.log_softmax(logits.double(), -1)[0]
+
+    first = float(logp([tokenizer.eos_token_id])[0, ids[0]])
+    rest = float(logp(ids)[:-1].gather(1, torch.tensor(ids[1:])[:, None]).sum())
+    assert sample["resps"][0][0] == pytest.approx(first + rest, abs=1e-4)
+
+
+def test_a_batch_keeps_each_rows_documents_apart(evaluated, tmp_path):
+    """A batch mixing a row that starts with the prefix EOD and one that does not
+    (a rolling document's later window): only the first is split, each row's
+    logits are those of the row alone."""
+    from kvtrain.evaluate.harness import EvalSpec, language_model
+
+    export = _kept_apart(evaluated, tmp_path / "apart")
+    lm = language_model(export, EvalSpec(tasks=[]), trust=True)
+    eod, doc = lm.prefix_token_id, lm.tok_encode(ROLL_DOC)[:6]
+    rows = torch.tensor([[eod] + doc[:5], doc])
+    got = lm._model_call(rows)
+    with torch.no_grad():
+        alone = [lm.model(torch.tensor([t])).logits[0] for t in ([eod], doc[:5], doc)]
+    torch.testing.assert_close(got[0, :1], alone[0])
+    torch.testing.assert_close(got[0, 1:], alone[1])
+    torch.testing.assert_close(got[1], alone[2])
+
+
 def test_second_eval_reuses_the_export(evaluated, capsys):
     weights = evaluated["run"] / "eval" / "hf-iter_0000000-fp32" / "model.safetensors"
     before = weights.stat().st_mtime_ns
