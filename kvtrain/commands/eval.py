@@ -62,6 +62,8 @@ def _spec(args):
         raise ConfigError(f"--tasks {args.tasks!r}: no task names")
     if args.limit is not None and args.limit <= 0:
         raise ConfigError(f"--limit {args.limit}: must be positive")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: must be at least 1")
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
