@@ -66,6 +66,10 @@ def _spec(args):
         raise ConfigError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: must be at least 1")
+    out = Path(args.out).expanduser() if args.out else None
+    if out is not None and out.is_dir():  # found only when writing, after the whole eval
+        raise ConfigError(f"--out {args.out}: is a folder; name the results file, e.g. "
+                          f"{out / 'results.json'}")
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     include = Path(args.include_path).expanduser() if args.include_path else None
     if include is not None and not include.is_dir():

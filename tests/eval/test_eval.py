@@ -177,3 +177,14 @@ def test_without_the_hf_extra_names_it(local, capsys, monkeypatch):
 def test_bad_options_are_one_line_before_anything_loads(local, capsys, argv, message):
     code, out, err = kvtrain_eval([str(local["hf"]), *argv], capsys)
     assert code == 2 and err.strip() == f"kvtrain: config error: {message}", err
+
+
+def test_out_naming_a_folder_is_one_line_before_anything_loads(local, capsys, tmp_path):
+    """``--out DIR`` stopped with IsADirectoryError after the whole evaluation,
+    its results lost: it is refused before any task or model loads."""
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_mc", "--include-path",
+                                   str(local["tasks"]), "--out", str(tmp_path)], capsys)
+    assert code == 2 and err.strip() == (f"kvtrain: config error: --out {tmp_path}: is a "
+                                         "folder; name the results file, e.g. "
+                                         f"{tmp_path / 'results.json'}"), err
+    assert out == ""  # no table: nothing was evaluated
