@@ -159,14 +159,13 @@ def _scalar(value) -> Optional[float]:
 
 def eval_setting(record: dict, task: str) -> dict:
     """The setting of ``task``'s results in a ``kvtrain eval`` record: the
-    checkpoint's iteration, the shots (the task's own, as lm-eval reported them
-    in ``n_shot``, when ``--num-fewshot`` was not given), ``--limit`` and
-    ``--dtype`` (fp32 in a record whose config names none); None for what the
-    record does not say."""
+    checkpoint's iteration, the shots (as lm-eval reported running them in
+    ``n_shot``: a task whose YAML fixes 0 ignores ``--num-fewshot``; else the
+    shots asked for), ``--limit`` and ``--dtype`` (fp32 in a record whose config
+    names none); None for what the record does not say."""
     config = record.get("config") if isinstance(record.get("config"), dict) else {}
-    shots = config.get("num_fewshot")
-    if shots is None and isinstance(record.get("n_shot"), dict):
-        shots = record["n_shot"].get(task)
+    ran = record["n_shot"].get(task) if isinstance(record.get("n_shot"), dict) else None
+    shots = ran if _number(ran) is not None else config.get("num_fewshot")
     return {"task": task, "iteration": _scalar(record.get("iteration")),
             "num_fewshot": _scalar(shots), "limit": _scalar(config.get("limit")),
             "dtype": str(config.get("dtype") or "fp32") if config else None}

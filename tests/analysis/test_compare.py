@@ -134,6 +134,19 @@ def test_eval_rows_keep_settings_apart(tmp_path):
             "dtype": "fp32", "metrics": {"acc": 0.5}} in summary["runs"][1]["eval"]
 
 
+def test_eval_shots_are_those_lm_eval_ran():
+    """A task whose YAML fixes ``num_fewshot: 0`` (bbh_zeroshot, ifeval, ...) runs
+    0-shot whatever ``--num-fewshot`` says (lm-eval ignores it): its results sit
+    in the 0-shot row, not in the row of the shots asked for."""
+    from kvtrain.analysis.runs import eval_setting
+
+    record = {"iteration": 100, "tasks": {"bbh": {"acc": 0.1}}, "n_shot": {"bbh": 0},
+              "config": {"num_fewshot": 3, "limit": None, "dtype": "fp32"}}
+    assert eval_setting(record, "bbh")["num_fewshot"] == 0
+    # a group lm-eval reports no shots for: the shots asked for
+    assert eval_setting(record, "bbh_group")["num_fewshot"] == 3
+
+
 def test_tokens_to_reach():
     curve = Curve([1, 2, 3], [100.0, 200.0, 300.0], [4.0, 3.0, 2.0])
     assert tokens_to_reach(curve, 4.5) == 100.0
