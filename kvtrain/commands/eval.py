@@ -64,6 +64,8 @@ def _spec(args):
         raise ConfigError(f"--limit {args.limit}: must be positive")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
+    if args.bootstrap_iters < 0:  # lm-eval takes it for 0 without a word
+        raise ConfigError(f"--bootstrap-iters {args.bootstrap_iters}: must be 0 or more")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: must be at least 1")
     out = Path(args.out).expanduser() if args.out else None

@@ -171,6 +171,7 @@ def test_without_the_hf_extra_names_it(local, capsys, monkeypatch):
     (["--tasks", "kvt_mc", "--limit", "0"], "--limit 0.0: must be positive"),
     (["--tasks", "kvt_mc", "--batch-size", "0"], "--batch-size 0: must be at least 1"),
     (["--tasks", "kvt_mc", "--num-fewshot", "-1"], "--num-fewshot -1: must be 0 or more"),
+    (["--tasks", "kvt_mc", "--bootstrap-iters", "-5"], "--bootstrap-iters -5: must be 0 or more"),
     (["--tasks", "kvt_mc", "--include-path", "/no/such/tasks"],
      "--include-path /no/such/tasks: no such folder"),
 ])
