@@ -126,6 +126,11 @@ def inspect(prefix: str, tokenizer: str | None = None, docs: int = 3, max_chars:
 
 def run(args) -> int:
     """CLI entry (see data_tools.cli)."""
+    for option, value in (("--docs", args.docs), ("--max-chars", args.max_chars)):
+        if value < 0:  # -1 silently showed nothing; -5 cut each document's end off
+            print(f"kvtrain data inspect: error: {option} must be 0 or more, got {value}",
+                  file=sys.stderr)
+            return 1
     try:
         prefixes = resolve_prefixes(args.prefix)
     except FileNotFoundError as e:

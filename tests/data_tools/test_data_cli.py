@@ -187,3 +187,28 @@ def test_inspect_with_a_damaged_meta_file_still_reports(tmp_path):
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert f"warning: {meta}: not read (not JSON: " in proc.stdout
     assert "check      OK" in proc.stdout and "--- document 0:" in proc.stdout
+
+
+def _refused(capsys, command: str, *args: str) -> str:
+    """The one line a data command run in-process fails with (exit 1)."""
+    from data_tools.cli import main
+
+    assert main([command, *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"kvtrain data {command}: error: "), err
+    return err
+
+
+def test_inspect_negative_docs_or_max_chars_is_one_line(tmp_path, capsys):
+    """--docs -1 showed no document and --max-chars -5 cut 5 characters off
+    each one's end, both with exit 0."""
+    import numpy as np
+
+    from data_tools.indexed import IndexedWriter
+
+    with IndexedWriter(tmp_path / "s", np.uint16) as w:
+        w.add_documents(np.arange(1, 7, dtype=np.uint16), np.array([3, 3], dtype=np.int32))
+        w.commit()
+    for option, value in (("--docs", "-1"), ("--max-chars", "-5")):
+        err = _refused(capsys, "inspect", str(tmp_path / "s"), option, value)
+        assert err.endswith(f"{option} must be 0 or more, got {value}"), err
