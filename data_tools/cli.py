@@ -80,14 +80,18 @@ def add_commands(sub) -> None:
                            "eos is the EOD that preprocess appends)."))
     _inputs(p)
     p.add_argument("--vocab-size", type=int, required=True,
-                   help="vocabulary size including specials and the 256 byte pieces")
+                   help="vocabulary size including specials and the 256 byte pieces "
+                        "(at least 261)")
     p.add_argument("--output", "-o", required=True, metavar="PREFIX")
     p.add_argument("--max-sentences", type=int, default=10_000_000,
                    help="lines sampled for training (sentencepiece input_sentence_size)")
     p.add_argument("--max-documents", type=int, default=None,
                    help="read at most this many documents")
-    p.add_argument("--character-coverage", type=float, default=0.99995)
-    p.add_argument("--threads", type=int, default=None, help="default: all cores")
+    p.add_argument("--character-coverage", type=float, default=0.99995,
+                   help="share of the characters kept as pieces, in [0.98, 1] (default "
+                        "0.99995); the rest become byte pieces")
+    p.add_argument("--threads", type=int, default=None,
+                   help="1 to 1024 (default: all cores, at most 1024)")
     p.add_argument("--seed", type=int, default=1234, help="sentence sampling seed")
     p.add_argument("--verbose", action="store_true", help="show sentencepiece's log")
     p.set_defaults(func=_runner("train-tokenizer"))

@@ -47,7 +47,7 @@ def trainer_options(vocab_size: int, *, character_coverage: float = 0.99995,
         input_sentence_size=max_sentences,
         shuffle_input_sentence=True,
         max_sentence_length=max_sentence_length,
-        num_threads=threads or os.cpu_count() or 1,
+        num_threads=threads or min(os.cpu_count() or 1, 1024),  # sentencepiece's maximum
         unk_surface=" \u2047 ",
         **SPECIAL_IDS,
         pad_piece="<pad>",
@@ -159,13 +159,30 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def check_options(args) -> None:
+    """sentencepiece's own limits (and ours), before the corpus is read: past
+    them it fails in its words ("INTERNAL: trainer_interface.cc(94) ...")."""
+    if not 0 <= args.seed < 2**32:  # sentencepiece's seed is unsigned 32-bit
+        raise ValueError(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
+    if args.max_documents is not None and args.max_documents < 1:  # 0 silently meant all
+        raise ValueError(f"--max-documents must be at least 1, got {args.max_documents}")
+    # 4 special and 256 byte pieces, and the corpus has at least one character
+    if args.vocab_size < len(SPECIAL_IDS) + 256 + 1:
+        raise ValueError(f"--vocab-size must be at least 261 (4 special pieces, 256 byte "
+                         f"pieces and a character), got {args.vocab_size}")
+    if args.threads is not None and not 1 <= args.threads <= 1024:  # 0 silently meant all
+        raise ValueError(f"--threads must be in [1, 1024], got {args.threads}")
+    if not 0.98 <= args.character_coverage <= 1.0:  # nan too
+        raise ValueError(f"--character-coverage must be in [0.98, 1.0], "
+                         f"got {args.character_coverage}")
+    if args.max_sentences < 1:  # sentencepiece reads 0 as all lines, -1 not at all
+        raise ValueError(f"--max-sentences must be at least 1, got {args.max_sentences}")
+
+
 def run(args) -> int:
     """CLI entry (see data_tools.cli)."""
     try:
-        if not 0 <= args.seed < 2**32:  # sentencepiece's seed is unsigned 32-bit
-            raise ValueError(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
-        if args.max_documents is not None and args.max_documents < 1:  # 0 silently meant all
-            raise ValueError(f"--max-documents must be at least 1, got {args.max_documents}")
+        check_options(args)
         inputs = readers.discover(args.input, args.format)
         train(inputs, args.output, args.vocab_size, json_key=args.json_key,
               text_mode=args.text_mode, max_documents=args.max_documents, seed=args.seed,

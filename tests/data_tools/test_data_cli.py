@@ -212,3 +212,23 @@ def test_inspect_negative_docs_or_max_chars_is_one_line(tmp_path, capsys):
     for option, value in (("--docs", "-1"), ("--max-chars", "-5")):
         err = _refused(capsys, "inspect", str(tmp_path / "s"), option, value)
         assert err.endswith(f"{option} must be 0 or more, got {value}"), err
+
+
+def test_train_tokenizer_options_outside_sentencepiece_limits_are_one_line(tmp_path, capsys):
+    """These failed in sentencepiece's words ('INTERNAL: trainer_interface.cc(94)
+    [trainer_spec.character_coverage() >= 0.98 ...]'), or --threads 0 silently
+    meant all cores; now refused before the corpus is read, naming the option."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    base = ["-i", str(corpus), "-o", str(tmp_path / "t")]
+    for option, value, why in (
+            ("--vocab-size", "0", "at least 261 (4 special pieces, 256 byte pieces and a "
+                                  "character)"),
+            ("--threads", "-1", "in [1, 1024]"), ("--threads", "0", "in [1, 1024]"),
+            ("--character-coverage", "2.0", "in [0.98, 1.0]"),
+            ("--character-coverage", "nan", "in [0.98, 1.0]"),
+            ("--max-sentences", "-1", "at least 1")):
+        args = base + (["--vocab-size", "300"] if option != "--vocab-size" else []) + [
+            option, value]
+        err = _refused(capsys, "train-tokenizer", *args)
+        assert err.endswith(f"{option} must be {why}, got {value}"), err
+    assert os.listdir(tmp_path) == ["c.jsonl"]
