@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import sys
 import time
 
@@ -125,7 +126,7 @@ def train(inputs: list[readers.InputFile], output_prefix: str, vocab_size: int, 
                                        **opts)
     except RuntimeError as e:
         if sentences.error is None and sentences.stats["sentences"]:
-            raise ValueError(f"sentencepiece: {e}") from None
+            raise ValueError(_sentencepiece_error(str(e), opts)) from None
     if sentences.error is not None:
         raise sentences.error
     stats = sentences.stats
@@ -153,6 +154,24 @@ def train(inputs: list[readers.InputFile], output_prefix: str, vocab_size: int, 
     log(f"train-tokenizer: wrote {output_prefix}.model, .vocab, .json "
         f"(vocab {tok.vocab_size}, eod {tok.eod}, pad {tok.pad}) in {time.time() - t0:.1f}s")
     return side
+
+
+def _sentencepiece_error(text: str, opts: dict) -> str:
+    """A vocabulary the corpus cannot fit, in this CLI's option names
+    (sentencepiece names its own: vocab_size, --character_coverage)."""
+    vocab, cover = opts["vocab_size"], opts["character_coverage"]
+    if m := re.search(r"smaller than required_chars\. \d+ vs (\d+)", text):
+        need = int(m[1])
+        chars = need - len(SPECIAL_IDS) - 256
+        return (f"--vocab-size {vocab} is smaller than the {need} pieces this corpus needs "
+                f"({len(SPECIAL_IDS)} special, 256 byte pieces and {chars} characters at "
+                f"--character-coverage {cover}): raise --vocab-size or lower "
+                f"--character-coverage (to 0.98)")
+    if m := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)",
+                      text):
+        return (f"--vocab-size {vocab} is more pieces than this corpus gives: at most {m[1]} "
+                f"here; give a smaller --vocab-size or more text")
+    return f"sentencepiece: {text}"
 
 
 def _stderr(message: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -231,4 +232,22 @@ def test_train_tokenizer_options_outside_sentencepiece_limits_are_one_line(tmp_p
             option, value]
         err = _refused(capsys, "train-tokenizer", *args)
         assert err.endswith(f"{option} must be {why}, got {value}"), err
+    assert os.listdir(tmp_path) == ["c.jsonl"]
+
+
+def test_train_tokenizer_vocab_size_the_corpus_cannot_fit_names_our_options(tmp_path, capsys):
+    """sentencepiece said 'INTERNAL: src/trainer_interface.cc(638) [...] Increase
+    vocab_size or decrease character_coverage with --character_coverage option':
+    options this CLI spells otherwise."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    err = _refused(capsys, "train-tokenizer", "-i", str(corpus), "-o", str(tmp_path / "t"),
+                   "--vocab-size", "300")
+    assert re.search(r"error: --vocab-size 300 is smaller than the (\d+) pieces this corpus "
+                     r"needs \(4 special, 256 byte pieces and (\d+) characters at "
+                     r"--character-coverage 0.99995\): raise --vocab-size or lower "
+                     r"--character-coverage \(to 0.98\)$", err), err
+    err = _refused(capsys, "train-tokenizer", "-i", str(corpus), "-o", str(tmp_path / "t"),
+                   "--vocab-size", "60000")
+    assert re.search(r"error: --vocab-size 60000 is more pieces than this corpus gives: "
+                     r"at most \d+ here; give a smaller --vocab-size or more text$", err), err
     assert os.listdir(tmp_path) == ["c.jsonl"]
