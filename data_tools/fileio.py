@@ -103,6 +103,15 @@ def not_a_folder(path: str | os.PathLike) -> str | None:
     return f"{os.fspath(path)}{where} is a file, not a folder"
 
 
+def check_prefix(prefix: str, option: str, example: str) -> None:
+    """Refuse an output prefix that names a folder (``out/``, ``.``): the names
+    made from it (``out/`` + ``_text_document``, ``out`` + ``.model`` once
+    normalized) would land as hidden files in it or beside it."""
+    if os.path.basename(prefix) in ("", ".", ".."):
+        raise ValueError(f"{option} {prefix} names a folder, not a file name prefix: "
+                         f"give a name in it, e.g. {os.path.join(prefix, example)}")
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_open(path, "wb") as f:
         f.write(data)

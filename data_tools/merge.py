@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from data_tools.fileio import atomic_write_bytes
+from data_tools.fileio import atomic_write_bytes, check_prefix
 from data_tools.indexed import IndexedReader, IndexedWriter, read_meta, resolve_prefixes
 from data_tools.progress import Counts
 
@@ -120,6 +120,7 @@ def _same_tokenizer(readers: list, metas: list) -> dict:
 def run(args) -> int:
     """CLI entry (see data_tools.cli)."""
     try:
+        check_prefix(args.output_prefix, "--output-prefix", "corpus")
         sources = [p for spec in args.inputs for p in resolve_prefixes(spec, prefer_shards=True)]
         out = output_name(args.output_prefix)
         # A glob can also match an earlier merge result; never read the output.

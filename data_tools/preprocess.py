@@ -43,7 +43,7 @@ import numpy as np
 
 from data_tools import readers
 from data_tools.encoder import ChunkEncoder, Encoded, ShardEnd, encode_item, init_worker
-from data_tools.fileio import atomic_write_bytes, remove_stale_temps
+from data_tools.fileio import atomic_write_bytes, check_prefix, remove_stale_temps
 from data_tools.indexed import IndexedWriter, bin_path, idx_path, read_meta, token_dtype
 from data_tools.progress import Counts, Progress, summary
 from data_tools.tokenizer import SentencePieceTokenizer
@@ -389,6 +389,7 @@ def run(args) -> int:
             raise ValueError(f"--shards must be at least 1, got {args.shards}")
         if args.workers is not None and args.workers < 0:  # -1 silently meant 0 (inline)
             raise ValueError(f"--workers must be 0 (no subprocess) or more, got {args.workers}")
+        check_prefix(args.output_prefix, "--output-prefix", "corpus")
         inputs = readers.discover(args.input, args.format)
         result = preprocess(
             inputs, args.tokenizer, args.output_prefix, json_key=args.json_key,

@@ -25,7 +25,7 @@ import sys
 import time
 
 from data_tools import readers
-from data_tools.fileio import atomic_write_bytes, file_in_the_way
+from data_tools.fileio import atomic_write_bytes, check_prefix, file_in_the_way
 from data_tools.tokenizer import SentencePieceTokenizer, sidecar_path
 
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
@@ -196,6 +196,7 @@ def check_options(args) -> None:
                          f"got {args.character_coverage}")
     if args.max_sentences < 1:  # sentencepiece reads 0 as all lines, -1 not at all
         raise ValueError(f"--max-sentences must be at least 1, got {args.max_sentences}")
+    check_prefix(args.output, "--output", "tokenizer")
 
 
 def run(args) -> int:

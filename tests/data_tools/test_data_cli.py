@@ -251,3 +251,29 @@ def test_train_tokenizer_vocab_size_the_corpus_cannot_fit_names_our_options(tmp_
     assert re.search(r"error: --vocab-size 60000 is more pieces than this corpus gives: "
                      r"at most \d+ here; give a smaller --vocab-size or more text$", err), err
     assert os.listdir(tmp_path) == ["c.jsonl"]
+
+
+def test_output_prefix_naming_a_folder_is_one_line(tmp_path, capsys):
+    """-o out/ wrote out.model (train-tokenizer) and out_text_document
+    (preprocess) beside the folder, and merge wrote out/_text_document in it."""
+    import numpy as np
+
+    from data_tools.indexed import IndexedWriter
+
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    with IndexedWriter(tmp_path / "s_text_document", np.uint16) as w:
+        w.add_documents(np.arange(1, 7, dtype=np.uint16), np.array([3, 3], dtype=np.int32))
+        w.commit()
+    (tmp_path / "out").mkdir()
+    before = sorted(os.listdir(tmp_path))
+    for out in (f"{tmp_path}/out/", f"{tmp_path}/out/.", f"{tmp_path}/out/.."):
+        for command, option, args, name in (
+                ("train-tokenizer", "--output", ["-i", str(corpus), "--vocab-size", "400"],
+                 "tokenizer"),
+                ("preprocess", "--output-prefix", ["-i", str(corpus), "-t", h.tokenizer(),
+                                                   "-j", "0"], "corpus"),
+                ("merge", "--output-prefix", [f"{tmp_path}/s_text_document"], "corpus")):
+            err = _refused(capsys, command, *args, option, out)
+            assert err.endswith(f"{option} {out} names a folder, not a file name prefix: "
+                                f"give a name in it, e.g. {os.path.join(out, name)}"), err
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "out") == []
