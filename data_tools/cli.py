@@ -119,7 +119,7 @@ def add_commands(sub) -> None:
     p.add_argument("--report-bad", type=int, default=5, metavar="N",
                    help="print the first N bad records (default 5)")
     p.add_argument("--chunk-mb", type=float, default=1.0,
-                   help="input MiB per work unit (default 1)")
+                   help="input MiB per work unit, at most 1024 (default 1)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress line")
     p.set_defaults(func=_runner("preprocess"))
 

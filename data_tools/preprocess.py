@@ -385,6 +385,10 @@ def run(args) -> int:
     try:
         if not args.chunk_mb > 0:  # 0 would read nothing and report "no records"
             raise ValueError(f"--chunk-mb must be positive, got {args.chunk_mb}")
+        if not 1 <= args.chunk_mb * (1 << 20) <= 1 << 30:  # 0 bytes read nothing; a chunk
+            # is one read() of that size (inf: OverflowError, 1e9: MemoryError)
+            raise ValueError(f"--chunk-mb must be from one byte (1e-06) to 1024 (1 GiB), "
+                             f"got {args.chunk_mb}")
         if args.shards is not None and args.shards < 1:  # 0 silently meant the default
             raise ValueError(f"--shards must be at least 1, got {args.shards}")
         if args.workers is not None and args.workers < 0:  # -1 silently meant 0 (inline)

@@ -277,3 +277,15 @@ def test_output_prefix_naming_a_folder_is_one_line(tmp_path, capsys):
             assert err.endswith(f"{option} {out} names a folder, not a file name prefix: "
                                 f"give a name in it, e.g. {os.path.join(out, name)}"), err
     assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "out") == []
+
+
+def test_preprocess_chunk_mb_below_a_byte_or_past_a_gib_is_one_line(tmp_path, capsys):
+    """--chunk-mb 1e-9 read 0-byte chunks ("no documents ... no records"), inf
+    was an OverflowError traceback and 1e9 a MemoryError one."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    for mb in ("1e-09", "inf", "1000000000.0"):
+        err = _refused(capsys, "preprocess", "-i", str(corpus), "-t", h.tokenizer(),
+                       "-o", str(tmp_path / "p"), "-j", "0", "--chunk-mb", mb)
+        assert err.endswith(f"--chunk-mb must be from one byte (1e-06) to 1024 (1 GiB), "
+                            f"got {mb}"), err
+    assert os.listdir(tmp_path) == ["c.jsonl"]
