@@ -289,3 +289,12 @@ def test_preprocess_chunk_mb_below_a_byte_or_past_a_gib_is_one_line(tmp_path, ca
         assert err.endswith(f"--chunk-mb must be from one byte (1e-06) to 1024 (1 GiB), "
                             f"got {mb}"), err
     assert os.listdir(tmp_path) == ["c.jsonl"]
+
+
+def test_preprocess_negative_report_bad_is_one_line(tmp_path, capsys):
+    """--report-bad -1 silently meant 0 (no bad record printed)."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    err = _refused(capsys, "preprocess", "-i", str(corpus), "-t", h.tokenizer(),
+                   "-o", str(tmp_path / "p"), "-j", "0", "--report-bad", "-1")
+    assert err.endswith("--report-bad must be 0 or more, got -1"), err
+    assert os.listdir(tmp_path) == ["c.jsonl"]
