@@ -239,6 +239,10 @@ def run(args) -> int:
         print(f"kvtrain data demo-corpus: error: --max-mb must be positive, got {args.max_mb}",
               file=sys.stderr)
         return 1
+    if args.max_mb == float("inf"):  # was an OverflowError traceback
+        print("kvtrain data demo-corpus: error: --max-mb must be finite (leave it out for the "
+              "whole corpus), got inf", file=sys.stderr)
+        return 1
     stats = write(args.output, int(args.max_mb * 1e6) if args.max_mb else None)
     print(f"demo-corpus: wrote {args.output}: {stats['documents']} documents, "
           f"{stats['bytes'] / 1e6:.1f} MB (Python {stats['python']} standard library docstrings)",

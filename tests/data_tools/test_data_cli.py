@@ -298,3 +298,10 @@ def test_preprocess_negative_report_bad_is_one_line(tmp_path, capsys):
                    "-o", str(tmp_path / "p"), "-j", "0", "--report-bad", "-1")
     assert err.endswith("--report-bad must be 0 or more, got -1"), err
     assert os.listdir(tmp_path) == ["c.jsonl"]
+
+
+def test_demo_corpus_infinite_max_mb_is_one_line(tmp_path, capsys):
+    """--max-mb inf was an OverflowError traceback."""
+    err = _refused(capsys, "demo-corpus", "-o", str(tmp_path / "c.jsonl"), "--max-mb", "inf")
+    assert err.endswith("--max-mb must be finite (leave it out for the whole corpus), got inf")
+    assert os.listdir(tmp_path) == []
