@@ -55,7 +55,7 @@ def token_dtype(vocab_size: int) -> type:
     """uint16 when every id fits, else int32.
 
     Same threshold as megatron's ``DType.optimal_dtype`` (used by Megatron-LM's
-    preprocess_data.py), so our shards match what that tool would write.
+    preprocess_data.py; data_tools/README.md says where its shards differ from ours).
     """
     return np.uint16 if vocab_size < 65500 else np.int32
 

@@ -144,3 +144,50 @@ def test_reader_rejects_damaged_files(tmp_path):
     (tmp_path / "x.idx").write_bytes((tmp_path / "x.idx").read_bytes()[:-3])
     with pytest.raises(ValueError):
         IndexedReader(tmp_path / "x")
+
+
+def test_preprocess_equals_megatron_preprocess_data_but_for_blank_documents(tmp_path):
+    """The comparison data_tools/README.md documents: Megatron-LM core_v0.16.1's
+    tools/preprocess_data.py --tokenizer-type GPTSentencePieceTokenizer
+    --append-eod (its default tokenizer system) writes our bytes, except that
+    it keeps "" as a document with no sequence and whitespace as tokens; we skip
+    both (empty_document). Its Encoder.encode loop, as it is there:"""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.tokenizers import MegatronTokenizer
+    model, blank = h.tokenizer(), ["", "   ", "\n"]
+    tok = MegatronTokenizer.from_pretrained(
+        tokenizer_path=model, metadata_path={"library": "sentencepiece"}, legacy=False,
+        special_tokens=None)
+    ref = megatron_indexed().IndexedDatasetBuilder(
+        str(tmp_path / "ref.bin"), dtype=megatron_indexed().DType.optimal_dtype(tok.vocab_size))
+    for text in blank[:2] + h.DOCS + blank[2:]:
+        doc_ids, sentence_lens = [], []
+        sentence_ids = tok.tokenize(text)
+        if len(sentence_ids) > 0:
+            doc_ids.extend(sentence_ids)
+            sentence_lens.append(len(sentence_ids))
+        if len(doc_ids) > 0:  # and args.append_eod
+            doc_ids.append(tok.eod)
+            sentence_lens[-1] += 1
+        ref.add_document(torch.tensor(doc_ids, dtype=torch.int64), sentence_lens)
+    ref.finalize(str(tmp_path / "ref.idx"))
+    refs = megatron_indexed().IndexedDataset(str(tmp_path / "ref"))
+    assert list(refs.document_indices[:3]) == [0, 0, 1]  # "" is a document, no sequence
+    assert refs[0].tolist() == tok.tokenize("   ") + [tok.eod]
+    assert refs[len(refs) - 1].tolist() == tok.tokenize("\n") + [tok.eod]
+
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", blank[:2] + h.DOCS + blank[2:])
+    preprocess(readers.discover([str(corpus)]), model, str(tmp_path / "c"), workers=0,
+               progress=False, log=lambda m: None)
+    ref = megatron_indexed().IndexedDatasetBuilder(str(tmp_path / "ref2.bin"), dtype=np.uint16)
+    for i in range(1, len(refs) - 1):  # Megatron's documents without the blank ones
+        ref.add_document(torch.from_numpy(refs[i].astype(np.int64)), [len(refs[i])])
+    ref.finalize(str(tmp_path / "ref2.idx"))
+    for ext in (".bin", ".idx"):
+        assert ((tmp_path / f"c_text_document{ext}").read_bytes()
+                == (tmp_path / f"ref2{ext}").read_bytes())
