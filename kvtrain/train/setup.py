@@ -59,6 +59,7 @@ class Run:
     backend: BackendChoice
     device: str  # "cuda" | "cpu"
     documents: Optional[Callable] = None  # model.documents.Documents, with reset_attention_mask
+    train_samples: int = 0  # the sequences datasets.train was built for (fit_training_data)
 
     @property
     def dp_size(self) -> int:
@@ -170,7 +171,6 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from kvtrain.backend import init_distributed
-    from kvtrain.data import build_datasets
     from kvtrain.model.builder import Numerics, transformer_config
 
     from . import multi_tensor
@@ -216,10 +216,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     scheduler = build_scheduler(cfg, optimizer, steps)
 
     dp_rank = parallel_state.get_data_parallel_rank()
-    cache_dir = str(Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir
-                    else run_dir / "data_cache")
-    valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
-    datasets = build_datasets(cfg, cache_dir, steps * t.global_batch_size, valid_samples)
+    datasets = _datasets(cfg, run_dir, steps * t.global_batch_size)  # a fresh run's draw
     peak, mfu_basis = mfu_peak(t.peak_tflops_per_device, numerics.precision)
 
     return Run(
@@ -234,7 +231,35 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
         checkpoint_dir=checkpoint_folder(cfg.checkpoint.dir, run_dir),
         backend=backend, device="cuda" if torch.cuda.is_available() else "cpu",
         documents=_documents(cfg, datasets, backend.name),
+        train_samples=steps * t.global_batch_size,
     )
+
+
+def _datasets(cfg: RunConfig, run_dir: Path, train_samples: int):
+    """The datasets, the training part built for ``train_samples`` sequences."""
+    from kvtrain.data import build_datasets
+
+    t = cfg.train
+    cache_dir = str(Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir
+                    else run_dir / "data_cache")
+    valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    return build_datasets(cfg, cache_dir, train_samples, valid_samples)
+
+
+def fit_training_data(run: Run, state: "TrainState") -> None:
+    """Builds the training data again for the samples a resumed run draws: the
+    checkpoint's, then the steps left at this global batch (``fit_token_budget``
+    has moved the end). build_run built it for a fresh run's draw, which differs
+    after a ``train.global_batch_size`` or ``train.seq_length`` change: a smaller
+    batch draws more, past the data's end. Sized exactly, not only when short, so
+    a later resume with the same batch builds the same data (the same order)."""
+    t = run.cfg.train
+    if state.iteration >= run.total_steps:
+        return  # nothing left to draw
+    needed = state.consumed_samples + (run.total_steps - state.iteration) * t.global_batch_size
+    if needed != run.train_samples:
+        run.datasets = _datasets(run.cfg, run.run_dir, needed)
+        run.train_samples = needed
 
 
 def fit_token_budget(run: Run, state: "TrainState") -> Optional[str]:
@@ -247,18 +272,11 @@ def fit_token_budget(run: Run, state: "TrainState") -> Optional[str]:
 
     from .optimizer import set_horizon
 
-    iteration, consumed_samples = state.iteration, state.consumed_samples
+    iteration = state.iteration
     steps, steps_from = total_steps(run.cfg, iteration, state.consumed_tokens)
     if steps == run.total_steps:
         return None
     t = run.cfg.train
-    needed = consumed_samples + (steps - iteration) * t.global_batch_size
-    if needed > len(run.datasets.train):
-        raise ConfigError(
-            f"the training data gives {len(run.datasets.train)} sequences, fewer than the "
-            f"{needed} that train.train_tokens needs after the checkpoint's {consumed_samples} "
-            f"at train.global_batch_size {t.global_batch_size}: resume with the checkpoint's "
-            f"train.global_batch_size, or one that divides {consumed_samples}")
     before = run.total_steps
     run.layout = dataclasses.replace(run.layout, total_steps=steps, steps_from=steps_from)
     set_horizon(run.scheduler, run.cfg, steps)
@@ -351,5 +369,5 @@ def write_run_config(text: str, run_dir: Path) -> None:
     atomic_write_text(run_dir / "config.yaml", text)
 
 
-__all__ = ["Run", "backend_event", "build_run", "fit_token_budget", "resolve_run_dir",
-           "run_config_text", "run_record", "write_run_config"]
+__all__ = ["Run", "backend_event", "build_run", "fit_token_budget", "fit_training_data",
+           "resolve_run_dir", "run_config_text", "run_record", "write_run_config"]

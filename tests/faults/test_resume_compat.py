@@ -125,6 +125,15 @@ def resumes(tmp_path_factory, corpus, cache_dir):
     # a refused resume in the run's own folder (resume: auto)
     jobs.append({"config": str(config), "run_dir": str(root / "saved"), "expect": 2,
                  "overrides": ["model.attention=vanilla"]})
+    # a train.max_steps run resumed with a smaller global batch draws more samples than
+    # a fresh run of that batch: a train part of one document (epochs of a sample or
+    # two) has no spare samples past what it was built for
+    few = root / "few_docs" / "checkpoints" / "iter_0000004"
+    jobs += [{"config": str(config), "run_dir": str(root / name), "overrides": [
+        "data.split=1,999,0", "checkpoint.save_interval=null", *overrides]}
+        for name, overrides in (("few_docs", ["train.max_steps=4"]),
+                                ("smaller_batch", ["train.max_steps=8", "train.global_batch_size=4",
+                                                   f"checkpoint.resume={few}"]))]
     result = run_driver(jobs, root / "plan.json", nproc=1)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return root, result
@@ -202,3 +211,13 @@ def test_refusal_is_one_line_on_the_command_line(resumes, tmp_path):
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and "train.seq_length: 32 -> 16" in errors[0], errors
+
+
+def test_a_smaller_global_batch_on_resume_draws_what_it_needs(resumes):
+    """4 steps of 8 samples, then 4 of 4 (train.max_steps 8): 48 samples, not the 32 a
+    fresh run of 4 x 8 asks for; before the fix the data ran out after the checkpoint
+    (a StopIteration traceback)."""
+    root, result = resumes
+    train = metrics(root / "smaller_batch")
+    assert [r["iteration"] for r in train] == [5, 6, 7, 8], result.stderr[-3000:]
+    assert train[-1]["consumed_samples"] == 4 * 8 + 4 * 4
