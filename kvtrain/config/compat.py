@@ -2,8 +2,10 @@
 
 A resume silently reinterprets a checkpoint when the run around it changed:
 another ``train.seq_length`` changes what the data position and the token
-counts mean, another data blend or tokenizer feeds other tokens, another model
-section is another model. Before a checkpoint is loaded, the config saved in
+counts mean, another data blend or tokenizer feeds other tokens, another
+end-of-document id, loss mask on it or document separation (``data.eod_id``,
+``eod_mask_loss``, ``reset_attention_mask``) trains on other targets or
+contexts, another model section is another model. Before a checkpoint is loaded, the config saved in
 it is compared with the run's on the keys of ``COMPARED``; a difference stops
 the run with one line, unless ``checkpoint.allow_config_changes`` names the
 key (or a section above it). What changed is then printed and recorded. A run
@@ -31,7 +33,8 @@ from .loader import ConfigError
 
 # Sections or keys compared on resume (a section compares every key below it).
 COMPARED = ("model", "train.seq_length", "data.type", "data.paths", "data.split",
-            "data.tokenizer", "data.seed", "data.induction", "data.ngram")
+            "data.tokenizer", "data.seed", "data.induction", "data.ngram", "data.eod_id",
+            "data.eod_mask_loss", "data.reset_attention_mask")
 # how the model runs, not what it is (the same weights on other kernels)
 IGNORED = ("model.backend", "model.rope_kernel", "model.kv_shift.kernel",
            "model.cross_entropy_kernel", "model.swiglu_kernel")
@@ -71,6 +74,10 @@ def _compared(config: dict, keys: tuple = COMPARED) -> dict[str, Any]:
     # data.seed null means train.seed: compare the seed the data order comes from
     if "data.seed" in out and out["data.seed"] is None:
         out["data.seed"] = (config.get("train") or {}).get("seed")
+    # with a tokenizer, data.eod_id is null or the tokenizer's own (data/tokenizer.py):
+    # the tokenizer, compared, says where documents end
+    if (config.get("data") or {}).get("tokenizer"):
+        out.pop("data.eod_id", None)
     return {k: v for k, v in out.items() if not k.startswith(IGNORED)}
 
 

@@ -202,7 +202,8 @@ class CheckpointConfig:
     allow_config_changes: list[str] = field(default_factory=list)
     """Keys (or sections) that may differ from the checkpoint's saved config on resume,
     e.g. [train.seq_length] for a longer context. Resume compares the model section,
-    train.seq_length and the data (type, paths, split, tokenizer, seed, toy tasks);
+    train.seq_length and the data (type, paths, split, tokenizer, seed, toy tasks,
+    eod_id, eod_mask_loss, reset_attention_mask);
     any other difference stops the run with one line. Allowed changes are printed
     and recorded as an event in metrics.jsonl."""
     verify: Literal["full", "sizes", "none"] = "full"

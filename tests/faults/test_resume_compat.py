@@ -48,6 +48,24 @@ def test_compared_keys():
     assert [c.key for c in config_changes(SAVED, changed(train__seed=2))] == ["data.seed"]
 
 
+def test_document_handling_is_compared():
+    """data.eod_mask_loss, data.reset_attention_mask and data.eod_id change what the model
+    is trained on (the loss on EOD tokens, attention across documents, where documents
+    end): compared, and allowed changes come back to be printed and recorded. With a
+    tokenizer, data.eod_id is null or the tokenizer's own: the tokenizer is compared."""
+    no_tokenizer = changed(data__tokenizer=None, data__eod_id=5)
+    keys = [c.key for c in config_changes(no_tokenizer, changed(
+        data__tokenizer=None, data__eod_id=7, data__eod_mask_loss=True,
+        data__reset_attention_mask=True))]
+    assert keys == ["data.eod_id", "data.eod_mask_loss", "data.reset_attention_mask"]
+    assert config_changes(SAVED, changed(data__eod_id=2)) == []
+    saved, new = changed(data__eod_mask_loss=False), changed(data__eod_mask_loss=True)
+    with pytest.raises(ConfigError, match=r"data.eod_mask_loss: False -> True"):
+        check_resume_config(saved, new, [], "ckpt")
+    assert [str(c) for c in check_resume_config(saved, new, ["data.eod_mask_loss"], "ckpt")] \
+        == ["data.eod_mask_loss: False -> True"]
+
+
 def test_kernel_choices_may_change_on_resume():
     """Which kernels compute the shift and RoPE is how the model runs, not what it is:
     a run turning a kernel off (a GPU where the Triton one fails) resumes as before."""
