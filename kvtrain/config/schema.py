@@ -135,6 +135,15 @@ class OptimizerConfig:
     loss_scale: Optional[float] = None
     """fp16 only: a constant loss scale; null uses megatron's dynamic loss scaling."""
 
+    def check_wsd_fits(self, horizon: int, moved: str = "") -> None:
+        """The wsd decay fits after the warmup in a schedule of ``horizon`` steps
+        (megatron starts it at horizon - wsd_decay_steps, even inside the warmup);
+        ``moved``: why the horizon is not a fresh run's (a resume moved it)."""
+        if self.lr_schedule == "wsd" and self.wsd_decay_steps > horizon - self.lr_warmup_steps:
+            raise ConfigError(
+                f"optimizer.wsd_decay_steps ({self.wsd_decay_steps}) must fit after the warmup "
+                f"in the schedule ({horizon} steps, warmup {self.lr_warmup_steps}){moved}")
+
 
 # ----------------------------------------------------------------------------- data
 @dataclass
@@ -419,12 +428,7 @@ class RunConfig:
                 raise ConfigError(f"optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps "
                                   f">= 1, got {o.wsd_decay_steps}")
             # the scheduler's horizon (build_scheduler): train.max_steps or train_tokens
-            horizon = o.lr_decay_steps or total_steps(self)[0]
-            if o.wsd_decay_steps > horizon - o.lr_warmup_steps:
-                raise ConfigError(
-                    f"optimizer.wsd_decay_steps ({o.wsd_decay_steps}) must fit after the warmup "
-                    f"in the schedule ({horizon} steps, warmup {o.lr_warmup_steps})"
-                )
+            o.check_wsd_fits(o.lr_decay_steps or total_steps(self)[0])
         if o.loss_scale is not None and o.loss_scale <= 0:
             raise ConfigError(f"optimizer.loss_scale must be positive, got {o.loss_scale}")
 

@@ -276,13 +276,16 @@ def fit_token_budget(run: Run, state: "TrainState") -> Optional[str]:
     steps, steps_from = total_steps(run.cfg, iteration, state.consumed_tokens)
     if steps == run.total_steps:
         return None
-    t = run.cfg.train
+    t, o = run.cfg.train, run.cfg.optimizer
+    left = (f"{steps_from} after the checkpoint's {state.consumed_tokens} tokens: "
+            f"{steps - iteration} steps of {t.global_batch_size} x {t.seq_length} left")
+    # config validation saw a fresh run's end, not this one
+    o.check_wsd_fits(o.lr_decay_steps or steps, f", its end moved by this resume ({left}): "
+                     "lower it, or fix the schedule's length with optimizer.lr_decay_steps")
     before = run.total_steps
     run.layout = dataclasses.replace(run.layout, total_steps=steps, steps_from=steps_from)
     set_horizon(run.scheduler, run.cfg, steps)
-    return (f"{steps_from} after the checkpoint's {state.consumed_tokens} tokens: "
-            f"{steps - iteration} steps of {t.global_batch_size} x {t.seq_length} left, the "
-            f"run and its LR schedule end at step {steps} (not {before})")
+    return f"{left}, the run and its LR schedule end at step {steps} (not {before})"
 
 
 def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:

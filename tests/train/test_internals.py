@@ -178,3 +178,29 @@ def test_data_parallel_gradients_are_synchronised(single_rank, tmp_path, cache_d
             assert losses == pytest.approx([r.loss for r in results], rel=1e-6)
             torch.testing.assert_close(after_two, ref_two, rtol=1e-5, atol=1e-6)
             assert not torch.allclose(after_three, ref_three, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resume_that_moves_the_schedules_end_checks_the_wsd_decay_again(cache_dir):
+    """train.train_tokens of 10 steps of 8 x 32 with a wsd decay of 6 after a warmup
+    of 2: it fits. A checkpoint of 2 steps of 32 x 32 leaves 2 steps of 8 x 32: the
+    schedule ends at 4, where the decay would start inside the warmup; before the fix
+    the horizon moved silently (the LR dropped right after the warmup)."""
+    from types import SimpleNamespace
+
+    from kvtrain.config import ConfigError
+    from kvtrain.config.layout import derive_layout
+    from kvtrain.train.checkpoint import TrainState
+    from kvtrain.train.setup import fit_token_budget
+
+    cfg = from_dict(RunConfig, tiny_config(
+        None, cache_dir, train={"max_steps": None, "train_tokens": 10 * 8 * 32},
+        optimizer={"lr_schedule": "wsd", "wsd_decay_steps": 6, "lr_warmup_steps": 2}))
+    cfg.validate(world_size=1)
+    layout = derive_layout(cfg, 1)
+    run = SimpleNamespace(cfg=cfg, layout=layout, total_steps=layout.total_steps,
+                          scheduler=SimpleNamespace())
+    state = TrainState(iteration=2, consumed_samples=64, consumed_tokens=2 * 32 * 32)
+    with pytest.raises(ConfigError, match=r"optimizer.wsd_decay_steps \(6\) must fit after the "
+                       r"warmup in the schedule \(4 steps, warmup 2\), its end moved by this "
+                       r"resume \(train.train_tokens after the checkpoint's 2048 tokens"):
+        fit_token_budget(run, state)
