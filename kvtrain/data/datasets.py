@@ -181,6 +181,27 @@ def plan_split(split_matrix: list, counts: dict[str, int], needed: tuple[bool, b
     return planned
 
 
+# megatron's indices of a part hold at least 12 bytes a sequence: the sample index's
+# two int32 and the shuffle index's uint32 (int64 past 2**32 sequences)
+INDEX_BYTES_PER_SAMPLE = 12
+
+
+def _check_index_memory(cfg: RunConfig, train_samples: int) -> None:
+    """Refuses sequences whose indices cannot fit this machine's memory: megatron
+    would count their epochs one loop turn at a time (for hours with a large
+    ``train.max_steps``), then fail to allocate them with a traceback."""
+    from kvtrain.config.layout import total_steps
+
+    need = INDEX_BYTES_PER_SAMPLE * train_samples
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        raise ConfigError(
+            f"{total_steps(cfg)[1]} asks for {train_samples} training sequences of "
+            f"{cfg.train.seq_length} tokens: megatron's sample indices alone would need "
+            f"{need / 2**30:.0f} GiB of memory ({INDEX_BYTES_PER_SAMPLE} bytes a sequence), "
+            f"more than this machine's {memory / 2**30:.0f} GiB")
+
+
 def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
                    valid_samples: int) -> Datasets:
     """Builds the datasets on every rank (rank 0 first: it writes the index caches).
@@ -201,6 +222,7 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
 
         train, valid = synthetic_datasets(cfg, train_samples, valid_samples)
         return Datasets(train=train, valid=valid, test=None, tokenizer=None)
+    _check_index_memory(cfg, train_samples)  # the toy tasks above index nothing
     tokenizer = load_tokenizer(d, cfg.model)
     blend, counts = _blend(d.paths) if d.type == "gpt" else (None, {})
     for prefix in blend[0] if blend is not None else []:

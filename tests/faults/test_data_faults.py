@@ -193,3 +193,19 @@ def test_an_eod_id_other_than_the_tokenizers_is_refused(corpus):
         load_tokenizer(replace(cfg.data, eod_id=eod + 1), cfg.model)
     message = str(err.value)
     assert message.startswith(f"data.eod_id ({eod + 1})") and str(eod) in message, message
+
+
+@pytest.mark.parametrize("data", ["gpt", "mock"])
+def test_a_run_whose_sample_indices_exceed_memory_is_one_line(tmp_path, corpus, data):
+    """train.max_steps 10**12 fits 64 bits, but megatron's indices of its 8 x 10**12
+    sequences would not fit any machine's memory: one line naming the key. Before the
+    fix megatron counted the epochs one loop turn at a time (hours), then failed to
+    allocate them."""
+    from kvtrain.data import build_datasets
+
+    cfg = tiny_config(corpus if data == "gpt" else None, tmp_path / "cache",
+                      train={"max_steps": 10**12})
+    cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    with pytest.raises(ConfigError, match=r"train.max_steps asks for 8000000000000 training "
+                                          r"sequences of 32 tokens: megatron's sample indices"):
+        build_datasets(cfg, str(tmp_path / "cache"), 8 * 10**12, 0)
