@@ -132,7 +132,7 @@ def test_more_loader_workers_than_cpus_is_one_line(tmp_path, corpus, cache_dir):
     cfg = tiny_config(corpus, cache_dir)
     cfg["data"]["num_workers"] = 100000
     result = run(["train", str(write_config(tmp_path / "c.yaml", cfg)),
-                  "--run-dir", str(tmp_path / "run")], timeout=120)
+                  "--run-dir", str(tmp_path / "run")], timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "data.num_workers (100000)" in lines[0], result.stderr[-3000:]
