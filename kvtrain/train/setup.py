@@ -303,9 +303,11 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     cuda = torch.cuda.is_available()
     backend = backend_choice(cfg.model.backend)
     check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
-    te = cuda and backend.name == "te"
+    # the GPU's capability matters to te's documents and CP only (asked only then)
+    asks = cuda and backend.name == "te" and (cfg.data.reset_attention_mask
+                                              or cfg.parallel.context > 1)
     check_te_precision(cfg, backend, half=numerics.bf16 or numerics.fp16,
-                       capability=torch.cuda.get_device_capability() if te else None)
+                       capability=torch.cuda.get_device_capability() if asks else None)
     if cfg.data.reset_attention_mask:
         backend = dataclasses.replace(backend, documents=document_attention(
             backend.name, cuda, cfg.model.attention_dropout, cfg.parallel.context,
