@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 import dt_helpers as h  # noqa: E402
 
@@ -144,26 +146,20 @@ def test_preprocess_option_and_tokenizer_mistakes_are_one_line(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
 
 
-def test_train_tokenizer_seed_sentencepiece_cannot_take_is_one_line(tmp_path):
-    """sentencepiece's seed is 32-bit unsigned: --seed -1 was a TypeError traceback."""
+@pytest.mark.parametrize("option, values, message", [
+    # sentencepiece's seed is 32-bit unsigned: --seed -1 was a TypeError traceback
+    ("--seed", ("-1", str(2**32)), "--seed must be in [0, 2**32 - 1], got {}"),
+    # --max-documents 0 silently read every document, and -1 stopped after one (then
+    # sentencepiece failed on 'Vocabulary size too high')
+    ("--max-documents", ("0", "-1"), "--max-documents must be at least 1, got {}"),
+])
+def test_train_tokenizer_values_out_of_range_are_one_line(tmp_path, option, values, message):
     corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
-    for seed in ("-1", str(2**32)):
+    for value in values:
         err = _one_error_line(h.kvtrain("data", "train-tokenizer", "-i", str(corpus),
                                         "--vocab-size", "300", "-o", str(tmp_path / "t"),
-                                        "--seed", seed, check=False), "train-tokenizer")
-        assert err.endswith(f"--seed must be in [0, 2**32 - 1], got {seed}"), err
-    assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
-
-
-def test_train_tokenizer_max_documents_below_one_is_one_line(tmp_path):
-    """--max-documents 0 silently read every document, and -1 stopped after one
-    (then sentencepiece failed on 'Vocabulary size too high')."""
-    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
-    for n in ("0", "-1"):
-        err = _one_error_line(h.kvtrain("data", "train-tokenizer", "-i", str(corpus),
-                                        "--vocab-size", "300", "-o", str(tmp_path / "t"),
-                                        "--max-documents", n, check=False), "train-tokenizer")
-        assert err.endswith(f"--max-documents must be at least 1, got {n}"), err
+                                        option, value, check=False), "train-tokenizer")
+        assert err.endswith(message.format(value)), err
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
 
 
