@@ -64,7 +64,8 @@ def test_launcher_kill_takes_ranks_and_helpers_and_the_folder_has_one_writer(
         assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
 
         # a second writer is refused, in one line naming the holder
-        second = run(args + ["--set", "train.max_steps=1"], timeout=120)
+        # (beside the 2-rank holder on 2 slow cores a start took over 120 s)
+        second = run(args + ["--set", "train.max_steps=1"], timeout=300)
         assert second.returncode == 2, second.stdout[-1000:] + second.stderr[-2000:]
         lines = [line for line in second.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "in use" in lines[0], second.stderr[-2000:]
