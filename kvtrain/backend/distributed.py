@@ -118,6 +118,22 @@ def _release_megatron_groups() -> None:
         if group in alive:
             dist.destroy_process_group(group)
     _MEGATRON_GROUPS.clear()
+    _forget_cached_rotary_tables()
+
+
+def _forget_cached_rotary_tables() -> None:
+    """megatron's rotary embeddings cache ``forward`` with ``lru_cache`` on the module
+    itself (32 entries), and the module holds its context-parallel group: the cache
+    keeps every model run so far, and its destroyed gloo group with three live
+    threads, in memory. The tables are rebuilt on the next forward."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    for module in (rope.RotaryEmbedding, rope.MultimodalRotaryEmbedding,
+                   yarn.YarnRotaryEmbedding):
+        cache_clear = getattr(module.forward, "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
 
 
 def set_seed(seed: int) -> None:
