@@ -44,7 +44,7 @@ def saved(attn: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor,
         nonlocal count
         count += 1
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        return t.detach()  # a saved output itself would keep its graph (and groups) alive
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         attn(hidden, mask, rotary_pos_emb=rope)  # RoPE: Q and K attention saves are new tensors

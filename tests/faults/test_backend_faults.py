@@ -408,7 +408,7 @@ def _kept_bytes(cfg, backend: str, seq: int = 64, batch: int = 2) -> int:
     def pack(t):
         if t.untyped_storage().data_ptr() not in params:
             kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        return t.detach()  # a saved output itself would keep its graph (and groups) alive
 
     # MLA computes its own RoPE (its layer takes no rotary_pos_emb)
     rope = {} if cfg.mla is not None else {"rotary_pos_emb": model.rotary_pos_emb(seq)}
@@ -559,7 +559,7 @@ def test_local_score_bytes_are_what_autograd_saves(mp1, precision):
     def pack(t):
         if t.dim() >= 2 and t.shape[-2:] == (s, s) and t.numel() >= b * heads * s * s:
             saved[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
-        return t
+        return t.detach()  # a saved output itself would keep its graph (and groups) alive
 
     q, k, v = (torch.randn(s, b, heads, 16, dtype=numerics.params_dtype, requires_grad=True)
                for _ in range(3))

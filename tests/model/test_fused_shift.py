@@ -255,7 +255,7 @@ def saved_storages(fn):
     def pack(t):
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         packed.append(1)
-        return t
+        return t.detach()  # a saved output itself would keep its graph (and groups) alive
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()

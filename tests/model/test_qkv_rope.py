@@ -159,7 +159,7 @@ for name, window, learn in (("vanilla", 0, False), ("shift", 1, True), ("fixed",
     kept = []
     def pack(t):
         kept.append({"shape": list(t.shape), "numel": t.numel(), "is_mixed": t is m})
-        return t
+        return t.detach()  # a saved output itself would keep its graph (and groups) alive
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         qkv_rope(m, freqs, 32, *cs, ids)
     saved[name] = {"kept": kept, "kv_numel": 37 * 2 * 2 * 16}

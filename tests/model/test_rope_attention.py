@@ -82,7 +82,7 @@ def kept(cfg, model, seq=64, batch=2):
     def pack(t):
         if t.untyped_storage().data_ptr() not in params:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        return t.detach()  # a saved output itself would keep its graph (and groups) alive
 
     hidden = torch.randn(seq, batch, cfg.hidden_size, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -145,7 +145,7 @@ def _kept_bytes(fn, *inputs) -> dict[int, int]:
 
     def pack(t):
         kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        return t.detach()  # a saved output itself would keep its graph (and groups) alive
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*inputs)
