@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import os
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
@@ -38,12 +38,10 @@ def _init(one_gpu: bool) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
-            one_gpu: bool = False, env: Optional[dict] = None, cwd: Optional[str] = None) -> None:
-    if env is not None:  # the caller's, as a spawned rank would have had them
-        os.environ.clear()
-        os.environ.update(env)
-    if cwd is not None:
-        os.chdir(cwd)
+            one_gpu: bool, env: dict, cwd: str) -> None:
+    os.environ.clear()  # the caller's, not the fork server's, as a spawned rank had them
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

@@ -129,11 +129,8 @@ def _forget_cached_rotary_tables() -> None:
     from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
 
-    for module in (rope.RotaryEmbedding, rope.MultimodalRotaryEmbedding,
-                   yarn.YarnRotaryEmbedding):
-        cache_clear = getattr(module.forward, "cache_clear", None)
-        if cache_clear is not None:
-            cache_clear()
+    rope.RotaryEmbedding.forward.cache_clear()
+    yarn.YarnRotaryEmbedding.forward.cache_clear()
 
 
 def set_seed(seed: int) -> None:
