@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -28,6 +30,19 @@ def single_rank():
 
     env = init_distributed(seed=1234)
     yield env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def free_models():
+    """After each test file: the runs its tests built (models, optimizers, gloo groups
+    of three threads each that wake up to poll) are freed, not kept by megatron's DDP
+    hooks for the rest of the worker's life."""
+    yield
+    if "kvtrain.backend.distributed" in sys.modules:
+        from kvtrain.backend import release_models
+
+        release_models()
+        gc.collect()
 
 
 @pytest.fixture

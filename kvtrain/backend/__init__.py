@@ -8,6 +8,7 @@ from .distributed import (
     init_distributed,
     init_model_parallel,
     init_process_group,
+    release_models,
     set_seed,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "init_distributed",
     "init_model_parallel",
     "init_process_group",
+    "release_models",
     "set_seed",
 ]

@@ -11,6 +11,7 @@ import datetime
 import os
 import random
 import socket
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -133,6 +134,38 @@ def _forget_cached_rotary_tables() -> None:
     yarn.YarnRotaryEmbedding.forward.cache_clear()
 
 
+# megatron's DistributedDataParallel wrappers this process built (see release_models).
+_DDP_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_ddp(wrapper) -> None:
+    """Lets release_models free ``wrapper``."""
+    _DDP_WRAPPERS.add(wrapper)
+
+
+def release_models() -> None:
+    """Frees every model built so far once nothing else holds it; for a process that
+    builds many (tests, notebooks). Their gradients are no longer reduced after this.
+
+    megatron's DDP registers a hook on every parameter's AccumulateGrad node, a
+    closure over the wrapper; the parameter keeps its node alive, the wrapper keeps
+    its parameters: a cycle through C++ that gc cannot see, so each model, its
+    optimizer and its groups (three threads each) outlived its run. Emptying the
+    nodes' hook dicts breaks it. megatron keeps no handles: a no-op hook's handle
+    reaches the node's one dict."""
+    for wrapper in list(_DDP_WRAPPERS):
+        for node in wrapper.grad_accs:
+            hooks = node.register_hook(_no_hook).hooks_dict_ref()
+            if hooks is not None:
+                hooks.clear()
+        wrapper.grad_accs.clear()
+    _DDP_WRAPPERS.clear()
+
+
+def _no_hook(*_grads) -> None:
+    return None
+
+
 def set_seed(seed: int) -> None:
     """Seeds Python, NumPy, torch and megatron's model-parallel RNG tracker.
 
@@ -168,5 +201,6 @@ def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _MEGATRON_GROUPS.clear()
+    release_models()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -114,6 +114,7 @@ def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
+    from kvtrain.backend.distributed import register_ddp
     from kvtrain.model.builder import build_gpt
 
     p = cfg.parallel
@@ -144,6 +145,7 @@ def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
         for i, chunk in enumerate(chunks)
     ]
     for chunk in model:
+        register_ddp(chunk)  # see release_models
         chunk.broadcast_params()  # identical replicas whatever each rank's init did
     return model
 
