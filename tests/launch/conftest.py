@@ -4,6 +4,7 @@ slurmd) started for the session and torn down after it."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -22,8 +23,25 @@ TINY = Path(__file__).with_name("tiny.yaml")
 VENV_BIN = Path(sys.executable).parent
 
 
+def once_per_session(tmp_path_factory, worker_id: str, name: str, build):
+    """``build(folder)``, JSON, once per test session: the first xdist worker to need
+    it builds it (a session fixture runs once per worker), the others wait and read."""
+    if worker_id == "master":  # no xdist
+        return build(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent  # this session's, shared by its workers
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / f"{name}.json"
+        if not done.exists():
+            (root / name).mkdir(exist_ok=True)
+            result = build(root / name)
+            done.with_suffix(".tmp").write_text(json.dumps(result))
+            done.with_suffix(".tmp").rename(done)
+        return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
-def train_args(tmp_path_factory) -> list[str]:
+def train_args(tmp_path_factory, worker_id) -> list[str]:
     """CONFIG and the data overrides of the launched jobs: configs/demo.yaml on the
     demo's corpus (built once per session, as ``kvtrain demo`` does), or the tiny
     mock-data config while configs/demo.yaml does not exist."""
@@ -31,7 +49,7 @@ def train_args(tmp_path_factory) -> list[str]:
         return [str(TINY)]
     from kvtrain.commands.demo import prepare_data
 
-    return [str(DEMO), *prepare_data(tmp_path_factory.mktemp("demo-data"))]
+    return [str(DEMO), *once_per_session(tmp_path_factory, worker_id, "demo-data", prepare_data)]
 
 
 def short_overrides(steps: int, save_interval: int = 4) -> list[str]:
@@ -115,19 +133,22 @@ REFERENCE_STEPS = 6
 
 
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory, train_args):
+def reference_run(tmp_path_factory, worker_id, train_args):
     """A single-node, 2-process run of the short config through launch/torchrun.sh:
-    the losses the other launch paths must reproduce."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    steps = REFERENCE_STEPS
-    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), *train_args,
-           *short_overrides(steps), "--run-dir", str(run_dir)]
-    out = subprocess.run(cmd, cwd=REPO, env=launch_env(NPROC_PER_NODE="2"),
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    got = losses(run_dir)
-    assert sorted(got) == list(range(1, steps + 1)), got
-    return {"run_dir": run_dir, "steps": steps, "losses": got}
+    the losses the other launch paths must reproduce (once per session)."""
+    def build(folder: Path) -> list:
+        run_dir = folder / "run"
+        cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), *train_args,
+               *short_overrides(REFERENCE_STEPS), "--run-dir", str(run_dir)]
+        out = subprocess.run(cmd, cwd=REPO, env=launch_env(NPROC_PER_NODE="2"),
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        return [str(run_dir), sorted(losses(run_dir).items())]
+
+    run_dir, got = once_per_session(tmp_path_factory, worker_id, "reference", build)
+    got = {iteration: loss for iteration, loss in got}
+    assert sorted(got) == list(range(1, REFERENCE_STEPS + 1)), got
+    return {"run_dir": Path(run_dir), "steps": REFERENCE_STEPS, "losses": got}
 
 
 # ----------------------------------------------------------------------------- SLURM
