@@ -2,7 +2,7 @@
 each compiled kernel uses: registers, spills, shared memory, the warps an SM can hold,
 and the widths of its global loads and stores.
 
-    .venv/bin/python benchmarks/kernel_compile.py [--arch 90 80] [--json PATH]
+    .venv/bin/python benchmarks/kernel_compile.py [--arch 90 80] [--sass-arch 90] [--json PATH]
 
 Triton's own compiler (its passes, LLVM, NVIDIA's ``ptxas``, all in the ``triton``
 package) builds each kernel for the architecture named (90: H100/H200/H800, 80:
@@ -78,21 +78,24 @@ class Compiled:
     shared: int
     registers: int = 0
     stack_bytes: int = 0  # a thread's stack frame, in local (global) memory: spills
-    local_ops: int = 0  # loads and stores of local memory (STL/LDL) in the SASS
     warps_per_sm: int = 0
-    instructions: int = 0  # in the SASS, each once (loops not unrolled count once)
-    barriers: int = 0  # BAR.SYNC: the block's threads wait for each other
-    memory_ops: dict = field(default_factory=dict)  # {"LDG.E.128": n, ...}
+    # From the SASS (None where it was not disassembled: --sass-arch)
+    local_ops: Optional[int] = None  # loads and stores of local memory (STL/LDL)
+    instructions: Optional[int] = None  # each once (loops not unrolled count once)
+    barriers: Optional[int] = None  # BAR.SYNC: the block's threads wait for each other
+    memory_ops: Optional[dict] = None  # {"LDG.E.128": n, ...}
 
 
 class CompileOnlyDriver:
     """Triton's driver interface for a GPU of compute capability ``arch`` that is not
     there: compiles with Triton's CUDA backend, reads each binary's resources with
     ``cuobjdump``, and launches nothing. The device index is ``arch``, so kernels
-    compiled for one architecture are never reused for another in one process."""
+    compiled for one architecture are never reused for another in one process.
+    ``sass``: disassemble each binary too (~1 s each, most of a compile's time)."""
 
-    def __init__(self, arch: int):
+    def __init__(self, arch: int, sass: bool = True):
         self.arch = arch
+        self.sass = sass
         self.case = "?"
         self.compiled: list[Compiled] = []
         self.utils = self  # Triton calls driver.utils.load_binary / get_device_properties
@@ -123,7 +126,8 @@ class CompileOnlyDriver:
         usage = resources(cubin)
         c = self.compiled[-1]
         c.registers, c.stack_bytes = usage["REG"], usage["STACK"]
-        c.instructions, c.local_ops, c.barriers, c.memory_ops = sass_counts(cubin)
+        if self.sass:
+            c.instructions, c.local_ops, c.barriers, c.memory_ops = sass_counts(cubin)
         c.warps_per_sm = warps_per_sm(self.arch, usage["REG"], c.num_warps, shared)
         # a module that is not None: Triton then takes the kernel as loaded and does not
         # come back here (or to launcher_cls) on its next launch
@@ -187,9 +191,9 @@ def warps_per_sm(arch: int, registers: int, num_warps: int, shared: int) -> int:
 
 
 @contextlib.contextmanager
-def compiling_for(arch: int) -> Iterator[CompileOnlyDriver]:
+def compiling_for(arch: int, sass: bool = True) -> Iterator[CompileOnlyDriver]:
     """Triton launches in this block compile for ``arch`` and run nothing."""
-    fake = CompileOnlyDriver(arch)
+    fake = CompileOnlyDriver(arch, sass)
     # Triton's driver config as it was (its attributes differ across 3.2-3.9; reading
     # ``active`` would look for a CUDA driver where there is none)
     before = dict(vars(triton_driver))
@@ -336,10 +340,10 @@ CASES: dict = {
 }
 
 
-def compile_all(arch: int, cases: Optional[dict] = None) -> list[Compiled]:
+def compile_all(arch: int, cases: Optional[dict] = None, sass: bool = True) -> list[Compiled]:
     """Runs every case's launches compiling for ``arch``: each kernel specialisation
     once, in order."""
-    with compiling_for(arch) as fake:
+    with compiling_for(arch, sass) as fake:
         for name, case in (cases or CASES).items():
             fake.case = name
             torch.manual_seed(0)
@@ -353,10 +357,11 @@ def _table(arch: int, compiled: list[Compiled]) -> str:
              f"  {'case':34s} {'kernel':22s} {'regs':>4s} {'stack':>5s} {'smem':>6s} "
              f"{'warps':>5s} {'warps/SM':>8s} {'instr':>6s}  global loads / stores"]
     for c in compiled:
-        ops = ", ".join(f"{op} x{n}" for op, n in c.memory_ops.items())
+        ops = ", ".join(f"{op} x{n}" for op, n in (c.memory_ops or {}).items())
+        instructions = "-" if c.instructions is None else c.instructions
         lines.append(f"  {c.case[:34]:34s} {c.kernel[:22]:22s} {c.registers:4d} "
                      f"{c.stack_bytes:5d} {c.shared:6d} {c.num_warps:5d} "
-                     f"{c.warps_per_sm:8d} {c.instructions:6d}  {ops}")
+                     f"{c.warps_per_sm:8d} {instructions:>6}  {ops}")
     return "\n".join(lines)
 
 
@@ -365,6 +370,10 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(GPUS),
                         help="compute capabilities: 90 (H100/H200/H800), 80 (A100), "
                              "100 (B200)")
+    parser.add_argument("--sass-arch", type=int, nargs="*", choices=sorted(GPUS),
+                        help="disassemble the kernels of these only (default: every --arch); "
+                             "the others report registers, spills and occupancy, in half "
+                             "the time")
     parser.add_argument("--json", metavar="PATH", help="write every compiled kernel here")
     args = parser.parse_args(argv)
     if triton is None:
@@ -373,8 +382,9 @@ def main(argv=None) -> int:
         return 2
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, quietly
     report = {"triton": triton.__version__, "arch": {}}
+    sass = args.arch if args.sass_arch is None else args.sass_arch
     for arch in args.arch:
-        compiled = compile_all(arch)
+        compiled = compile_all(arch, sass=arch in sass)
         print(_table(arch, compiled))
         report["arch"][str(arch)] = [asdict(c) for c in compiled]
     if args.json:

@@ -32,6 +32,7 @@ import triton  # noqa: E402  (make test installs it: pyproject's dev extra)
 import triton.language as tl  # noqa: E402
 
 ARCHS = ("90", "80", "100")
+SASS_ARCH = "90"  # disassembled (~1 s a kernel): the machine code the tests below read
 
 
 def _harness():
@@ -40,13 +41,16 @@ def _harness():
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    """``benchmarks/kernel_compile.py --arch 90 80 100`` with a Triton cache of its own
-    (every kernel really compiled), its JSON."""
+    """``benchmarks/kernel_compile.py --arch 90 80 100 --sass-arch 90`` with a Triton
+    cache of its own (every kernel really compiled), its JSON. The SASS is read at
+    sm_90: barriers, instruction counts and load widths follow from the kernels' code,
+    not the architecture; registers, spills and occupancy are read at every one."""
     out = tmp_path_factory.mktemp("compile")
     env = dict(os.environ, TRITON_CACHE_DIR=str(out / "cache"))
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "benchmarks/kernel_compile.py", "--arch", *ARCHS,
-                           "--json", str(out / "report.json")], cwd=REPO, env=env,
+                           "--sass-arch", SASS_ARCH, "--json", str(out / "report.json")],
+                          cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sm_90 (H100/H200/H800)" in done.stdout and "sm_80 (A100)" in done.stdout
@@ -73,7 +77,8 @@ def test_no_kernel_spills_registers(report):
     for arch in ARCHS:
         for c in report["arch"][arch]:
             where = (arch, c["case"], c["kernel"])
-            assert c["stack_bytes"] == 0 and c["local_ops"] == 0, where
+            assert c["stack_bytes"] == 0, where
+            assert c["local_ops"] == (0 if arch == SASS_ARCH else None), where
             assert 0 < c["registers"] <= 255, where
 
 
@@ -112,11 +117,10 @@ def test_the_shifted_v_waits_for_the_whole_block_before_overwriting_queries(repo
     block loaded; the loads are spread over the block's threads, so every thread must
     have loaded before any stores (``tl.debug_barrier``: ``BAR.SYNC``). The interpreter
     runs a block as one thread and cannot see the race; the machine code can."""
-    for arch in ARCHS:
-        fwd = {c["case"]: c["barriers"] for c in report["arch"][arch]
-               if c["kernel"] == "_fwd_kernel"}
-        assert all(n >= 1 for case, n in fwd.items() if "kv_shift" in case), (arch, fwd)
-        assert all(n == 0 for case, n in fwd.items() if "vanilla" in case), (arch, fwd)
+    fwd = {c["case"]: c["barriers"] for c in report["arch"][SASS_ARCH]
+           if c["kernel"] == "_fwd_kernel"}
+    assert all(n >= 1 for case, n in fwd.items() if "kv_shift" in case), fwd
+    assert all(n == 0 for case, n in fwd.items() if "vanilla" in case), fwd
 
 
 # ----------------------------------------------------------------------------- the harness
@@ -190,13 +194,12 @@ def test_the_fused_node_is_no_larger_than_the_kernels_it_replaces(report):
     cos and sin in the kernels (libdevice's, with their range reduction, per value)
     made the node's backward 12.5k instructions against 9.5k for the three kernels;
     loading them from ``triton_rope.cos_sin``'s table, 0.9k."""
-    for arch in ARCHS:
-        size = {(c["case"], c["kernel"]): c["instructions"] for c in report["arch"][arch]}
-        rope = size["rope bf16 d128", "_rope_kernel"]  # forward and inverse alike
-        assert size["qkv+rope kv_shift bf16 d128", "_fwd_kernel"] <= (
-            size["qkv shift bf16 d128", "_qkv_shift_fwd_kernel"] + 2 * rope), arch
-        assert size["qkv+rope kv_shift bf16 d128", "_bwd_kernel"] <= (
-            size["qkv shift bf16 d128", "_qkv_shift_bwd_kernel"] + 2 * rope), arch
+    size = {(c["case"], c["kernel"]): c["instructions"] for c in report["arch"][SASS_ARCH]}
+    rope = size["rope bf16 d128", "_rope_kernel"]  # forward and inverse alike
+    assert size["qkv+rope kv_shift bf16 d128", "_fwd_kernel"] <= (
+        size["qkv shift bf16 d128", "_qkv_shift_fwd_kernel"] + 2 * rope)
+    assert size["qkv+rope kv_shift bf16 d128", "_bwd_kernel"] <= (
+        size["qkv shift bf16 d128", "_qkv_shift_bwd_kernel"] + 2 * rope)
 
 
 def test_without_triton_the_script_says_so_in_one_line():
