@@ -79,8 +79,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     # Ranks fork from a server that imported torch, megatron and kvtrain once (a fresh
     # interpreter per rank costs ~10 s of CPU in imports). It holds no process group
     # and no threads; the caller's environment and working directory are passed on.
+    # torch._dynamo too: torch.optim imports it at a process's first optimizer (~1 s).
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["kvtrain.train.loop"])
+    ctx.set_forkserver_preload(["kvtrain.train.loop", "torch._dynamo"])
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [

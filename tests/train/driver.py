@@ -91,6 +91,7 @@ def main(plan_path: str) -> int:
 
     quiet_imports()
     import kvtrain.train.loop  # noqa: F401 (the imports every child shares)
+    import torch._dynamo  # noqa: F401 (torch.optim's first optimizer imports it: ~1 s a job)
 
     store = _launcher_store()
     ok = True
