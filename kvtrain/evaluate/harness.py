@@ -136,13 +136,30 @@ def _errors_only(logger: str = "lm_eval", level: int = logging.ERROR) -> Iterato
         log.setLevel(before)
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """datasets draws a progress bar on stderr while it prepares a split it has not
+    cached: a task refused after another was prepared would not be one line."""
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars
+    from datasets.utils import enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
+
+
 def _build(manager, names: list[str]) -> list:
     """lm-eval Task / Group objects of ``names`` from ``manager`` (datasets read now)."""
     loaded = []
     for name in names:
         try:
             # datasets logs a reader's error before raising it: the one line names it
-            with _errors_only(), _errors_only("datasets", logging.CRITICAL):
+            with _errors_only(), _errors_only("datasets", logging.CRITICAL), \
+                    _no_progress_bars():
                 built = manager.load([name])
         except KeyError:
             where = (f"nor in --include-path {manager.include_path}" if manager.include_path
