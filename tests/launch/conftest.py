@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from data_tools.fileio import atomic_write_text
+
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
 TINY = Path(__file__).with_name("tiny.yaml")
@@ -34,9 +36,7 @@ def once_per_session(tmp_path_factory, worker_id: str, name: str, build):
         done = root / f"{name}.json"
         if not done.exists():
             (root / name).mkdir(exist_ok=True)
-            result = build(root / name)
-            done.with_suffix(".tmp").write_text(json.dumps(result))
-            done.with_suffix(".tmp").rename(done)
+            atomic_write_text(done, json.dumps(build(root / name)))
         return json.loads(done.read_text())
 
 
