@@ -49,6 +49,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     # One thread per rank: ranks share the machine's cores.
     import torch
 
+    from kvtrain.train.processes import freeze_imports
+
+    freeze_imports()  # the fork server's imports, as a rank of `kvtrain train` does
+
     torch.set_num_threads(1)
     try:
         from kvtrain.backend import destroy_distributed

@@ -32,6 +32,16 @@ def single_rank():
     yield env
 
 
+@pytest.fixture(scope="session", autouse=True)
+def frozen_imports():
+    """The trainer's imports, frozen as a rank freezes them (``freeze_imports``): the
+    collector's passes in this worker walk the tests' objects, not torch's."""
+    import kvtrain.train.loop  # noqa: F401
+    from kvtrain.train.processes import freeze_imports
+
+    freeze_imports()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def free_models():
     """After each test file: the runs its tests built (models, optimizers, gloo groups

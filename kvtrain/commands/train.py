@@ -62,8 +62,11 @@ def run(args) -> int:
     quiet_imports()
     from kvtrain.train import resolve_run_dir, train
 
+    from kvtrain.train.processes import freeze_imports
+
     run_dir = resolve_run_dir(cfg, args.run_dir)
     check_output_folders(cfg, run_dir, "--run-dir" if args.run_dir else "run_dir")
+    freeze_imports()  # the imports above stay alive: no collection need walk them
     return train(cfg, run_dir)
 
 

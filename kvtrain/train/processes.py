@@ -20,10 +20,15 @@ wandb-core, racing the rerun in the same run folder. Now:
   alone: the kernel would kill the child when *that thread* ends;
 * the writer's spawn-context queue manager asks the same in its initializer
   (``writer_queue``), and wandb-core watches the pid it is given (``--pid``).
+
+A rank also takes its imports out of the garbage collector's sight
+(``freeze_imports``): see there why.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import sys
 import threading
@@ -75,4 +80,23 @@ def bind_to_launcher() -> None:
     os.register_at_fork(before=_before_fork, after_in_child=_in_child)
 
 
-__all__ = ["bind_to_launcher", "record_launcher"]
+def freeze_imports() -> None:
+    """Moves every object alive now into the collector's permanent generation, for
+    the life of the process: call it after the imports, before the run's objects.
+
+    Why: torch, megatron and dynamo leave ~350k objects (modules, classes,
+    functions) that live as long as the process, and every full collection walks
+    them all: ~0.25 s a pass on a CPU. megatron's distributed optimizer calls
+    ``gc.collect()`` at every checkpoint save and load, and gen-2 passes come
+    during training too; frozen, a pass sees only the run's own objects. They are
+    unfrozen at exit, so that the interpreter's final collection still frees them
+    (Triton's bindings print "leaked" lines for objects alive then). Nothing is
+    collected first: what the imports left as garbage is a few objects.
+    """
+    import torch._dynamo  # noqa: F401 (torch.optim imports it at the first optimizer)
+
+    gc.freeze()
+    atexit.register(gc.unfreeze)
+
+
+__all__ = ["bind_to_launcher", "freeze_imports", "record_launcher"]

@@ -91,7 +91,9 @@ def main(plan_path: str) -> int:
 
     quiet_imports()
     import kvtrain.train.loop  # noqa: F401 (the imports every child shares)
-    import torch._dynamo  # noqa: F401 (torch.optim's first optimizer imports it: ~1 s a job)
+    from kvtrain.train.processes import freeze_imports
+
+    freeze_imports()  # as `kvtrain train` does (and torch._dynamo imported once for all)
 
     store = _launcher_store()
     ok = True
