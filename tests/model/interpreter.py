@@ -32,7 +32,9 @@ def run_interpreted(check: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-c", check], cwd=REPO, env=env,
+    # kvtrain first, as in every kvtrain process: megatron's torch.compile decorations
+    # wait for a first call (kvtrain._megatron_jit), not the ~5 s of importing dynamo
+    done = subprocess.run([sys.executable, "-c", "import kvtrain\n" + check], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
