@@ -267,15 +267,16 @@ while kill -0 "$TORCHRUN_PID" 2> /dev/null; do
     if (( FORWARD )); then tell_workers; fi
     sleep 1 & wait $! || true   # a trapped signal interrupts the wait, not the loop
 done
-# The exit status. `wait` returns early (> 128) if a trapped signal arrives
-# meanwhile, so ask again; once collected, `wait` gives 127: keep what we saw.
+# The exit status. `wait` returns early (> 128) when a trapped signal arrives
+# meanwhile: ask again while torchrun lives. A torchrun killed by a signal also
+# gives > 128, and `wait` repeats a collected child's status: that is the answer.
 rc=0
 while :; do
     status=0
     wait "$TORCHRUN_PID" || status=$?
-    (( status == 127 )) && break
-    rc=$status
-    (( status > 128 )) || break
+    (( status > 128 )) && kill -0 "$TORCHRUN_PID" 2> /dev/null && continue
+    (( status == 127 )) || rc=$status  # 127: collected before, keep what we saw
+    break
 done
 if (( STOPPING )); then
     echo "torchrun.sh: stopped on request, torchrun exit code $rc"

@@ -571,3 +571,28 @@ def test_a_stop_requeues_the_job_or_fails_it_when_no_requeue_is_left(
         assert err.strip().splitlines()[-1] == (
             "slurm.sbatch: job 8 stopped before the end of its training and MAX_REQUEUES (2) "
             "is reached: not requeued (submit it again to continue from its last checkpoint)")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun.sh", "slurm.sbatch"])
+def test_a_launch_killed_by_a_signal_ends_with_its_status(tmp_path, launcher):
+    """torchrun (or the SLURM step) killed by SIGKILL (the OOM killer, a node agent):
+    the launcher script exits with 137. It spun at 100 % of a core instead, until
+    the job's time limit: bash's `wait` answers a collected child's status again,
+    and the loop that waits again after a trapped signal (> 128) took that for one."""
+    bin_dir, run = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir()
+    # the config check prints the run folder; the launch itself dies by SIGKILL
+    _fake_tool(bin_dir, "python", f'[ "$1" = -m ] && kill -9 $$\necho {run}\n'
+                                  f'echo {run}/checkpoints\n')
+    _fake_tool(bin_dir, "srun", "kill -9 $$\n")
+    script = TORCHRUN_SH if launcher == "torchrun.sh" else SBATCH
+    env = launch_env(SLURM_JOB_ID="8", PYTHON=str(bin_dir / "python"),
+                     PATH=f"{bin_dir}:{launch_env()['PATH']}")
+    proc = subprocess.Popen(["bash", str(script), str(TINY)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 137, out + err
