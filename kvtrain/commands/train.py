@@ -61,7 +61,6 @@ def run(args) -> int:
     cfg = load_config(args.config, args.overrides, world_size=world)
     quiet_imports()
     from kvtrain.train import resolve_run_dir, train
-
     from kvtrain.train.processes import freeze_imports
 
     run_dir = resolve_run_dir(cfg, args.run_dir)
