@@ -22,12 +22,14 @@ service dies mid-run (a preemption's SIGTERM reaches wandb-core too, and every
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import socket
+import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 from urllib.parse import urlparse
 
 from data_tools.fileio import atomic_write_text
@@ -110,6 +112,34 @@ def run_id_for(run_dir: Path, fresh: bool = False) -> str:
     return run_id
 
 
+# The module W&B Launch's staged inputs live in: only a script that calls
+# wandb.launch.manage_config_file / manage_wandb_config before init imports it
+_LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"
+
+
+@contextlib.contextmanager
+def _no_launch_input_lookup() -> Iterator[None]:
+    """``wandb.init`` without its look for W&B Launch job inputs, where none can be
+    staged (their module was never imported).
+
+    Why: the look imports ``wandb.sdk.launch``, whose pydantic models read their
+    field docstrings through ``inspect.getmodule``, which walks every module loaded
+    (torch and megatron: thousands) per class: 1.5-3 s of rank 0's CPU at every
+    start, while the other ranks wait for it at the first collective. Where inputs
+    may be staged (a wrapper script imported the module), wandb looks as usual."""
+    from wandb.sdk.wandb_run import Run
+
+    look = getattr(Run, "_detect_and_apply_job_inputs", None)
+    if look is None or _LAUNCH_INPUTS in sys.modules:
+        yield
+        return
+    Run._detect_and_apply_job_inputs = lambda self: None
+    try:
+        yield
+    finally:
+        Run._detect_and_apply_job_inputs = look
+
+
 class WandbLogger:
     """Rank 0's wandb run; a no-op object when wandb is disabled or on other ranks."""
 
@@ -134,24 +164,25 @@ class WandbLogger:
         wandb_dir = Path(cfg.dir).expanduser() if cfg.dir else Path(run_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.run = wandb.init(
-                project=cfg.project,
-                entity=cfg.entity,
-                name=cfg.name or run_name,
-                group=cfg.group,
-                tags=list(cfg.tags) or None,
-                dir=str(wandb_dir),  # wandb writes into <dir>/wandb/
-                mode=self.mode,
-                id=self.run_id,
-                resume="allow",
-                config=config,
-                settings=wandb.Settings(
-                    x_disable_stats=True,  # no system-metrics sampler thread next to training
-                    console="off",  # stdout stays ours (the log lines are logged as metrics)
-                    silent=True,
-                    init_timeout=120,
-                ),
-            )
+            with _no_launch_input_lookup():
+                self.run = wandb.init(
+                    project=cfg.project,
+                    entity=cfg.entity,
+                    name=cfg.name or run_name,
+                    group=cfg.group,
+                    tags=list(cfg.tags) or None,
+                    dir=str(wandb_dir),  # wandb writes into <dir>/wandb/
+                    mode=self.mode,
+                    id=self.run_id,
+                    resume="allow",
+                    config=config,
+                    settings=wandb.Settings(
+                        x_disable_stats=True,  # no system-metrics sampler thread next to training
+                        console="off",  # stdout stays ours (the log lines are logged as metrics)
+                        silent=True,
+                        init_timeout=120,
+                    ),
+                )
             self.run.define_metric("iteration")
             self.run.define_metric("*", step_metric="iteration")
         except Exception as e:  # wandb's errors have no common base

@@ -297,6 +297,48 @@ def test_wandb_auto_mode_asks_the_self_hosted_server(monkeypatch, tmp_path):
     assert asked[-1] == ("wandb.corp.example", 443)
 
 
+# A process that starts a wandb run: whether W&B Launch's module was loaded, and
+# whether wandb applied (staged) launch inputs; ``staged``: a wrapper script
+# imported the inputs module first, as manage_config_file does.
+WANDB_START = """
+import json, sys
+from pathlib import Path
+from kvtrain.config import WandbConfig
+from kvtrain.train.wandb_logger import WandbLogger
+applied = []
+if sys.argv[1] == "staged":
+    from wandb.sdk.launch.inputs import internal
+    internal.StagedLaunchInputs.apply = lambda self, run: applied.append(run.id)
+logger = WandbLogger(WandbConfig(mode="offline"), Path(sys.argv[2]), "t", {"a": 1})
+logger.finish()
+from wandb.sdk.wandb_run import Run
+print(json.dumps({"run": logger.run_id, "launch": "wandb.sdk.launch" in sys.modules,
+                  "applied": applied, "look": Run._detect_and_apply_job_inputs.__name__}))
+"""
+
+
+@pytest.mark.parametrize("staged", ["none", "staged"])
+def test_wandb_starts_without_the_launch_inputs_lookup_unless_inputs_may_be_staged(
+        tmp_path, staged):
+    """``wandb.init`` looks for W&B Launch job inputs by importing ``wandb.sdk.launch``
+    (1.5-3 s of rank 0's startup with torch and megatron loaded); inputs can only be
+    staged by a script that imported their module, so without it the run starts
+    without the look, and with it wandb applies them as before."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    done = subprocess.run([sys.executable, "-c", WANDB_START, staged, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["run"] and got["look"] == "_detect_and_apply_job_inputs"  # put back
+    if staged == "none":
+        assert not got["launch"] and got["applied"] == []
+    else:
+        assert got["applied"] == [got["run"]]
+
+
 def test_metrics_logger_sends_every_record_kind_to_wandb(tmp_path):
     """metrics.jsonl and wandb get the same numbers: train/, valid/ and kv_shift/
     names against the ``iteration`` step; strings stay out of wandb, and a
