@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
+import subprocess
 import sys
 
 # One thread per test process (before torch is imported): make test runs two
@@ -16,6 +18,25 @@ import torch  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def pytest_configure(config):
+    """Under xdist (make test), the controller builds the native KV-shift operators in
+    the background while the workers start: the first test that needs them would
+    build them (~35 s of one core, once per venv) while the other worker's test that
+    needs them waits on the build lock, its core idle."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    config._kvtrain_native_build = subprocess.Popen(
+        [sys.executable, "-c", "from kvtrain.model.native_shift import build; build()"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_unconfigure(config):
+    build = getattr(config, "_kvtrain_native_build", None)
+    if build is not None and build.poll() is None:  # a run cut short: the compiler too
+        os.killpg(build.pid, signal.SIGKILL)  # (its temporary file is named .kv_shift-*)
+        build.wait()
 
 
 def pytest_collection_modifyitems(config, items):
