@@ -174,3 +174,22 @@ def test_triton_layer_matches_the_torch_kernel(interpreted):
     assert layer["qkv_node"], "the layers did not shift K and V in the QKV output"
     assert layer["shift_grads"], "no KV-shift coefficient has a gradient"
     assert layer["logits"] < 1e-5 and layer["grads"] < 1e-4, layer
+
+
+PROBE = ("import json, os, triton\n"
+         "print(json.dumps({'probe': os.environ.get('KVTRAIN_CHECK_PROBE'), 'pid': os.getpid(),\n"
+         "                  'interpret': triton.knobs.runtime.interpret}))\n")
+
+
+def test_each_check_runs_in_a_child_of_its_own_with_the_calls_environment(monkeypatch):
+    """The harness itself: a check forked from the interpreter server sees the
+    environment of the call (not the server's), runs with the interpreter on, in a
+    process of its own each time; a check that raises fails with its traceback."""
+    monkeypatch.setenv("KVTRAIN_CHECK_PROBE", "first")
+    first = run_interpreted(PROBE)
+    monkeypatch.setenv("KVTRAIN_CHECK_PROBE", "second")
+    second = run_interpreted(PROBE)
+    assert (first["probe"], second["probe"]) == ("first", "second")
+    assert first["interpret"] and second["interpret"] and first["pid"] != second["pid"]
+    with pytest.raises(AssertionError, match="ValueError: the check failed"):
+        run_interpreted("raise ValueError('the check failed')")
