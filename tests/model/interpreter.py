@@ -45,7 +45,7 @@ for line in sys.stdin:
             os.environ.update(request["env"])
             os.chdir(request["cwd"])
             for fd, name in ((1, "stdout"), (2, "stderr")):
-                os.dup2(os.open(request[name], os.O_WRONLY | os.O_TRUNC), fd)
+                os.dup2(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
             sys.stdin = open(os.devnull)
             try:
                 exec(compile(request["check"], "<check>", "exec"), {"__name__": "__main__"})
@@ -96,8 +96,6 @@ def run_interpreted(check: str) -> dict:
     server = _started_server()
     with tempfile.TemporaryDirectory() as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        out.touch()
-        err.touch()
         server.stdin.write(json.dumps({"check": check, "env": _environment(), "cwd": str(REPO),
                                        "stdout": str(out), "stderr": str(err)}) + "\n")
         server.stdin.flush()
@@ -108,8 +106,8 @@ def run_interpreted(check: str) -> dict:
                 os.killpg(server.pid, signal.SIGKILL)  # the check's child too
             server.wait()
             _server = None
-            pytest.fail(f"the interpreted check gave no result in {TIMEOUT} s: "
-                        + err.read_text()[-3000:])
+            why = err.read_text()[-3000:] if err.exists() else "the server died"
+            pytest.fail(f"the interpreted check gave no result in {TIMEOUT} s: {why}")
         assert int(reply) == 0, err.read_text()[-3000:]
         return json.loads(out.read_text().strip().splitlines()[-1])
 
