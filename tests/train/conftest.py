@@ -21,6 +21,8 @@ from typing import Callable, Optional
 import pytest
 import yaml
 
+from ..forkserver import ForkServer, ServerTimeout
+
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("driver.py")
 PY = sys.executable
@@ -175,13 +177,37 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
         _kill_session(proc)
 
 
+# One-process plans run in a child of this server: it has imported what a driver
+# imports, once per pytest process (~8 s of CPU each plan paid).
+_DRIVER_SERVER = ForkServer(f"import sys\nsys.path[:0] = [{str(REPO)!r}, {str(DRIVER.parent)!r}]\n"
+                            "from tests.train.driver import prepare\nprepare()\n")
+
+
+def _served_plan(plan: Path, env: Optional[dict], timeout: float) -> subprocess.CompletedProcess:
+    """``python driver.py PLAN`` as a child of the driver server, in a session of its
+    own (killed once it is over, as ``run`` kills a launch's)."""
+    source = ("import sys\nfrom tests.train.driver import run_plan\n"
+              f"sys.exit(run_plan({str(plan)!r}))\n")
+    args = [PY, str(DRIVER), str(plan)]
+    try:
+        done = _DRIVER_SERVER.run(source, launch_env(env), timeout=timeout, session=True)
+    except ServerTimeout as e:
+        raise AssertionError(f"launch timed out after {timeout}s:\n{e.done.stdout[-3000:]}\n"
+                             f"{e.done.stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(args, done.returncode, done.stdout, done.stderr)
+
+
 def run_driver(jobs: list[dict], plan: Path, nproc: int = 1, timeout: float = 400,
                env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """Runs several trainings one after the other in one launch, each in a child
-    forked from one process (tests/train/driver.py). ``.job_codes`` maps each
-    job's run_dir to its child's exit code (-9: SIGKILL)."""
+    forked from one process (tests/train/driver.py); one process: a child of the
+    driver server. ``.job_codes`` maps each job's run_dir to its child's exit code
+    (-9: SIGKILL)."""
     plan.write_text(json.dumps(jobs, indent=1))
-    result = run([str(plan)], nproc=nproc, env=env, timeout=timeout, script=DRIVER)
+    if nproc == 1:
+        result = _served_plan(plan, env, timeout)
+    else:
+        result = run([str(plan)], nproc=nproc, env=env, timeout=timeout, script=DRIVER)
     plan.with_suffix(".log").write_text(result.stdout + "\n--- stderr ---\n" + result.stderr)
     result.job_codes = {}
     for line in result.stdout.splitlines():

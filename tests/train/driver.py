@@ -9,7 +9,9 @@ trains, and exits; a crash hook in ``env`` (e.g. SIGKILL right after a
 checkpoint) kills only that child, like a real pre-empted job, and the next
 job (e.g. the resume) runs in a fresh child. Forking after the imports saves
 the seconds of importing torch and megatron per run. No process group exists
-in the parent, so the fork copies no communication state.
+in the parent, so the fork copies no communication state. A one-process plan
+runs in a child of the tests' driver server (``tests/forkserver.py``), which has
+done the imports (``prepare``) once for every plan of a pytest process.
 
 ``faults`` are the arguments of ``tests.faults.injector.Faults``, the hooks
 object handed to ``train`` (``{"stop_after": N}``: step N carries a stop
@@ -86,15 +88,19 @@ def _redirect(log) -> None:
         os.close(sink)
 
 
-def main(plan_path: str) -> int:
+def prepare() -> None:
+    """The imports every job shares, done once before the first fork."""
     from kvtrain.commands.train import quiet_imports
 
     quiet_imports()
-    import kvtrain.train.loop  # noqa: F401 (the imports every child shares)
+    import kvtrain.train.loop  # noqa: F401
     from kvtrain.train.processes import freeze_imports
 
     freeze_imports()  # as `kvtrain train` does (and torch._dynamo imported once for all)
 
+
+def run_plan(plan_path: str) -> int:
+    """Runs the plan's jobs one after the other, each in a forked child."""
     store = _launcher_store()
     ok = True
     for i, job in enumerate(json.loads(Path(plan_path).read_text())):
@@ -126,4 +132,5 @@ def main(plan_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    prepare()
+    sys.exit(run_plan(sys.argv[1]))

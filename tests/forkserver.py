@@ -1,0 +1,158 @@
+"""A process that has imported what many test subprocesses import (torch, megatron,
+kvtrain: ~7-8 s of CPU each time) and forks one child per request, which runs the
+request's Python source like a fresh ``python -c`` would: with the request's
+environment, working folder and output files, its atexit functions run at its end,
+its exit code answered. One server per preamble and pytest process (the Triton
+interpreter's checks; the test driver's single-process plans).
+
+Requests and replies are JSON and text lines on the server's stdin and stdout:
+the server answers the child's pid as soon as it has forked, then its exit code.
+A child asked for a ``session`` of its own gets one (``setsid``): what it leaves
+behind is killed with its process group once it has exited, as the tests' other
+launches are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+
+SERVER = r"""
+import atexit, json, os, sys, traceback
+requests, replies = os.fdopen(os.dup(0)), os.fdopen(os.dup(1), "w")
+null = os.open(os.devnull, os.O_RDONLY)  # a child reading stdin must not read requests
+os.dup2(null, 0)
+os.close(null)
+os.dup2(2, 1)  # and what the preamble prints must not read as a reply
+exec(compile(sys.argv[1], "<preamble>", "exec"), {"__name__": "__preamble__"})
+for line in requests:
+    request = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            requests.close()
+            replies.close()
+            if request["session"]:
+                os.setsid()
+            os.environ.clear()
+            os.environ.update(request["env"])
+            os.chdir(request["cwd"])
+            for fd, name in ((1, "stdout"), (2, "stderr")):
+                sink = os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(sink, fd)
+                os.close(sink)
+            try:
+                exec(compile(request["source"], "<request>", "exec"), {"__name__": "__main__"})
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except BaseException:
+                traceback.print_exc()
+            atexit._run_exitfuncs()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    replies.write(f"{pid}\n")
+    replies.flush()
+    replies.write(f"{os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}\n")
+    replies.flush()
+"""
+
+# Variables the preambles' imports (Python, torch, Triton, megatron) may read as they
+# load: a request setting one differently gets a server started with its value.
+_READ_AT_IMPORT = ("PYTHON", "TORCH", "PYTORCH", "TRITON", "CUDA", "NVTE", "NCCL", "OMP_",
+                   "MKL_", "KMP_", "LD_")
+
+
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class ServerTimeout(Exception):
+    """A child past its time (killed, with its server): ``.done`` holds its output."""
+
+    def __init__(self, done: Done):
+        super().__init__(f"no exit code after the timeout: {done.stderr[-3000:]}")
+        self.done = done
+
+
+def _read_at_import(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT)}
+
+
+class ForkServer:
+    """Runs sources in children forked from one server process that ran ``preamble``
+    with ``env``. Each child runs with its request's environment; one whose variables
+    read at import (``_READ_AT_IMPORT``) differ from the server's gets a server started
+    with them, so that no import saw an environment the call did not give."""
+
+    def __init__(self, preamble: str):
+        self.preamble = preamble
+        self._proc: Optional[subprocess.Popen] = None
+        self._env: Optional[dict] = None
+
+    def _server(self, env: dict) -> subprocess.Popen:
+        if self._proc is not None and (self._proc.poll() is not None
+                                       or _read_at_import(env) != self._env):
+            self.stop()
+        if self._proc is None:
+            self._proc = subprocess.Popen([sys.executable, "-c", SERVER, self.preamble],
+                                          cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True,
+                                          start_new_session=True)  # its children: one group
+            self._env = _read_at_import(env)
+        return self._proc
+
+    def stop(self) -> None:
+        """Kills the server and the children still in its group."""
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+            self._proc = None
+
+    def _reply(self, timeout: float) -> str:
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        return self._proc.stdout.readline().strip() if ready else ""
+
+    def run(self, source: str, env: dict, cwd: Path = REPO, timeout: float = 600,
+            session: bool = False) -> Done:
+        """``python -c source`` with ``env`` in ``cwd``, forked from the server."""
+        server = self._server(env)
+        with tempfile.TemporaryDirectory() as folder:
+            out, err = Path(folder, "stdout"), Path(folder, "stderr")
+            server.stdin.write(json.dumps({"source": source, "env": env, "cwd": str(cwd),
+                                           "stdout": str(out), "stderr": str(err),
+                                           "session": session}) + "\n")
+            server.stdin.flush()
+            pid = self._reply(60)  # the fork: at once, unless the preamble failed
+            code = self._reply(timeout) if pid else ""
+            if pid and session:  # what the child left behind (its own group)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(int(pid), signal.SIGKILL)
+            if not code:  # past its time, or a server that died: a fresh one next
+                self.stop()
+            done = Done(int(code) if code else -9,
+                        out.read_text() if out.exists() else "",
+                        err.read_text() if err.exists() else "the server died")
+        if not code:
+            raise ServerTimeout(done)
+        return done
