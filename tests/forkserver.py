@@ -121,6 +121,12 @@ class ForkServer:
             self._env = _read_at_import(env)
         return self._proc
 
+    def serves(self, env: dict) -> bool:
+        """Whether a request with ``env`` would be forked from the running server (or
+        start the first one) rather than from a server started anew."""
+        alive = self._proc is not None and self._proc.poll() is None
+        return not alive or _read_at_import(env) == self._env
+
     def stop(self) -> None:
         """Kills the server and the children still in its group."""
         if self._proc is not None:

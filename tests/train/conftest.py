@@ -147,8 +147,17 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 def run(args: list[str], nproc: int = 1, env: Optional[dict] = None, timeout: float = 300,
         script: Optional[Path] = None, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
-    """Runs a launch to completion; returns its exit code and output."""
-    proc = subprocess.Popen(command(args, nproc, script), env=launch_env(env), cwd=cwd or REPO,
+    """Runs a launch to completion; returns its exit code and output. ``kvtrain``
+    in one process runs in a child of the test server (as ``python -m kvtrain.cli``),
+    unless its environment sets a variable read at import differently."""
+    full_env = launch_env(env)
+    if nproc == 1 and script is None and _SERVER.serves(full_env):
+        source = ("import runpy, sys\n"
+                  "sys.modules.pop('kvtrain.cli', None)\n"  # the driver's import: as if never
+                  f"sys.argv = ['-m', *{list(args)!r}]\n"
+                  "runpy.run_module('kvtrain.cli', run_name='__main__', alter_sys=True)\n")
+        return _served(command(args), source, full_env, cwd or REPO, timeout)
+    proc = subprocess.Popen(command(args, nproc, script), env=full_env, cwd=cwd or REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -177,20 +186,19 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
         _kill_session(proc)
 
 
-# One-process plans run in a child of this server: it has imported what a driver
-# imports, once per pytest process (~8 s of CPU each plan paid).
-_DRIVER_SERVER = ForkServer(f"import sys\nsys.path[:0] = [{str(REPO)!r}, {str(DRIVER.parent)!r}]\n"
-                            "from tests.train.driver import prepare\nprepare()\n")
+# One-process launches (``kvtrain ...``, driver plans) run in children of this
+# server: it has imported what they import, once per pytest process (~8 s of CPU
+# each launch paid).
+_SERVER = ForkServer(f"import sys\nsys.path[:0] = [{str(REPO)!r}, {str(DRIVER.parent)!r}]\n"
+                     "from tests.train.driver import prepare\nprepare()\n")
 
 
-def _served_plan(plan: Path, env: Optional[dict], timeout: float) -> subprocess.CompletedProcess:
-    """``python driver.py PLAN`` as a child of the driver server, in a session of its
-    own (killed once it is over, as ``run`` kills a launch's)."""
-    source = ("import sys\nfrom tests.train.driver import run_plan\n"
-              f"sys.exit(run_plan({str(plan)!r}))\n")
-    args = [PY, str(DRIVER), str(plan)]
+def _served(args: list[str], source: str, env: dict, cwd: Path,
+            timeout: float) -> subprocess.CompletedProcess:
+    """``source`` as a child of the server, in a session of its own (killed once it is
+    over, as ``run`` kills a launch's); ``args``: the command it stands for."""
     try:
-        done = _DRIVER_SERVER.run(source, launch_env(env), timeout=timeout, session=True)
+        done = _SERVER.run(source, env, cwd=cwd, timeout=timeout, session=True)
     except ServerTimeout as e:
         raise AssertionError(f"launch timed out after {timeout}s:\n{e.done.stdout[-3000:]}\n"
                              f"{e.done.stderr[-3000:]}") from None
@@ -205,7 +213,9 @@ def run_driver(jobs: list[dict], plan: Path, nproc: int = 1, timeout: float = 40
     (-9: SIGKILL)."""
     plan.write_text(json.dumps(jobs, indent=1))
     if nproc == 1:
-        result = _served_plan(plan, env, timeout)
+        source = ("import sys\nfrom tests.train.driver import run_plan\n"
+                  f"sys.exit(run_plan({str(plan)!r}))\n")
+        result = _served([PY, str(DRIVER), str(plan)], source, launch_env(env), REPO, timeout)
     else:
         result = run([str(plan)], nproc=nproc, env=env, timeout=timeout, script=DRIVER)
     plan.with_suffix(".log").write_text(result.stdout + "\n--- stderr ---\n" + result.stderr)
