@@ -87,10 +87,14 @@ class Done:
 
 
 class ServerTimeout(Exception):
-    """A child past its time (killed, with its server): ``.done`` holds its output."""
+    """No exit code: a child past its time (killed, with its server), or a server that
+    died (its preamble failed: what it printed is on the test's stderr). ``.done``
+    holds the child's output."""
 
-    def __init__(self, done: Done):
-        super().__init__(f"no exit code after the timeout: {done.stderr[-3000:]}")
+    def __init__(self, done: Done, died: Optional[int] = None):
+        why = ("no exit code in time" if died is None else
+               f"the server exited ({died}) before answering: its output is above")
+        super().__init__(f"{why}: {done.stderr[-3000:]}")
         self.done = done
 
 
@@ -135,9 +139,10 @@ class ForkServer:
             self._proc.wait()
             self._proc = None
 
-    def _reply(self, timeout: float) -> str:
+    def _reply(self, timeout: float) -> Optional[str]:
+        """The next line, "" once the server has closed its end, None after ``timeout``."""
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        return self._proc.stdout.readline().strip() if ready else ""
+        return self._proc.stdout.readline().strip() if ready else None
 
     def run(self, source: str, env: dict, cwd: Path = REPO, timeout: float = 600,
             session: bool = False) -> Done:
@@ -149,16 +154,16 @@ class ForkServer:
                                            "stdout": str(out), "stderr": str(err),
                                            "session": session}) + "\n")
             server.stdin.flush()
-            pid = self._reply(60)  # the fork: at once, unless the preamble failed
-            code = self._reply(timeout) if pid else ""
+            pid = self._reply(timeout)  # the fork: once the preamble's imports are done
+            code = self._reply(timeout) if pid else pid
             if pid and session:  # what the child left behind (its own group)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(int(pid), signal.SIGKILL)
+            died = server.wait(30) if "" in (pid, code) else None  # the server ended
             if not code:  # past its time, or a server that died: a fresh one next
                 self.stop()
-            done = Done(int(code) if code else -9,
-                        out.read_text() if out.exists() else "",
-                        err.read_text() if err.exists() else "the server died")
+            done = Done(int(code) if code else -9, out.read_text() if out.exists() else "",
+                        err.read_text() if err.exists() else "")
         if not code:
-            raise ServerTimeout(done)
+            raise ServerTimeout(done, died)
         return done

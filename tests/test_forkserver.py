@@ -88,3 +88,9 @@ def test_a_session_child_leaves_nothing_and_one_past_its_time_is_killed(server, 
                    timeout=1, session=True)
     assert time.monotonic() - started < 30 and late.value.done.stdout == "started\n"
     assert server.run("pass", env).returncode == 0  # a fresh server
+
+
+def test_a_server_whose_preamble_fails_says_so():
+    broken = ForkServer("raise ImportError('no such module')\n")
+    with pytest.raises(ServerTimeout, match=r"the server exited \(1\) before answering"):
+        broken.run("pass", dict(os.environ), timeout=60)
