@@ -1,8 +1,9 @@
 """A process that has imported what many test subprocesses import (torch, megatron,
 kvtrain: ~7-8 s of CPU each time) and forks one child per request, which runs the
 request's Python source like a fresh ``python -c`` would: with the request's
-environment, working folder and output files, its atexit functions run at its end,
-its exit code answered. One server per preamble and pytest process (the Triton
+environment, working folder and output files; at its end it waits for its other
+threads and runs its atexit functions, as the interpreter does; its exit code is
+answered. One server per preamble and pytest process (the Triton
 interpreter's checks; the test driver's single-process plans).
 
 Requests and replies are JSON and text lines on the server's stdin and stdout:
@@ -62,7 +63,9 @@ for line in requests:
                 code = e.code if isinstance(e.code, int) else int(e.code is not None)
             except BaseException:
                 traceback.print_exc()
-            atexit._run_exitfuncs()
+            import threading
+            threading._shutdown()  # as the interpreter ends: its other threads first,
+            atexit._run_exitfuncs()  # then the atexit functions
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

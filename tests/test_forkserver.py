@@ -64,6 +64,12 @@ def test_exit_codes_and_tracebacks_are_the_childs(server):
                         "raise ValueError('the check failed')", env)
     assert failed.returncode == 1 and "ValueError: the check failed" in failed.stderr
     assert failed.stdout == "at exit\n"  # its atexit functions ran
+    # as at the interpreter's end: its threads are waited for, then atexit runs
+    ended = server.run("import atexit, threading, time\n"
+                       "atexit.register(print, 'at exit')\n"
+                       "threading.Thread(target=lambda: (time.sleep(0.5), print('thread'))).start()",
+                       env)
+    assert ended.returncode == 0 and ended.stdout == "thread\nat exit\n", ended
 
 
 def test_a_variable_read_at_import_gets_a_server_started_with_it(server):
