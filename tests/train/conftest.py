@@ -1,5 +1,8 @@
 """Helpers of the trainer tests: a small tokenized corpus, tiny configs, and
-launching ``kvtrain train`` (one process or torchrun) as a subprocess.
+launching ``kvtrain train`` (one process or torchrun) as a subprocess. A
+one-process launch (``run``, ``run_driver``) is a child forked from the test
+server of this pytest process (``tests/forkserver.py``), which has imported torch
+and megatron once; torchrun's ranks and ``start``'s launches are fresh processes.
 
 Every launch runs in its own session (process group), which is killed once the
 launch is over, so a test that SIGKILLs a trainer leaves nothing behind.
