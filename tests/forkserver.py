@@ -89,15 +89,15 @@ class Done:
     stderr: str
 
 
-class ServerTimeout(Exception):
-    """No exit code: a child past its time (killed, with its server), or a server that
-    died (its preamble failed: what it printed is on the test's stderr). ``.done``
-    holds the child's output."""
+class NoExitCode(Exception):
+    """A child past its time (killed, with its server), or a server that died (its
+    preamble failed: what it printed is on the test's stderr). ``.why`` says which,
+    ``.done`` holds the child's output."""
 
-    def __init__(self, done: Done, died: Optional[int] = None):
-        why = ("no exit code in time" if died is None else
-               f"the server exited ({died}) before answering: its output is above")
-        super().__init__(f"{why}: {done.stderr[-3000:]}")
+    def __init__(self, done: Done, timeout: float, died: Optional[int] = None):
+        self.why = (f"no exit code in {timeout:g} s" if died is None else
+                    f"the server exited ({died}) before answering: its output is above")
+        super().__init__(f"{self.why}: {done.stderr[-3000:]}")
         self.done = done
 
 
@@ -116,9 +116,11 @@ class ForkServer:
         self._proc: Optional[subprocess.Popen] = None
         self._env: Optional[dict] = None
 
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     def _server(self, env: dict) -> subprocess.Popen:
-        if self._proc is not None and (self._proc.poll() is not None
-                                       or _read_at_import(env) != self._env):
+        if self._proc is not None and not (self._alive() and self.serves(env)):
             self.stop()
         if self._proc is None:
             self._proc = subprocess.Popen([sys.executable, "-c", SERVER, self.preamble],
@@ -131,8 +133,7 @@ class ForkServer:
     def serves(self, env: dict) -> bool:
         """Whether a request with ``env`` would be forked from the running server (or
         start the first one) rather than from a server started anew."""
-        alive = self._proc is not None and self._proc.poll() is None
-        return not alive or _read_at_import(env) == self._env
+        return not self._alive() or _read_at_import(env) == self._env
 
     def stop(self) -> None:
         """Kills the server and the children still in its group."""
@@ -168,5 +169,5 @@ class ForkServer:
             done = Done(int(code) if code else -9, out.read_text() if out.exists() else "",
                         err.read_text() if err.exists() else "")
         if not code:
-            raise ServerTimeout(done, died)
+            raise NoExitCode(done, timeout, died)
         return done

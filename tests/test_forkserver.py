@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .forkserver import ForkServer, ServerTimeout
+from .forkserver import ForkServer, NoExitCode
 
 PROBE = ("import json, os, sys\n"
          "print(json.dumps({'pid': os.getpid(), 'ppid': os.getppid(), 'cwd': os.getcwd(),\n"
@@ -89,7 +89,7 @@ def test_a_session_child_leaves_nothing_and_one_past_its_time_is_killed(server, 
     assert done.returncode == 0, done.stderr
     assert not _running(int(pid_file.read_text()))
     started = time.monotonic()
-    with pytest.raises(ServerTimeout) as late:
+    with pytest.raises(NoExitCode) as late:
         server.run("import time\nprint('started', flush=True)\ntime.sleep(300)", env,
                    timeout=1, session=True)
     assert time.monotonic() - started < 30 and late.value.done.stdout == "started\n"
@@ -98,5 +98,5 @@ def test_a_session_child_leaves_nothing_and_one_past_its_time_is_killed(server, 
 
 def test_a_server_whose_preamble_fails_says_so():
     broken = ForkServer("raise ImportError('no such module')\n")
-    with pytest.raises(ServerTimeout, match=r"the server exited \(1\) before answering"):
+    with pytest.raises(NoExitCode, match=r"the server exited \(1\) before answering"):
         broken.run("pass", dict(os.environ), timeout=60)

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import pytest
 import yaml
 
-from ..forkserver import ForkServer, ServerTimeout
+from ..forkserver import ForkServer, NoExitCode
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("driver.py")
@@ -202,8 +202,8 @@ def _served(args: list[str], source: str, env: dict, cwd: Path,
     over, as ``run`` kills a launch's); ``args``: the command it stands for."""
     try:
         done = _SERVER.run(source, env, cwd=cwd, timeout=timeout, session=True)
-    except ServerTimeout as e:
-        raise AssertionError(f"launch timed out after {timeout}s:\n{e.done.stdout[-3000:]}\n"
+    except NoExitCode as e:
+        raise AssertionError(f"launch gave {e.why}:\n{e.done.stdout[-3000:]}\n"
                              f"{e.done.stderr[-3000:]}") from None
     return subprocess.CompletedProcess(args, done.returncode, done.stdout, done.stderr)
 
