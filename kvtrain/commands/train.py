@@ -22,6 +22,9 @@ def register(sub) -> None:
                    help="override a config value, e.g. --set train.max_steps=200 (repeatable)")
     p.add_argument("--run-dir", default=None, metavar="DIR",
                    help="run folder (default: run_dir from the config, else runs/<name>)")
+    p.add_argument("--status-file", default=None, metavar="PATH",
+                   help="at the end, write 'finished ITER/STEPS' or 'stopped ITER/STEPS' there "
+                        "(rank 0, atomically): launch/slurm.sbatch requeues a stopped job only")
     p.set_defaults(func=run)
 
 
@@ -65,8 +68,28 @@ def run(args) -> int:
 
     run_dir = resolve_run_dir(cfg, args.run_dir)
     check_output_folders(cfg, run_dir, "--run-dir" if args.run_dir else "run_dir")
+    status = check_status_file(args.status_file)
     freeze_imports()  # the imports above stay alive: no collection need walk them
-    return train(cfg, run_dir)
+    return train(cfg, run_dir, status_file=status)
+
+
+def check_status_file(path: "str | None"):
+    """The status file's path, made absolute (None: none). One that cannot be
+    written at the end (a folder there, a file where its folder goes) is refused
+    now, not after the training."""
+    from pathlib import Path
+
+    from data_tools.fileio import not_a_folder
+    from kvtrain.config import ConfigError
+
+    if path is None:
+        return None
+    status = Path(os.path.expanduser(path)).absolute()
+    if status.is_dir():
+        raise ConfigError(f"--status-file {path} is a folder, not a file")
+    if why := not_a_folder(status.parent):
+        raise ConfigError(f"--status-file {path}: {why}")
+    return status
 
 
 def check_output_folders(cfg, run_dir, run_dir_key: str) -> None:

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from data_tools.fileio import atomic_write_text
 from kvtrain.backend import init_process_group
 from kvtrain.config import RunConfig, TrainConfig, checkpoint_folder
 from kvtrain.data.order import order_changed, order_fingerprint
@@ -292,10 +293,13 @@ class Window:
 
 
 # ----------------------------------------------------------------------------- the entry point
-def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> int:
+def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
+          status_file: Optional[Path] = None) -> int:
     """Runs (or resumes) the run of ``cfg`` in ``run_dir`` on this rank; returns the
     exit code (0: finished or stopped on request; 3: too many non-finite steps).
-    ``hooks`` observe or steer the run at fixed points (``hooks.RunHooks``)."""
+    ``hooks`` observe or steer the run at fixed points (``hooks.RunHooks``).
+    ``status_file`` (rank 0) says at the end whether the run is finished: both
+    end with exit 0, and a launcher starts a stopped run again, not a finished one."""
     hooks = hooks or RunHooks()
     bind_to_launcher()  # this rank dies with its launcher, its helpers with it
     init_process_group(cfg.train.dist_timeout_minutes, device=cfg.train.device)
@@ -362,6 +366,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
             code = EXIT_OK
         else:
             code = training_loop(run, state, ckpt, metrics, validator, stop, hooks)
+        if status_file is not None and rank0:
+            _write_status(status_file, state.iteration, run.total_steps)
     finally:
         metrics.close()
         wandb.finish(exit_code=code)
@@ -369,3 +375,10 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None) -> in
         if lock is not None:
             lock.release()
     return code
+
+
+def _write_status(path: Path, iteration: int, total_steps: int) -> None:
+    """``finished I/T`` or ``stopped I/T``, in one line (``kvtrain train --status-file``)."""
+    outcome = "finished" if iteration >= total_steps else "stopped"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, f"{outcome} {iteration}/{total_steps}\n")

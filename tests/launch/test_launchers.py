@@ -85,8 +85,9 @@ def test_slurm_sbatch_builds_the_step():
     assert "--cpus-per-task=128" in words
     assert "--container-image=/shared/kvtrain.sqsh" in words
     assert f"--container-mounts={REPO}:{REPO},/shared/r:/shared/r" in words
-    assert words[-6:] == ["bash", str(TORCHRUN_SH), "configs/paper/19b_kv_shift.yaml",
-                          "--run-dir", "/shared/r", "train.seed=3"]
+    assert words[-8:] == ["bash", str(TORCHRUN_SH), "configs/paper/19b_kv_shift.yaml",
+                          "--run-dir", "/shared/r", "train.seed=3", "--status-file",
+                          "/shared/r/logs/slurm-4242/status.restart0"]
     assert "LOG_DIR=/shared/r/logs/slurm-4242" in out.stdout
     assert "STOP_FILE=/shared/r/logs/slurm-4242/stop-requested.restart0" in out.stdout
     assert "RDZV_ENDPOINT=" in out.stdout and ":29642" in out.stdout
@@ -571,6 +572,35 @@ def test_a_stop_requeues_the_job_or_fails_it_when_no_requeue_is_left(
         assert err.strip().splitlines()[-1] == (
             "slurm.sbatch: job 8 stopped before the end of its training and MAX_REQUEUES (2) "
             "is reached: not requeued (submit it again to continue from its last checkpoint)")
+
+
+@pytest.mark.parametrize("restart", ["0", "2"])
+def test_a_stop_that_lands_on_the_last_step_ends_the_job(tmp_path, restart):
+    """A stop (the time limit's --signal, a preemption notice) that arrives while
+    the trainer takes the run's last step: the trainer finishes, saves and says so
+    in the status file. The job requeued itself anyway, only for its next start
+    to find nothing to do (a queue wait and a start-up of every node for nothing);
+    with MAX_REQUEUES used up it failed the finished job (exit 1). It ends now."""
+    bin_dir, calls, run = tmp_path / "bin", tmp_path / "calls", tmp_path / "run"
+    bin_dir.mkdir()
+    _fake_tool(bin_dir, "scontrol", f'echo "scontrol $*" >> {calls}\n')
+    # srun: the step, told to stop as it takes the last step; it writes the
+    # status file named on its command line, as the trainer does, and exits 0
+    _fake_tool(bin_dir, "srun", f'echo srun >> {calls}\nkill -USR1 "$PPID"\n'
+                                'while [ ! -e "$STOP_FILE" ]; do sleep 0.05; done\n'
+                                'while [ $# -gt 1 ] && [ "$1" != --status-file ]; do shift; done\n'
+                                '[ "$1" = --status-file ] && echo "finished 24/24" > "$2"\n'
+                                'exit 0\n')
+    _fake_tool(bin_dir, "python", f"echo {run}\necho {run}/checkpoints\n")
+    proc = subprocess.run(
+        ["bash", str(SBATCH), str(TINY)], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env=launch_env(SLURM_JOB_ID="8", SLURM_RESTART_COUNT=restart, MAX_REQUEUES="2",
+                       PYTHON=str(bin_dir / "python"), PATH=f"{bin_dir}:{launch_env()['PATH']}"))
+    assert proc.returncode == 0, proc.stderr
+    assert calls.read_text().splitlines() == ["srun"], proc.stderr  # no requeue
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "slurm.sbatch: the training finished (iteration 24/24) as the stop came: "
+        "not requeued")
 
 
 @pytest.mark.parametrize("launcher", ["torchrun.sh", "slurm.sbatch"])

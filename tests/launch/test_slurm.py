@@ -100,5 +100,10 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, tmp_path, train_arg
     job_log = (run_dir / "logs" / f"slurm-{job}" / "job.log").read_text()
     assert "restart 0" in job_log and "restart 1" in job_log
     assert (run_dir / "logs" / f"slurm-{job}" / "stop-requested.restart0").exists()
+    # the trainer's word on each start, which the requeue went by
+    stopped = (run_dir / "logs" / f"slurm-{job}" / "status.restart0").read_text()
+    assert stopped.startswith("stopped ") and stopped.endswith(f"/{steps}\n"), stopped
+    assert (run_dir / "logs" / f"slurm-{job}" / "status.restart1").read_text() == \
+        f"finished {steps}/{steps}\n"
     node_log = (run_dir / "logs" / f"slurm-{job}" / "node0.log").read_text()
     assert "stopped on request, torchrun exit code 0" in node_log

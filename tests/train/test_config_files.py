@@ -162,6 +162,25 @@ def test_an_output_folder_that_is_a_file_is_one_line(tmp_path, capsys, where):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "notes.txt"]
 
 
+@pytest.mark.parametrize("where", ["a folder", "under a file"])
+def test_a_status_file_that_cannot_be_written_is_one_line(tmp_path, capsys, where):
+    """`kvtrain train --status-file` is written at the end of the training: a path
+    that cannot take it is refused before the training, not after it."""
+    from kvtrain.cli import main
+
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    path = write_config(tmp_path / "c.yaml", BASE)
+    status = tmp_path if where == "a folder" else blocker / "status"
+    assert main(["train", str(path), "--run-dir", str(tmp_path / "run"),
+                 "--status-file", str(status)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("kvtrain: config error: --status-file " + (
+        f"{tmp_path} is a folder, not a file" if where == "a folder" else
+        f"{status}: {blocker} is a file, not a folder"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "notes.txt"]
+
+
 def test_a_cuda_torch_on_a_host_without_gpu_adds_no_line(caplog):
     """A CUDA build of torch on a host with no GPU (a cluster's login node) logs
     "No CUDA runtime is found" when megatron imports ``torch.utils.cpp_extension``:

@@ -122,8 +122,8 @@ def test_sigkill_in_save_then_sigterm_then_resume(tmp_path, corpus, cache_dir):
     assert sorted(before_kill) == list(range(1, 7))
 
     # 2. resumes from iteration 3; SIGTERM once it is past iteration 8
-    log = tmp_path / "second.log"
-    proc = start(train_args(config, run_dir), log=log)
+    log, status = tmp_path / "second.log", tmp_path / "status" / "second"
+    proc = start(train_args(config, run_dir) + ["--status-file", str(status)], log=log)
     wait_for(lambda: max((r["iteration"] for r in metrics(run_dir)), default=0) >= 8
              and "resumed from" in log.read_text(), what="iteration 8 of the resumed run")
     proc.send_signal(signal.SIGTERM)
@@ -135,14 +135,18 @@ def test_sigkill_in_save_then_sigterm_then_resume(tmp_path, corpus, cache_dir):
     assert 8 <= stopped_at < steps
     assert latest(run_dir) == f"iter_{stopped_at:07d}"  # saved at the step boundary
     assert "stopped at iteration" in text and "stop signal" in text
+    # what launch/slurm.sbatch reads to requeue the job (stopped) or not (finished)
+    assert status.read_text() == f"stopped {stopped_at}/{steps}\n"
     for it in (4, 5, 6):  # exact across the kill
         assert second[it]["lm_loss"] == before_kill[it]["lm_loss"]
         assert second[it]["grad_norm"] == before_kill[it]["grad_norm"]
 
     # 3. resumes at the following step and runs to the token budget (saving only
     #    at the end this time)
-    third = run(train_args(config, run_dir, "checkpoint.save_interval=null"))
+    third = run(train_args(config, run_dir, "checkpoint.save_interval=null") +
+                ["--status-file", str(status)])
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert status.read_text() == f"finished {steps}/{steps}\n"
     assert f"at iteration {stopped_at}" in third.stdout
     final = metrics(run_dir)
     assert [r["iteration"] for r in final] == list(range(1, steps + 1))
