@@ -4,6 +4,7 @@ single-node run, and a signal to torchrun.sh saving and resuming."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -592,13 +593,19 @@ def test_a_stop_that_lands_on_the_last_step_ends_the_job(tmp_path, restart):
                                 '[ "$1" = --status-file ] && echo "finished 24/24" > "$2"\n'
                                 'exit 0\n')
     _fake_tool(bin_dir, "python", f"echo {run}\necho {run}/checkpoints\n")
-    proc = subprocess.run(
-        ["bash", str(SBATCH), str(TINY)], cwd=REPO, capture_output=True, text=True, timeout=60,
+    proc = subprocess.Popen(  # a session of its own: a hung fake srun dies with it
+        ["bash", str(SBATCH), str(TINY)], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
         env=launch_env(SLURM_JOB_ID="8", SLURM_RESTART_COUNT=restart, MAX_REQUEUES="2",
                        PYTHON=str(bin_dir / "python"), PATH=f"{bin_dir}:{launch_env()['PATH']}"))
-    assert proc.returncode == 0, proc.stderr
-    assert calls.read_text().splitlines() == ["srun"], proc.stderr  # no requeue
-    assert proc.stderr.strip().splitlines()[-1] == (
+    try:
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert calls.read_text().splitlines() == ["srun"], err  # no requeue
+    assert err.strip().splitlines()[-1] == (
         "slurm.sbatch: the training finished (iteration 24/24) as the stop came: "
         "not requeued")
 
