@@ -337,13 +337,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
         if rank0:  # once the start is taken: a refused one leaves the config of the records
             write_run_config(text, run.run_dir)  # the text printed above
     state = resumed.state
-    order = _order_warning(run, state) if resumed.path is not None else None
-    if resumed.path is not None:
-        why = state.extra.get("rng_kept_back")
-        note = f" (RNG states not restored: {why})" if why else ""
-        say(f"kvtrain: resumed from {resumed.path} at iteration {state.iteration}{note}")
-        if order:
-            say(f"kvtrain: warning: {order}")
+    order = _say_resumed(run, resumed)
     wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, run_record(cfg, run.resolved),
                         active=rank0, fresh=resumed.path is None)
     metrics = MetricsLogger(run.run_dir, wandb, active=rank0)
@@ -375,6 +369,20 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
         if lock is not None:
             lock.release()
     return code
+
+
+def _say_resumed(run: Run, resumed) -> Optional[str]:
+    """Says where a resumed run starts; returns its data-order warning, if any."""
+    if resumed.path is None:
+        return None
+    state = resumed.state
+    order = _order_warning(run, state)
+    why = state.extra.get("rng_kept_back")
+    note = f" (RNG states not restored: {why})" if why else ""
+    say(f"kvtrain: resumed from {resumed.path} at iteration {state.iteration}{note}")
+    if order:
+        say(f"kvtrain: warning: {order}")
+    return order
 
 
 def _write_status(path: Path, iteration: int, total_steps: int) -> None:

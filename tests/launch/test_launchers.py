@@ -322,7 +322,8 @@ def test_a_requeued_or_chained_start_resumes_from_the_runs_own_checkpoints(
                   SLURM_JOB_ID="9", SLURM_RESTART_COUNT=restart, RUN_DIR=str(run), **env)
         assert out.returncode == 0, out.stderr
         words = shlex.split(out.stdout.splitlines()[1])
-        sets = words[words.index(str(TORCHRUN_SH)) + 4:]
+        assert words[-2] == "--status-file", words
+        sets = words[words.index(str(TORCHRUN_SH)) + 4:-2]
         cfg = load_config(TINY, sets)
         return sets, plan_resume(cfg.checkpoint.resume, checkpoint_folder(cfg.checkpoint.dir, run))
 
@@ -575,23 +576,27 @@ def test_a_stop_requeues_the_job_or_fails_it_when_no_requeue_is_left(
             "is reached: not requeued (submit it again to continue from its last checkpoint)")
 
 
-@pytest.mark.parametrize("restart", ["0", "2"])
-def test_a_stop_that_lands_on_the_last_step_ends_the_job(tmp_path, restart):
-    """A stop (the time limit's --signal, a preemption notice) that arrives while
-    the trainer takes the run's last step: the trainer finishes, saves and says so
-    in the status file. The job requeued itself anyway, only for its next start
-    to find nothing to do (a queue wait and a start-up of every node for nothing);
-    with MAX_REQUEUES used up it failed the finished job (exit 1). It ends now."""
+# the step's part in each case: the signal it sends the batch shell (the stop the
+# shell relays through STOP_FILE, or scancel's SIGTERM), and the trainer's word
+_STEPS = {
+    "last step": ('kill -USR1 "$PPID"\nwhile [ ! -e "$STOP_FILE" ]; do sleep 0.05; done\n',
+                  "finished 24/24"),
+    "unrelayed stop": ("", "stopped 12/24"),
+    "cancelled": ('kill -TERM "$PPID"\nsleep 0.3\n', "stopped 12/24"),
+}
+
+
+def _sbatch_with_status(tmp_path, case: str, restart: str):
+    """slurm.sbatch with a fake srun that plays ``_STEPS[case]``: it writes the
+    status file named on its command line, as the trainer does, and exits 0."""
     bin_dir, calls, run = tmp_path / "bin", tmp_path / "calls", tmp_path / "run"
     bin_dir.mkdir()
     _fake_tool(bin_dir, "scontrol", f'echo "scontrol $*" >> {calls}\n')
-    # srun: the step, told to stop as it takes the last step; it writes the
-    # status file named on its command line, as the trainer does, and exits 0
-    _fake_tool(bin_dir, "srun", f'echo srun >> {calls}\nkill -USR1 "$PPID"\n'
-                                'while [ ! -e "$STOP_FILE" ]; do sleep 0.05; done\n'
+    signals, status = _STEPS[case]
+    _fake_tool(bin_dir, "srun", f"echo srun >> {calls}\n{signals}"
                                 'while [ $# -gt 1 ] && [ "$1" != --status-file ]; do shift; done\n'
-                                '[ "$1" = --status-file ] && echo "finished 24/24" > "$2"\n'
-                                'exit 0\n')
+                                f'[ "$1" = --status-file ] && echo "{status}" > "$2"\n'
+                                "exit 0\n")
     _fake_tool(bin_dir, "python", f"echo {run}\necho {run}/checkpoints\n")
     proc = subprocess.Popen(  # a session of its own: a hung fake srun dies with it
         ["bash", str(SBATCH), str(TINY)], cwd=REPO, stdout=subprocess.PIPE,
@@ -603,11 +608,47 @@ def test_a_stop_that_lands_on_the_last_step_ends_the_job(tmp_path, restart):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, err
-    assert calls.read_text().splitlines() == ["srun"], err  # no requeue
-    assert err.strip().splitlines()[-1] == (
-        "slurm.sbatch: the training finished (iteration 24/24) as the stop came: "
-        "not requeued")
+    return proc.returncode, calls.read_text().splitlines(), err.strip().splitlines()
+
+
+@pytest.mark.parametrize("restart", ["0", "2"])
+def test_a_stop_that_lands_on_the_last_step_ends_the_job(tmp_path, restart):
+    """A stop (the time limit's --signal, a preemption notice) that arrives while
+    the trainer takes the run's last step: the trainer finishes, saves and says so
+    in the status file. The job requeued itself anyway, only for its next start
+    to find nothing to do (a queue wait and a start-up of every node for nothing);
+    with MAX_REQUEUES used up it failed the finished job (exit 1). It ends now."""
+    code, calls, err = _sbatch_with_status(tmp_path, "last step", restart)
+    assert code == 0, err
+    assert calls == ["srun"], err  # no requeue
+    assert err[-1] == ("slurm.sbatch: the training finished (iteration 24/24) as the stop "
+                       "came: not requeued")
+
+
+@pytest.mark.parametrize("restart,requeued", [("0", True), ("2", False)])
+def test_a_stop_the_batch_script_did_not_relay_requeues_the_job(tmp_path, restart, requeued):
+    """A stop that reaches the trainer but not the batch shell (`scancel
+    --signal=USR1` without --batch, `sbatch --signal=USR1@T` without B:,
+    train.exit_duration_minutes): the trainer saved and exited 0 unfinished, and
+    the job ended COMPLETED with its training cut short. It requeues now, as for
+    a stop the shell relays (failing once MAX_REQUEUES is used up)."""
+    code, calls, err = _sbatch_with_status(tmp_path, "unrelayed stop", restart)
+    assert err[-2].startswith(
+        "slurm.sbatch: the trainer stopped at iteration 12/24 on a request this script did "
+        "not relay"), err
+    if requeued:
+        assert code == 0 and calls == ["srun", "scontrol requeue 8"], err
+    else:
+        assert code == 1 and calls == ["srun"], err
+        assert "MAX_REQUEUES (2) is reached: not requeued" in err[-1]
+
+
+def test_a_cancelled_job_is_not_requeued(tmp_path):
+    """scancel's SIGTERM reaches the batch shell and the trainer, which saves and
+    exits 0 unfinished: the job must stay cancelled, not requeue itself."""
+    code, calls, err = _sbatch_with_status(tmp_path, "cancelled", "0")
+    assert code == 0 and calls == ["srun"], err
+    assert "slurm.sbatch: SIGTERM" in err and not any("requeue" in line for line in err), err
 
 
 @pytest.mark.parametrize("launcher", ["torchrun.sh", "slurm.sbatch"])
