@@ -96,10 +96,11 @@ def check_output_folders(cfg, run_dir, run_dir_key: str) -> None:
     """A file where a folder of the run would go (a typo in --run-dir or a
     *.dir key) is one line here, not a traceback from every rank."""
     from data_tools.fileio import not_a_folder
-    from kvtrain.config import ConfigError, checkpoint_folder
+    from kvtrain.config import ConfigError, checkpoint_folder, wandb_folder
 
     checkpoints = checkpoint_folder(cfg.checkpoint.dir, run_dir) if cfg.checkpoint.dir else None
+    wandb = wandb_folder(cfg.wandb.dir, run_dir) if cfg.wandb.dir else None
     for key, path in ((run_dir_key, run_dir), ("checkpoint.dir", checkpoints),
-                      ("data.cache_dir", cfg.data.cache_dir), ("wandb.dir", cfg.wandb.dir)):
+                      ("data.cache_dir", cfg.data.cache_dir), ("wandb.dir", wandb)):
         if path is not None and (why := not_a_folder(os.path.expanduser(path))):
             raise ConfigError(f"{key} {why}")

@@ -56,6 +56,14 @@ def checkpoint_folder(configured: Optional[str], run_dir: str | Path) -> Path:
     return Path(run_dir) / Path(configured or "checkpoints").expanduser()
 
 
+def wandb_folder(configured: Optional[str], run_dir: str | Path) -> Path:
+    """The folder wandb writes its ``wandb/`` folder into: ``wandb.dir`` with ``~``
+    expanded, a relative one under the run folder (as ``checkpoint.dir``: a job
+    script that changes directory must not split a run's wandb files), the run
+    folder itself when it is null."""
+    return Path(run_dir) / Path(configured or ".").expanduser()
+
+
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
@@ -75,4 +83,5 @@ __all__ = [
     "load_config",
     "run_folder",
     "to_dict",
+    "wandb_folder",
 ]

@@ -162,7 +162,8 @@ class DataConfig:
     tokenizer: Optional[str] = None
     """SentencePiece model (its sidecar JSON gives BOS/EOS/PAD ids)."""
     cache_dir: Optional[str] = None
-    """Folder for index caches (default: <run_dir>/data_cache)."""
+    """Folder for index caches (default: <run_dir>/data_cache; relative: to the
+    working folder, as ``data.paths`` are; runs on the same data may share one)."""
     reset_attention_mask: bool = False
     """Packed documents: attention and the KV shift stop at every end-of-document
     token (Megatron-LM's name). Document ids are computed once per micro batch from
@@ -239,7 +240,8 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
     """Run tags."""
     dir: Optional[str] = None
-    """wandb folder (default: <run_dir>/wandb)."""
+    """Folder wandb writes its ``wandb/`` folder into (default: the run folder, so
+    <run_dir>/wandb; relative: under the run folder)."""
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     """auto: offline unless WANDB_MODE says otherwise or an API key is set."""
 

@@ -33,6 +33,7 @@ from typing import Any, Iterator, Optional
 from urllib.parse import urlparse
 
 from data_tools.fileio import atomic_write_text
+from kvtrain.config import wandb_folder
 from kvtrain.config.loader import first_line
 from kvtrain.config.schema import WandbConfig
 
@@ -161,7 +162,7 @@ class WandbLogger:
         if old:
             print(f"kvtrain: wandb: a start from step 0 logs to a new wandb run {self.run_id} "
                   f"(this folder's run {old} is another history, left as it was)", flush=True)
-        wandb_dir = Path(cfg.dir).expanduser() if cfg.dir else Path(run_dir)
+        wandb_dir = wandb_folder(cfg.dir, run_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
         try:
             with _no_launch_input_lookup():

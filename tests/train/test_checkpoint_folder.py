@@ -1,6 +1,7 @@
 """Where a run's checkpoints go (``checkpoint.dir``): ``~`` is the user's home
 folder, as for ``--run-dir`` (the data cache and wandb folders expand it too);
-a relative folder is under the run folder, not the working directory.
+a relative folder is under the run folder, not the working directory (so is a
+relative ``wandb.dir``).
 
 Both are jobs of one launch of the test driver (tests/train/driver.py), each with
 the working directory and ``HOME`` it needs.
@@ -37,7 +38,8 @@ def launched(tmp_path_factory, cache_dir):
             dict(job, cwd=str(tmp_path / "there"), overrides=["train.max_steps=6"]),
             dict(job, overrides=["checkpoint.dir=elsewhere", "train.max_steps=2", *wandb]),
             {"config": str(homed), "run_dir": str(tmp_path / "homed"),
-             "cwd": str(tmp_path / "cwd"), "env": {"HOME": str(home)}}]
+             "cwd": str(tmp_path / "cwd"), "env": {"HOME": str(home)},
+             "overrides": ["wandb.dir=wb", *wandb]}]
     for where in ("here", "there", "cwd"):
         (tmp_path / where).mkdir()
     result = run_driver(jobs, tmp_path / "plan.json")
@@ -51,6 +53,21 @@ def test_a_checkpoint_dir_under_home_is_expanded(launched):
     home folder, not folders named '~' in the working directory."""
     assert not (launched["root"] / "cwd" / "~").exists(), "a folder named '~' in the cwd"
     assert (launched["home"] / launched["ck"] / "latest").read_text().strip() == "iter_0000002"
+
+
+def test_a_relative_wandb_dir_is_under_the_run_folder(launched):
+    """``wandb.dir: wb`` is ``<run_dir>/wb``, as a relative ``checkpoint.dir`` is:
+    it went to the working directory, so a job script that changes directory
+    split a run's wandb files between folders (and, in a container, wrote them
+    where nothing is mounted)."""
+    from kvtrain.config import wandb_folder
+
+    root = launched["root"]
+    assert not (root / "cwd" / "wb").exists()
+    assert len(list((root / "homed" / "wb" / "wandb").glob("offline-run-*"))) == 1
+    assert wandb_folder("wb", root) == root / "wb"
+    assert wandb_folder(None, root) == root
+    assert wandb_folder("~/wb", root) == Path("~/wb").expanduser()
 
 
 def test_a_relative_checkpoint_dir_is_under_the_run_folder(launched):
