@@ -393,6 +393,11 @@ def run(args) -> int:
             raise ValueError(f"--shards must be at least 1, got {args.shards}")
         if args.workers is not None and args.workers < 0:  # -1 silently meant 0 (inline)
             raise ValueError(f"--workers must be 0 (no subprocess) or more, got {args.workers}")
+        if args.workers is not None and args.workers > (cpus := default_workers()):
+            # each worker loads the tokenizer: a typo's 100000 forks took the machine down
+            raise ValueError(f"--workers must be at most the {cpus} CPUs this process may use "
+                             f"(tokenizing is CPU-bound: more processes only take memory), "
+                             f"got {args.workers}")
         if args.report_bad < 0:  # -1 silently meant 0
             raise ValueError(f"--report-bad must be 0 or more, got {args.report_bad}")
         check_prefix(args.output_prefix, "--output-prefix", "corpus")

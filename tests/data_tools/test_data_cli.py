@@ -136,9 +136,17 @@ def test_preprocess_option_and_tokenizer_mistakes_are_one_line(tmp_path):
                                     "-o", str(tmp_path / "p"), "--chunk-mb", "0", check=False),
                           "preprocess")
     assert err.endswith("--chunk-mb must be positive, got 0.0")
+    from data_tools.preprocess import default_workers
+
+    cpus = default_workers()
     for option, value, why in (("--shards", "0", "--shards must be at least 1, got 0"),
                                ("-j", "-1", "--workers must be 0 (no subprocess) or more, "
-                                            "got -1")):
+                                            "got -1"),
+                               # a typo's 100000 processes each loaded the tokenizer
+                               ("-j", "100000", f"--workers must be at most the {cpus} CPUs "
+                                                "this process may use (tokenizing is "
+                                                "CPU-bound: more processes only take memory), "
+                                                "got 100000")):
         err = _one_error_line(h.kvtrain("data", "preprocess", "-i", str(corpus), "-t",
                                         h.tokenizer(), "-o", str(tmp_path / "p"), option, value,
                                         check=False), "preprocess")
