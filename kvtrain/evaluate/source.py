@@ -5,7 +5,8 @@ A run's export is cached in ``RUN_DIR/eval/hf-iter_XXXXXXX-<dtype>/`` and
 reused while the checkpoint it came from is unchanged (a stamp records the
 checkpoint and its common state's size and mtime), so evaluating one
 checkpoint on several task lists exports it once. The export appears whole or
-not at all (``export_hf`` writes it aside and renames it), its stamp after it. A
+not at all (``export_hf`` writes it aside and renames it), its stamp after it;
+evaluations of one checkpoint at once export it once (``cached_export``). A
 checkpoint outside any run folder is exported into a temporary folder that is
 removed afterwards; its results go only to ``--out``.
 """
@@ -13,7 +14,10 @@ removed afterwards; its results go only to ``--out``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,17 +106,43 @@ def _export(checkpoint: Path, out_dir: Path, dtype: str) -> Path:
     return Path(export_hf(checkpoint, out_dir, dtype=dtype, force=True))
 
 
-def cached_export(checkpoint: Path, iteration: int, run_dir: Path, dtype: str) -> Path:
-    """``RUN_DIR/eval/hf-iter_XXXXXXX-<dtype>``: reused while its stamp matches the
-    checkpoint, else exported (replacing a stale one) and stamped."""
+@contextlib.contextmanager
+def cached_export(checkpoint: Path, iteration: int, run_dir: Path, dtype: str) -> Iterator[Path]:
+    """``RUN_DIR/eval/hf-iter_XXXXXXX-<dtype>``, for the time of the block: reused
+    while its stamp matches the checkpoint, else exported (replacing a stale one)
+    and stamped.
+
+    Several ``kvtrain eval`` of one checkpoint at once (a task list each) read
+    the export under a shared ``flock`` of its lock file, and export it under an
+    exclusive one: one exports while the others wait, then find it cached, and
+    no export replaces a folder that an evaluation still reads."""
     final = run_dir / EVAL_DIR / f"hf-iter_{iteration:07d}-{dtype}"
+    final.parent.mkdir(parents=True, exist_ok=True)
     stamp = _stamp_of(checkpoint, dtype)
-    if _cached(final, stamp):
-        return final
-    _export(checkpoint, final, dtype)  # written aside and renamed into place whole
-    # the stamp last: an export without it is redone next time
-    atomic_write_text(final / STAMP, json.dumps(stamp, indent=1) + "\n")
-    return final
+    fd = os.open(final.with_name(f".{final.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _flock(fd, fcntl.LOCK_SH, final)  # waits only for an export under way
+        if not _cached(final, stamp):
+            _flock(fd, fcntl.LOCK_EX, final)  # not atomic: another may export meanwhile
+            if not _cached(final, stamp):
+                _export(checkpoint, final, dtype)  # written aside and renamed in whole
+                # the stamp last: an export without it is redone next time
+                atomic_write_text(final / STAMP, json.dumps(stamp, indent=1) + "\n")
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        yield final
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def _flock(fd: int, kind: int, folder: Path) -> None:
+    """``flock`` that says why it waits, when it has to."""
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        doing = "exports" if kind == fcntl.LOCK_SH else "reads or exports"
+        print(f"kvtrain eval: waiting for another kvtrain eval that {doing} {folder}",
+              file=sys.stderr, flush=True)
+        fcntl.flock(fd, kind)
 
 
 @contextlib.contextmanager
@@ -133,8 +163,8 @@ def prepared(source: str | Path, dtype: str) -> Iterator[Source]:
                           "it was trained on token ids) and lm-eval scores text")
     run_dir = run_folder_of(named, checkpoint)
     if run_dir is not None:
-        hf_dir = cached_export(checkpoint, iteration, run_dir, dtype)
-        yield Source(hf_dir, run_dir, checkpoint, iteration, cfg)
+        with cached_export(checkpoint, iteration, run_dir, dtype) as hf_dir:
+            yield Source(hf_dir, run_dir, checkpoint, iteration, cfg)
         return
     with tempfile.TemporaryDirectory(prefix="kvtrain-eval-") as tmp:
         hf_dir = _export(checkpoint, Path(tmp) / "hf", dtype)
