@@ -126,6 +126,19 @@ def load_model(source: str | Path, backend: str = "auto",
     ``backend``: the layer implementation to build on (checkpoints load across
     backends); ``dtype``: parameter dtype (fp32 for exact export and parity).
     """
+    from kvtrain.train.checkpoint_readers import reading
+
+    for _ in range(3):  # a running training's keep_last may delete what was found
+        path = find_checkpoint(source)
+        with reading(path) as there:  # held against keep_last while it loads
+            if there:
+                return _load(path, backend, dtype)
+    raise ConfigError(f"{source}: its checkpoints were deleted as they were found, three "
+                      "times (a training with a small checkpoint.keep_last?): try again")
+
+
+def _load(path: Path, backend: str, dtype: torch.dtype) -> LoadedModel:
+    """``load_model`` of the complete checkpoint ``path``."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -134,7 +147,6 @@ def load_model(source: str | Path, backend: str = "auto",
     from kvtrain.model.specs import resolve_backend
     from kvtrain.train.checkpoint import SHARDING_METADATA, check_same_parameters
 
-    path = find_checkpoint(source)
     cfg, iteration = saved_config(path)
     parallel = ParallelConfig(tensor=parallel_state.get_tensor_model_parallel_world_size(),
                               pipeline=parallel_state.get_pipeline_model_parallel_world_size())

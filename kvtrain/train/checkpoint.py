@@ -88,6 +88,7 @@ from data_tools.fileio import atomic_write_text, fsync_dir
 from kvtrain.config import ConfigError
 from kvtrain.config.compat import check_resume_config
 
+from .checkpoint_readers import remove_unless_read
 from .hooks import RunHooks
 from .integrity import (
     INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, SaveFailed, build_manifest,
@@ -148,6 +149,17 @@ def _remove(path: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     except OSError as e:
         log.warning("could not remove old checkpoint %s: %s", path, e)
+
+
+def prune(root: Path, keep: Path, keep_last: Optional[int]) -> None:
+    """Drops half-written saves, and complete checkpoints beyond ``keep_last``
+    (``keep`` and the newest ``keep_last - 1`` of the others, by iteration) that
+    no other process reads (``checkpoint_readers``)."""
+    complete = [p for p in checkpoint_folders(root) if p != keep and is_complete(p)]
+    for p in [*root.glob(f"{PREFIX}*{INCOMPLETE}"), *root.glob(".trash-*")]:
+        _remove(p)
+    for p in complete[max(keep_last - 1, 0):] if keep_last is not None else []:
+        remove_unless_read(p, _remove)
 
 
 def _empty_folder(work: Path) -> None:
@@ -400,13 +412,7 @@ class Checkpointer:
     def _cleanup(self, keep: Path) -> None:
         """Rank 0: drops half-written saves and complete checkpoints beyond keep_last
         (the newest by iteration, not by name: iter_10000000 sorts before iter_9999000)."""
-        complete = [p for p in checkpoint_folders(self.root) if p != keep and is_complete(p)]
-        doomed = [p for p in self.root.glob(f"{PREFIX}*{INCOMPLETE}")]
-        doomed += [p for p in self.root.glob(".trash-*")]
-        if self.keep_last is not None:  # ``keep`` and the newest keep_last - 1 of the others
-            doomed += complete[max(self.keep_last - 1, 0):]
-        for p in doomed:
-            _remove(p)
+        prune(self.root, keep, self.keep_last)
 
     def finalize(self, blocking: bool = False) -> None:
         """Completes finished async saves (collective: call on every rank)."""
