@@ -34,8 +34,8 @@ from .processes import bind_to_launcher
 from .resume import resume
 from .runlock import hold_run_folder, removed_on_bad_input
 from .setup import (
-    Run, backend_event, build_run, fit_token_budget, fit_training_data, run_config_text,
-    run_record, write_run_config,
+    Run, backend_event, build_data, build_run, fit_token_budget, run_config_text, run_record,
+    write_run_config,
 )
 from .signals import StopRequests
 from .step import ForwardStep, StepResult, sync_params, train_step
@@ -311,7 +311,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
                                  "checkpoint folder")
         if lock is not None:
             lock.hold_too(shared)
-        run = build_run(cfg, Path(run_dir))
+        run = build_run(cfg, Path(run_dir), data=False)  # the data once the start is known
         rank0 = run.rank == 0
         if rank0:
             text = run_config_text(cfg, run.resolved)
@@ -333,7 +333,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
         budget = fit_token_budget(run, resumed.state)
         if budget:  # another global batch since the checkpoint
             resumed.add(f"kvtrain: {budget}")
-        fit_training_data(run, resumed.state)  # at the run's end, moved or not
+        build_data(run, resumed.state)  # for what this start draws (the end may have moved)
         if rank0:  # once the start is taken: a refused one leaves the config of the records
             write_run_config(text, run.run_dir)  # the text printed above
     state = resumed.state

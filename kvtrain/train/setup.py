@@ -51,15 +51,14 @@ class Run:
     optimizer: Any
     scheduler: Any
     forward_backward: Any
-    datasets: Any
     flops_per_step: float
     peak_tflops: Optional[float]  # MFU's denominator (None: no MFU)
     mfu_basis: str  # what peak_tflops is, or why there is none (flops.mfu_peak)
     checkpoint_dir: Path
     backend: BackendChoice
     device: str  # "cuda" | "cpu"
+    datasets: Any = None  # train/valid/test and the tokenizer (build_data)
     documents: Optional[Callable] = None  # model.documents.Documents, with reset_attention_mask
-    train_samples: int = 0  # the sequences datasets.train was built for (fit_training_data)
 
     @property
     def dp_size(self) -> int:
@@ -160,13 +159,17 @@ def _check_this_machine(cfg: RunConfig, numerics) -> None:
                           "this rank may use: DataLoader workers per rank, each a process")
 
 
-def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> Run:
+def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None,
+              data: bool = True) -> Run:
     """Builds the run on this rank (collective: every rank calls it).
 
     ``env``: the process group and megatron's parallel state are already set up
     for this config's layout (``init_distributed``), so they are not rebuilt: a
     second run in the same process (``benchmarks/step.py`` builds two) must not
     replace megatron's global groups under the first one's model and optimizer.
+    ``data``: build the datasets for a fresh run (False: the caller builds them
+    with ``build_data`` once the start is known, as ``train()`` does after the
+    resume, so that they are built once).
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
@@ -218,50 +221,42 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None) -> R
     scheduler = build_scheduler(cfg, optimizer, steps)
 
     dp_rank = parallel_state.get_data_parallel_rank()
-    datasets = _datasets(cfg, run_dir, steps * t.global_batch_size)  # a fresh run's draw
     peak, mfu_basis = mfu_peak(t.peak_tflops_per_device, numerics.precision)
 
-    return Run(
+    run = Run(
         cfg=cfg, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
         dp_rank=dp_rank, layout=layout, model=model, optimizer=optimizer, scheduler=scheduler,
         forward_backward=get_forward_backward_func(),
-        datasets=datasets,
         flops_per_step=training_flops_per_step(cfg.model, t.seq_length, t.global_batch_size,
                                                layout.padded_vocab_size),
         peak_tflops=peak,
         mfu_basis=mfu_basis,
         checkpoint_dir=checkpoint_folder(cfg.checkpoint.dir, run_dir),
         backend=backend, device="cuda" if torch.cuda.is_available() else "cpu",
-        documents=_documents(cfg, datasets, backend.name),
-        train_samples=steps * t.global_batch_size,
     )
+    if data:
+        build_data(run)
+    return run
 
 
-def _datasets(cfg: RunConfig, run_dir: Path, train_samples: int):
-    """The datasets, the training part built for ``train_samples`` sequences."""
+def build_data(run: Run, state: Optional["TrainState"] = None) -> None:
+    """The run's datasets, and how its layers keep documents apart, once the start
+    is known: the training part is built for the samples this start draws - the
+    checkpoint's, then the steps left at this global batch (``fit_token_budget``
+    has moved the end) - which differ from a fresh run's after a change of
+    ``train.global_batch_size`` or ``train.seq_length`` (a smaller batch draws
+    more, past the data's end). Sized exactly, so that a later resume with the
+    same batch builds the same data (megatron's order depends on the count)."""
     from kvtrain.data import build_datasets
 
-    t = cfg.train
-    cache_dir = str(Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir
-                    else run_dir / "data_cache")
-    valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
-    return build_datasets(cfg, cache_dir, train_samples, valid_samples)
-
-
-def fit_training_data(run: Run, state: "TrainState") -> None:
-    """Builds the training data again for the samples a resumed run draws: the
-    checkpoint's, then the steps left at this global batch (``fit_token_budget``
-    has moved the end). build_run built it for a fresh run's draw, which differs
-    after a ``train.global_batch_size`` or ``train.seq_length`` change: a smaller
-    batch draws more, past the data's end. Sized exactly, not only when short, so
-    a later resume with the same batch builds the same data (the same order)."""
     t = run.cfg.train
-    if state.iteration >= run.total_steps:
-        return  # nothing left to draw
-    needed = state.consumed_samples + (run.total_steps - state.iteration) * t.global_batch_size
-    if needed != run.train_samples:
-        run.datasets = _datasets(run.cfg, run.run_dir, needed)
-        run.train_samples = needed
+    consumed, iteration = (state.consumed_samples, state.iteration) if state else (0, 0)
+    needed = consumed + max(run.total_steps - iteration, 0) * t.global_batch_size
+    cache_dir = str(Path(run.cfg.data.cache_dir).expanduser() if run.cfg.data.cache_dir
+                    else run.run_dir / "data_cache")
+    valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    run.datasets = build_datasets(run.cfg, cache_dir, needed, valid_samples)
+    run.documents = _documents(run.cfg, run.datasets, run.backend.name)
 
 
 def fit_token_budget(run: Run, state: "TrainState") -> Optional[str]:
@@ -376,5 +371,5 @@ def write_run_config(text: str, run_dir: Path) -> None:
     atomic_write_text(run_dir / "config.yaml", text)
 
 
-__all__ = ["Run", "backend_event", "build_run", "fit_token_budget", "fit_training_data",
+__all__ = ["Run", "backend_event", "build_data", "build_run", "fit_token_budget",
            "resolve_run_dir", "run_config_text", "run_record", "write_run_config"]

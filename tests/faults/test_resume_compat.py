@@ -151,7 +151,8 @@ def resumes(tmp_path_factory, corpus, cache_dir):
         "data.split=1,999,0", "checkpoint.save_interval=null", *overrides]}
         for name, overrides in (("few_docs", ["train.max_steps=4"]),
                                 ("smaller_batch", ["train.max_steps=8", "train.global_batch_size=4",
-                                                   f"checkpoint.resume={few}"]))]
+                                                   f"checkpoint.resume={few}",
+                                                   f"data.cache_dir={root / 'smaller_cache'}"]))]
     result = run_driver(jobs, root / "plan.json", nproc=1)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return root, result
@@ -239,3 +240,6 @@ def test_a_smaller_global_batch_on_resume_draws_what_it_needs(resumes):
     train = metrics(root / "smaller_batch")
     assert [r["iteration"] for r in train] == [5, 6, 7, 8], result.stderr[-3000:]
     assert train[-1]["consumed_samples"] == 4 * 8 + 4 * 4
+    # built once, for those 48: not first for a fresh run's 32, then again
+    (built,) = (root / "smaller_cache").glob("*-train-description.txt")
+    assert '"num_samples": 48' in built.read_text(), built.read_text()
