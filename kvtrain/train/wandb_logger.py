@@ -151,11 +151,11 @@ class WandbLogger:
         self.mode = resolve_mode(cfg) if active else "disabled"
         self.run = None
         self.run_id: Optional[str] = None
-        old = stored_run_id(run_dir) if active and fresh else None
         if self.mode == "disabled":
-            if old:  # a later resume of this history must not log into the old run
-                (Path(run_dir) / RUN_ID_FILE).unlink()
+            if active and fresh:  # a later resume of this history must not log into the old run
+                (Path(run_dir) / RUN_ID_FILE).unlink(missing_ok=True)
             return
+        old = stored_run_id(run_dir) if fresh else None
         import wandb
 
         self.run_id = run_id_for(run_dir, fresh)

@@ -466,6 +466,12 @@ def test_a_start_from_step_0_opens_a_new_wandb_run_and_a_resume_the_same(monkeyp
     assert not stored.exists()
     WandbLogger(cfg, tmp_path, "run", {}, fresh=False)
     assert ids[4] not in ids[:4]
+    # a damaged id file and no wandb: forgotten without a word (it said "logging to a
+    # new wandb run", with wandb off)
+    stored.write_text("not an id!\n")
+    capsys.readouterr()
+    WandbLogger(WandbConfig(enabled=False), tmp_path, "run", {}, fresh=True)
+    assert not stored.exists() and capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00bad", b"has spaces\n", b"a/b\n"])
