@@ -388,5 +388,8 @@ def _say_resumed(run: Run, resumed) -> Optional[str]:
 def _write_status(path: Path, iteration: int, total_steps: int) -> None:
     """``finished I/T`` or ``stopped I/T``, in one line (``kvtrain train --status-file``)."""
     outcome = "finished" if iteration >= total_steps else "stopped"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, f"{outcome} {iteration}/{total_steps}\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, f"{outcome} {iteration}/{total_steps}\n")
+    except OSError as e:  # the training and its checkpoint are done: a warning, not a failure
+        say(f"kvtrain: warning: could not write the status file {path}: {e}")
