@@ -206,12 +206,10 @@ class CheckpointConfig:
     save_on_exit: bool = True
     """Save when stopping on a signal, time limit, or the end of training."""
     load_optimizer: bool = True
-    """Restore optimizer and scheduler state on resume (false: weights only, fresh
-    optimizer. As with Megatron-LM's --no-load-optim, the LR schedule starts again
-    from its step 0, warmup included, while the iteration count goes on from the
-    checkpoint's: a decaying schedule (cosine, wsd) is laid over the run's total
-    steps from this start, so set optimizer.lr_decay_steps to the steps left for
-    it to end with the run)."""
+    """Restore optimizer and scheduler state on resume (false: weights only, a fresh
+    optimizer and, as Megatron-LM's --no-load-optim, an LR schedule from its step 0,
+    warmup included, while the iteration count goes on: a decaying schedule ends with
+    the run only if optimizer.lr_decay_steps is set to the steps left)."""
     load_rng: bool = True
     """Restore every rank's RNG states on resume (skipped when the TP/PP/DP layout changed)."""
     allow_config_changes: list[str] = field(default_factory=list)
