@@ -129,12 +129,44 @@ def load_model(source: str | Path, backend: str = "auto",
     from kvtrain.train.checkpoint_readers import reading
 
     for _ in range(3):  # a running training's keep_last may delete what was found
-        path = find_checkpoint(source)
+        path = _found_by_rank0(source)
         with reading(path) as there:  # held against keep_last while it loads
-            if there:
+            if _on_every_rank(there):
                 return _load(path, backend, dtype)
     raise ConfigError(f"{source}: its checkpoints were deleted as they were found, three "
                       "times (a training with a small checkpoint.keep_last?): try again")
+
+
+def _found_by_rank0(source: str | Path) -> Path:
+    """``find_checkpoint`` on rank 0, its answer (or its one-line refusal) on every
+    rank: ranks that each looked it up while a training saved found different
+    checkpoints, and their shards made one model of mixed weights."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return find_checkpoint(source)
+    answer = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer[0] = ("path", str(find_checkpoint(source)))
+        except ConfigError as e:
+            answer[0] = ("refused", str(e))
+    dist.broadcast_object_list(answer, src=0)
+    kind, value = answer[0]
+    if kind == "refused":
+        raise ConfigError(value)
+    return Path(value)
+
+
+def _on_every_rank(flag: bool) -> bool:
+    """``flag`` held on every rank (each holds the checkpoint it is to load)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, flag)
+    return all(flags)
 
 
 def _load(path: Path, backend: str, dtype: torch.dtype) -> LoadedModel:

@@ -85,3 +85,24 @@ def test_a_reader_whose_checkpoint_went_looks_again(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="its checkpoints were deleted as they were found, "
                                           "three times"):
         loading.load_model(run)
+
+
+def _rank_loads(rank: int, world: int, run: str) -> str:
+    """One rank of a TP=2 `kvtrain generate`: the trainer saves iter 6 between the
+    two ranks' lookups, so each rank on its own would find another checkpoint."""
+    root = Path(run) / "checkpoints"
+    own = {0: root / "iter_0000004", 1: root / "iter_0000006"}[rank]
+    loading.find_checkpoint = lambda source: own
+    loading._load = lambda path, backend, dtype: path
+    return loading.load_model(run).name
+
+
+def test_every_rank_loads_the_checkpoint_rank_0_found(tmp_path):
+    """Ranks that each looked the checkpoint up loaded different ones when a save
+    came between their lookups: a model of mixed weights, silently."""
+    from kvtrain.testing import run_distributed
+
+    run = tmp_path / "run"
+    for iteration in (4, 6):
+        _complete(run / "checkpoints", iteration)
+    assert run_distributed(_rank_loads, 2, str(run)) == ["iter_0000004", "iter_0000004"]
