@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 # One thread per test process (before torch is imported): make test runs two
 # workers on two cores, and the ranks they start take one thread each. A second
@@ -56,6 +57,15 @@ def single_rank():
 
     env = init_distributed(seed=1234)
     yield env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_folder(tmp_path_factory):
+    """The temporary files of the processes the tests start go under this session's
+    pytest folder, which pytest rotates (it keeps three sessions'): the torchrun
+    agents that tests kill left their /tmp/torchelastic_* behind, ~20 a run."""
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # this process's too: recomputed from TMPDIR
 
 
 @pytest.fixture(scope="session", autouse=True)
