@@ -33,7 +33,9 @@ epoch, or a validation part smaller than eval_iters batches, came up short.
 from __future__ import annotations
 
 import functools
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -105,15 +107,15 @@ def _check_made_with(prefix: str, tokenizer: Any, data: Any, model: Any) -> None
             f"tokenizer shard {prefix} was made with ({vocab}, its .meta.json says)")
 
 
-def _blend(paths: list) -> tuple[tuple, dict[str, int]]:
-    """The blend to hand megatron, and each prefix's sequence count (its shard
-    checked). Unweighted prefixes get their token counts as weights: one corpus
-    (megatron's own unweighted blend stops at one epoch of each, see above)."""
+def _blend(paths: list) -> tuple[tuple, dict[str, tuple[int, int]]]:
+    """The blend to hand megatron, and each prefix's sequence and token counts (its
+    shard checked). Unweighted prefixes get their token counts as weights: one
+    corpus (megatron's own unweighted blend stops at one epoch of each, see above)."""
     prefixes, weights = parse_blend(paths)
     sizes = {prefix: _shard_size(prefix) for prefix in prefixes}
     if weights is None and len(prefixes) > 1:
         weights = [float(sizes[p][1]) for p in prefixes]
-    return (prefixes, weights), {prefix: n for prefix, (n, _) in sizes.items()}
+    return (prefixes, weights), sizes
 
 
 def _file_stamps(prefixes: list[str]) -> dict[str, list[int]]:
@@ -182,24 +184,52 @@ def plan_split(split_matrix: list, counts: dict[str, int], needed: tuple[bool, b
 
 
 # megatron's indices of a part hold at least 12 bytes a sequence: the sample index's
-# two int32 and the shuffle index's uint32 (int64 past 2**32 sequences)
+# two int32 and the shuffle index's uint32 (int64 past 2**32 sequences); and its
+# document index an int32 per document and epoch
 INDEX_BYTES_PER_SAMPLE = 12
+INDEX_BYTES_PER_DOCUMENT_EPOCH = 4
 
 
-def _check_index_memory(cfg: RunConfig, train_samples: int) -> None:
+def _document_index_bytes(cfg: RunConfig, train_samples: int, blend: Optional[tuple],
+                          sizes: dict[str, tuple[int, int]]) -> int:
+    """The training part's document indices: each shard's documents in that part,
+    times the epochs of them its share of ``train_samples`` takes. Short documents
+    under long sequences make these larger than the sample indices (a corpus of
+    50-token documents at seq_length 2048: 14 x)."""
+    if blend is None:
+        return 0
+    prefixes, weights = blend
+    weights = weights or [1.0] * len(prefixes)
+    parts = [float(x) for x in re.findall(r"[0-9.]+", cfg.data.split)]
+    share = parts[0] / sum(parts)  # of every shard's documents (and so, about, tokens)
+    total = 0
+    for prefix, weight in zip(prefixes, weights):
+        documents, tokens = sizes[prefix]
+        samples = train_samples * weight / sum(weights)
+        epochs = math.ceil((samples * cfg.train.seq_length + 1) / max(tokens * share, 1))
+        total += INDEX_BYTES_PER_DOCUMENT_EPOCH * epochs * math.ceil(documents * share)
+    return total
+
+
+def _check_index_memory(cfg: RunConfig, train_samples: int, blend: Optional[tuple],
+                        sizes: dict[str, tuple[int, int]]) -> None:
     """Refuses sequences whose indices cannot fit this machine's memory: megatron
     would count their epochs one loop turn at a time (for hours with a large
     ``train.max_steps``), then fail to allocate them with a traceback."""
     from kvtrain.config.layout import total_steps
 
-    need = INDEX_BYTES_PER_SAMPLE * train_samples
+    samples = INDEX_BYTES_PER_SAMPLE * train_samples
+    documents = _document_index_bytes(cfg, train_samples, blend, sizes)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > memory:
+    if samples + documents > memory:
         raise ConfigError(
             f"{total_steps(cfg)[1]} asks for {train_samples} training sequences of "
-            f"{cfg.train.seq_length} tokens: megatron's sample indices alone would need "
-            f"{need / 2**30:.0f} GiB of memory ({INDEX_BYTES_PER_SAMPLE} bytes a sequence), "
-            f"more than this machine's {memory / 2**30:.0f} GiB")
+            f"{cfg.train.seq_length} tokens: megatron's indices would need "
+            f"{(samples + documents) / 2**30:.0f} GiB of memory ({samples / 2**30:.0f} GiB "
+            f"of sample indices, {INDEX_BYTES_PER_SAMPLE} bytes a sequence; "
+            f"{documents / 2**30:.0f} GiB of document indices, "
+            f"{INDEX_BYTES_PER_DOCUMENT_EPOCH} bytes a document per epoch), more than this "
+            f"machine's {memory / 2**30:.0f} GiB")
 
 
 def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
@@ -222,9 +252,10 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
 
         train, valid = synthetic_datasets(cfg, train_samples, valid_samples)
         return Datasets(train=train, valid=valid, test=None, tokenizer=None)
-    _check_index_memory(cfg, train_samples)  # the toy tasks above index nothing
+    blend, sizes = _blend(d.paths) if d.type == "gpt" else (None, {})
+    _check_index_memory(cfg, train_samples, blend, sizes)  # the toy tasks above index nothing
     tokenizer = load_tokenizer(d, cfg.model)
-    blend, counts = _blend(d.paths) if d.type == "gpt" else (None, {})
+    counts = {prefix: n for prefix, (n, _) in sizes.items()}
     for prefix in blend[0] if blend is not None else []:
         _check_made_with(prefix, tokenizer, d, cfg.model)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ built (before training), never found as a traceback at the first batch read;
 
 from __future__ import annotations
 
+import math
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -207,5 +209,28 @@ def test_a_run_whose_sample_indices_exceed_memory_is_one_line(tmp_path, corpus, 
                       train={"max_steps": 10**12})
     cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
     with pytest.raises(ConfigError, match=r"train.max_steps asks for 8000000000000 training "
-                                          r"sequences of 32 tokens: megatron's sample indices"):
+                                          r"sequences of 32 tokens: megatron's indices would "
+                                          r"need \d+ GiB of memory \(\d+ GiB of sample indices"):
         build_datasets(cfg, str(tmp_path / "cache"), 8 * 10**12, 0)
+
+
+def test_a_run_whose_document_indices_exceed_memory_is_one_line(tmp_path, corpus):
+    """Short documents under long sequences: megatron's document index (an int32 per
+    document and epoch) outgrows its sample indices. The check counted only those,
+    so a run whose sample indices fit in memory went on to megatron's count of its
+    epochs, one loop turn at a time, then failed to allocate them."""
+    from kvtrain.data import build_datasets
+    from kvtrain.data.datasets import INDEX_BYTES_PER_SAMPLE, _shard_size
+
+    documents, tokens = _shard_size(corpus.prefix)
+    seq = 1 << max(4, math.ceil(math.log2(8 * tokens / documents)))  # 8+ documents a sequence
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    samples = memory // (2 * INDEX_BYTES_PER_SAMPLE)  # the sample indices: half the memory
+    cfg = tiny_config(corpus, tmp_path / "cache", train={"seq_length": seq},
+                      model={"max_position_embeddings": seq})
+    cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    with pytest.raises(ConfigError, match=r"GiB of sample indices, 12 bytes a sequence; "
+                                          r"\d+ GiB of document indices, 4 bytes a document "
+                                          r"per epoch\), more than this machine's"):
+        build_datasets(cfg, str(tmp_path / "cache"), samples, 0)
+    assert not (tmp_path / "cache").exists()  # refused before any index is written
