@@ -87,6 +87,17 @@ def test_a_reader_whose_checkpoint_went_looks_again(tmp_path, monkeypatch):
         loading.load_model(run)
 
 
+def test_a_lock_file_that_cannot_be_opened_reads_as_before(tmp_path):
+    """Where the reader cannot make its lock file (another user's run folder; here a
+    folder in its place, as root may write anywhere) it reads unprotected."""
+    from kvtrain.train.checkpoint_readers import lock_file
+
+    two = _complete(tmp_path / "checkpoints", 2)
+    lock_file(two).mkdir()
+    with reading(two) as there:
+        assert there
+
+
 def _rank_loads(rank: int, world: int, run: str) -> str:
     """One rank of a TP=2 `kvtrain generate`: the trainer saves iter 6 between the
     two ranks' lookups, so each rank on its own would find another checkpoint."""
