@@ -307,6 +307,22 @@ def _encode(items, workers: int, model_path: str, dtype, json_key: str, keep: in
     return pool.imap(encode_item, feed, chunksize=1), pool, feed
 
 
+def check_options(workers: int | None, shards: int | None, report_bad: int) -> None:
+    """ValueError (one line, named as the CLI's options) for values the pipeline
+    would take silently as something else, or that would take the machine down."""
+    if shards is not None and shards < 1:  # 0 silently meant the default
+        raise ValueError(f"--shards must be at least 1, got {shards}")
+    if workers is not None and workers < 0:  # -1 silently meant 0 (inline)
+        raise ValueError(f"--workers must be 0 (no subprocess) or more, got {workers}")
+    if workers is not None and workers > (cpus := default_workers()):
+        # each worker loads the tokenizer: a typo's 100000 forks took the machine down
+        raise ValueError(f"--workers must be at most the {cpus} CPUs this process may use "
+                         f"(tokenizing is CPU-bound: more processes only take memory), "
+                         f"got {workers}")
+    if report_bad < 0:  # -1 silently meant 0
+        raise ValueError(f"--report-bad must be 0 or more, got {report_bad}")
+
+
 def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_prefix: str, *,
                json_key: str = "text", text_mode: str = "line", workers: int | None = None,
                shards: int | None = None, resume: bool = False, strict: bool = False,
@@ -316,8 +332,10 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
     included), outputs (shard prefixes), resumed, dtype, elapsed, first_bad.
 
     Raises StrictError (strict mode), readers.InputError (unreadable input),
-    NoDocumentsError (no input holds a document; nothing is written)."""
+    NoDocumentsError (no input holds a document; nothing is written), ValueError
+    (an option out of range: ``check_options``)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    check_options(workers, shards, report_bad)  # also for callers of this function
     if text_mode == "file" and any(i.format != "text" for i in inputs):
         raise ValueError("--text-mode file reads text files whole; some inputs are not text")
     tok = SentencePieceTokenizer(tokenizer_path)
@@ -389,17 +407,7 @@ def run(args) -> int:
             # is one read() of that size (inf: OverflowError, 1e9: MemoryError)
             raise ValueError(f"--chunk-mb must be from one byte (1e-06) to 1024 (1 GiB), "
                              f"got {args.chunk_mb}")
-        if args.shards is not None and args.shards < 1:  # 0 silently meant the default
-            raise ValueError(f"--shards must be at least 1, got {args.shards}")
-        if args.workers is not None and args.workers < 0:  # -1 silently meant 0 (inline)
-            raise ValueError(f"--workers must be 0 (no subprocess) or more, got {args.workers}")
-        if args.workers is not None and args.workers > (cpus := default_workers()):
-            # each worker loads the tokenizer: a typo's 100000 forks took the machine down
-            raise ValueError(f"--workers must be at most the {cpus} CPUs this process may use "
-                             f"(tokenizing is CPU-bound: more processes only take memory), "
-                             f"got {args.workers}")
-        if args.report_bad < 0:  # -1 silently meant 0
-            raise ValueError(f"--report-bad must be 0 or more, got {args.report_bad}")
+        check_options(args.workers, args.shards, args.report_bad)  # before reading inputs
         check_prefix(args.output_prefix, "--output-prefix", "corpus")
         inputs = readers.discover(args.input, args.format)
         result = preprocess(

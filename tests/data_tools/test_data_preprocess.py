@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -79,6 +80,20 @@ def test_output_is_independent_of_workers_and_chunking(tmp_path):
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"a_text_document{ext}").read_bytes() == \
             (tmp_path / f"b_text_document{ext}").read_bytes()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("workers", -1, "--workers must be 0 (no subprocess) or more, got -1"),
+    ("shards", 0, "--shards must be at least 1, got 0"),
+    ("report_bad", -1, "--report-bad must be 0 or more, got -1"),
+])
+def test_the_function_checks_its_options_as_the_cli_does(tmp_path, option, value, message):
+    """``preprocess()`` called from Python took these silently as something else
+    (inline, the default, 0): only the command line checked them."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.synthetic_docs(4))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run(corpus, tmp_path / "p", **{option: value})
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
 
 
 def test_directories_globs_and_shards(tmp_path):
