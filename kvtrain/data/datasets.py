@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -196,12 +195,14 @@ def _document_index_bytes(cfg: RunConfig, train_samples: int, blend: Optional[tu
     times the epochs of them its share of ``train_samples`` takes. Short documents
     under long sequences make these larger than the sample indices (a corpus of
     50-token documents at seq_length 2048: 14 x)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
     if blend is None:
         return 0
     prefixes, weights = blend
     weights = weights or [1.0] * len(prefixes)
-    parts = [float(x) for x in re.findall(r"[0-9.]+", cfg.data.split)]
-    share = parts[0] / sum(parts)  # of every shard's documents (and so, about, tokens)
+    # of every shard's documents (and so, about, tokens), as megatron reads data.split
+    share = parse_and_normalize_split(cfg.data.split)[0]
     total = 0
     for prefix, weight in zip(prefixes, weights):
         documents, tokens = sizes[prefix]
@@ -218,16 +219,16 @@ def _check_index_memory(cfg: RunConfig, train_samples: int, blend: Optional[tupl
     ``train.max_steps``), then fail to allocate them with a traceback."""
     from kvtrain.config.layout import total_steps
 
-    samples = INDEX_BYTES_PER_SAMPLE * train_samples
-    documents = _document_index_bytes(cfg, train_samples, blend, sizes)
+    sample_bytes = INDEX_BYTES_PER_SAMPLE * train_samples
+    document_bytes = _document_index_bytes(cfg, train_samples, blend, sizes)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if samples + documents > memory:
+    if sample_bytes + document_bytes > memory:
         raise ConfigError(
             f"{total_steps(cfg)[1]} asks for {train_samples} training sequences of "
             f"{cfg.train.seq_length} tokens: megatron's indices would need "
-            f"{(samples + documents) / 2**30:.0f} GiB of memory ({samples / 2**30:.0f} GiB "
-            f"of sample indices, {INDEX_BYTES_PER_SAMPLE} bytes a sequence; "
-            f"{documents / 2**30:.0f} GiB of document indices, "
+            f"{(sample_bytes + document_bytes) / 2**30:.0f} GiB of memory "
+            f"({sample_bytes / 2**30:.0f} GiB of sample indices, {INDEX_BYTES_PER_SAMPLE} "
+            f"bytes a sequence; {document_bytes / 2**30:.0f} GiB of document indices, "
             f"{INDEX_BYTES_PER_DOCUMENT_EPOCH} bytes a document per epoch), more than this "
             f"machine's {memory / 2**30:.0f} GiB")
 
