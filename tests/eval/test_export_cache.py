@@ -41,9 +41,11 @@ def exports(tmp_path, monkeypatch):
     return checkpoint, done
 
 
-def _evaluate(checkpoint, seen, hold=0.0):
+def _evaluate(checkpoint, seen, hold=0.0, holding=None):
     with source.cached_export(checkpoint, 4, checkpoint.parent.parent, "fp32") as folder:
         text = (folder / "config.json").read_text()
+        if holding is not None:
+            holding.set()
         time.sleep(hold)  # the evaluation, reading the export
         seen.append((text, (folder / "config.json").read_text(), time.monotonic()))
 
@@ -58,7 +60,9 @@ def test_evaluations_started_together_export_once(exports, capfd):
         t.join()
     assert len(done) == 1, done  # without the lock, each thread exported it
     assert [s[:2] for s in seen] == [("export 0", "export 0")] * 3
-    assert "waiting for another kvtrain eval that exports" in capfd.readouterr().err
+    # the others said why they waited: for the export, or (when all came before it
+    # started) for the one that took it first
+    assert "kvtrain eval: waiting for another kvtrain eval that " in capfd.readouterr().err
 
 
 def test_a_stale_export_is_not_replaced_while_it_is_read(exports):
@@ -67,9 +71,10 @@ def test_a_stale_export_is_not_replaced_while_it_is_read(exports):
     checkpoint, done = exports
     seen = []
     _evaluate(checkpoint, seen)
-    reader = threading.Thread(target=_evaluate, args=(checkpoint, seen, 1.0))
+    holding = threading.Event()
+    reader = threading.Thread(target=_evaluate, args=(checkpoint, seen, 1.0, holding))
     reader.start()
-    time.sleep(0.3)  # the reader holds the export
+    assert holding.wait(30)  # the reader holds the export
     (checkpoint / "common.pt").write_bytes(b"weights, saved again")
     _evaluate(checkpoint, seen)
     reader.join()
