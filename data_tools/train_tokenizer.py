@@ -102,9 +102,11 @@ def train(inputs: list[readers.InputFile], output_prefix: str, vocab_size: int, 
     """Train and write PREFIX.model, PREFIX.vocab and the sidecar PREFIX.json.
 
     Returns the sidecar dict. The model bytes depend only on the documents,
-    the options and the seed (no file names are recorded in it)."""
+    the options and the seed (no file names are recorded in it). An option out of
+    range raises ``ValueError`` before any input is read (``check_options``)."""
     import sentencepiece as spm
 
+    check_options(vocab_size, seed=seed, max_documents=max_documents, **options)
     log = log or _stderr
     if text_mode == "file" and any(i.format != "text" for i in inputs):
         raise ValueError("--text-mode file reads text files whole; some inputs are not text")
@@ -178,31 +180,35 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def check_options(args) -> None:
+def check_options(vocab_size: int, *, seed: int = 1234, max_documents: int | None = None,
+                  threads: int | None = None, character_coverage: float = 0.99995,
+                  max_sentences: int = 10_000_000, **_) -> None:
     """sentencepiece's own limits (and ours), before the corpus is read: past
     them it fails in its words ("INTERNAL: trainer_interface.cc(94) ...")."""
-    if not 0 <= args.seed < 2**32:  # sentencepiece's seed is unsigned 32-bit
-        raise ValueError(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
-    if args.max_documents is not None and args.max_documents < 1:  # 0 silently meant all
-        raise ValueError(f"--max-documents must be at least 1, got {args.max_documents}")
+    if not 0 <= seed < 2**32:  # sentencepiece's seed is unsigned 32-bit
+        raise ValueError(f"--seed must be in [0, 2**32 - 1], got {seed}")
+    if max_documents is not None and max_documents < 1:  # 0 silently meant all
+        raise ValueError(f"--max-documents must be at least 1, got {max_documents}")
     # 4 special and 256 byte pieces, and the corpus has at least one character
-    if args.vocab_size < len(SPECIAL_IDS) + 256 + 1:
+    if vocab_size < len(SPECIAL_IDS) + 256 + 1:
         raise ValueError(f"--vocab-size must be at least 261 (4 special pieces, 256 byte "
-                         f"pieces and a character), got {args.vocab_size}")
-    if args.threads is not None and not 1 <= args.threads <= 1024:  # 0 silently meant all
-        raise ValueError(f"--threads must be in [1, 1024], got {args.threads}")
-    if not 0.98 <= args.character_coverage <= 1.0:  # nan too
+                         f"pieces and a character), got {vocab_size}")
+    if threads is not None and not 1 <= threads <= 1024:  # 0 silently meant all
+        raise ValueError(f"--threads must be in [1, 1024], got {threads}")
+    if not 0.98 <= character_coverage <= 1.0:  # nan too
         raise ValueError(f"--character-coverage must be in [0.98, 1.0], "
-                         f"got {args.character_coverage}")
-    if args.max_sentences < 1:  # sentencepiece reads 0 as all lines, -1 not at all
-        raise ValueError(f"--max-sentences must be at least 1, got {args.max_sentences}")
-    check_prefix(args.output, "--output", "tokenizer")
+                         f"got {character_coverage}")
+    if max_sentences < 1:  # sentencepiece reads 0 as all lines, -1 not at all
+        raise ValueError(f"--max-sentences must be at least 1, got {max_sentences}")
 
 
 def run(args) -> int:
     """CLI entry (see data_tools.cli)."""
     try:
-        check_options(args)
+        check_options(args.vocab_size, seed=args.seed, max_documents=args.max_documents,
+                      threads=args.threads, character_coverage=args.character_coverage,
+                      max_sentences=args.max_sentences)
+        check_prefix(args.output, "--output", "tokenizer")
         inputs = readers.discover(args.input, args.format)
         train(inputs, args.output, args.vocab_size, json_key=args.json_key,
               text_mode=args.text_mode, max_documents=args.max_documents, seed=args.seed,

@@ -189,43 +189,46 @@ INDEX_BYTES_PER_SAMPLE = 12
 INDEX_BYTES_PER_DOCUMENT_EPOCH = 4
 
 
-def _document_index_bytes(cfg: RunConfig, train_samples: int, blend: Optional[tuple],
+def _document_index_bytes(cfg: RunConfig, part: int, samples: int, blend: Optional[tuple],
                           sizes: dict[str, tuple[int, int]]) -> int:
-    """The training part's document indices: each shard's documents in that part,
-    times the epochs of them its share of ``train_samples`` takes. Short documents
-    under long sequences make these larger than the sample indices (a corpus of
-    50-token documents at seq_length 2048: 14 x)."""
+    """One part's document indices (``part``: 0 training, 1 validation): each shard's
+    documents in that part, times the epochs of them its share of ``samples`` takes.
+    Short documents under long sequences make these larger than the sample indices
+    (a corpus of 50-token documents at seq_length 2048: 14 x)."""
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
-    if blend is None:
+    if blend is None or samples == 0:
         return 0
     prefixes, weights = blend
     weights = weights or [1.0] * len(prefixes)
     # of every shard's documents (and so, about, tokens), as megatron reads data.split
-    share = parse_and_normalize_split(cfg.data.split)[0]
+    share = parse_and_normalize_split(cfg.data.split)[part]
     total = 0
     for prefix, weight in zip(prefixes, weights):
         documents, tokens = sizes[prefix]
-        samples = train_samples * weight / sum(weights)
-        epochs = math.ceil((samples * cfg.train.seq_length + 1) / max(tokens * share, 1))
+        drawn = samples * weight / sum(weights)
+        epochs = math.ceil((drawn * cfg.train.seq_length + 1) / max(tokens * share, 1))
         total += INDEX_BYTES_PER_DOCUMENT_EPOCH * epochs * math.ceil(documents * share)
     return total
 
 
-def _check_index_memory(cfg: RunConfig, train_samples: int, blend: Optional[tuple],
-                        sizes: dict[str, tuple[int, int]]) -> None:
+def _check_index_memory(cfg: RunConfig, train_samples: int, valid_samples: int,
+                        blend: Optional[tuple], sizes: dict[str, tuple[int, int]]) -> None:
     """Refuses sequences whose indices cannot fit this machine's memory: megatron
     would count their epochs one loop turn at a time (for hours with a large
-    ``train.max_steps``), then fail to allocate them with a traceback."""
+    ``train.max_steps``), then fail to allocate them with a traceback. Both parts
+    drawn from count: the training part's and the validation part's."""
     from kvtrain.config.layout import total_steps
 
-    sample_bytes = INDEX_BYTES_PER_SAMPLE * train_samples
-    document_bytes = _document_index_bytes(cfg, train_samples, blend, sizes)
+    sample_bytes = INDEX_BYTES_PER_SAMPLE * (train_samples + valid_samples)
+    document_bytes = sum(_document_index_bytes(cfg, part, samples, blend, sizes)
+                         for part, samples in enumerate((train_samples, valid_samples)))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if sample_bytes + document_bytes > memory:
+        valid = f" and train.eval_iters for {valid_samples} validation ones" if valid_samples else ""
         raise ConfigError(
             f"{total_steps(cfg)[1]} asks for {train_samples} training sequences of "
-            f"{cfg.train.seq_length} tokens: megatron's indices would need "
+            f"{cfg.train.seq_length} tokens{valid}: megatron's indices would need "
             f"{(sample_bytes + document_bytes) / 2**30:.0f} GiB of memory "
             f"({sample_bytes / 2**30:.0f} GiB of sample indices, {INDEX_BYTES_PER_SAMPLE} "
             f"bytes a sequence; {document_bytes / 2**30:.0f} GiB of document indices, "
@@ -254,7 +257,8 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         train, valid = synthetic_datasets(cfg, train_samples, valid_samples)
         return Datasets(train=train, valid=valid, test=None, tokenizer=None)
     blend, sizes = _blend(d.paths) if d.type == "gpt" else (None, {})
-    _check_index_memory(cfg, train_samples, blend, sizes)  # the toy tasks above index nothing
+    # the toy tasks above index nothing
+    _check_index_memory(cfg, train_samples, valid_samples, blend, sizes)
     tokenizer = load_tokenizer(d, cfg.model)
     counts = {prefix: n for prefix, (n, _) in sizes.items()}
     for prefix in blend[0] if blend is not None else []:

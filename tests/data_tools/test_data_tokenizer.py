@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import sys
 
 import pytest
@@ -118,6 +119,25 @@ def test_train_with_no_text_fails_clearly(tmp_path):
         train(readers.discover([str(empty)]), str(tmp_path / "new" / "t"), 300,
               log=lambda m: None)
     assert sorted(os.listdir(tmp_path)) == ["e.jsonl"]
+
+
+@pytest.mark.parametrize("vocab, option, message", [
+    (300, {"seed": -1}, "--seed must be in [0, 2**32 - 1], got -1"),
+    (300, {"max_documents": 0}, "--max-documents must be at least 1, got 0"),
+    (260, {}, "--vocab-size must be at least 261"),
+    (300, {"threads": 0}, "--threads must be in [1, 1024], got 0"),
+    (300, {"character_coverage": float("nan")}, "--character-coverage must be in [0.98, 1.0]"),
+    (300, {"max_sentences": 0}, "--max-sentences must be at least 1, got 0"),
+])
+def test_the_function_checks_its_options_as_the_cli_does(tmp_path, vocab, option, message):
+    """Only the CLI checked these: ``train()`` called from Python read the corpus
+    first, then took 0 threads or 0 documents as all, or failed in sentencepiece's
+    words. Now the same line as the CLI's, before any input is read."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train(readers.discover([str(corpus)]), str(tmp_path / "t"), vocab,
+              log=lambda m: None, **option)
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
 
 
 def test_a_file_that_is_not_a_tokenizer_is_named(tmp_path):

@@ -234,3 +234,21 @@ def test_a_run_whose_document_indices_exceed_memory_is_one_line(tmp_path, corpus
                                           r"per epoch\), more than this machine's"):
         build_datasets(cfg, str(tmp_path / "cache"), samples, 0)
     assert not (tmp_path / "cache").exists()  # refused before any index is written
+
+
+def test_a_run_whose_validation_indices_exceed_memory_is_one_line(tmp_path, corpus):
+    """The validation part's indices (train.eval_iters x global batch sequences) are
+    megatron's too: a run of few training steps but a huge train.eval_iters passed
+    the check, which counted only the training part, and failed in megatron."""
+    from kvtrain.data import build_datasets
+    from kvtrain.data.datasets import INDEX_BYTES_PER_SAMPLE
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    valid = memory // INDEX_BYTES_PER_SAMPLE + 1  # their sample indices alone: over memory
+    cfg = tiny_config(corpus, tmp_path / "cache", data={"split": "50,50,0"})
+    cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    with pytest.raises(ConfigError, match=rf"asks for 8 training sequences of 32 tokens and "
+                                          rf"train.eval_iters for {valid} validation ones: "
+                                          r"megatron's indices would need \d+ GiB"):
+        build_datasets(cfg, str(tmp_path / "cache"), 8, valid)
+    assert not (tmp_path / "cache").exists()  # refused before any index is written
