@@ -285,3 +285,35 @@ def test_run_without_tokenizer_is_one_line(evaluated, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "the run has no tokenizer" in err
     assert not (evaluated["root"] / "ids_only" / "eval").exists()  # refused before any export
+
+
+def test_a_foreign_folder_of_kv_shift_code_runs_with_trust_remote_code(evaluated, tmp_path):
+    """The path --trust-remote-code opens, end to end: a KV-shift export copied without
+    kvtrain's record (so a folder kvtrain did not export, its modeling code the
+    export's) is evaluated by lm-eval with the folder's own code, and scores what
+    the export scored."""
+    import shutil
+
+    from kvtrain.hf.export import RECORD
+
+    export = evaluated["run"] / "eval" / "hf-iter_0000000-fp32"
+    foreign = tmp_path / "foreign"
+    shutil.copytree(export, foreign)
+    (foreign / RECORD).unlink()
+    argv = ["eval", str(foreign), "--tasks", "kvt_mc", "--include-path", str(evaluated["tasks"]),
+            "--batch-size", "2", "--device", "cpu", "--out", str(tmp_path / "r.json")]
+    assert main(argv) == 2  # refused without the flag (its code is not kvtrain's export)
+    assert main(argv + ["--trust-remote-code", "--log-samples"]) == 0
+    ours = json.loads((evaluated["run"] / "eval" / "kvt_mc+kvt_ll-iter_0000000.json").read_text())
+    theirs = json.loads((tmp_path / "r.json").read_text())
+    assert theirs["tasks"]["kvt_mc"] == ours["tasks"]["kvt_mc"]
+    # each answer's log-likelihood: the shift ran (a stock Llama would score otherwise)
+    by_question = {tuple(map(tuple, s["arguments"])): [r[0][0] for r in s["resps"]]
+                   for s in read_samples(evaluated["run"] / "eval" /
+                                         "kvt_mc+kvt_ll-iter_0000000.json")
+                   if s["task"] == "kvt_mc"}
+    samples = read_samples(tmp_path / "r.json")
+    assert len(samples) == len(MC)
+    for sample in samples:
+        assert [r[0][0] for r in sample["resps"]] == pytest.approx(
+            by_question[tuple(map(tuple, sample["arguments"]))], abs=1e-5)
