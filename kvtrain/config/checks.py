@@ -1,0 +1,176 @@
+"""The cross-key checks of a run's config, section by section: each raises one
+``ConfigError`` line naming the keys involved. ``RunConfig.validate``
+(``schema.py``) runs them after its own layout checks."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from kvtrain.tasks.config import TASK_TYPES
+
+from .compat import check_allowed_keys
+from .layout import total_steps
+from .loader import ConfigError
+
+if TYPE_CHECKING:
+    from .schema import RunConfig
+
+
+# The longest timeout torch's process groups hold (int64 nanoseconds); beyond
+# it each rank failed at start (an OverflowError, or a negative socket timeout).
+_MAX_TIMEOUT_MINUTES = (2**63 - 1) // (60 * 10**9)
+
+
+def check_seeds(seeds: dict) -> None:
+    """megatron's datasets seed numpy.random.RandomState, which takes 0 to 2**32 - 1
+    (the toy tasks' SeedSequence no negative one): a seed outside failed on every
+    rank after the process group started."""
+    for key, seed in seeds.items():
+        if seed is not None and not 0 <= seed < 2**32:
+            raise ConfigError(f"{key} must be in [0, 2**32 - 1], got {seed}")
+
+
+def check_context_parallel(cfg: RunConfig) -> None:
+    """What context parallelism needs (``parallel.context`` > 1)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.backend == "local":
+        raise ConfigError(
+            f"parallel.context ({p.context}) needs model.backend torch or te: the local "
+            "backend's attention (megatron's DotProductAttention) has no context parallelism")
+    if m.mla is not None:
+        raise ConfigError(
+            f"parallel.context ({p.context}) with model.mla: multi-latent attention under "
+            "context parallelism is not built yet (its halo and attention); set "
+            "parallel.context: 1")
+    chunks = 2 * p.context
+    if t.seq_length % chunks:
+        raise ConfigError(
+            f"train.seq_length ({t.seq_length}) must be divisible by 2 x parallel.context "
+            f"({chunks}): each CP rank keeps two of {chunks} equal chunks")
+    if m.attention == "kv_shift" and m.kv_shift.window > t.seq_length // chunks:
+        raise ConfigError(
+            f"model.kv_shift.window ({m.kv_shift.window}) exceeds a context-parallel chunk "
+            f"(train.seq_length / (2 x parallel.context) = {t.seq_length // chunks} tokens)")
+    if p.cp_comm_type == "a2a" and (m.kv_heads // p.tensor) % p.context:
+        raise ConfigError(
+            f"parallel.cp_comm_type a2a needs the KV heads per TP rank (model.num_query_groups "
+            f"{m.kv_heads} / parallel.tensor {p.tensor}) to be divisible by parallel.context "
+            f"({p.context}); use p2p or all_gather")
+
+def check_train(cfg: RunConfig) -> None:
+    t = cfg.train
+    positive = {
+        "train.max_steps": t.max_steps, "train.train_tokens": t.train_tokens,
+        "train.log_interval": t.log_interval, "train.eval_interval": t.eval_interval,
+        "train.kv_shift_stats_interval": t.kv_shift_stats_interval,
+        "train.max_consecutive_nonfinite": t.max_consecutive_nonfinite,
+        "train.exit_duration_minutes": t.exit_duration_minutes,
+        "train.peak_tflops_per_device": t.peak_tflops_per_device,
+        "train.dist_timeout_minutes": t.dist_timeout_minutes,
+    }
+    for key, value in positive.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key} must be positive (or null), got {value}")
+    if t.dist_timeout_minutes > _MAX_TIMEOUT_MINUTES:
+        raise ConfigError(f"train.dist_timeout_minutes must be at most {_MAX_TIMEOUT_MINUTES} "
+                          f"(torch keeps it in 64-bit nanoseconds, 292 years), got "
+                          f"{t.dist_timeout_minutes}")
+    if t.eval_interval is not None and t.eval_iters < 1:
+        raise ConfigError(f"train.eval_iters must be >= 1 when train.eval_interval is set, "
+                          f"got {t.eval_iters}")
+    if t.seq_length < 1:
+        raise ConfigError(f"train.seq_length must be positive, got {t.seq_length}")
+    check_seeds({"train.seed": t.seed})
+
+def check_optimizer(cfg: RunConfig) -> None:
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be positive, got {o.lr}")
+    if o.min_lr is not None and not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.min_lr ({o.min_lr}) must be in [0, optimizer.lr ({o.lr})]")
+    if o.weight_decay < 0 or o.clip_grad < 0 or o.adam_eps <= 0:
+        raise ConfigError("optimizer.weight_decay and optimizer.clip_grad must be >= 0 and "
+                          "optimizer.adam_eps > 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
+    if o.lr_warmup_steps < 0:
+        raise ConfigError(f"optimizer.lr_warmup_steps must be >= 0, got {o.lr_warmup_steps}")
+    if o.lr_decay_steps is not None and o.lr_decay_steps <= o.lr_warmup_steps:
+        raise ConfigError(
+            f"optimizer.lr_decay_steps ({o.lr_decay_steps}) must exceed "
+            f"optimizer.lr_warmup_steps ({o.lr_warmup_steps})"
+        )
+    if o.lr_schedule == "wsd":
+        if not o.wsd_decay_steps:
+            raise ConfigError("optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps")
+        if o.wsd_decay_steps < 1:  # megatron would never start the decay
+            raise ConfigError(f"optimizer.lr_schedule wsd needs optimizer.wsd_decay_steps "
+                              f">= 1, got {o.wsd_decay_steps}")
+        # the scheduler's horizon (build_scheduler): train.max_steps or train_tokens
+        o.check_wsd_fits(o.lr_decay_steps or total_steps(cfg)[0])
+    if o.loss_scale is not None and o.loss_scale <= 0:
+        raise ConfigError(f"optimizer.loss_scale must be positive, got {o.loss_scale}")
+
+def check_data(cfg: RunConfig) -> None:
+    d = cfg.data
+    if d.type == "gpt" and not d.paths:
+        raise ConfigError("data.paths is empty: name at least one shard prefix for data.type gpt")
+    if d.paths:
+        weights = [x for x in d.paths if not isinstance(x, str)]
+        if weights and (len(d.paths) % 2 or any(
+                not isinstance(w, (int, float)) or not isinstance(pth, str)
+                for w, pth in zip(d.paths[0::2], d.paths[1::2]))):
+            raise ConfigError(
+                "data.paths must be all prefixes or weight, prefix pairs "
+                f"([0.7, a_text_document, 0.3, b_text_document]), got {d.paths}"
+            )
+        if any(w <= 0 for w in weights):
+            raise ConfigError(f"data.paths weights must be positive, got {weights}")
+    parts = [x.strip() for x in d.split.split(",")]
+    # plain decimals only: megatron reads the split as the runs of digits and dots
+    # in it, so 1e-3, 1_000 or inf (float() takes them) would be other numbers there
+    plain = all(re.fullmatch(r"[0-9]+\.?[0-9]*|\.[0-9]+", x) for x in parts)
+    values = [float(x) for x in parts] if plain else []
+    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or not values[0] > 0:
+        raise ConfigError(
+            f"data.split must be up to three non-negative training,validation,test weights "
+            f"with a positive training part (e.g. '969,30,1'), got {d.split!r}"
+        )
+    if cfg.train.eval_interval is not None and (len(values) < 2 or values[1] == 0):
+        raise ConfigError(
+            f"data.split {d.split!r} has no validation part but train.eval_interval is set "
+            "(give the validation part a weight or set train.eval_interval: null)"
+        )
+    check_seeds({"data.seed": d.seed, "data.eval_seed": d.eval_seed})
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {d.num_workers}")
+    needs_eod = d.reset_attention_mask or d.eod_mask_loss
+    if d.type == "gpt" and needs_eod and d.tokenizer is None and d.eod_id is None:
+        raise ConfigError(
+            "data.reset_attention_mask/eod_mask_loss need the "
+            "end-of-document id: set data.tokenizer or data.eod_id"
+        )
+    if d.type in TASK_TYPES:
+        from kvtrain.tasks.sequences import validate_config  # numpy, only for toy tasks
+
+        try:
+            validate_config(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if d.eod_id is not None and not 0 <= d.eod_id < cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.eod_id ({d.eod_id}) must be a token id below model.vocab_size "
+            f"({cfg.model.vocab_size})"
+        )
+
+def check_checkpoint(cfg: RunConfig) -> None:
+    c = cfg.checkpoint
+    if c.save_interval is not None and c.save_interval < 1:
+        raise ConfigError(f"checkpoint.save_interval must be >= 1 (or null), got {c.save_interval}")
+    if c.keep_last is not None and c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last must be >= 1 (or null), got {c.keep_last}")
+    if not c.resume.strip():
+        raise ConfigError("checkpoint.resume must be auto, none, or a checkpoint path")
+    check_allowed_keys(c.allow_config_changes)
