@@ -112,6 +112,12 @@ def check_optimizer(cfg: RunConfig) -> None:
         o.check_wsd_fits(o.lr_decay_steps or total_steps(cfg)[0])
     if o.loss_scale is not None and o.loss_scale <= 0:
         raise ConfigError(f"optimizer.loss_scale must be positive, got {o.loss_scale}")
+    if o.loss_scale is not None and cfg.train.precision != "fp16":
+        # megatron applies it at bf16 (and fp32 under the distributed optimizer) and
+        # drops it at fp32 without: one key, two meanings, neither asked for
+        raise ConfigError(f"optimizer.loss_scale ({o.loss_scale}) scales fp16's loss: "
+                          f"train.precision is {cfg.train.precision}; set it to fp16 or "
+                          "optimizer.loss_scale: null")
 
 def check_data(cfg: RunConfig) -> None:
     d = cfg.data

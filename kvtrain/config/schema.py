@@ -133,7 +133,8 @@ class OptimizerConfig:
     wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
     """Shape of the final decay of the wsd schedule."""
     loss_scale: Optional[float] = None
-    """fp16 only: a constant loss scale; null uses megatron's dynamic loss scaling."""
+    """fp16 only (train.precision: fp16): a constant loss scale; null uses megatron's
+    dynamic loss scaling."""
 
     def check_wsd_fits(self, horizon: int, moved: str = "") -> None:
         """The wsd decay fits after the warmup in a schedule of ``horizon`` steps
@@ -150,10 +151,11 @@ class OptimizerConfig:
 class DataConfig:
     """Where training tokens come from."""
 
-    type: Literal["gpt", "mock", "induction", "ngram"] = "mock"
+    type: Optional[Literal["gpt", "mock", "induction", "ngram"]] = None
     """``gpt``: Megatron .bin/.idx shards; ``mock``: random tokens for smoke runs;
     ``induction`` / ``ngram``: the paper's toy tasks (Appendix K / E.3), with their
-    accuracy evaluated at every validation (options in data.induction / data.ngram)."""
+    accuracy evaluated at every validation (options in data.induction / data.ngram).
+    Left out: ``gpt`` where data.paths names shards, else ``mock``."""
     paths: list[float | str] = field(default_factory=list)
     """Shard prefixes, optionally with weights: [0.7, a_text_document, 0.3, b_text_document].
     Without weights, several prefixes are one corpus (each weighted by its tokens)."""
@@ -184,6 +186,12 @@ class DataConfig:
     """Options of data.type ngram."""
     eval_seed: Optional[int] = None
     """Seed of the fixed validation set of induction/ngram data (null: data seed + 1000003)."""
+
+    def __post_init__(self) -> None:
+        # the default was mock: a config naming its shards without ``type: gpt``
+        # trained on random tokens, silently
+        if self.type is None:
+            self.type = "gpt" if self.paths else "mock"
 
 
 # ----------------------------------------------------------------------------- checkpoints & logs
@@ -319,6 +327,9 @@ class RunConfig:
         if p.overlap_param_gather and not p.distributed_optimizer:  # as Megatron-LM refuses it
             raise ConfigError("parallel.overlap_param_gather needs parallel.distributed_optimizer "
                               "(it overlaps that optimizer's parameter all-gather)")
+        if p.overlap_param_gather and not p.overlap_grad_reduce:  # as Megatron-LM refuses it
+            raise ConfigError("parallel.overlap_param_gather needs parallel.overlap_grad_reduce "
+                              "(megatron overlaps the gather with the reduce's buckets)")
         if p.sequence_parallel and t.seq_length % (p.tensor * p.context):
             raise ConfigError(
                 f"train.seq_length ({t.seq_length}) must be divisible by parallel.tensor "

@@ -108,6 +108,14 @@ def test_overrides_use_the_same_checks(tmp_path):
     (["data.type=ngram", "data.eval_seed=7", "train.seed=7"],
      "data.eval_seed (7) must differ from the training data seed (7)"),
     (["data.type=induction", "data.induction.mid_val=7990"], "data.induction: need 2 <= pool_size"),
+    # megatron applied a constant loss scale at bf16 (and at fp32 under the distributed
+    # optimizer) and dropped it silently at fp32 without: fp16's key, refused elsewhere
+    (["optimizer.loss_scale=1024"], "optimizer.loss_scale (1024.0) scales fp16's loss: "
+                                    "train.precision is auto"),
+    (["optimizer.loss_scale=1024", "train.precision=bf16"], "train.precision is bf16"),
+    # as Megatron-LM refuses it: a deferred gather after a synchronous reduce, never run
+    (["parallel.distributed_optimizer=true", "parallel.overlap_param_gather=true"],
+     "parallel.overlap_param_gather needs parallel.overlap_grad_reduce"),
 ])
 def test_cross_field_checks(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -346,3 +354,18 @@ def test_a_non_finite_float_in_a_file_names_the_file_line_and_key(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert str(e.value) == f"{path}:2: optimizer.lr: expected a finite number, got nan"
+
+
+def test_shards_named_without_a_data_type_are_read(tmp_path):
+    """data.type defaulted to mock: a config naming its shards but not ``type: gpt``
+    validated and trained on random tokens, never reading the shards. Left out, the
+    type is now gpt where data.paths names shards, mock where it names none; an
+    explicit mock (a benchmark of a real config) still draws random tokens."""
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  paths: [shards/a_text_document]\n")
+    assert load_config(str(path), []).data.type == "gpt"
+    assert load_config(str(path), ["data.type=mock"]).data.type == "mock"
+    assert load_config(None, []).data.type == "mock"
+    assert load_config(None, ["data.tokenizer=t.model"]).data.type == "mock"
+    # the resolved type is what the run records (its config.yaml)
+    assert to_dict(load_config(str(path), []))["data"]["type"] == "gpt"
