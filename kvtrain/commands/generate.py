@@ -56,21 +56,23 @@ def _options(args: argparse.Namespace):
                            stop_at_eod=args.stop_at_eod).check()
 
 
-def _print(results, loaded) -> None:
+def _print(results, loaded, dtype: str) -> None:
     print(f"kvtrain generate: {loaded.checkpoint} (iteration {loaded.iteration}, "
-          f"{loaded.config.model.attention}, backend {loaded.backend})", flush=True)
+          f"{loaded.config.model.attention}, backend {loaded.backend}, {dtype})", flush=True)
     for n, g in enumerate(results, 1):
         print(f"--- [{n}] {g.prompt}", flush=True)
         print(f"{g.text}", flush=True)
         print(f"--- [{n}] {len(g.tokens)} tokens, stop: {g.stop}", flush=True)
 
 
-def _write(path: str, results, loaded, options) -> None:
+def _write(path: str, results, loaded, options, dtype: str, world: int) -> None:
     from data_tools.fileio import atomic_write_text
 
+    # what made each generation: the resolved backend and the dtype decide its last bits
     meta = {"checkpoint": str(loaded.checkpoint), "iteration": loaded.iteration,
             "temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k,
-            "seed": options.seed}
+            "seed": options.seed, "backend": loaded.backend, "dtype": dtype,
+            "tensor_parallel": world}
     text = "".join(json.dumps({**g.record(), **meta}) + "\n" for g in results)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write_text(path, text)
@@ -132,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
     results = generate(loaded.model, loaded.config, codec, prompts, options,
                        batch_size=args.batch_size, prefix_eod=args.prefix_eod)
     if torch.distributed.get_rank() == 0:
-        _print(results, loaded)
+        _print(results, loaded, args.dtype)
         if args.out:
-            _write(args.out, results, loaded, options)
+            _write(args.out, results, loaded, options, args.dtype, world)
     sys.stdout.flush()
     return 0

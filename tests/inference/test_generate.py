@@ -136,7 +136,11 @@ def test_cli_prompts_file_and_out(mp1, arm_runs, tmp_path, capsys):
     assert all(len(r["tokens"]) == 4 and r["stop"] == "length" for r in records)
     assert records[0]["text"] == " ".join(map(str, records[0]["tokens"]))
     assert records[0]["iteration"] == 8 and records[0]["checkpoint"].endswith("iter_0000008")
+    # what made them: the resolved backend (auto: torch on a CPU), dtype and TP ranks
+    assert {(r["backend"], r["dtype"], r["tensor_parallel"]) for r in records} == {
+        ("torch", "fp32", 1)}
     printed = capsys.readouterr().out
+    assert "backend torch, fp32" in printed
     assert f"--- [2] 5 6 7 8 9 10 11\n{records[1]['text']}\n" in printed
 
 
