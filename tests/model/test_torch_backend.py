@@ -355,3 +355,41 @@ def test_torch_equals_local_on_gpu_with_documents(mp1, attention):
         torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
         for name in ref[2]:  # to each gradient's size: an absolute 1e-4 checks few here
             assert_close_to_scale(got[2][name], ref[2][name], 1e-4, msg=name)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("backend", ["torch", "local"])
+def test_recompute_gives_the_gradients_of_none(mp1, backend, recompute):
+    """parallel.recompute re-runs the core attention (selective) or whole layers
+    (full) in backward with the documents captured from the forward, and the
+    dropout mask drawn again from the saved RNG state: the same logits, loss and
+    gradients (alpha/beta included) as no recompute, with and without packed
+    documents, and with attention dropout in training."""
+    from kvtrain.backend import set_seed
+
+    cfg = model_config("kv_shift", shift=["k", "v"], window=2)
+    cfg.attention_dropout = 0.25
+    ref_model = build_gpt(cfg, transformer_config(cfg, ParallelConfig()), backend=backend)
+    model = build_gpt(cfg, transformer_config(cfg, ParallelConfig(recompute=recompute)),
+                      seed=77, backend=backend)
+    model.load_state_dict(ref_model.state_dict())
+    calls = {id(ref_model): 0, id(model): 0}  # the core attention's forwards, recomputed too
+    for m in (ref_model, model):
+        for layer in m.decoder.layers:
+            layer.self_attention.core_attention.register_forward_hook(
+                lambda *_, key=id(m): calls.__setitem__(key, calls[key] + 1))
+    tokens, labels = batch(5)
+    tokens[0, 5] = tokens[1, 3] = 0  # EOD = 0
+    for packed in (None, DocumentParams.from_ids(document_ids(tokens, 0))):
+        runs = []
+        for m in (ref_model, model):
+            set_seed(3)  # the dropout masks (megatron's RNG tracker): the same draws in both
+            runs.append(run(m, tokens, labels, packed))
+        assert_same(*runs)
+        assert any("shift" in n and g.abs().sum() > 0 for n, g in runs[1][2].items())
+    # per run: 2 forwards x 2 layers, and the backward's 2 recomputations
+    assert (calls[id(ref_model)], calls[id(model)]) == (2 * 4, 2 * 6)
+    set_seed(3)
+    other = run(ref_model, tokens, labels)
+    set_seed(4)
+    assert not torch.allclose(run(ref_model, tokens, labels)[1], other[1])  # dropout is on
