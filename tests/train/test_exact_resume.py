@@ -13,10 +13,10 @@ and its resume is a fresh process. Two more layouts, the plain
 virtual stages, also with overlapped gradient reduce / parameter gather), stop
 gracefully at N and resume; TP=2 with sequence
 parallelism, and DP=2 with overlapped gradient reduce / parameter gather, must
-match the plain layouts.
+match the plain layouts, and PP=2 with tied embeddings DP=2 with them.
 
-Then checkpoints saved at TP=2, DP=2 (distributed optimizer state) and PP=2 are
-resumed by one process (TP=PP=DP=1): the next losses must match the
+Then checkpoints saved at TP=2, DP=2 (distributed optimizer state), PP=2 and PP=2
+with tied embeddings are resumed by one process (TP=PP=DP=1): the next losses must match the
 uninterrupted 2-rank runs to 1e-5.
 """
 
@@ -43,6 +43,10 @@ LAYOUTS = {
     "pp2-vpp2-overlap": ["parallel.pipeline=2", "parallel.virtual_pipeline=2",
                          "model.num_layers=4", "parallel.overlap_grad_reduce=true",
                          "parallel.overlap_param_gather=true"],
+    # tied embeddings: under PP the last stage holds a copy of the first's embedding,
+    # kept equal by megatron's all-reduce of their gradients
+    "dp2-tied": ["model.untie_embeddings=false"],
+    "pp2-tied": ["parallel.pipeline=2", "model.untie_embeddings=false"],
 }
 # KV shift in every layout (its scalars are the extra state); vanilla once, at DP=2.
 # The overlapped layouts (deferred param all-gather) save on a kill's interval and on a stop.
@@ -50,7 +54,9 @@ KILLED = [("dp2", "vanilla"), ("dp2", "kv_shift"), ("tp2", "kv_shift"), ("pp2", 
           ("dp2-overlap", "kv_shift")]
 STOPPED = [("dp2-ddp", "kv_shift"), ("pp2-vpp2", "kv_shift"), ("dp2-bf16", "kv_shift"),
            ("pp2-vpp2-overlap", "kv_shift")]
-LAYOUT_SOURCES = [("tp2", "kv_shift"), ("dp2", "vanilla"), ("pp2", "kv_shift")]
+LAYOUT_SOURCES = [("tp2", "kv_shift"), ("dp2", "vanilla"), ("pp2", "kv_shift"),
+                  ("pp2-tied", "kv_shift")]
+MATCHED = [("tp2-sp", "tp2"), ("dp2-overlap", "dp2"), ("pp2-tied", "dp2-tied")]
 
 
 def case_id(case) -> str:
@@ -75,7 +81,8 @@ def runs(tmp_path_factory, corpus, cache_dir):
     no_saves = ["checkpoint.save_interval=null", "checkpoint.save_on_exit=false"]
     jobs = [job(c, "reference") if c in LAYOUT_SOURCES else
             dict(job(c, "reference"), overrides=job(c, "reference")["overrides"] + no_saves)
-            for c in KILLED + STOPPED + [("tp2-sp", "kv_shift")]]
+            for c in KILLED + STOPPED + [(v, "kv_shift") for m in MATCHED for v in m
+                                         if (v, "kv_shift") not in KILLED + STOPPED]]
     for case in KILLED:  # first half dies by SIGKILL right after its checkpoint at N
         jobs += [job(case, "interrupted", faults={"kill_after_save": N}, expect=-9),
                  job(case, "interrupted")]
@@ -116,10 +123,11 @@ def test_resume_is_bit_identical_other_layouts(runs, case):
     assert_same_continuation(root, case)
 
 
-@pytest.mark.parametrize("variant,base", [("tp2-sp", "tp2"), ("dp2-overlap", "dp2")])
-def test_sequence_parallel_and_overlap_match(runs, variant, base):
-    """Sequence parallelism (norms on sequence shards) and overlapped DP
-    communication change where and when things run, not the numbers (1e-6)."""
+@pytest.mark.parametrize("variant,base", MATCHED)
+def test_sequence_parallel_overlap_and_tied_pipeline_match(runs, variant, base):
+    """Sequence parallelism (norms on sequence shards), overlapped DP communication
+    and a pipeline of tied embeddings (the last stage's copy of the embedding)
+    change where and when things run, not the numbers (1e-6)."""
     root, _ = runs
     a = by_iteration(metrics(root / f"{variant}-kv_shift" / "reference"))
     b = by_iteration(metrics(root / f"{base}-kv_shift" / "reference"))
@@ -134,7 +142,8 @@ def test_layouts_change_on_resume(runs, tmp_path):
     config = str(root / "base.yaml")
     sources = LAYOUT_SOURCES
     jobs = [{"config": config, "run_dir": str(tmp_path / case_id(c)),
-             "overrides": [f"model.attention={c[1]}",
+             "overrides": [f"model.attention={c[1]}",  # the model as saved, one process
+                           *(o for o in LAYOUTS[c[0]] if o.startswith("model.")),
                            f"checkpoint.resume={root / case_id(c) / 'reference'}"
                            f"/checkpoints/iter_{N:07d}"]}
             for c in sources]
