@@ -12,7 +12,9 @@ key (or a section above it). What changed is then printed and recorded. A run
 sized by ``train.train_tokens`` also compares ``train.global_batch_size``: when
 allowed to change, the run ends where the consumed tokens reach the budget
 (``layout.total_steps`` from the checkpoint's consumed tokens, as a changed
-``train.seq_length`` does).
+``train.seq_length`` does). ``train.precision`` is compared as it ran (``auto``
+resolves to bf16 on a GPU, fp32 on a CPU); an allowed change needs the
+distributed optimizer, whose fp32 main parameters carry over.
 
 Everything else may change on a resume: the parallel layout (checkpoints
 reshard), the schedule, the optimizer's hyper-parameters (the run's values
@@ -43,6 +45,9 @@ RECORDED = ("optimizer",)
 # compared where the run is sized by train.train_tokens: the steps it has left are
 # counted in the current global batch (layout.total_steps), the checkpoint's in its own
 TOKEN_BUDGET_COMPARED = ("train.global_batch_size",)
+# compared as resolved (``auto``: bf16 on a GPU, fp32 on a CPU), from the run record's
+# ``resolved`` section: a GPU run's checkpoint continued on a CPU changed it silently
+PRECISION = "train.precision"
 
 
 @dataclass(frozen=True)
@@ -106,12 +111,13 @@ def _allowed(key: str, allowed: list[str]) -> bool:
 
 def check_allowed_keys(allowed: list[str]) -> None:
     """``checkpoint.allow_config_changes`` names only keys that resume compares."""
-    compared = COMPARED + TOKEN_BUDGET_COMPARED
+    compared = COMPARED + TOKEN_BUDGET_COMPARED + (PRECISION,)
     for a in allowed:
         if not any(a == c or a.startswith(c + ".") or c.startswith(a + ".") for c in compared):
             raise ConfigError(
                 f"checkpoint.allow_config_changes: {a!r} is not compared on resume "
-                f"(compared: {', '.join(COMPARED)}, and {', '.join(TOKEN_BUDGET_COMPARED)} "
+                f"(compared: {', '.join(COMPARED)}, {PRECISION}, and "
+                f"{', '.join(TOKEN_BUDGET_COMPARED)} "
                 f"for a run sized by train.train_tokens; everything else may change freely)")
 
 
@@ -135,7 +141,7 @@ def check_resume_config(saved: Optional[dict], current: dict, allowed: list[str]
     if not saved:
         return []  # a checkpoint of another tool: nothing to compare
     keys = COMPARED + (TOKEN_BUDGET_COMPARED if _sized_by_tokens(current) else ())
-    changes = config_changes(saved, current, keys)
+    changes = config_changes(saved, current, keys) + _precision_change(saved, current)
     refused = [c for c in changes if not _allowed(c.key, allowed)]
     if refused:
         keys = ", ".join(sorted({c.key for c in refused}))
@@ -143,7 +149,36 @@ def check_resume_config(saved: Optional[dict], current: dict, allowed: list[str]
             f"{where} was saved by a different run: {'; '.join(map(str, refused))}. "
             f"Resume it with the saved values, or set checkpoint.allow_config_changes: "
             f"[{keys}] to go on with the new ones")
+    check_precision_change(changes, current, where)
     return changes + config_changes(saved, current, RECORDED)
+
+
+def _resolved_precision(config: dict) -> Optional[str]:
+    """What a run record's ``train.precision`` ran as; None where unknown (a record
+    from before kvtrain recorded it, of ``auto``)."""
+    resolved = (config.get("resolved") or {}).get("precision")
+    setting = (config.get("train") or {}).get("precision", "auto")
+    return resolved or (setting if setting != "auto" else None)
+
+
+def _precision_change(saved: dict, current: dict) -> list[Change]:
+    a, b = _resolved_precision(saved), _resolved_precision(current)
+    return [Change(PRECISION, a, b)] if a is not None and b is not None and a != b else []
+
+
+def check_precision_change(changes: list[Change], current: dict, where: str) -> None:
+    """An allowed change of precision continues from the checkpoint's fp32 main
+    parameters, which the distributed optimizer keeps at any precision; megatron's
+    plain optimizer keeps another state for half parameters than for fp32 ones:
+    either way the load failed, and the checkpoint was called unusable."""
+    change = next((c for c in changes if c.key == PRECISION), None)
+    parallel, checkpoint = current.get("parallel") or {}, current.get("checkpoint") or {}
+    if (change is not None and not parallel.get("distributed_optimizer", True)
+            and checkpoint.get("load_optimizer", True)):
+        raise ConfigError(
+            f"{where}: a change of {change} needs parallel.distributed_optimizer: true (its "
+            "state holds fp32 main parameters at every precision; the plain optimizer's "
+            "differs between half and fp32 parameters), or checkpoint.load_optimizer: false")
 
 
 __all__ = ["COMPARED", "RECORDED", "TOKEN_BUDGET_COMPARED", "Change", "check_allowed_keys", "check_resume_config", "config_changes"]

@@ -319,7 +319,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
                 f"{text}--- layout: world {run.world_size} = TP {cfg.parallel.tensor} x PP "
                 f"{cfg.parallel.pipeline} x DP {run.dp_size}; {run.num_microbatches} micro "
                 f"batches per step; {run.total_steps} steps")
-            say(f"kvtrain: {run.backend.describe()}, device {run.device}")
+            say(f"kvtrain: {run.backend.describe()}, device {run.device}, precision "
+                f"{run.precision}")
             say(f"kvtrain: MFU against {run.mfu_basis}")
             if run.backend.warning:
                 say(f"kvtrain: warning: {run.backend.warning}")

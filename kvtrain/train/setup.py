@@ -57,6 +57,7 @@ class Run:
     checkpoint_dir: Path
     backend: BackendChoice
     device: str  # "cuda" | "cpu"
+    precision: str = "fp32"  # train.precision as resolved (Numerics.precision)
     datasets: Any = None  # train/valid/test and the tokenizer (build_data)
     documents: Optional[Callable] = None  # model.documents.Documents, with reset_attention_mask
 
@@ -75,7 +76,8 @@ class Run:
     @property
     def resolved(self) -> dict:
         """What this start's ``auto`` settings became (plain data, for every record)."""
-        return {"backend": self.backend.as_dict(), "device": self.device, "mfu": self.mfu_basis}
+        return {"backend": self.backend.as_dict(), "device": self.device,
+                "precision": self.precision, "mfu": self.mfu_basis}
 
 
 def run_record(cfg: RunConfig, resolved: dict) -> dict:
@@ -87,7 +89,8 @@ def run_record(cfg: RunConfig, resolved: dict) -> dict:
 def backend_event(run: Run, iteration: int) -> dict:
     """The metrics.jsonl record of the resolved backend and device (one per start)."""
     return {"kind": "event", "iteration": iteration,
-            "message": f"{run.backend.describe()}, device {run.device}; MFU against {run.mfu_basis}",
+            "message": f"{run.backend.describe()}, device {run.device}, precision "
+                       f"{run.precision}; MFU against {run.mfu_basis}",
             **run.resolved}
 
 
@@ -233,6 +236,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None,
         mfu_basis=mfu_basis,
         checkpoint_dir=checkpoint_folder(cfg.checkpoint.dir, run_dir),
         backend=backend, device="cuda" if torch.cuda.is_available() else "cpu",
+        precision=numerics.precision,
     )
     if data:
         build_data(run)
@@ -360,7 +364,8 @@ def run_config_text(cfg: RunConfig, resolved: Optional[dict] = None) -> str:
     if resolved:
         backend = BackendChoice(**resolved["backend"])
         mfu = f"; MFU against {resolved['mfu']}" if resolved.get("mfu") else ""
-        text = (f"# resolved at the last start: device {resolved['device']}{mfu}\n"
+        precision = f", precision {resolved['precision']}" if resolved.get("precision") else ""
+        text = (f"# resolved at the last start: device {resolved['device']}{precision}{mfu}\n"
                 f"# backend: {backend.name} ({backend.details()})\n{text}")
     return text
 

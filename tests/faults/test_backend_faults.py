@@ -652,8 +652,10 @@ def test_train_prints_and_records_the_backend_and_refuses_a_lost_gpu(tmp_path, c
     assert yaml.safe_load(saved.read_text())["model"]["backend"] == "auto"
     (common,) = (tmp_path / "run" / "checkpoints").glob("*/common.pt")
     resolved = torch.load(common, weights_only=False)["kvtrain"]["config"]["resolved"]
-    assert resolved == {"backend": expected.as_dict(), "device": device, "mfu": mfu}
-    assert f"device {device}; MFU against {mfu}\n" in saved.read_text()
+    precision = "fp32" if device == "cpu" else "bf16"  # train.precision auto
+    assert resolved == {"backend": expected.as_dict(), "device": device, "precision": precision,
+                        "mfu": mfu}
+    assert f"device {device}, precision {precision}; MFU against {mfu}\n" in saved.read_text()
 
     # a job given a GPU that torch cannot see (on a GPU machine: hidden from torch)
     lost_gpu = {"CUDA_VISIBLE_DEVICES": "0"} if device == "cpu" else \

@@ -108,6 +108,34 @@ def test_refused_and_allowed_changes():
         check_allowed_keys(["train.lr"])
 
 
+def test_a_change_of_resolved_precision_is_compared():
+    """train.precision as it ran (the record's ``resolved``: auto is bf16 on a GPU,
+    fp32 on a CPU). A GPU run's checkpoint continued on a CPU changed it silently;
+    with the plain optimizer the load then failed as a damaged checkpoint
+    ("could not be loaded: KeyError: 'pre_wd_mult'")."""
+    auto = changed(train__precision="auto")
+    gpu, cpu = {**auto, "resolved": {"precision": "bf16"}}, {**auto, "resolved": {"precision": "fp32"}}
+    assert check_resume_config(gpu, gpu, [], "ckpt") == []
+    with pytest.raises(ConfigError, match=r"^ckpt was saved by a different run: "
+                                          r"train.precision: 'bf16' -> 'fp32'\. .*"
+                                          r"allow_config_changes: \[train.precision\]"):
+        check_resume_config(gpu, cpu, [], "ckpt")
+    allowed = ["train.precision"]
+    assert [str(c) for c in check_resume_config(gpu, cpu, allowed, "ckpt")] == [
+        "train.precision: 'bf16' -> 'fp32'"]
+    plain = {**cpu, "parallel": {"distributed_optimizer": False}}
+    with pytest.raises(ConfigError, match=r"^ckpt: a change of train.precision: 'bf16' -> "
+                                          r"'fp32' needs parallel.distributed_optimizer: true"):
+        check_resume_config(gpu, plain, allowed, "ckpt")
+    weights_only = {**plain, "checkpoint": {"load_optimizer": False}}
+    assert len(check_resume_config(gpu, weights_only, allowed, "ckpt")) == 1
+    # a record from before the resolved precision: an explicit setting still tells
+    assert check_resume_config(auto, cpu, [], "ckpt") == []  # auto: unknown
+    with pytest.raises(ConfigError, match="train.precision: 'bf16' -> 'fp32'"):
+        check_resume_config(changed(train__precision="bf16"), cpu, [], "ckpt")
+    check_allowed_keys(["train.precision"])
+
+
 @pytest.fixture(scope="module")
 def resumes(tmp_path_factory, corpus, cache_dir):
     root = tmp_path_factory.mktemp("compat")
@@ -125,6 +153,12 @@ def resumes(tmp_path_factory, corpus, cache_dir):
         # holds the shift coefficients, the vanilla model has none...
         "strict_extra": (["model.attention=vanilla",
                           "checkpoint.allow_config_changes=[model.attention]"], 2),
+        # the checkpoint trained at fp32 (auto on a CPU)
+        "precision": (["train.precision=bf16"], 2),
+        "precision_allowed": (["train.precision=bf16", "train.max_steps=4",
+                               "checkpoint.allow_config_changes=[train.precision]"], 0),
+        "precision_plain": (["train.precision=bf16", "parallel.distributed_optimizer=false",
+                             "checkpoint.allow_config_changes=[train.precision]"], 2),
     }
     jobs = [{"config": str(config), "run_dir": str(root / "saved")},
             {"config": str(config), "run_dir": str(root / "saved_vanilla"),
@@ -243,3 +277,24 @@ def test_a_smaller_global_batch_on_resume_draws_what_it_needs(resumes):
     # built once, for those 48: not first for a fresh run's 32, then again
     (built,) = (root / "smaller_cache").glob("*-train-description.txt")
     assert '"num_samples": 48' in built.read_text(), built.read_text()
+
+
+def test_a_change_of_precision_is_refused_or_continues_from_the_main_parameters(resumes):
+    """fp32 -> bf16: refused unless allowed; allowed, the distributed optimizer's fp32
+    main parameters go on (the next loss is the fp32 run's, to bf16's precision);
+    the plain optimizer is refused in one line."""
+    root, result = resumes
+    errors = [line for line in result.stderr.splitlines() if "kvtrain: config error:" in line]
+    assert any("train.precision: 'fp32' -> 'bf16'. Resume it with the saved values" in e
+               for e in errors), errors
+    assert any("a change of train.precision: 'fp32' -> 'bf16' needs "
+               "parallel.distributed_optimizer: true" in e for e in errors), errors
+    for name in ("precision", "precision_plain"):
+        assert metrics(root / name, None) == []
+    (step,) = metrics(root / "precision_allowed")
+    fp32 = [r for r in metrics(root / "rerun") if r["iteration"] == 4]
+    assert step["iteration"] == 4 and step["lm_loss"] == pytest.approx(fp32[0]["lm_loss"],
+                                                                       rel=2e-2)
+    events = [r for r in metrics(root / "precision_allowed", "event") if "config changed" in
+              r.get("message", "")]
+    assert events[0]["changes"] == {"train.precision": ["fp32", "bf16"]}
