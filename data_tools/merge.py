@@ -17,6 +17,7 @@ different pieces. Shards without a meta (megatron's own) are not checked.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -121,10 +122,13 @@ def run(args) -> int:
     """CLI entry (see data_tools.cli)."""
     try:
         check_prefix(args.output_prefix, "--output-prefix", "corpus")
-        sources = [p for spec in args.inputs for p in resolve_prefixes(spec, prefer_shards=True)]
         out = output_name(args.output_prefix)
-        # A glob can also match an earlier merge result; never read the output.
-        sources = [s for s in sources if os.path.abspath(s) != os.path.abspath(out)]
+        sources = []
+        for spec in args.inputs:
+            found = resolve_prefixes(spec, prefer_shards=True)
+            if glob.has_magic(spec):  # a glob can match an earlier merge result: skip it
+                found = [p for p in found if os.path.abspath(p) != os.path.abspath(out)]
+            sources += found  # the output named as an input is refused (merge)
         merge(sources, out)
     except (FileNotFoundError, ValueError) as e:
         print(f"kvtrain data merge: error: {e}", file=sys.stderr)

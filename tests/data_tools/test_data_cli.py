@@ -309,3 +309,29 @@ def test_demo_corpus_infinite_max_mb_is_one_line(tmp_path, capsys):
     err = _refused(capsys, "demo-corpus", "-o", str(tmp_path / "c.jsonl"), "--max-mb", "inf")
     assert err.endswith("--max-mb must be finite (leave it out for the whole corpus), got inf")
     assert os.listdir(tmp_path) == []
+
+
+def test_merge_into_one_of_its_named_inputs_is_refused_keeping_it(tmp_path, capsys):
+    """``merge -o d d e``: the input named like the output was dropped from the inputs
+    (meant for a glob matching an earlier merge result), so d was replaced by e
+    alone, exit 0: d's documents lost. A glob still skips the output."""
+    import numpy as np
+
+    from data_tools.cli import main
+    from data_tools.indexed import IndexedWriter
+
+    for name, n in (("d", 5), ("e", 3)):
+        with IndexedWriter(tmp_path / f"{name}_text_document", np.uint16) as w:
+            w.add_documents(np.arange(n, dtype=np.uint16), [n])
+            w.commit()
+    kept = (tmp_path / "d_text_document.bin").read_bytes()
+    for inputs in ([str(tmp_path / "d"), str(tmp_path / "e")],
+                   [str(tmp_path / "d_text_document.idx"), str(tmp_path / "e_text_document")]):
+        err = _refused(capsys, "merge", "-o", str(tmp_path / "d"), *inputs)
+        assert err.endswith("the output is also an input"), err
+        assert (tmp_path / "d_text_document.bin").read_bytes() == kept
+    # a glob over both (d matched as an earlier result) merges e alone into d
+    assert main(["merge", "-o", str(tmp_path / "d"), str(tmp_path / "*.idx")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "d_text_document.bin").read_bytes() == \
+        (tmp_path / "e_text_document.bin").read_bytes()
