@@ -60,8 +60,9 @@ def _spec(args):
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError(f"--tasks {args.tasks!r}: no task names")
-    if args.limit is not None and args.limit <= 0:
-        raise ConfigError(f"--limit {args.limit}: must be positive")
+    if args.limit is not None and not 0 < args.limit < float("inf"):  # nan too
+        raise ConfigError(f"--limit {args.limit}: must be positive (a count of examples, or "
+                          f"a fraction of each task below 1)")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
     if args.bootstrap_iters < 0:  # lm-eval takes it for 0 without a word
@@ -97,9 +98,13 @@ def run(args) -> int:
     from kvtrain.evaluate.report import (
         EVAL_DIR, log_to_wandb, make_record, record_name, render_table, write_record,
     )
+    from kvtrain.commands.generate import check_out
+    from kvtrain.config import ConfigError
+    from kvtrain.config.loader import first_line
     from kvtrain.evaluate.source import is_hf_folder, prepared
 
     spec = _spec(args)
+    check_out(args.out)  # a file in its path: one line now, not after the evaluation
     quiet_imports()  # the export of a run loads megatron and its checkpoint
     import_harness()  # the extra, before any export; the offline switches, before any HF import
     if is_hf_folder(Path(args.source).expanduser()):  # folder code refused: before the tasks
@@ -107,16 +112,22 @@ def run(args) -> int:
     # unknown task, missing dataset: one line, before any export or model
     loaded = load_tasks(spec.tasks, spec.include_path)
     with prepared(args.source, spec.dtype) as src:
-        out = run_harness(src.hf_dir, spec, loaded)
-        record = make_record(args.source, src.checkpoint, src.iteration, src.hf_dir, spec, out)
         target = Path(args.out).expanduser() if args.out else None
         if target is None and src.run_dir is not None:
             name = record_name(spec.tasks, src.iteration, spec.num_fewshot, spec.limit,
                                spec.dtype)
             target = src.run_dir / EVAL_DIR / name
+            check_out(str(target))  # RUN_DIR/eval a file: before the evaluation
+        out = run_harness(src.hf_dir, spec, loaded)
+        record = make_record(args.source, src.checkpoint, src.iteration, src.hf_dir, spec, out)
         print(render_table(out.tasks, out.n_samples))
         if target is not None:
-            for path in write_record(target, record, out.samples):
+            try:
+                written = write_record(target, record, out.samples)
+            except OSError as e:  # e.g. a file system that takes no file: the table stays
+                raise ConfigError(f"cannot write the results to {target} (they are in the "
+                                  f"table above): {first_line(e)}") from None
+            for path in written:
                 print(f"kvtrain eval: wrote {path}")
         else:
             print(f"kvtrain eval: results not saved ({args.source} is in no kvtrain run "

@@ -187,25 +187,42 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str = "fp32",
     _check_out_dir(out_dir, force)
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise ConfigError("kvtrain export runs in one process (not under torchrun)")
-    inference_process()
-    loaded = load_model(source, backend="local", dtype=torch.float32)
-    tokenizer = _tokenizer_path(loaded.config, loaded.checkpoint)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    checkpoint = loaded.checkpoint.absolute()
-    record = {"checkpoint": str(checkpoint), "iteration": loaded.iteration,
-              "run_dir": str(checkpoint.parent.parent) if checkpoint.parent.name == "checkpoints"
-              else None}
+    work = _work_folder(out_dir)  # before the checkpoint is loaded
     try:
-        export_model(loaded.model, loaded.config, work, dtype, record, tokenizer)
-        publish(work, out_dir)
-    except OSError as e:
-        raise ConfigError(f"export to {out_dir} failed: {first_line(e)}") from None
+        inference_process()
+        loaded = load_model(source, backend="local", dtype=torch.float32)
+        tokenizer = _tokenizer_path(loaded.config, loaded.checkpoint)
+        checkpoint = loaded.checkpoint.absolute()
+        record = {"checkpoint": str(checkpoint), "iteration": loaded.iteration,
+                  "run_dir": str(checkpoint.parent.parent)
+                  if checkpoint.parent.name == "checkpoints" else None}
+        try:
+            export_model(loaded.model, loaded.config, work, dtype, record, tokenizer)
+            publish(work, out_dir)
+        except OSError as e:
+            raise ConfigError(f"export to {out_dir} failed: {first_line(e)}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out_dir
+
+
+def _work_folder(out_dir: Path) -> Path:
+    """The hidden folder the export is written in (then renamed to ``out_dir``),
+    made first: an output that cannot be written (a file in its path, a read-only
+    or virtual file system) is one line before the minutes of loading, not a
+    traceback after them."""
+    from data_tools.fileio import not_a_folder
+
+    if why := not_a_folder(out_dir.parent):
+        raise ConfigError(f"cannot export to {out_dir}: {why}")
+    work = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+    except OSError as e:
+        raise ConfigError(f"cannot export to {out_dir}: {first_line(e)}") from None
+    return work
 
 
 __all__ = ["HF_EXTRA", "export_hf", "export_model", "hf_config", "offline", "require_hf"]

@@ -169,6 +169,9 @@ def test_without_the_hf_extra_names_it(local, capsys, monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--tasks", " , "], "--tasks ' , ': no task names"),
     (["--tasks", "kvt_mc", "--limit", "0"], "--limit 0.0: must be positive"),
+    # a ValueError / OverflowError traceback (int() of them)
+    (["--tasks", "kvt_mc", "--limit", "nan"], "--limit nan: must be positive"),
+    (["--tasks", "kvt_mc", "--limit", "inf"], "--limit inf: must be positive"),
     (["--tasks", "kvt_mc", "--batch-size", "0"], "--batch-size 0: must be at least 1"),
     (["--tasks", "kvt_mc", "--num-fewshot", "-1"], "--num-fewshot -1: must be 0 or more"),
     (["--tasks", "kvt_mc", "--bootstrap-iters", "-5"], "--bootstrap-iters -5: must be 0 or more"),
@@ -177,7 +180,8 @@ def test_without_the_hf_extra_names_it(local, capsys, monkeypatch):
 ])
 def test_bad_options_are_one_line_before_anything_loads(local, capsys, argv, message):
     code, out, err = kvtrain_eval([str(local["hf"]), *argv], capsys)
-    assert code == 2 and err.strip() == f"kvtrain: config error: {message}", err
+    assert code == 2 and err.strip().startswith(f"kvtrain: config error: {message}"), err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_out_naming_a_folder_is_one_line_before_anything_loads(local, capsys, tmp_path):
@@ -189,3 +193,20 @@ def test_out_naming_a_folder_is_one_line_before_anything_loads(local, capsys, tm
                                          "folder; name the results file, e.g. "
                                          f"{tmp_path / 'results.json'}"), err
     assert out == ""  # no table: nothing was evaluated
+
+
+def test_out_that_cannot_be_written_is_one_line_keeping_the_results(local, capsys, tmp_path):
+    """``--out`` under a file: a FileExistsError traceback after the whole evaluation,
+    now one line before it. A file system that takes no file (/proc): one line after
+    it, naming the table printed above, which holds the results."""
+    (tmp_path / "afile").write_text("x")
+    argv = [str(local["hf"]), "--tasks", "kvt_mc", "--include-path", str(local["tasks"])]
+    code, out, err = kvtrain_eval([*argv, "--out", str(tmp_path / "afile" / "x.json")], capsys)
+    assert code == 2 and err.strip() == (f"kvtrain: config error: --out {tmp_path}/afile/x.json:"
+                                         f" {tmp_path}/afile is a file, not a folder"), err
+    assert out == ""
+    code, out, err = kvtrain_eval([*argv, "--out", "/proc/kvtrain-eval.json"], capsys)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        "kvtrain: config error: cannot write the results to /proc/kvtrain-eval.json (they are "
+        "in the table above): "), err  # the lines above it: lm-eval's progress bars
+    assert "kvt_mc" in out and "acc" in out

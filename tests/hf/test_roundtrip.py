@@ -4,6 +4,7 @@ logits; the import's config rules; the one-line errors of export and import."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +277,20 @@ def test_force_replaces_an_earlier_export_whole(kv_checkpoint, tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=f"^{blocker} exists and is not a folder$"):
         export_hf(path, blocker, force=True)
+
+
+def test_an_export_that_cannot_be_written_is_one_line_before_loading(kv_checkpoint, tmp_path,
+                                                                      monkeypatch):
+    """A file in the output's path, or a file system that takes no folder (/proc):
+    it was a FileExistsError / FileNotFoundError traceback after the checkpoint was
+    loaded; now one line before it is (the loader must not be reached)."""
+    from kvtrain.inference import loading
+
+    path, _ = kv_checkpoint
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    (tmp_path / "file").write_text("x")
+    for out, why in ((tmp_path / "file" / "o3", f"{tmp_path / 'file'} is a file, not a folder"),
+                     (Path("/proc/kvtrain-export"), "")):
+        with pytest.raises(ConfigError, match=f"^cannot export to {out}: {why}"):
+            export_hf(path, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "file"]
