@@ -30,6 +30,7 @@ import torch
 
 from data_tools.fileio import atomic_write_text
 from data_tools.units import human
+from kvtrain.config import ConfigError
 
 from .wandb_logger import WandbLogger
 
@@ -44,27 +45,42 @@ def peak_memory_gib() -> tuple[float, str]:
     return rss_kib / 2**20, "cpu_rss"
 
 
-def truncate_after(path: Path, iteration: int, backup: Optional[Path] = None) -> int:
-    """Drops records with ``iteration`` > ``iteration`` (atomically); returns how many.
-    ``backup``: where the original goes first, if anything is dropped."""
+def truncate_after(path: Path, iteration: int,
+                   backup: Optional[Path] = None) -> tuple[int, int, Optional[Path]]:
+    """Drops records with ``iteration`` > ``iteration`` (atomically), and damaged
+    lines: a line torn by a kill mid-write, or one that is no record (not UTF-8,
+    not a JSON object, no whole iteration). Returns (records dropped, damaged
+    lines, where the original was kept). ``backup``: where the original goes
+    first, if anything is dropped; with damaged lines other than a torn last one
+    it is kept anyway (they were not the trainer's)."""
     if not path.exists():
-        return 0
-    keep, dropped = [], 0
-    for line in path.read_text().splitlines():
+        return 0, 0, None
+    lines = path.read_bytes().split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()  # the file's final newline
+    keep, dropped, damaged = [], 0, []
+    for n, raw in enumerate(lines):
         try:
-            record = json.loads(line)
-        except ValueError:
-            dropped += 1  # a line torn by a kill mid-write
+            record = json.loads(raw.decode("utf-8"))
+            number = record.get("iteration", 0)
+            if not isinstance(number, int) or isinstance(number, bool):
+                raise ValueError
+        except (ValueError, AttributeError):
+            damaged.append(n)
             continue
-        if int(record.get("iteration", 0)) > iteration:
+        if number > iteration:
             dropped += 1
         else:
-            keep.append(line)
-    if dropped:
-        if backup is not None:
-            shutil.copy2(path, backup)
-        atomic_write_text(path, "".join(line + "\n" for line in keep))
-    return dropped
+            keep.append(raw.decode("utf-8"))
+    torn_last_only = damaged == [len(lines) - 1]
+    if damaged and not torn_last_only and backup is None:
+        backup = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ')}")
+    if not (dropped or damaged):
+        return 0, 0, None
+    if backup is not None:
+        shutil.copy2(path, backup)
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
+    return dropped, len(damaged), backup
 
 
 def _fmt(value) -> str:
@@ -88,6 +104,9 @@ class MetricsLogger:
         self.wandb = wandb
         self._file = None
         if active:
+            if self.path.is_dir():  # an IsADirectoryError traceback at the start
+                raise ConfigError(f"{self.path} is a folder, not the run's metrics file: "
+                                  "move it away")
             self._file = open(self.path, "a", buffering=1)  # line-buffered
 
     def resume_at(self, iteration: int, keep_copy: bool = False) -> None:
@@ -98,13 +117,17 @@ class MetricsLogger:
         self._file.close()
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         backup = self.path.with_name(f"{self.path.name}.before-{iteration}-{stamp}")
-        dropped = truncate_after(self.path, iteration, backup if keep_copy else None)
+        dropped, damaged, copy = truncate_after(self.path, iteration,
+                                                backup if keep_copy else None)
+        kept = f"; the file before is kept as {copy.name}" if copy is not None else ""
         if dropped:
-            kept = f"; the file before is kept as {backup.name}" if keep_copy else ""
             why = ("no checkpoint continues them" if iteration == 0 else
                    "written by the interrupted run after its last checkpoint")
             print(f"metrics: dropped {dropped} records after iteration {iteration} "
                   f"({why}){kept}", flush=True)
+        if damaged:
+            print(f"metrics: dropped {damaged} damaged lines of {self.path} (not records: "
+                  f"torn by a kill, or not the trainer's){'' if dropped else kept}", flush=True)
         self._file = open(self.path, "a", buffering=1)
 
     def write(self, record: dict, echo: bool = True) -> None:

@@ -142,8 +142,34 @@ def test_metrics_after_the_checkpoint_are_dropped_on_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"kind": "train", "iteration": i}) for i in range(1, 8)]
     path.write_text("\n".join(lines) + "\n{\"kind\": \"tr")  # a line torn by a kill
-    assert truncate_after(path, 4) == 4
+    assert truncate_after(path, 4) == (3, 1, None)  # a torn last line: no copy kept
     assert [json.loads(l)["iteration"] for l in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("junk", [b"\xff\xfe\x00\x01", b"[1, 2]", b"3", b'{"iteration": "x"}',
+                                  b'{"iteration": null}'])
+def test_metrics_lines_that_are_no_records_are_dropped_and_kept_aside(tmp_path, junk):
+    """A line that is not the trainer's (not UTF-8, not an object, no whole iteration)
+    anywhere in metrics.jsonl stopped the resume with a traceback (UnicodeDecodeError,
+    AttributeError, ValueError); now it is dropped and the file before kept aside."""
+    from kvtrain.train.metrics import truncate_after
+
+    path = tmp_path / "metrics.jsonl"
+    records = [json.dumps({"kind": "train", "iteration": i}).encode() for i in (1, 2, 3)]
+    original = b"\n".join([records[0], junk, *records[1:]]) + b"\n"
+    path.write_bytes(original)
+    dropped, damaged, copy = truncate_after(path, 2)
+    assert (dropped, damaged) == (1, 1) and copy.read_bytes() == original
+    assert path.read_bytes() == b"\n".join(records[:2]) + b"\n"
+
+
+def test_a_metrics_file_that_is_a_folder_is_one_line(tmp_path):
+    from kvtrain.config import ConfigError
+    from kvtrain.train.metrics import MetricsLogger
+
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(ConfigError, match="metrics.jsonl is a folder, not the run's metrics"):
+        MetricsLogger(tmp_path, wandb=None, active=True)
 
 
 def test_resume_resolution_and_tracker(tmp_path):
