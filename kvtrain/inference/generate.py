@@ -54,8 +54,9 @@ class SamplingOptions:
         """Itself, or ConfigError naming the bad option."""
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
-        if not self.temperature >= 0:  # NaN too: it fails every comparison
-            raise ConfigError(f"--temperature must be >= 0 (got {self.temperature})")
+        # NaN fails every comparison; inf would sample every token alike, silently
+        if not 0 <= self.temperature < float("inf"):
+            raise ConfigError(f"--temperature must be >= 0 and finite (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
@@ -199,7 +200,9 @@ def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def choose_tokens(logits: torch.Tensor, options: SamplingOptions,
                   generators: Sequence[torch.Generator]) -> torch.Tensor:
     """The next token of each row of ``logits`` [b, V] (fp32), [b] int64."""
-    if options.temperature == 0:
+    # a temperature the logits' dtype rounds to 0 (1e-320 in fp32) is greedy too: the
+    # division below would be 0 / 0 for the max (a NaN softmax: multinomial raised)
+    if torch.tensor(options.temperature, dtype=logits.dtype) == 0:
         return logits.argmax(-1)
     # the row's max at 0 first: a temperature near 0 then sends the other logits
     # to -inf, rather than the max to inf (and the softmax to NaN)

@@ -265,7 +265,10 @@ def test_prompt_files_and_sampling_options_that_cannot_be_used_are_one_line(
             (["--prompts", str(wrong)], f"--prompts {wrong} line 1: expected a JSON string or "
                                         'an object with a "prompt" string'),
             (["--prompt", "1", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1 (got 0)"),
-            (["--prompt", "1", "--temperature", "-1"], "--temperature must be >= 0 (got -1.0)"),
+            (["--prompt", "1", "--temperature", "-1"],
+             "--temperature must be >= 0 and finite (got -1.0)"),
+            (["--prompt", "1", "--temperature", "inf"],
+             "--temperature must be >= 0 and finite (got inf)"),
             (["--prompt", "1", "--temperature", "1", "--top-p", "1.5"],
              "--top-p must be in (0, 1] (got 1.5)"),
             (["--prompt", "1", "--temperature", "1", "--top-k", "-1"],
@@ -316,19 +319,21 @@ def test_a_nan_temperature_is_one_line(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "run"), "--prompt", "1",
                  "--temperature", "nan"]) == 2
     assert capsys.readouterr().err.strip() == \
-        "kvtrain: config error: --temperature must be >= 0 (got nan)"
+        "kvtrain: config error: --temperature must be >= 0 and finite (got nan)"
 
 
 def test_a_tiny_temperature_samples_the_argmax():
     """logits / temperature overflowed to inf for a temperature near 0 (1e-40),
-    and the softmax of inf - inf is NaN: torch.multinomial raised."""
+    and the softmax of inf - inf is NaN: torch.multinomial raised. A temperature
+    fp32 rounds to 0 (1e-320) made 0 / 0 for the max: raised the same."""
     from kvtrain.inference.generate import SamplingOptions, choose_tokens
 
     logits = torch.tensor([[1.0, 3.0, -2.0, 2.5], [0.5, -1.0, 4.0, 3.9]])  # [b, V]
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     for cut in ({}, dict(top_k=2), dict(top_p=0.5)):
-        options = SamplingOptions(temperature=1e-40, **cut).check()
-        assert choose_tokens(logits, options, gens).tolist() == [1, 2]
+        for temperature in (1e-40, 1e-320):
+            options = SamplingOptions(temperature=temperature, **cut).check()
+            assert choose_tokens(logits, options, gens).tolist() == [1, 2]
 
 
 def test_a_seed_torch_cannot_take_is_one_line(tmp_path, capsys):
