@@ -30,8 +30,9 @@ class ConfigError(ValueError):
     """A config problem, reported as one line without a traceback by the CLI."""
 
 
-class _NotFinite(ConfigError):
-    """A float setting given nan or inf (reported as such, also for an optional one)."""
+class _Unusable(ConfigError):
+    """A value of the right type that no setting takes (a float nan or inf, a string
+    holding NUL): reported as such, also for an optional setting."""
 
 
 def first_line(exc: BaseException) -> str:
@@ -116,6 +117,8 @@ def read_yaml(path: str | Path) -> dict:
         mark = e.problem_mark
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         raise ConfigError(f"{where}: invalid YAML: {e.problem}") from None
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        raise ConfigError(f"{path}: nested too deeply to read (no config is)") from None
     finally:
         loader.dispose()
     if data is None:
@@ -171,7 +174,7 @@ def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None
                 errors.append(e)
         # a number that is not finite says so, not "expected float | null"
         for e in errors:
-            if isinstance(e, _NotFinite):
+            if isinstance(e, _Unusable):
                 raise e
         raise ConfigError(
             f"{_where(key, source, line)}: expected {_type_name(tp)}, got {value!r}"
@@ -218,12 +221,15 @@ def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None
             number = float(value)
         if not math.isfinite(number):
             # nan passes every `<= 0` check, and no float setting gives inf a meaning
-            raise _NotFinite(f"{_where(key, source, line)}: expected a finite number, "
+            raise _Unusable(f"{_where(key, source, line)}: expected a finite number, "
                              f"got {value!r}")
         return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{_where(key, source, line)}: expected str, got {value!r}")
+        if "\0" in value:  # no path or name holds one (a ValueError deep in a later open)
+            raise _Unusable(f"{_where(key, source, line)}: holds a NUL character (\\0), "
+                              f"which no file name or text setting can")
         return value
     raise TypeError(f"unsupported config type {tp!r} for {key}")
 
@@ -286,6 +292,8 @@ def apply_override(data: dict, assignment: str, cls: type) -> None:
     except yaml.YAMLError as e:
         why = getattr(e, "problem", None) or first_line(e)  # str(e) spans lines
         raise ConfigError(f"--set {path}: cannot parse value {raw!r}: {why}") from None
+    except RecursionError:
+        raise ConfigError(f"--set {path}: the value is nested too deeply to read") from None
     _set_path(data, path.strip().split("."), value, cls)
 
 

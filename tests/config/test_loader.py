@@ -369,3 +369,29 @@ def test_shards_named_without_a_data_type_are_read(tmp_path):
     assert load_config(None, ["data.tokenizer=t.model"]).data.type == "mock"
     # the resolved type is what the run records (its config.yaml)
     assert to_dict(load_config(str(path), []))["data"]["type"] == "gpt"
+
+
+def test_a_config_nested_too_deeply_is_one_line(tmp_path):
+    """PyYAML composes nested nodes recursively: a file or --set value nested
+    thousands deep stopped kvtrain train and plan with a RecursionError traceback."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: x\nwandb:\n  tags: " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(ConfigError, match=rf"^{deep}: nested too deeply to read"):
+        load_config(str(deep), [])
+    with pytest.raises(ConfigError, match=r"^--set wandb.tags: the value is nested too deeply"):
+        load_config(None, ["wandb.tags=" + "[" * 3000 + "]" * 3000])
+
+
+@pytest.mark.parametrize("key", ["name", "data.cache_dir", "checkpoint.dir", "wandb.dir",
+                                 "data.tokenizer"])
+def test_a_nul_character_in_a_setting_is_one_line(tmp_path, key):
+    """A NUL in a path or name was a 'ValueError: embedded null byte' traceback where
+    the path was first opened (some after the run folder was made), or dropped
+    silently (data.tokenizer named another file)."""
+    with pytest.raises(ConfigError, match=rf"^--set: {key}: holds a NUL character"):
+        load_config(None, [f'{key}="a\\0b"'])
+    path = tmp_path / "c.yaml"
+    section, _, leaf = key.rpartition(".")
+    path.write_text((f"{section}:\n  {leaf}: \"a\\0b\"\n" if section else f'{leaf}: "a\\0b"\n'))
+    with pytest.raises(ConfigError, match=rf"^{path}:\d+: {key}: holds a NUL character"):
+        load_config(str(path), [])
