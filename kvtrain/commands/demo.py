@@ -251,6 +251,9 @@ def run(args) -> int:
         print(f"kvtrain demo: config {config} not found (use --config)", file=sys.stderr)
         return 2
     user = ([f"train.max_steps={args.steps}"] if args.steps is not None else []) + args.overrides
+    if (args.workers is not None and args.workers < 1) or args.nproc < 1:  # 0, -1: taken as 1
+        raise ConfigError(f"--workers and --nproc must be at least 1, got {args.workers} and "
+                          f"{args.nproc}")
     check_before_building(config, run_dir, user, args.nproc)
     overrides = prepare_data(run_dir / "data", args.synthetic) + user
     if args.fresh:

@@ -61,6 +61,8 @@ def run_induction(args) -> int:
         raise ConfigError("--workers and --nproc must be >= 1, --threads >= 0")
     overrides = list(args.overrides) + (["wandb.enabled=false"] if args.no_wandb else [])
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    if args.arms is not None and not arms:  # ',' or '': it ran every arm
+        raise ConfigError(f"--arms {args.arms!r}: no arm names")
     selected = [a.name for a in select_arms(args.preset, arms)]
     run_dir = args.run_dir or os.path.join("runs", f"induction-{args.preset}-{args.scale}")
     # a folder's experiment is continued: its arms stay one wandb group

@@ -320,6 +320,9 @@ class RunConfig:
                 f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline "
                 f"x parallel.virtual_pipeline ({stages})"
             )
+        if p.virtual_pipeline is not None and p.virtual_pipeline < 1:  # -1 passed, 0 too
+            raise ConfigError(f"parallel.virtual_pipeline must be >= 1 (or null), got "
+                              f"{p.virtual_pipeline}")
         if p.virtual_pipeline is not None and p.pipeline < 2:
             raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline >= 2")
         if p.sequence_parallel and p.tensor < 2:

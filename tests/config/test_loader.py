@@ -105,6 +105,9 @@ def test_overrides_use_the_same_checks(tmp_path):
     (["data.type=induction", "data.induction.max_val=99999"],
      "data.induction.max_val (99999) exceeds model.vocab_size (32000)"),
     (["data.type=induction", "data.reset_attention_mask=true"], "has one sequence per sample"),
+    # -1 passed the layer check (layers % -2 == 0) and kvtrain plan
+    (["parallel.pipeline=2", "parallel.virtual_pipeline=-1"],
+     "parallel.virtual_pipeline must be >= 1 (or null), got -1"),
     (["data.type=ngram", "data.eval_seed=7", "train.seed=7"],
      "data.eval_seed (7) must differ from the training data seed (7)"),
     (["data.type=induction", "data.induction.mid_val=7990"], "data.induction: need 2 <= pool_size"),

@@ -81,6 +81,7 @@ def test_set_is_kvtrain_trains_grammar_and_applies_to_every_arm():
     (["--set", "data.induction.max_val=99999"],
      "data.induction.max_val (99999) exceeds model.vocab_size (1024)"),
     (["--arms", "nope"], "--arms: unknown arm(s) ['nope']"),
+    (["--arms", ","], "--arms ',': no arm names"),  # it ran every arm
     (["--set", "data.type=mock"], "data.type 'mock': kvtrain experiment induction trains the toy"),
 ])
 def test_bad_options_are_one_line_errors(args, message, capsys, tmp_path):

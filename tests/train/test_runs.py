@@ -363,7 +363,7 @@ def test_fp16_trains_with_a_dynamic_loss_scale_that_resumes(tmp_path, cache_dir)
         assert b[it]["lm_loss"] == pytest.approx(a[it]["lm_loss"], rel=1e-2), it
 
 
-@pytest.mark.parametrize("mistake", ["bad-set", "run-dir-is-a-file"])
+@pytest.mark.parametrize("mistake", ["bad-set", "run-dir-is-a-file", "no-workers"])
 def test_demo_mistakes_are_one_line_before_anything_is_built_or_cleared(tmp_path, capsys,
                                                                         mistake):
     """A bad --set is found before the data is built and before --fresh clears
@@ -378,6 +378,9 @@ def test_demo_mistakes_are_one_line_before_anything_is_built_or_cleared(tmp_path
         args, message = ["--run-dir", str(demo), "--set", "train.max_step=3"], (
             "kvtrain: config error: --set: unknown key 'train.max_step' "
             "(did you mean 'train.max_steps'?)")
+    elif mistake == "no-workers":  # --workers 0 (or -1) ran the demo with one
+        args = ["--run-dir", str(demo), "--workers", "0"]
+        message = "kvtrain: config error: --workers and --nproc must be at least 1, got 0 and 1"
     else:
         (tmp_path / "notes.txt").write_text("x")
         args = ["--run-dir", str(tmp_path / "notes.txt")]
