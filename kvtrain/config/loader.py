@@ -228,8 +228,7 @@ def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None
         if not isinstance(value, str):
             raise ConfigError(f"{_where(key, source, line)}: expected str, got {value!r}")
         if "\0" in value:  # no path or name holds one (a ValueError deep in a later open)
-            raise _Unusable(f"{_where(key, source, line)}: holds a NUL character (\\0), "
-                              f"which no file name or text setting can")
+            raise _Unusable(f"{_where(key, source, line)}: holds a NUL character (\\0)")
         return value
     raise TypeError(f"unsupported config type {tp!r} for {key}")
 

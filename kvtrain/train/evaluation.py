@@ -42,7 +42,7 @@ class Validator:
             self.forward_step = AccuracyForwardStep(self.accuracy_masks, vocab_size,
                                                     share=context_parallel_share)
         else:
-            self.forward_step = ForwardStep(documents=documents)
+            self.forward_step = ForwardStep(documents=documents, vocab_size=vocab_size or None)
         self.documents = documents
 
     def run(self, iteration: int) -> Optional[dict]:

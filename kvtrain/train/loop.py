@@ -54,7 +54,8 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
     """Trains from ``state`` to the end of the run (or a stop); returns the exit code."""
     cfg, t = run.cfg, run.cfg.train
     iterators = _data_iterators(run, state.consumed_samples)
-    forward_step, window = ForwardStep(hooks, run.documents), Window.resumed(state.window)
+    forward_step = ForwardStep(hooks, run.documents, vocab_size=cfg.model.vocab_size)
+    window = Window.resumed(state.window)
     last_saved = state.iteration if state.iteration > 0 else None
     exit_code, why = EXIT_OK, None
     while state.iteration < run.total_steps:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
+from kvtrain.config import ConfigError
 from kvtrain.model.context_parallel import context_parallel_share
 
 from .hooks import RunHooks
@@ -57,13 +58,17 @@ class ForwardStep:
     """
 
     def __init__(self, hooks: Optional[RunHooks] = None,
-                 documents: Optional[Callable[[dict], tuple]] = None):
+                 documents: Optional[Callable[[dict], tuple]] = None,
+                 vocab_size: Optional[int] = None):
         self.iteration = 0  # the training step being run (1-based); 0 in evaluation
         self.hooks = hooks
         self.documents = documents
+        self.vocab_size = vocab_size  # model.vocab_size: the token ids checked below it
 
     def __call__(self, data_iterator, model):
         batch = {k: v for k, v in next(data_iterator).items() if k in BATCH_KEYS}
+        if self.vocab_size is not None:
+            check_token_ids(batch["tokens"], self.vocab_size)
         if torch.cuda.is_available():
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
         packed = None
@@ -74,6 +79,23 @@ class ForwardStep:
                        packed_seq_params=packed)  # [b, s] loss (last stage)
         alter = partial(self.hooks.loss, self.iteration) if self.hooks is not None else None
         return output, partial(loss_func, batch["loss_mask"], alter)
+
+
+def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+    """Token ids of a micro batch [b, s] (on the host: a max over b x s ints) below
+    ``model.vocab_size``. Shards of a larger vocabulary whose ``.meta.json`` does
+    not say so (megatron's own) were an IndexError traceback in the embedding at
+    the first step on a CPU, a device-side assert on a GPU (or, below the padded
+    vocabulary, ids of no token, silently)."""
+    if not tokens.numel():
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise ConfigError(
+            f"data.paths: a batch holds token id {high if high >= vocab_size else low}, "
+            f"outside model.vocab_size ({vocab_size}): the shards were made with another "
+            "tokenizer (set model.vocab_size to its size, or data.tokenizer to it, which is "
+            "checked before training)")
 
 
 def schedule_shape(documents: Optional[Callable], seq_length: int,

@@ -252,3 +252,21 @@ def test_a_run_whose_validation_indices_exceed_memory_is_one_line(tmp_path, corp
                                           r"megatron's indices would need \d+ GiB"):
         build_datasets(cfg, str(tmp_path / "cache"), 8, valid)
     assert not (tmp_path / "cache").exists()  # refused before any index is written
+
+
+def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path, corpus, cache_dir):
+    """Shards of a larger vocabulary than model.vocab_size, with no .meta.json or
+    tokenizer to say so (megatron's own shards): an IndexError traceback in the
+    embedding at the first step (on a GPU a device-side assert). Now one line
+    naming data.paths and the id, before the batch reaches the model."""
+    prefix = _copy_shard(corpus.prefix, tmp_path / "data")  # .bin and .idx: no .meta.json
+    cfg = tiny_config(corpus, cache_dir, model={"vocab_size": 64})
+    cfg["data"].update(paths=[prefix], tokenizer=None, eod_id=None)
+    result = run(["train", str(write_config(tmp_path / "c.yaml", cfg)),
+                  "--run-dir", str(tmp_path / "run")], timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "kvtrain: config error: data.paths: a batch holds token id "), lines
+    assert "outside model.vocab_size (64)" in lines[0]
