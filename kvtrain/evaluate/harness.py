@@ -272,6 +272,17 @@ def language_model(hf_dir: Path, spec: EvalSpec, trust: bool):
         prefix_token_id=eod)
 
 
+def _loaded_model(hf_dir: Path, spec: "EvalSpec", trust: bool):
+    """``language_model``, with a folder whose weights are missing or damaged (a
+    copy cut short) one line naming it, not transformers' traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        return language_model(hf_dir, spec, trust)
+    except (OSError, SafetensorError) as e:
+        raise ConfigError(f"{hf_dir}: cannot load its model ({first_line(e)})") from None
+
+
 def metrics_of(results: dict[str, dict]) -> dict[str, dict[str, float]]:
     """lm-eval's ``{task: {"acc,none": v, "alias": ...}}`` -> ``{task: {"acc": v}}``
     (numbers only; a filter other than ``none`` stays in the name: ``acc/<filter>``)."""
@@ -308,7 +319,7 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
     trust = trusts_remote_code(hf_dir, spec.trust_remote_code)  # refused: before anything
     # the tasks before the model: a refused task costs nothing
     manager, tasks = loaded or load_tasks(spec.tasks, spec.include_path)
-    lm = language_model(hf_dir, spec, trust)
+    lm = _loaded_model(hf_dir, spec, trust)
     answer = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=spec.num_fewshot, limit=spec.limit,
         task_manager=manager, bootstrap_iters=spec.bootstrap_iters,

@@ -210,3 +210,22 @@ def test_out_that_cannot_be_written_is_one_line_keeping_the_results(local, capsy
         "kvtrain: config error: cannot write the results to /proc/kvtrain-eval.json (they are "
         "in the table above): "), err  # the lines above it: lm-eval's progress bars
     assert "kvt_mc" in out and "acc" in out
+
+
+def test_a_folder_whose_weights_are_missing_or_cut_short_is_one_line(local, capsys, tmp_path):
+    """transformers' OSError ('no file named model.safetensors') and safetensors'
+    'incomplete metadata' were tracebacks; now one line naming the folder."""
+    import shutil
+
+    for name, damage in (("missing", lambda w: w.unlink()),
+                         ("cut", lambda w: w.write_bytes(w.read_bytes()[:100000]))):
+        folder = tmp_path / name
+        shutil.copytree(local["hf"], folder)
+        (weights,) = folder.glob("*.safetensors")
+        damage(weights)
+        code, out, err = kvtrain_eval([str(folder), "--tasks", "kvt_mc", "--include-path",
+                                       str(local["tasks"])], capsys)
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and last.startswith(f"kvtrain: config error: {folder}: cannot load "
+                                             "its model ("), err
+        assert "Traceback" not in err
