@@ -61,12 +61,38 @@ def _read_json(path: Path) -> dict:
         raise ConfigError(f"{path} is unreadable: {first_line(e)}") from None
 
 
+# the sizes a Llama config.json must give, each a positive whole number
+REQUIRED_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                  "vocab_size", "max_position_embeddings")
+
+
+def _check_sizes(hf: dict, where: str) -> None:
+    """config.json an object with its sizes whole and positive: a missing one was a
+    KeyError traceback, a string a TypeError, a list an AttributeError."""
+    for key in REQUIRED_SIZES + ("num_key_value_heads", "head_dim"):
+        value = hf.get(key)
+        if value is None and key not in REQUIRED_SIZES:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{where}: {key} must be a positive whole number, got {value!r}")
+    for key in ("rope_theta", "rms_norm_eps"):
+        value = hf.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not 0 < value < float("inf")):
+            raise ConfigError(f"{where}: {key} must be a positive number, got {value!r}")
+
+
 def model_config(hf: dict, where: str) -> dict:
     """The kvtrain ``model`` section (a dict) of a HF Llama config.json."""
+    if not isinstance(hf, dict):  # a list: an AttributeError traceback
+        raise ConfigError(f"{where}: not a JSON object of model settings")
     kind = hf.get("model_type")
     if kind not in ("llama", "kvshift_llama"):
         raise ConfigError(f"{where}: model_type {kind!r} is not a Llama (llama, kvshift_llama)")
+    _check_sizes(hf, where)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: rope_parameters / rope_scaling {rope!r} is not an object")
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ConfigError(f"{where}: RoPE scaling {rope.get('rope_type', rope.get('type'))!r} "
                           "is not supported (kvtrain has plain RoPE)")

@@ -102,10 +102,13 @@ def to_hf(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _pad_vocab(weight: Tensor, rows: int) -> Tensor:
-    """``weight`` [vocab, h] padded with zero rows to ``rows`` (megatron's padded table)."""
-    if weight.shape[0] > rows:
-        raise ConfigError(f"a vocabulary of {weight.shape[0]} rows does not fit {rows}")
+def _pad_vocab(weight: Tensor, rows: int, vocab: int, name: str) -> Tensor:
+    """``weight`` [vocab, h] padded with zero rows to ``rows`` (megatron's padded table).
+    Its rows must be the config's ``vocab``, as transformers' own loader asks: fewer
+    were padded with zero rows the config calls tokens, silently."""
+    if weight.shape[0] != vocab:
+        raise ConfigError(f"the Hugging Face weight {name} has {weight.shape[0]} rows, but "
+                          f"config.json's vocab_size is {vocab}")
     return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], weight.shape[1])])
 
 
@@ -125,14 +128,15 @@ def from_hf(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     # rotary inverse frequencies of older exports are buffers, not weights
     state = _Weights((k, v) for k, v in state.items() if not k.endswith("rotary_emb.inv_freq"))
     out = {"embedding.word_embeddings.weight": _pad_vocab(state.take("model.embed_tokens.weight"),
-                                                          rows),
+                                                          rows, cfg.vocab_size,
+                                                          "model.embed_tokens.weight"),
            "decoder.final_layernorm.weight": state.take("model.norm.weight")}
     lm_head = state.pop("lm_head.weight", None)
     if cfg.untie_embeddings:
         if lm_head is None:
             raise ConfigError("the Hugging Face weights have no lm_head.weight but the "
                               "model has untied embeddings (model.untie_embeddings: true)")
-        out["output_layer.weight"] = _pad_vocab(lm_head, rows)
+        out["output_layer.weight"] = _pad_vocab(lm_head, rows, cfg.vocab_size, "lm_head.weight")
     reverse = {hf: mg for mg, hf in _PLAIN.items() if "layer_norm_weight" not in mg}
     for i in range(cfg.num_layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."

@@ -238,11 +238,21 @@ def test_hf_folders_kvtrain_cannot_take_are_refused_in_one_line(kv_checkpoint, t
         "bias": ({"attention_bias": True}, "biases in attention or MLP are not supported"),
         "gelu": ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not SwiGLU (silu)"),
         "head_dim": ({"head_dim": 7}, "head_dim 7 != hidden_size / heads"),
+        # a KeyError, a TypeError traceback; the vocabulary padded with zero "tokens"
+        "no_heads": ({"num_attention_heads": None},
+                     "num_attention_heads must be a positive whole number, got None"),
+        "heads_str": ({"num_attention_heads": "4"},
+                      "num_attention_heads must be a positive whole number, got '4'"),
+        "vocab": ({"vocab_size": config["vocab_size"] + 64},
+                  f"the Hugging Face weight model.embed_tokens.weight has {config['vocab_size']} "
+                  f"rows, but config.json's vocab_size is {config['vocab_size'] + 64}"),
+        "list": ([1], "not a JSON object of model settings"),
     }
     for name, (change, message) in cases.items():
         folder = tmp_path / name
         shutil.copytree(out, folder)
-        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        (folder / "config.json").write_text(json.dumps(
+            {**config, **change} if isinstance(change, dict) else change))
         with pytest.raises(ConfigError) as e:
             import_hf(folder, tmp_path / f"{name}-ckpt")
         assert str(e.value).endswith(message) and "\n" not in str(e.value), (name, e.value)
