@@ -72,7 +72,6 @@ def inspect(prefix: str, tokenizer: str | None = None, docs: int = 3, max_chars:
             out=print) -> int:
     """Print the report for one dataset; returns the exit status."""
     r = IndexedReader(prefix)
-    lengths = r.document_lengths()
     dtype_name = np.dtype(CODE_DTYPES[r.dtype_code]).name
     out(f"dataset    {r.prefix}")
     out(f"  .idx     {r.idx_bytes:,} bytes, version {r.version}, dtype {dtype_name} "
@@ -83,6 +82,9 @@ def inspect(prefix: str, tokenizer: str | None = None, docs: int = 3, max_chars:
     out(f"tokens     {r.num_tokens:,}")
     problems = r.check()
     out("check      " + ("OK" if not problems else "FAILED: " + "; ".join(problems)))
+    if problems:  # a damaged index's documents may point anywhere (an IndexError)
+        return 1
+    lengths = r.document_lengths()
     if lengths.size:
         q = np.percentile(lengths, [50, 90, 99])
         out(f"tokens per document: min {lengths.min():,}  mean {lengths.mean():,.1f}  "

@@ -335,3 +335,25 @@ def test_merge_into_one_of_its_named_inputs_is_refused_keeping_it(tmp_path, caps
     capsys.readouterr()
     assert (tmp_path / "d_text_document.bin").read_bytes() == \
         (tmp_path / "e_text_document.bin").read_bytes()
+
+
+def test_inspect_of_a_damaged_document_index_reports_it_without_a_traceback(tmp_path):
+    """A document index entry pointing past the sequences: the length histogram
+    was computed before the check (an IndexError traceback); now the check's
+    FAILED line and exit 1."""
+    import numpy as np
+
+    from data_tools.indexed import HEADER_SIZE, IndexedWriter
+
+    with IndexedWriter(tmp_path / "s_text_document", np.uint16) as w:
+        for n in (3, 4, 2):
+            w.add_documents(np.arange(1, n + 1, dtype=np.uint16), [n])
+        w.commit()
+    idx = tmp_path / "s_text_document.idx"
+    data = bytearray(idx.read_bytes())
+    S = 3  # sequences: the document index starts after 4 S bytes of lengths, 8 S of pointers
+    data[HEADER_SIZE + 12 * S + 8:HEADER_SIZE + 12 * S + 16] = (10**9).to_bytes(8, "little")
+    idx.write_bytes(bytes(data))
+    proc = h.kvtrain("data", "inspect", str(tmp_path / "s_text_document"), check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "check      FAILED: document indices decrease" in proc.stdout, proc.stdout
