@@ -360,26 +360,33 @@ class IndexedReader:
         cum = np.concatenate([[0], np.cumsum(self.sequence_lengths, dtype=np.int64)])
         return cum[self.document_indices[1:]] - cum[self.document_indices[:-1]]
 
-    def check(self) -> list[str]:
-        """Consistency problems (empty list when the dataset is sound)."""
+    def check(self, chunk: int = 1 << 24) -> list[str]:
+        """Consistency problems (empty list when the dataset is sound). Reads the
+        index in chunks of ``chunk`` entries: memory stays small for any size."""
         problems = []
         S = self.sequence_count
-        lengths = self.sequence_lengths.astype(np.int64)
-        if (lengths < 0).any():
+        total, negative, pointers = 0, False, True
+        for lo in range(0, S, chunk):
+            lengths = self.sequence_lengths[lo:lo + chunk].astype(np.int64)
+            negative = negative or bool((lengths < 0).any())
+            starts = total + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            pointers = pointers and np.array_equal(starts * self.itemsize,
+                                                   self.sequence_pointers[lo:lo + chunk])
+            total += int(lengths.sum())
+        if negative:
             problems.append("negative sequence length")
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if S else lengths
-        if S and not np.array_equal(starts * self.itemsize, self.sequence_pointers):
+        if not pointers:
             problems.append("sequence pointers are not the running sum of the lengths")
-        if self.bin_bytes != int(lengths.sum()) * self.itemsize:
-            problems.append(
-                f".bin has {self.bin_bytes} bytes, the index describes "
-                f"{int(lengths.sum()) * self.itemsize}")
+        if self.bin_bytes != total * self.itemsize:
+            problems.append(f".bin has {self.bin_bytes} bytes, the index describes "
+                            f"{total * self.itemsize}")
         d = self.document_indices
         if self.document_count == 0 or d[0] != 0:
             problems.append("document indices must start at 0")
         elif d[-1] != S:
             problems.append(f"last document index {d[-1]} != sequence count {S}")
-        elif (np.diff(d) < 0).any():
+        elif any((np.diff(d[lo:lo + chunk + 1]) < 0).any()
+                 for lo in range(0, self.document_count, chunk)):
             problems.append("document indices decrease")
         return problems
 

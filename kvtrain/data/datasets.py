@@ -66,17 +66,22 @@ def parse_blend(paths: list) -> tuple[list[str], Optional[list[float]]]:
 
 def _shard_size(prefix: str) -> tuple[int, int]:
     """Sequences (megatron's split unit) and tokens in a shard, from its .idx only."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    from data_tools.indexed import check_shard
+    from data_tools.indexed import IndexedReader, check_shard
 
     # megatron finds a damaged shard as an assertion, or a short .bin only at the
-    # first batch that reads past its end: check the files against their index.
+    # first batch that reads past its end: check the files against their index,
+    # then the index itself (O(sequences), in chunks; megatron's index build reads
+    # as much): pointers off their lengths were a ValueError mid-run, negative
+    # lengths or decreasing document indices trained on other tokens, silently.
     problem = check_shard(prefix)
     if problem is not None:
         raise ConfigError(f"data.paths: shard {problem}")
-    ds = IndexedDataset(prefix, multimodal=False, mmap=True)
-    return int(ds.sequence_lengths.shape[0]), int(ds.sequence_lengths.sum(dtype="int64"))
+    reader = IndexedReader(prefix)
+    problems = reader.check()
+    if problems:
+        raise ConfigError(f"data.paths: shard {prefix} has a damaged index {reader.idx_file}: "
+                          f"{'; '.join(problems)}")
+    return reader.sequence_count, reader.num_tokens
 
 
 def _check_made_with(prefix: str, tokenizer: Any, data: Any, model: Any) -> None:

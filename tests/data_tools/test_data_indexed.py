@@ -191,3 +191,31 @@ def test_preprocess_equals_megatron_preprocess_data_but_for_blank_documents(tmp_
     for ext in (".bin", ".idx"):
         assert ((tmp_path / f"c_text_document{ext}").read_bytes()
                 == (tmp_path / f"ref2{ext}").read_bytes())
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 1 << 24])
+def test_check_reads_the_index_in_chunks_and_finds_damage_in_any(tmp_path, chunk):
+    """``IndexedReader.check`` walks the index ``chunk`` entries at a time (memory stays
+    small for any size): a sound shard passes at every chunk size, and a pointer or a
+    document index damaged in the last chunk is found."""
+    from data_tools.indexed import HEADER_SIZE
+
+    prefix = tmp_path / "s_text_document"
+    with IndexedWriter(prefix, np.uint16) as w:
+        for n in (3, 4, 2, 5, 1):
+            w.add_documents(np.arange(1, n + 1, dtype=np.uint16), [n])
+        w.commit()
+    assert IndexedReader(prefix).check(chunk) == []
+    S = D = 5  # D - 1 documents' bookends plus one: 6 entries
+    raw = bytearray((tmp_path / "s_text_document.idx").read_bytes())
+    pointer = HEADER_SIZE + 4 * S + 8 * (S - 2)  # the fourth sequence's
+    bad = bytearray(raw)
+    bad[pointer:pointer + 8] = (10**6).to_bytes(8, "little")
+    (tmp_path / "s_text_document.idx").write_bytes(bytes(bad))
+    assert IndexedReader(prefix).check(chunk) == [
+        "sequence pointers are not the running sum of the lengths"]
+    document = HEADER_SIZE + 12 * S + 8 * (D - 1)  # the fifth bookend: 4 -> 6, then 5
+    bad = bytearray(raw)
+    bad[document:document + 8] = (6).to_bytes(8, "little")
+    (tmp_path / "s_text_document.idx").write_bytes(bytes(bad))
+    assert IndexedReader(prefix).check(chunk) == ["document indices decrease"]

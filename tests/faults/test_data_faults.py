@@ -60,11 +60,35 @@ def _damage(kind: str, prefix: str) -> str:
             f.seek(17)
             f.write(b"\x63")
         return idx
+    if kind in INDEX_CONTENTS:  # the right sizes, wrong contents: the O(1) checks pass
+        _damage_index_contents(kind, idx)
+        return idx
     raise ValueError(kind)
 
 
+def _damage_index_contents(kind: str, idx: str) -> None:
+    import numpy as np
+
+    from data_tools.indexed import HEADER_SIZE, IndexedReader
+
+    reader = IndexedReader(idx[:-len(".idx")])
+    S, D = reader.sequence_count, reader.document_count
+    data = np.memmap(idx, mode="r+", dtype=np.uint8)
+    lengths = data[HEADER_SIZE:HEADER_SIZE + 4 * S].view(np.int32)
+    pointers = data[HEADER_SIZE + 4 * S:HEADER_SIZE + 12 * S].view(np.int64)
+    documents = data[HEADER_SIZE + 12 * S:HEADER_SIZE + 12 * S + 8 * D].view(np.int64)
+    if kind == "pointers_off":  # all but the last: megatron read past the .bin mid-run
+        pointers[:-1] += 10**9
+    elif kind == "negative_length":
+        lengths[0] = -lengths[0]
+    else:  # documents_decrease
+        documents[1], documents[2] = documents[2], documents[1]
+    data.flush()
+
+
+INDEX_CONTENTS = ["pointers_off", "negative_length", "documents_decrease"]
 KINDS = ["idx_truncated", "idx_header_truncated", "bin_short", "bin_missing", "idx_missing",
-         "bad_magic", "bad_version", "bad_dtype"]
+         "bad_magic", "bad_version", "bad_dtype", *INDEX_CONTENTS]
 
 
 @pytest.mark.parametrize("kind", KINDS)
