@@ -314,6 +314,20 @@ def task_from_config(cfg) -> Task:
     return build_task(d.type, cfg.train.seq_length, **options)
 
 
+def _check_counts(d) -> None:
+    """The toy task's counts and seed in range, each named (numpy's own words were
+    'high <= 0' or 'negative dimensions are not allowed', naming only the section)."""
+    options = d.ngram if d.type == "ngram" else d.induction
+    least = ({"num_pairs": 1, "num_symbols": 1, "mid_val": 0, "table_seed": 0}
+             if d.type == "ngram" else {"length": 1, "mid_val": 0, "pool_size": 1})
+    for key, low in least.items():
+        value = getattr(options, key)
+        if value is not None and value < low:
+            raise ValueError(f"data.{d.type}.{key} must be >= {low}, got {value}")
+    if d.type == "ngram" and d.ngram.table_seed >= 2**32:
+        raise ValueError(f"data.ngram.table_seed must be below 2**32, got {d.ngram.table_seed}")
+
+
 def validate_config(cfg) -> None:
     """Cross-field checks of a run config with ``data.type: induction | ngram``.
     Raises ``ValueError`` with one line naming the keys (``RunConfig.validate``
@@ -322,6 +336,7 @@ def validate_config(cfg) -> None:
     if d.reset_attention_mask or d.eod_mask_loss:
         raise ValueError(f"data.type {d.type} has one sequence per sample: "
                          "data.reset_attention_mask/eod_mask_loss must be false")
+    _check_counts(d)
     task = task_from_config(cfg)
     if task.vocab_size > cfg.model.vocab_size:
         key = "data.induction.max_val" if d.type == "induction" else \

@@ -111,6 +111,12 @@ def test_overrides_use_the_same_checks(tmp_path):
     (["data.type=ngram", "data.eval_seed=7", "train.seed=7"],
      "data.eval_seed (7) must differ from the training data seed (7)"),
     (["data.type=induction", "data.induction.mid_val=7990"], "data.induction: need 2 <= pool_size"),
+    # numpy's words, naming the section only: 'high <= 0', 'negative dimensions ...'
+    (["data.type=ngram", "data.ngram.num_pairs=0"], "data.ngram.num_pairs must be >= 1, got 0"),
+    (["data.type=ngram", "data.ngram.table_seed=-1"],
+     "data.ngram.table_seed must be >= 0, got -1"),
+    (["data.type=induction", "data.induction.length=0"],
+     "data.induction.length must be >= 1, got 0"),
     # megatron applied a constant loss scale at bf16 (and at fp32 under the distributed
     # optimizer) and dropped it silently at fp32 without: fp16's key, refused elsewhere
     (["optimizer.loss_scale=1024"], "optimizer.loss_scale (1024.0) scales fp16's loss: "
