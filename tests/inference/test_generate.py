@@ -376,3 +376,25 @@ def test_a_prompts_file_with_a_byte_order_mark(tmp_path):
     for name, text in (("p.jsonl", '{"prompt": "5 6"}\n"7"\n'), ("p.txt", "5 6\n7\n")):
         (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
         assert read_prompts([], str(tmp_path / name)) == [("5 6", {}), ("7", {})]
+
+
+@pytest.mark.parametrize("backend, dtype", [("local", torch.float32), ("torch", torch.bfloat16)])
+def test_other_backends_and_bf16_decode_as_the_default(mp1, arm_runs, backend, dtype):
+    """``--backend local`` and ``--dtype bf16`` (the KV-shift decode state in bf16):
+    a batch gets what each prompt gets alone and what a cache-free recompute gets,
+    on the model of that backend and dtype; the counting sequences go on (the
+    trained model's greedy answer, far from ties, survives bf16)."""
+    from kvtrain.inference.generate import PromptCodec, SamplingOptions, generate_ids
+    from kvtrain.inference.loading import load_model
+
+    loaded = load_model(arm_runs["kv_shift"], backend=backend, dtype=dtype)
+    assert loaded.backend == backend
+    assert next(loaded.model.parameters()).dtype == dtype
+    codec = PromptCodec.for_run(loaded.config)
+    opts = SamplingOptions(max_new_tokens=4, stop_at_eod=False)
+    batch = generate_ids(loaded.model, PROMPTS, opts, codec.eod, codec.vocab_size)
+    for prompt, (tokens, _) in zip(PROMPTS, batch):
+        assert generate_ids(loaded.model, [prompt], opts, codec.eod, codec.vocab_size)[0][0] \
+            == tokens
+        assert tokens == recompute_greedy(loaded.model, prompt, 4, codec.vocab_size)
+    assert batch[0][0][0] == 12 and batch[2][0][0] == 104
