@@ -117,7 +117,6 @@ def run(args) -> int:
             name = record_name(spec.tasks, src.iteration, spec.num_fewshot, spec.limit,
                                spec.dtype)
             target = src.run_dir / EVAL_DIR / name
-            check_out(str(target))  # RUN_DIR/eval a file: before the evaluation
         out = run_harness(src.hf_dir, spec, loaded)
         record = make_record(args.source, src.checkpoint, src.iteration, src.hf_dir, spec, out)
         print(render_table(out.tasks, out.n_samples))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from data_tools.fileio import atomic_write_text
+from data_tools.fileio import atomic_write_text, not_a_folder
 from kvtrain.config import ConfigError, RunConfig
 
 EVAL_DIR = "eval"  # inside a run folder: results and the cached export
@@ -117,6 +117,8 @@ def cached_export(checkpoint: Path, iteration: int, run_dir: Path, dtype: str) -
     exclusive one: one exports while the others wait, then find it cached, and
     no export replaces a folder that an evaluation still reads."""
     final = run_dir / EVAL_DIR / f"hf-iter_{iteration:07d}-{dtype}"
+    if why := not_a_folder(final.parent):  # a FileExistsError traceback in mkdir
+        raise ConfigError(f"the export and the results go to {final.parent}, but {why}")
     final.parent.mkdir(parents=True, exist_ok=True)
     stamp = _stamp_of(checkpoint, dtype)
     fd = os.open(final.with_name(f".{final.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)

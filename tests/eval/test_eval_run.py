@@ -317,3 +317,19 @@ def test_a_foreign_folder_of_kv_shift_code_runs_with_trust_remote_code(evaluated
     for sample in samples:
         assert [r[0][0] for r in sample["resps"]] == pytest.approx(
             by_question[tuple(map(tuple, sample["arguments"]))], abs=1e-5)
+
+
+def test_a_run_whose_eval_folder_is_a_file_is_one_line(evaluated, tmp_path, capsys):
+    """RUN_DIR/eval a file (where the export and the results go): a FileExistsError
+    traceback; now one line naming it, before anything is evaluated."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(evaluated["run"], run, ignore=shutil.ignore_patterns("eval", "wandb*"))
+    (run / "eval").write_text("notes")
+    code = main(["eval", str(run), "--tasks", "kvt_ll", "--include-path",
+                 str(evaluated["tasks"]), "--limit", "1", "--no-wandb", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{run / 'eval'} is a file, not a folder" in err, err
+    assert (run / "eval").read_text() == "notes"
