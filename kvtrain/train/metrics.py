@@ -61,8 +61,8 @@ def truncate_after(path: Path, iteration: int,
     keep, dropped, damaged = [], 0, []
     for n, raw in enumerate(lines):
         try:
-            record = json.loads(raw.decode("utf-8"))
-            number = record.get("iteration", 0)
+            line = raw.decode("utf-8")
+            number = json.loads(line).get("iteration", 0)
             if not isinstance(number, int) or isinstance(number, bool):
                 raise ValueError
         except (ValueError, AttributeError):
@@ -71,7 +71,7 @@ def truncate_after(path: Path, iteration: int,
         if number > iteration:
             dropped += 1
         else:
-            keep.append(raw.decode("utf-8"))
+            keep.append(line)
     torn_last_only = damaged == [len(lines) - 1]
     if damaged and not torn_last_only and backup is None:
         backup = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ')}")

@@ -89,7 +89,7 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
     vocabulary, ids of no token, silently)."""
     if not tokens.numel():
         return
-    low, high = int(tokens.min()), int(tokens.max())
+    low, high = (int(x) for x in torch.aminmax(tokens))  # one pass over the ids
     if low < 0 or high >= vocab_size:
         raise ConfigError(
             f"data.paths: a batch holds token id {high if high >= vocab_size else low}, "
