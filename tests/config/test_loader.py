@@ -117,6 +117,10 @@ def test_overrides_use_the_same_checks(tmp_path):
      "data.ngram.table_seed must be >= 0, got -1"),
     (["data.type=induction", "data.induction.length=0"],
      "data.induction.length must be >= 1, got 0"),
+    (["data.type=ngram", "data.ngram.table_seed=4294967296"],
+     "data.ngram.table_seed must be below 2**32, got 4294967296"),
+    (["data.type=induction", "data.induction.pool_size=0"],
+     "data.induction.pool_size must be >= 1, got 0"),
     # megatron applied a constant loss scale at bf16 (and at fp32 under the distributed
     # optimizer) and dropped it silently at fp32 without: fp16's key, refused elsewhere
     (["optimizer.loss_scale=1024"], "optimizer.loss_scale (1024.0) scales fp16's loss: "

@@ -247,6 +247,9 @@ def test_hf_folders_kvtrain_cannot_take_are_refused_in_one_line(kv_checkpoint, t
                   f"the Hugging Face weight model.embed_tokens.weight has {config['vocab_size']} "
                   f"rows, but config.json's vocab_size is {config['vocab_size'] + 64}"),
         "list": ([1], "not a JSON object of model settings"),
+        "eps": ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be a positive number, got -1e-05"),
+        "kv_heads": ({"num_key_value_heads": 0},
+                     "num_key_value_heads must be a positive whole number, got 0"),
     }
     for name, (change, message) in cases.items():
         folder = tmp_path / name

@@ -556,3 +556,34 @@ def test_rng_states_saved_on_another_device_are_not_restored(mp1):
     assert restore_rng_state(on_gpu) == "saved on a GPU"
     with tracker.fork():  # this device's generator states still in the tracker
         torch.rand(2)
+
+
+def test_token_ids_are_checked_below_the_vocabulary_and_above_zero():
+    """``check_token_ids``: the id named is the one outside [0, vocab) (a negative
+    id from a damaged int32 shard too); an in-range batch passes."""
+    import torch
+
+    from kvtrain.config import ConfigError
+    from kvtrain.train.step import check_token_ids
+
+    check_token_ids(torch.tensor([[0, 5, 63]]), 64)
+    for ids, shown in (([[0, 64]], 64), ([[-3, 5]], -3)):
+        with pytest.raises(ConfigError, match=rf"a batch holds token id {shown}, outside "
+                                              r"model.vocab_size \(64\)"):
+            check_token_ids(torch.tensor(ids), 64)
+
+
+def test_a_resume_says_how_many_damaged_metrics_lines_it_dropped(tmp_path, capsys):
+    """``MetricsLogger.resume_at`` names the damaged lines and where the file before
+    went (kept aside though no copy was asked for)."""
+    from kvtrain.train.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 1}\n[1, 2]\n{"iteration": 2}\n')
+    logger = MetricsLogger(tmp_path, wandb=None, active=True)
+    logger.resume_at(2)
+    out = capsys.readouterr().out
+    (copy,) = tmp_path.glob("metrics.jsonl.damaged-*")
+    assert f"metrics: dropped 1 damaged lines of {path}" in out
+    assert f"the file before is kept as {copy.name}" in out
+    assert path.read_text() == '{"iteration": 1}\n{"iteration": 2}\n'
