@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtrain.model import native_shift
+
 from .conftest import metrics, run_driver, tiny_config, write_config
 
 
@@ -37,8 +39,11 @@ def launched(tmp_path_factory, cache_dir):
     jobs = [dict(job, cwd=str(tmp_path / "here"), overrides=wandb),
             dict(job, cwd=str(tmp_path / "there"), overrides=["train.max_steps=6"]),
             dict(job, overrides=["checkpoint.dir=elsewhere", "train.max_steps=2", *wandb]),
+            # the KV shift's native operators from the user's cache, as in every
+            # other run: under a new HOME they were compiled again (~35 s of CPU)
             {"config": str(homed), "run_dir": str(tmp_path / "homed"),
-             "cwd": str(tmp_path / "cwd"), "env": {"HOME": str(home)},
+             "cwd": str(tmp_path / "cwd"),
+             "env": {"HOME": str(home), "KVTRAIN_KERNEL_CACHE": str(native_shift.cache_dir())},
              "overrides": ["wandb.dir=wb", *wandb]}]
     for where in ("here", "there", "cwd"):
         (tmp_path / where).mkdir()
