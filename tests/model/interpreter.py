@@ -25,7 +25,60 @@ TIMEOUT = 600  # seconds a check may take
 
 _SERVER = ForkServer(  # the server's imports: the kernels' modules, interpreted
     "import kvtrain\n"  # first, as in every kvtrain process: megatron's torch.compile
-    "import kvtrain.model.builder, triton\n")  # decorations wait for a first call
+    "import kvtrain.model.builder, triton\n"  # decorations wait for a first call
+    "from tests.model.interpreter import patch_language_once\n"
+    "patch_language_once()\n")
+
+
+def patch_language_once() -> None:
+    """Triton's interpreter patches ``triton.language`` for the interpreter (each
+    builtin wrapped, found by ``inspect.getmembers`` of the modules a function sees) at
+    every kernel launch, which undoes it at its end, and again at every call of a
+    ``@triton.jit`` helper inside the launch, which does not undo it. Once the modules a
+    helper sees were patched in the running launch, its patching changes nothing (a
+    patched builtin is no builtin to patch again; the rest is set to the same again),
+    and it took most of the interpreted checks' time (Triton 3.9: ~115k ``getmembers``
+    in test_qkv_rope's check). Here such a helper call skips it; launches, and the first
+    helper in a launch to see another module, patch as before."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    executor = interpreter.GridExecutor
+    if getattr(executor.__call__, "patches_once", False):
+        return
+    launches = []  # per running launch: the modules patched in it so far
+    seen: dict = {}  # (function, size of its module): the language modules it sees
+    patch_lang, launch = interpreter._patch_lang, executor.__call__
+
+    def modules(fn) -> frozenset:
+        # looked at again when the module gains a name (the interpreter's rewrite of a
+        # function runs in its module and can bind triton.language there)
+        key = (fn, len(fn.__globals__))
+        if key not in seen:
+            seen[key] = frozenset(id(v) for v in fn.__globals__.values()
+                                  if inspect.ismodule(v) and v in (tl, tl.core))
+        return seen[key]
+
+    def patch(fn):
+        if launches and launches[-1] is not None and modules(fn) <= launches[-1]:
+            return interpreter._LangPatchScope()  # patched in this launch already
+        scope = patch_lang(fn)
+        if launches:  # the launch's own patching, or a helper's that saw other modules
+            launches[-1] = modules(fn) | (launches[-1] or frozenset())
+        return scope
+
+    def launch_patching_once(self, *args, **kwargs):
+        launches.append(None)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    launch_patching_once.patches_once = True
+    interpreter._patch_lang = patch
+    executor.__call__ = launch_patching_once
 
 
 def _environment() -> dict:
