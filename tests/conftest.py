@@ -22,12 +22,15 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 
 def pytest_configure(config):
-    """Under xdist (make test), the controller builds the native KV-shift operators in
-    the background while the workers start: the first test that needs them would
-    build them (~35 s of one core, once per venv) while the other worker's test that
-    needs them waits on the build lock, its core idle."""
+    """Under xdist (make test), the controller sends the files to the workers in the
+    order collected (``LONGEST_FIRST``), not by their number of tests
+    (``--no-loadscope-reorder``), and builds the native KV-shift operators in the
+    background while the workers start: the first test that needs them would build
+    them (~35 s of one core, once per venv) while the other worker's test that needs
+    them waits on the build lock, its core idle."""
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return
+    config.option.loadscopereorder = False
     config._kvtrain_native_build = subprocess.Popen(
         [sys.executable, "-c", "from kvtrain.model.native_shift import build; build()"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -40,8 +43,40 @@ def pytest_unconfigure(config):
         build.wait()
 
 
+# The files of half a minute or more under `make test` (longest first): they start first, so
+# that the two workers end together. xdist would order the files by their number of
+# tests, and these have few: the last of them started near the end, and one worker
+# ran it alone for a minute. A name missing here only costs that time.
+LONGEST_FIRST = (
+    "tests/model/test_kernel_compile.py",
+    "tests/train/test_runs.py",
+    "tests/train/test_exact_resume.py",
+    "tests/launch/test_launchers.py",
+    "tests/launch/test_slurm.py",
+    "tests/faults/test_checkpoint_faults.py",
+    "tests/benchmarks/test_step_benchmark.py",
+    "tests/train/test_context_parallel_runs.py",
+    "tests/faults/test_process_faults.py",
+    "tests/faults/test_param_gather.py",
+)
+
+
+def _longest_first(items: list) -> None:
+    """``items`` in place: the files of LONGEST_FIRST first, each file's tests together
+    and in their order, the other files after them in theirs."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    first_seen = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)),
+                                 first_seen[item.nodeid.split("::")[0]]))
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests are skipped without a CUDA device (and only then)."""
+    """The longest files first (xdist sends the files in this order: see
+    ``pytest_configure``); `gpu` tests are skipped without a CUDA device (and
+    only then)."""
+    _longest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

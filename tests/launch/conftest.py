@@ -152,6 +152,15 @@ def reference_run(tmp_path_factory, worker_id, train_args):
 
 
 # ----------------------------------------------------------------------------- SLURM
+def _signal(pid: int, sig: int) -> bool:
+    """Sends ``sig`` (0: none); whether the process was still there."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 class SlurmCluster:
     """A one-node SLURM cluster of this host, private to the test session."""
 
@@ -243,27 +252,24 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                            f"see {r}/log/slurmctld.log and slurmd.log")
 
     def stop(self) -> None:
+        """The jobs killed, then the three daemons stopped together (each takes ~2 s
+        to end on SIGTERM: one after another, they held the session's end 6 s)."""
         self.run(["scancel", "--full", "--signal=KILL", "-p", "test"], check=False)
         time.sleep(1)
+        pids = []
         for name in ("slurmd", "slurmctld", "munged"):
             pidfile = self.pids.get(name)
-            if not pidfile or not pidfile.exists():
-                continue
             try:
-                pid = int(pidfile.read_text().split()[0])
-            except (ValueError, IndexError):
+                pids.append(int(pidfile.read_text().split()[0]))
+            except (AttributeError, OSError, ValueError, IndexError):
                 continue
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    break
-                for _ in range(50):
-                    try:
-                        os.kill(pid, 0)
-                    except ProcessLookupError:
-                        break
-                    time.sleep(0.1)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = [pid for pid in pids if _signal(pid, sig)]
+            for _ in range(50):
+                pids = [pid for pid in pids if _signal(pid, 0)]
+                if not pids:
+                    return
+                time.sleep(0.1)
 
     # -- use
     def run(self, cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
