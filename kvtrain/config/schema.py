@@ -159,8 +159,9 @@ class DataConfig:
     paths: list[float | str] = field(default_factory=list)
     """Shard prefixes, optionally with weights: [0.7, a_text_document, 0.3, b_text_document].
     Without weights, several prefixes are one corpus (each weighted by its tokens)."""
-    split: str = "969,30,1"
-    """Train/valid/test split weights over documents."""
+    split: str | int | float = "969,30,1"
+    """Train/valid/test split weights over documents; one number is the training part
+    alone (``100``, as Megatron-LM's ``--split 100``), kept as the string ``'100'``."""
     tokenizer: Optional[str] = None
     """SentencePiece model (its sidecar JSON gives BOS/EOS/PAD ids)."""
     cache_dir: Optional[str] = None
@@ -192,6 +193,9 @@ class DataConfig:
         # trained on random tokens, silently
         if self.type is None:
             self.type = "gpt" if self.paths else "mock"
+        # YAML reads `split: 100` as a number: it was refused as "expected str"
+        if isinstance(self.split, (int, float)) and not isinstance(self.split, bool):
+            self.split = f"{self.split:g}" if isinstance(self.split, float) else str(self.split)
 
 
 # ----------------------------------------------------------------------------- checkpoints & logs

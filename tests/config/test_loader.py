@@ -408,3 +408,21 @@ def test_a_nul_character_in_a_setting_is_one_line(tmp_path, key):
     path.write_text((f"{section}:\n  {leaf}: \"a\\0b\"\n" if section else f'{leaf}: "a\\0b"\n'))
     with pytest.raises(ConfigError, match=rf"^{path}:\d+: {key}: holds a NUL character"):
         load_config(str(path), [])
+
+
+def test_a_split_of_one_number_is_the_training_part(tmp_path):
+    """``split: 100`` (Megatron-LM's ``--split 100``) is a number to YAML: it was
+    refused as "expected str"; it is the split '100', in files and in --set."""
+    path = write(tmp_path, "data:\n  split: 100\ntrain:\n  eval_interval: null\n")
+    assert load_config(str(path), []).data.split == "100"
+    assert load_config(None, ["data.split=100", "train.eval_interval=null"]).data.split == "100"
+    assert load_config(None, ["data.split=99.5,0.5"]).data.split == "99.5,0.5"
+    assert load_config(str(path), ["data.split=99.5"]).data.split == "99.5"
+    assert to_dict(load_config(str(path), []))["data"]["split"] == "100"
+    # a number with no validation part and validations asked for: the split's own line
+    with pytest.raises(ConfigError, match="data.split '100' has no validation part"):
+        load_config(None, ["data.split=100", "train.eval_interval=5"])
+    with pytest.raises(ConfigError, match="data.split must be up to three"):
+        load_config(None, ["data.split=1e20"])
+    with pytest.raises(ConfigError, match="data.split"):
+        load_config(None, ["data.split=true"])
