@@ -33,6 +33,7 @@ epoch, or a validation part smaller than eval_iters batches, came up short.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -122,17 +123,32 @@ def _blend(paths: list) -> tuple[tuple, dict[str, tuple[int, int]]]:
     return (prefixes, weights), sizes
 
 
-def _file_stamps(prefixes: list[str]) -> dict[str, list[int]]:
-    """Each shard's .bin and .idx sizes and mtimes, as rank 0 (which builds the index
-    caches) sees them: every rank must key the caches alike, also where a node reads
-    its own copy of the shards."""
+def _idx_digest(path: str, chunk: int = 1 << 24) -> str:
+    """A digest of an ``.idx`` file's bytes: the index caches follow from its sequence
+    lengths and document boundaries (the tokens in the ``.bin`` do not change them)."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_stamps(prefixes: list[str]) -> dict[str, list]:
+    """Each shard's .bin and .idx sizes and mtimes and a digest of its .idx, as rank 0
+    (which builds the index caches) sees them: every rank must key the caches alike,
+    also where a node reads its own copy of the shards. Sizes and times alone missed
+    another corpus of the same sizes copied in with the old times (``rsync -t``); the
+    .idx is ~12 bytes a sequence, read once here (the shard check reads it too)."""
     import torch.distributed as dist
 
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
     stamps = {}
-    for prefix in prefixes:
-        files = [os.stat(f"{prefix}{ext}") for ext in (".bin", ".idx")]
-        stamps[prefix] = [n for st in files for n in (st.st_size, st.st_mtime_ns)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if not distributed or dist.get_rank() == 0:
+        for prefix in prefixes:
+            files = [os.stat(f"{prefix}{ext}") for ext in (".bin", ".idx")]
+            stamps[prefix] = [n for st in files for n in (st.st_size, st.st_mtime_ns)]
+            stamps[prefix].append(_idx_digest(f"{prefix}.idx"))
+    if distributed:
         box = [stamps]
         dist.broadcast_object_list(box, src=0)
         stamps = box[0]

@@ -81,6 +81,32 @@ def test_a_shard_rewritten_under_its_name_gets_new_indices(single_rank, tmp_path
     assert len(pickle.loads(pickle.dumps(rebuilt))) == len(fresh)
 
 
+def test_a_copy_of_the_same_sizes_and_times_gets_new_indices(single_rank, tmp_path):
+    """The cache key held the shard files' sizes and times: another corpus of the same
+    sizes, copied in with the old files' times (``rsync -t``, ``cp -p``), was read
+    through the first one's cached indices, silently. Here: the same documents in
+    reverse order (the same sizes, other sequence lengths at each index), the times
+    put back. The key now holds a digest of the .idx (the indices follow from it)."""
+    import os
+
+    from kvtrain.data.synthetic import write_shard
+
+    documents = _documents(2, 200, 20, 60)
+    shard = write_shard(tmp_path / "data" / "a", documents)
+    files = [f"{shard}{ext}" for ext in (".bin", ".idx")]
+    stats = [os.stat(f) for f in files]
+    drawn = order_fingerprint(_train_set(single_rank, tmp_path / "run", shard, 20), 20)
+    write_shard(shard, documents[::-1])
+    for f, st in zip(files, stats):
+        assert os.stat(f).st_size == st.st_size
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rebuilt = _train_set(single_rank, tmp_path / "run", shard, 20)
+    fresh = _train_set(single_rank, tmp_path / "fresh", shard, 20)
+    assert all(np.array_equal(rebuilt[i]["tokens"], fresh[i]["tokens"])
+               for i in range(len(fresh)))
+    assert order_changed(rebuilt, drawn)
+
+
 def test_a_resume_says_when_the_data_order_changed(tmp_path, shard):
     """Through the trainer: a run extended within the epoch resumes quietly; extended
     past it, the resume says in one warning (and an event) that the order changed."""
