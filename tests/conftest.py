@@ -64,12 +64,13 @@ LONGEST_FIRST = (
 def _longest_first(items: list) -> None:
     """``items`` in place: the files of LONGEST_FIRST first, each file's tests together
     and in their order, the other files after them in theirs."""
+    def file(item) -> str:
+        return item.nodeid.split("::")[0]
+
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    first_seen = {}
-    for i, item in enumerate(items):
-        first_seen.setdefault(item.nodeid.split("::")[0], i)
-    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)),
-                                 first_seen[item.nodeid.split("::")[0]]))
+    files = dict.fromkeys(file(item) for item in items)  # in the order collected
+    order = {f: (rank.get(f, len(rank)), n) for n, f in enumerate(files)}
+    items.sort(key=lambda item: order[file(item)])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -195,7 +195,7 @@ class DataConfig:
             self.type = "gpt" if self.paths else "mock"
         # YAML reads `split: 100` as a number: it was refused as "expected str"
         if isinstance(self.split, (int, float)) and not isinstance(self.split, bool):
-            self.split = f"{self.split:g}" if isinstance(self.split, float) else str(self.split)
+            self.split = str(self.split)
 
 
 # ----------------------------------------------------------------------------- checkpoints & logs
