@@ -32,7 +32,7 @@ from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
 from .processes import bind_to_launcher
 from .resume import resume
-from .runlock import hold_run_folder, removed_on_bad_input
+from .runlock import SAME_JOB_WAIT, hold_run_folder, removed_on_bad_input
 from .setup import (
     Run, backend_event, build_data, build_run, fit_token_budget, run_config_text, run_record,
     write_run_config,
@@ -304,12 +304,15 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
     hooks = hooks or RunHooks()
     bind_to_launcher()  # this rank dies with its launcher, its helpers with it
     init_process_group(cfg.train.dist_timeout_minutes, device=cfg.train.device)
-    lock = hold_run_folder(Path(run_dir))  # one writer per run folder (collective)
+    # one writer per run folder (collective); a requeued job waits for its own
+    # earlier start's lock, within the collectives' timeout (the other ranks wait)
+    wait = min(SAME_JOB_WAIT, cfg.train.dist_timeout_minutes * 60 / 2)
+    lock = hold_run_folder(Path(run_dir), wait=wait)
     stop = StopRequests(cfg.train.exit_duration_minutes).install()
     with removed_on_bad_input(Path(run_dir), lock):  # refused: no new folder left
         # also where checkpoint.dir lies outside the run folder (or in another's)
         shared = hold_run_folder(checkpoint_folder(cfg.checkpoint.dir, run_dir),
-                                 "checkpoint folder")
+                                 "checkpoint folder", wait)
         if lock is not None:
             lock.hold_too(shared)
         run = build_run(cfg, Path(run_dir), data=False)  # the data once the start is known

@@ -12,6 +12,13 @@ anyone deleting anything. The lock is held until the process exits (or
 ``release``); processes forked by the holder (the asynchronous checkpoint
 writer) share it, so the folder stays locked while one of them still writes.
 
+A requeued SLURM job may find its own earlier start still holding the lock:
+on NFSv4 the server keeps a dead node's locks until that client's lease runs
+out (90 s by default), and the old start's processes may still be exiting.
+A start whose SLURM job id is the holder's, with a higher restart count, waits
+for the lock (``SAME_JOB_WAIT`` seconds at most, saying so) instead of being
+refused; any other holder is refused at once.
+
 Limitation: on a shared filesystem ``flock`` is only as coherent as the
 filesystem makes it (NFSv4 and Lustre with ``flock`` mounts are; a mount
 with ``localflock`` locks per node). The recorded host and pid are what the
@@ -33,6 +40,9 @@ from typing import Iterator, Optional
 from kvtrain.config import ConfigError
 
 LOCK_FILE = ".kvtrain.lock"
+# how long a requeued job waits for its own earlier start's lock: NFSv4's
+# default lease (90 s) plus the server's grace, with room to spare
+SAME_JOB_WAIT = 240.0
 _held: dict[str, "RunLock"] = {}  # one lock per folder and process (re-entrant)
 
 
@@ -58,19 +68,42 @@ class RunLock:
             self.fd = -1
 
 
-def _holder(fd: int) -> str:
+def _slurm_start() -> Optional[tuple[str, int]]:
+    """(SLURM job id, restart count) of this process, None outside SLURM."""
+    job = os.environ.get("SLURM_JOB_ID")
+    try:
+        return (job, int(os.environ.get("SLURM_RESTART_COUNT", "0"))) if job else None
+    except ValueError:
+        return None
+
+
+def _read_info(fd: int) -> dict:
     try:
         info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError):
         info = {}
+    return info if isinstance(info, dict) else {}
+
+
+def _describe(info: dict) -> str:
+    job = f" (SLURM job {info['slurm_job']} restart {info.get('slurm_restart', 0)})" \
+        if info.get("slurm_job") else ""
     started = info.get("started")
     since = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}" \
         if isinstance(started, (int, float)) else ""
-    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}{since}"
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}{job}{since}"
 
 
-def try_lock(run_dir: Path) -> tuple[Optional[RunLock], str]:
-    """(the lock, "") or (None, who holds it)."""
+def _earlier_start_of_this_job(info: dict) -> bool:
+    """The holder is this SLURM job before its requeue (a lower restart count)."""
+    mine = _slurm_start()
+    restart = info.get("slurm_restart")
+    return (mine is not None and str(info.get("slurm_job")) == mine[0]
+            and isinstance(restart, int) and restart < mine[1])
+
+
+def try_lock(run_dir: Path) -> tuple[Optional[RunLock], dict]:
+    """(the lock, {}) or (None, what the holder recorded: host, pid, start, job)."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         run_dir.mkdir()
@@ -79,38 +112,64 @@ def try_lock(run_dir: Path) -> tuple[Optional[RunLock], str]:
         fresh = False
     path = (run_dir / LOCK_FILE).resolve()
     if str(path) in _held:
-        return _held[str(path)], ""
+        return _held[str(path)], {}
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _holder(fd)
+        holder = _read_info(fd) or {"pid": "?"}
         os.close(fd)
         return None, holder
     info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    if (slurm := _slurm_start()) is not None:
+        info["slurm_job"], info["slurm_restart"] = slurm
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
     lock = _held[str(path)] = RunLock(path, fd, fresh)
-    return lock, ""
+    return lock, {}
 
 
-def hold_run_folder(run_dir: Path, what: str = "run folder") -> Optional[RunLock]:
+def lock_or_wait_for_own_job(run_dir: Path, what: str,
+                             wait: float = SAME_JOB_WAIT) -> tuple[Optional[RunLock], dict]:
+    """``try_lock``; while the holder is this job's earlier start (a requeue that
+    found its predecessor's lock not yet dropped), try again for ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    lock, holder = try_lock(run_dir)
+    if lock is None and _earlier_start_of_this_job(holder):
+        print(f"kvtrain: {what} {Path(run_dir).resolve()} is still locked by this job's "
+              f"earlier start, {_describe(holder)}: waiting up to {wait:.0f} s for the "
+              "lock to be dropped", flush=True)
+        while lock is None and _earlier_start_of_this_job(holder) \
+                and time.monotonic() < deadline:
+            time.sleep(min(2.0, max(deadline - time.monotonic(), 0.0)))
+            lock, holder = try_lock(run_dir)
+        if lock is None and _earlier_start_of_this_job(holder):
+            holder = dict(holder, waited=wait)
+    return lock, holder
+
+
+def hold_run_folder(run_dir: Path, what: str = "run folder",
+                    wait: float = SAME_JOB_WAIT) -> Optional[RunLock]:
     """Rank 0 locks ``run_dir`` (``what``: the run folder, or the checkpoint folder);
     every rank raises the same ``ConfigError`` when another process holds it or the
-    folder cannot be written (collective when a process group exists)."""
+    folder cannot be written (collective when a process group exists). A requeued
+    SLURM job waits up to ``wait`` seconds for its own earlier start's lock."""
     import torch.distributed as dist
 
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     lock, verdict, folder = None, [""], Path(run_dir).resolve()
     if not distributed or dist.get_rank() == 0:
         try:
-            lock, holder = try_lock(Path(run_dir))
+            lock, holder = lock_or_wait_for_own_job(Path(run_dir), what, wait)
         except OSError as e:  # read-only, no permission: one line, before anything starts
-            lock, holder = None, ""
+            lock, holder = None, {}
             verdict[0] = f"{what} {folder} cannot be written: {e.strerror or e}"
         if lock is None and holder:
-            verdict[0] = (f"{what} {folder} is in use by kvtrain {holder} (lock "
-                          f"{folder / LOCK_FILE}); one run writes to a folder at a time")
+            waited = (f"; this job's earlier start did not drop it within {holder['waited']:.0f}"
+                      " s" if "waited" in holder else "")
+            verdict[0] = (f"{what} {folder} is in use by kvtrain {_describe(holder)} (lock "
+                          f"{folder / LOCK_FILE}){waited}; one run writes to a folder at a "
+                          "time")
     if distributed:
         dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
@@ -148,4 +207,4 @@ def removed_on_bad_input(run_dir: Path, lock: Optional[RunLock]) -> Iterator[Non
         raise
 
 
-__all__ = ["LOCK_FILE", "RunLock", "hold_run_folder", "removed_on_bad_input", "try_lock"]
+__all__ = ["LOCK_FILE", "SAME_JOB_WAIT", "RunLock", "hold_run_folder", "removed_on_bad_input", "try_lock"]

@@ -12,6 +12,7 @@ dead holder's lock is taken over (the second test, with a plain process).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -118,6 +119,59 @@ def test_run_lock_names_its_holder_and_a_dead_holders_lock_is_taken_over(tmp_pat
     lock.release()
 
 
+def test_a_requeued_job_waits_for_its_own_earlier_starts_lock(tmp_path, monkeypatch, capsys):
+    """On NFS the server keeps a dead node's lock until its lease ends (90 s): the
+    requeued job (same SLURM job id, restart count + 1) found its own earlier
+    start's lock and was refused. It now waits for it, saying so; another job's
+    lock, or one of the same start, is refused at once; a wait that runs out
+    says how long it waited."""
+    from kvtrain.config import ConfigError
+    from kvtrain.train.runlock import hold_run_folder
+
+    def refused(wait):
+        started = time.monotonic()
+        try:
+            hold_run_folder(tmp_path, wait=wait)
+        except ConfigError as e:
+            return str(e), time.monotonic() - started
+        raise AssertionError("a folder in use was not refused")
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    holder = _hold_lock(tmp_path, seconds=600)  # restart 0 of job 4242
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        message, seconds = refused(30)  # the same start: not waited for
+        assert seconds < 5 and "(SLURM job 4242 restart 0)" in message, message
+        monkeypatch.setenv("SLURM_JOB_ID", "4243")
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        message, seconds = refused(30)  # another job
+        assert seconds < 5 and "did not drop" not in message, message
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        message, seconds = refused(2)  # the earlier start of this job: waited for
+        assert seconds >= 2 and "\n" not in message, message
+        assert f"pid {holder.pid} on host {socket.gethostname()} (SLURM job 4242 restart 0)" \
+            ", since " in message, message
+        assert message.endswith(f"(lock {tmp_path.resolve()}/.kvtrain.lock); this job's "
+                                "earlier start did not drop it within 2 s; one run writes "
+                                "to a folder at a time"), message
+    finally:
+        holder.kill()
+        holder.wait()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    holder = _hold_lock(tmp_path, seconds=2)
+    assert holder.stdout.readline().strip() == "locked"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    capsys.readouterr()
+    lock = hold_run_folder(tmp_path, wait=60)  # restart 1 waits, then holds it
+    holder.wait()
+    assert lock is not None
+    out = capsys.readouterr().out
+    assert f"is still locked by this job's earlier start, pid {holder.pid} on host " in out, out
+    assert json.loads((tmp_path / ".kvtrain.lock").read_text())["slurm_restart"] == 1
+    lock.release()
+
+
 def test_a_refused_start_removes_only_what_it_wrote_into_a_folder_it_made(tmp_path):
     """``removed_on_bad_input``: the folder this process made (atomic mkdir) goes
     with the start's own files; anything else keeps it; a folder that existed
@@ -170,16 +224,18 @@ def test_a_checkpoint_folder_in_use_by_another_run_is_refused(tmp_path, cache_di
     assert [p.name for p in shared.iterdir()] == [".kvtrain.lock"]
 
 
-def _hold_lock(folder):
-    """Another process holding ``folder``'s lock (a live run's): kill it when done."""
+def _hold_lock(folder, seconds: float = 600):
+    """Another process holding ``folder``'s lock (a live run's) for ``seconds``, in
+    this process's environment: kill it when done."""
     import subprocess
     import sys
 
     return subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
          "from kvtrain.train.runlock import try_lock; "
-         "assert try_lock(Path(sys.argv[1]))[0]; print('locked', flush=True); time.sleep(600)",
-         str(folder)], stdout=subprocess.PIPE, text=True)
+         "assert try_lock(Path(sys.argv[1]))[0]; print('locked', flush=True); "
+         "time.sleep(float(sys.argv[2]))", str(folder), str(seconds)],
+        stdout=subprocess.PIPE, text=True)
 
 
 
