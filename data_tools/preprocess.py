@@ -2,14 +2,16 @@
 
 Pipeline (one process per core)::
 
-    main, feeder thread   worker processes          main thread
+    main thread            worker processes          main thread
     read + split files -> parse, validate, encode -> append .bin, spool index
         (readers)            (encoder)                 (indexed.IndexedWriter)
 
-``Pool.imap`` keeps results in input order, so the output is the same for
-any ``--workers`` (0 runs everything inline). The feeder blocks once
-``4 * workers`` chunks are in flight, which bounds memory whatever the corpus
-size (about ``chunk size * 4 * workers`` plus their tokens).
+``workers.EncoderPool`` keeps results in input order, so the output is the
+same for any ``--workers`` (0 runs everything inline), with ``4 * workers``
+chunks in flight, which bounds memory whatever the corpus size (about
+``chunk size * 4 * workers`` plus their tokens). A worker that dies (the
+out-of-memory killer) ends the run in one line, and the shards completed
+before it are kept for ``--resume``.
 
 Shards: one per input file by default (one in all with ``--text-mode file``),
 or ``--shards N`` contiguous groups of inputs balanced by size. A single shard
@@ -32,21 +34,20 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
-import multiprocessing
 import os
 import re
 import sys
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from data_tools import readers
-from data_tools.encoder import ChunkEncoder, Encoded, ShardEnd, encode_item, init_worker
+from data_tools.encoder import Encoded, ShardEnd
 from data_tools.fileio import atomic_write_bytes, check_prefix, remove_stale_temps
 from data_tools.indexed import IndexedWriter, bin_path, idx_path, read_meta, token_dtype
 from data_tools.progress import Counts, Progress, summary
 from data_tools.tokenizer import SentencePieceTokenizer
+from data_tools.workers import WorkersFailed, encode_in_order
 
 META_VERSION = 2  # 2: inputs record their format and compression
 
@@ -131,39 +132,6 @@ def is_complete(shard: Shard, fp: dict) -> bool:
                 and os.path.getsize(idx_path(shard.prefix)) == meta["idx_bytes"])
     except (OSError, ValueError, KeyError):
         return False
-
-
-class _BoundedFeed:
-    """Iterator handed to ``Pool.imap``: at most ``limit`` items in flight.
-
-    ``imap`` drains its input in a background thread as fast as it can; the
-    semaphore makes that thread wait until the main thread has consumed
-    results. ``stop`` unblocks it so ``Pool.terminate`` (which joins that
-    thread) cannot hang."""
-
-    def __init__(self, items, limit: int) -> None:
-        self._items = items
-        self._sem = threading.BoundedSemaphore(limit)
-        self._limit = limit
-        self._stopped = False
-
-    def __iter__(self):
-        for item in self._items:
-            self._sem.acquire()
-            if self._stopped:
-                return
-            yield item
-
-    def consumed(self) -> None:
-        self._sem.release()
-
-    def stop(self) -> None:
-        self._stopped = True
-        for _ in range(self._limit):
-            try:
-                self._sem.release()
-            except ValueError:
-                break
 
 
 def _work_items(shards: list[Shard], json_key: str, text_mode: str, chunk_bytes: int):
@@ -293,20 +261,6 @@ def _kept_counts(plan: list, todo: list) -> Counts:
     return total
 
 
-def _encode(items, workers: int, model_path: str, dtype, json_key: str, keep: int):
-    """Encoded chunks of ``items`` in order: from a pool of ``workers`` processes
-    (with its bounded feed), or in this process when ``workers`` is 0."""
-    if workers <= 0:
-        return map(ChunkEncoder(model_path, dtype, json_key, keep), items), None, None
-    ctx = multiprocessing.get_context()
-    # Workers are children of this process, except under forkserver.
-    parent = None if ctx.get_start_method() == "forkserver" else os.getpid()
-    pool = ctx.Pool(workers, initializer=init_worker,
-                    initargs=(model_path, dtype, json_key, keep, parent))
-    feed = _BoundedFeed(items, 4 * workers)
-    return pool.imap(encode_item, feed, chunksize=1), pool, feed
-
-
 def check_options(workers: int | None, shards: int | None, report_bad: int) -> None:
     """ValueError (one line, named as the CLI's options) for values the pipeline
     would take silently as something else, or that would take the machine down."""
@@ -332,6 +286,7 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
     included), outputs (shard prefixes), resumed, dtype, elapsed, first_bad.
 
     Raises StrictError (strict mode), readers.InputError (unreadable input),
+    workers.WorkersFailed (a worker died or ran out of memory),
     NoDocumentsError (no input holds a document; nothing is written), ValueError
     (an option out of range: ``check_options``)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -357,12 +312,10 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
     run_counts, done_bytes, first_bad = Counts(), 0, []
 
     items = _work_items(todo, json_key, text_mode, chunk_bytes)
-    results, pool, feed = _encode(items, workers if todo else 0, tok.model_path, dtype,
-                                  json_key, keep)
+    results, pool = encode_in_order(items, workers if todo else 0, tok.model_path, dtype,
+                                    json_key, keep)
     try:
         for res in results:
-            if feed is not None:
-                feed.consumed()
             if isinstance(res, ShardEnd):
                 sink.end(res.shard)
                 continue
@@ -381,14 +334,12 @@ def preprocess(inputs: list[readers.InputFile], tokenizer_path: str, output_pref
     except BaseException:
         sink.abort()
         if pool is not None:
-            feed.stop()
             pool.terminate()
         raise
     finally:
         bar.clear()
     if pool is not None:
         pool.close()
-        pool.join()
     total.merge(run_counts)
     if total.documents == 0:
         raise NoDocumentsError(no_documents_message(inputs, total))
@@ -418,6 +369,10 @@ def run(args) -> int:
     except StrictError as e:
         print(f"kvtrain data preprocess: error (--strict): {e}; nothing was written for "
               f"the shard being processed", file=sys.stderr)
+        return 1
+    except WorkersFailed as e:
+        print(f"kvtrain data preprocess: error: {e}; nothing was written for the shard being "
+              f"processed (--resume keeps the shards completed before it)", file=sys.stderr)
         return 1
     except (readers.InputError, FileNotFoundError, ValueError) as e:
         print(f"kvtrain data preprocess: error: {e}", file=sys.stderr)

@@ -1,0 +1,139 @@
+"""The tokenizer worker pool of ``preprocess`` (``data_tools.workers``): results
+in order, and a worker that dies or runs out of memory ends the run with one
+line naming the work in flight, where ``multiprocessing.Pool`` waited forever."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import dt_helpers as h  # noqa: E402
+from test_data_resume import N_FILES, _children, _cmd, corpus  # noqa: E402,F401
+
+from data_tools.workers import EncoderPool, WorkersFailed, encode_inline  # noqa: E402
+
+
+def _item(line: int, size: int = 10):
+    return SimpleNamespace(path="c.jsonl", first_line=line, payload=b"x" * size)
+
+
+def _no_model(*args):  # the initializer: the tests' functions need no tokenizer
+    pass
+
+
+def _square_or_die(item):
+    """A worker's function that dies as the OOM killer kills (SIGKILL) on line 13,
+    raises MemoryError on line 17, and sleeps on line 19."""
+    if item.first_line == 13:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if item.first_line == 17:
+        raise MemoryError()
+    if item.first_line == 19:
+        time.sleep(120)
+    return item.first_line ** 2
+
+
+def _pool(workers: int = 2) -> EncoderPool:
+    return EncoderPool(workers, (), function=_square_or_die, initializer=_no_model)
+
+
+def test_results_come_in_order_with_a_bounded_window():
+    pool = _pool()
+    try:
+        assert list(pool.map(_item(i) for i in range(30) if i not in (13, 17, 19))) == \
+            [i * i for i in range(30) if i not in (13, 17, 19)]
+    finally:
+        pool.close()
+
+
+def test_a_worker_killed_ends_the_run_naming_the_work_in_flight():
+    pool = _pool()
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkersFailed) as e:
+            list(pool.map([_item(11), _item(12), _item(13, size=3_000_000), _item(14)]))
+    finally:
+        pool.terminate()
+    message = str(e.value)
+    assert time.monotonic() - started < 30  # before the fix: waited forever
+    assert message.startswith("a tokenizer worker process was killed by SIGKILL (what the "
+                              "kernel's out-of-memory killer sends: see dmesg) while "
+                              "encoding c.jsonl:"), message
+    assert "c.jsonl:13 (3.0 MB)" in message or "the largest c.jsonl:13 of 3.0 MB" in message
+
+
+def test_a_memory_error_in_a_worker_or_inline_is_one_line():
+    pool = _pool()
+    try:
+        with pytest.raises(WorkersFailed) as e:
+            list(pool.map([_item(16), _item(17, size=2000)]))
+    finally:
+        pool.terminate()
+    assert str(e.value) == ("a tokenizer worker ran out of memory (MemoryError) while "
+                            "encoding c.jsonl:17 (2.0 kB)")
+    with pytest.raises(WorkersFailed) as e:
+        list(encode_inline([_item(16), _item(17, size=2000)], _square_or_die))
+    assert str(e.value) == "out of memory (MemoryError) while encoding c.jsonl:17 (2.0 kB)"
+
+
+def test_terminate_stops_a_worker_in_the_middle_of_an_item():
+    """Ctrl-C or a --strict stop: the workers stop now, not after their item."""
+    pool = _pool(workers=1)
+    results = pool.map([_item(18), _item(19), _item(20)])
+    assert next(results) == 18 * 18
+    time.sleep(0.5)  # the worker is inside item 19's two minutes
+    processes = list(pool._processes.values())
+    started = time.monotonic()
+    pool.terminate()
+    for process in processes:
+        process.join(timeout=30)
+    assert all(p.exitcode is not None for p in processes)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
+def test_a_worker_killed_mid_run_is_one_line_and_resume_completes(corpus, tmp_path):
+    """The CLI: one worker SIGKILLed (as the OOM killer does) while a later shard is
+    half-written: exit 1 with one line (before: preprocess hung forever), no
+    temporaries left, and --resume completes the run byte-identical."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    proc = subprocess.Popen(_cmd(corpus, out / "c"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, "preprocess finished before a worker could be killed"
+            assert time.monotonic() < deadline, "no complete shard after 120 s"
+            names = os.listdir(out) if out.exists() else []
+            if "c_00000_text_document.meta.json" in names and any(".tmp." in n for n in names):
+                os.kill(_children(proc.pid)[0], signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, err
+    assert lines[0].startswith("kvtrain data preprocess: error: a tokenizer worker process "
+                               "was killed by SIGKILL"), lines[0]
+    assert f"while encoding {corpus}/part" in lines[0], lines[0]
+    assert lines[0].endswith("nothing was written for the shard being processed (--resume "
+                             "keeps the shards completed before it)"), lines[0]
+    assert not [n for n in os.listdir(out) if ".tmp." in n]
+    assert "c_00000_text_document.meta.json" in os.listdir(out)
+
+    resumed = subprocess.run(_cmd(corpus, out / "c", "--resume"), capture_output=True,
+                             text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    subprocess.run(_cmd(corpus, ref / "c"), check=True, capture_output=True, timeout=120)
+    assert h.files_in(out) == h.files_in(ref)
