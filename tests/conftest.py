@@ -58,6 +58,7 @@ LONGEST_FIRST = (
     "tests/train/test_context_parallel_runs.py",
     "tests/faults/test_process_faults.py",
     "tests/faults/test_param_gather.py",
+    "tests/faults/test_writer_faults.py",
 )
 
 

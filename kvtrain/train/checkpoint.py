@@ -72,7 +72,7 @@ import logging
 import os
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -98,6 +98,7 @@ from .optimizer import adam_step, inner_optimizers, run_param_groups_kept
 from .rng_states import restore_rng_state, rng_sharded_object
 from .save_agreement import gather_or_fail, on_rank0_or_fail
 from .step import sync_params
+from .writer_watch import SyncSaveWatch, check_async_writers
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +348,13 @@ class Checkpointer:
             on_rank0_or_fail(lambda: _empty_folder(work), self.root)
         t0 = time.monotonic()
         sd = self._sharded_state(state, loading=False, optimizer=True, rng=True)
-        with self._save_failure():
+        # a synchronous save waits for the writer processes it forks: one that dies
+        # (the OOM killer) ends this process in one line rather than a hang
+        watch = nullcontext() if self._async_queue is not None else SyncSaveWatch(
+            lambda why: f"kvtrain: checkpoint error: saving the checkpoint of iteration "
+            f"{state.iteration} ({work.name}) failed: rank {self.rank}: {why}; "
+            f"{self.root / TRACKER} is unchanged")
+        with self._save_failure(), watch:
             request = dist_checkpointing.save(
                 sd, str(work), async_sharded_save=self._async_queue is not None,
                 content_metadata={"kvtrain_format": FORMAT_VERSION},
@@ -415,10 +422,19 @@ class Checkpointer:
         prune(self.root, keep, self.keep_last)
 
     def finalize(self, blocking: bool = False) -> None:
-        """Completes finished async saves (collective: call on every rank)."""
-        if self._async_queue is not None and self._async_queue.get_num_unfinalized_calls():
-            with self._save_failure():
-                self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+        """Completes finished async saves (collective: call on every rank); ``blocking``:
+        waits for them. A writer that died on any rank fails the save on every rank
+        (megatron's own blocking wait would wait for it forever)."""
+        queue = self._async_queue
+        if queue is None or not queue.get_num_unfinalized_calls():
+            return
+        with self._save_failure():
+            while True:
+                check_async_writers(queue)
+                queue.maybe_finalize_async_calls(blocking=False)
+                if not blocking or not queue.get_num_unfinalized_calls():
+                    return
+                time.sleep(0.05)
 
     def close(self) -> None:
         self.finalize(blocking=True)

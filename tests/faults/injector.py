@@ -10,6 +10,11 @@
     {"kill_at_step": 4}        SIGKILL at the start of step 4 (nothing saved for it)
     {"fail_in_save": [4, 1]}   rank 1 fails (EIO) after iteration 4's shards are
                                written, as a rank whose disk fails while it reads them back
+    {"kill_writer_in_save": [4, 1, "bucket"]}  on rank 1, the save of 4 has a process
+                               that writes its shards SIGKILLed as it starts, as the OOM
+                               killer does: "bucket" (a write bucket's process, forked
+                               by the process that saves) or "writer" (megatron's
+                               asynchronous writer itself)
     {"read_only_after_save": [2, "/ck"]}  rank 0 mounts /ck over itself read-only
                                right after the checkpoint of 2 is complete (root only;
                                a bind mount: the lock file open in /ck keeps a remount busy)
@@ -30,12 +35,41 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+_ORIGINAL_WRITERS: dict = {}
+
+
+def _writers_die(which: str, on: bool) -> None:
+    """Makes the processes megatron forks to write a checkpoint (from now on: ``on``)
+    SIGKILL themselves as they start: the first write bucket's, or the asynchronous
+    writer. Both are megatron's static methods, looked up after the fork."""
+    from functools import wraps
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync as Writer,
+    )
+
+    name = {"bucket": "write_preloaded_data", "writer": "write_preloaded_data_multiproc"}[which]
+    original = _ORIGINAL_WRITERS.setdefault(name, getattr(Writer, name))
+    if not on:
+        setattr(Writer, name, staticmethod(original))
+        return
+
+    @wraps(original)
+    def dies(*args, **kwargs):
+        if which == "writer" or kwargs.get("local_proc_idx") == 0:
+            _die()
+        return original(*args, **kwargs)
+
+    setattr(Writer, name, staticmethod(dies))
+
+
 class Faults(RunHooks):
     def __init__(self, kill_in_save: Optional[int] = None, kill_after_save: Optional[int] = None,
                  nonfinite_steps: Iterable[int] = (), stop_after: Optional[int] = None,
                  kill_at_step: Optional[int] = None, nonfinite_grad_steps: Iterable[int] = (),
                  fail_in_save: Optional[tuple[int, int]] = None,
-                 read_only_after_save: Optional[tuple[int, str]] = None):
+                 read_only_after_save: Optional[tuple[int, str]] = None,
+                 kill_writer_in_save: Optional[tuple[int, int, str]] = None):
         self.kill_in_save = kill_in_save
         self.kill_after_save = kill_after_save
         self.nonfinite_steps = frozenset(nonfinite_steps)
@@ -44,6 +78,7 @@ class Faults(RunHooks):
         self.nonfinite_grad_steps = frozenset(nonfinite_grad_steps)
         self.fail_in_save = tuple(fail_in_save) if fail_in_save else None
         self.read_only_after_save = tuple(read_only_after_save or (None, None))
+        self.kill_writer_in_save = tuple(kill_writer_in_save or (None, None, None))
 
     def loss(self, iteration, loss_sum):
         if iteration in self.nonfinite_steps:
@@ -63,6 +98,12 @@ class Faults(RunHooks):
     def stop_requested(self, iteration: int) -> bool:
         if iteration == self.kill_at_step:
             _die()
+        at, rank, which = self.kill_writer_in_save
+        if at is not None and iteration in (at, at + 1):
+            import torch.distributed as dist
+
+            if dist.get_rank() == rank:
+                _writers_die(which, iteration == at)  # the save at the end of step ``at``
         return iteration == self.stop_after
 
     def shards_written(self, work: Path, iteration: int) -> None:

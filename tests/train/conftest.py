@@ -10,6 +10,7 @@ launch is over, so a test that SIGKILLs a trainer leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -148,6 +149,23 @@ def _kill_session(proc: subprocess.Popen) -> None:
         pass
 
 
+def _kill_launch(proc: subprocess.Popen) -> None:
+    """A launch past its time: its session and every process under it. torchrun starts
+    each rank in a session of its own, and a rank that outlived it (hung: the driver's
+    ranks are not bound to their launcher) held the output pipes open, so the test
+    waited for their end forever instead of failing."""
+    import psutil
+
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
+    _kill_session(proc)
+    for child in below:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+
+
 def run(args: list[str], nproc: int = 1, env: Optional[dict] = None, timeout: float = 300,
         script: Optional[Path] = None, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
     """Runs a launch to completion; returns its exit code and output. ``kvtrain``
@@ -166,8 +184,8 @@ def run(args: list[str], nproc: int = 1, env: Optional[dict] = None, timeout: fl
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_session(proc)
-        out, err = proc.communicate()
+        _kill_launch(proc)
+        out, err = proc.communicate(timeout=60)
         raise AssertionError(f"launch timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
     finally:
         _kill_session(proc)

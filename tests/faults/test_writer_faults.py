@@ -1,0 +1,114 @@
+"""A process that writes a checkpoint dies (the kernel's out-of-memory killer
+sends SIGKILL): the save fails in one line on every rank, naming the rank and
+the process, and ``latest`` keeps naming the previous checkpoint. Before,
+megatron's writer waited for a dead write-bucket process forever, and the run
+hung silently at that save (synchronous) or at the next one (asynchronous)."""
+
+from __future__ import annotations
+
+import re
+
+from tests.train.conftest import run_driver, tiny_config, write_config
+
+CK = "checkpoints"
+
+
+def _it(n: int) -> str:
+    return f"iter_{n:07d}"
+
+
+def _config(tmp_path, cache_dir, name: str, async_save: bool):
+    return str(write_config(tmp_path / f"{name}.yaml", tiny_config(
+        None, cache_dir, train={"max_steps": 6},
+        checkpoint={"save_interval": 2, "keep_last": None, "async_save": async_save})))
+
+
+def _errors(out: str) -> list[str]:
+    # (the two ranks share the pipe: their lines may run together)
+    return re.findall(r"kvtrain: checkpoint error: (saving the checkpoint of iteration 4 .*?) "
+                      r"is unchanged", out)
+
+
+def test_an_async_writer_that_dies_fails_the_save_on_every_rank(tmp_path, cache_dir):
+    """Two ranks, asynchronous saves: on rank 0 a write bucket's process dies, or
+    megatron's writer itself (which megatron reported as "CheckpointException
+    ranks:dict_keys([0])"); rank 1 stops with rank 0's reason. (Rank 1 of this
+    layout writes nothing: rank 0 writes the replicated state.)"""
+    config = _config(tmp_path, cache_dir, "async", True)
+    jobs = [{"config": config, "run_dir": str(tmp_path / "bucket"), "expect": 2,
+             "faults": {"kill_writer_in_save": [4, 0, "bucket"]}},
+            {"config": config, "run_dir": str(tmp_path / "writer"), "expect": 2,
+             "faults": {"kill_writer_in_save": [4, 0, "writer"]}}]
+    result = run_driver(jobs, tmp_path / "plan.json", nproc=2, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    errors = _errors(out)
+    assert len(errors) == 4, out[-4000:]  # two ranks, two jobs
+    bucket = re.compile(r"saving the checkpoint of iteration 4 \(iter_0000004.incomplete\) "
+                        r"failed: rank 0: a checkpoint writer process \(pid \d+, forked by the "
+                        r"writer \d+\) was killed by SIGKILL \(what the kernel's out-of-memory "
+                        r"killer sends: see dmesg\); the incomplete folder was removed and "
+                        rf"{tmp_path / 'bucket' / CK / 'latest'}$")
+    writer = re.compile(r".* failed: rank 0: the checkpoint writer process \(pid \d+\) was "
+                        r"killed by SIGKILL \(what")
+    assert sum(bool(bucket.match(e)) for e in errors) == 2, errors
+    assert sum(bool(writer.match(e)) for e in errors) == 2, errors
+    for name in ("bucket", "writer"):
+        ck = tmp_path / name / CK
+        assert (ck / "latest").read_text().strip() == _it(2)
+        assert not list(ck.glob("*.incomplete")) and not (ck / _it(4)).exists()
+
+
+def test_a_sync_save_whose_writer_dies_ends_in_one_line_and_resumes(tmp_path, cache_dir):
+    """One rank, synchronous saves: the trainer itself waits for the write buckets,
+    so the watch ends the process (exit 2) with the line; the resume goes on from
+    the checkpoint of 2 to the end."""
+    config = _config(tmp_path, cache_dir, "sync", False)
+    run_dir = str(tmp_path / "sync")
+    jobs = [{"config": config, "run_dir": run_dir, "expect": 2,
+             "faults": {"kill_writer_in_save": [4, 0, "bucket"]}},
+            {"config": config, "run_dir": run_dir, "overrides": ["checkpoint.resume=auto"]}]
+    result = run_driver(jobs, tmp_path / "plan.json", timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    errors = _errors(out)
+    assert len(errors) == 1, out[-4000:]
+    assert re.match(r"saving the checkpoint of iteration 4 \(iter_0000004.incomplete\) failed: "
+                    r"rank 0: a checkpoint writer process \(pid \d+\) was killed by SIGKILL "
+                    r"\(what the kernel's out-of-memory killer sends: see dmesg\); "
+                    rf"{tmp_path / 'sync' / CK / 'latest'}$", errors[0]), errors[0]
+    ck = tmp_path / "sync" / CK
+    assert (ck / "latest").read_text().strip() == _it(6)
+    assert not list(ck.glob("*.incomplete"))
+
+
+def test_dead_children_are_found_with_their_wait_status():
+    """``/proc``: the children of a process (by ``task/*/children`` or by a scan),
+    and the wait status of one that died and was not waited for."""
+    import os
+    import subprocess
+    import time
+
+    from kvtrain.train import writer_watch as w
+
+    alive = subprocess.Popen(["sleep", "30"])
+    killed = subprocess.Popen(["sh", "-c", "kill -9 $$"])
+    failed = subprocess.Popen(["sh", "-c", "exit 3"])
+    clean = subprocess.Popen(["true"])
+    try:
+        time.sleep(0.5)
+        mine = {alive.pid, killed.pid, failed.pid, clean.pid}
+        assert mine <= set(w.children(os.getpid())) and mine <= set(w._scan_children(os.getpid()))
+        assert w.ended(alive.pid) is None  # running
+        assert w.how(w.ended(killed.pid)).startswith("was killed by SIGKILL (what the kernel")
+        assert w.how(w.ended(failed.pid)) == "exited with status 3"
+        assert w.how(w.ended(clean.pid)) is None  # a clean exit is no failure
+        reason = w.dead_writer((), forked_by=os.getpid(), since=frozenset({killed.pid}))
+        assert reason == f"a checkpoint writer process (pid {failed.pid}) exited with status 3"
+    finally:
+        alive.kill()
+        for p in (alive, killed, failed, clean):
+            p.wait()
+    assert w.ended(killed.pid) is None  # waited for: gone
