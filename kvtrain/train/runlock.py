@@ -207,4 +207,5 @@ def removed_on_bad_input(run_dir: Path, lock: Optional[RunLock]) -> Iterator[Non
         raise
 
 
-__all__ = ["LOCK_FILE", "SAME_JOB_WAIT", "RunLock", "hold_run_folder", "removed_on_bad_input", "try_lock"]
+__all__ = ["LOCK_FILE", "SAME_JOB_WAIT", "RunLock", "hold_run_folder", "lock_or_wait_for_own_job",
+           "removed_on_bad_input", "try_lock"]
