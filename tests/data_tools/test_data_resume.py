@@ -59,6 +59,18 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def wait_for_a_half_written_shard(proc, out) -> None:
+    """Until shard 0 of ``out`` is complete and a later shard is half-written."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, "preprocess finished before it could be killed"
+        assert time.monotonic() < deadline, "no complete shard after 120 s"
+        names = os.listdir(out) if out.exists() else []
+        if "c_00000_text_document.meta.json" in names and any(".tmp." in n for n in names):
+            return
+        time.sleep(0.005)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
 def test_sigkill_then_resume_is_byte_identical(corpus, tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "out"
@@ -69,17 +81,9 @@ def test_sigkill_then_resume_is_byte_identical(corpus, tmp_path):
                             stderr=subprocess.PIPE, start_new_session=True)
     workers: list[int] = []
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, "preprocess finished before it could be killed"
-            assert time.monotonic() < deadline, "no complete shard after 120 s"
-            names = os.listdir(out) if out.exists() else []
-            # Kill once shard 0 is complete and a later shard is half-written.
-            if "c_00000_text_document.meta.json" in names and any(".tmp." in n for n in names):
-                workers = _children(proc.pid)
-                proc.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.005)
+        wait_for_a_half_written_shard(proc, out)
+        workers = _children(proc.pid)
+        proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         assert proc.returncode == -signal.SIGKILL
         # The pool workers die with their parent (PR_SET_PDEATHSIG), not linger.

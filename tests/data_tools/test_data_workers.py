@@ -15,7 +15,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import dt_helpers as h  # noqa: E402
-from test_data_resume import N_FILES, _children, _cmd, corpus  # noqa: E402,F401
+from test_data_resume import (  # noqa: E402,F401
+    _children, _cmd, corpus, wait_for_a_half_written_shard,
+)
 
 from data_tools.workers import EncoderPool, WorkersFailed, encode_inline  # noqa: E402
 
@@ -107,15 +109,8 @@ def test_a_worker_killed_mid_run_is_one_line_and_resume_completes(corpus, tmp_pa
     proc = subprocess.Popen(_cmd(corpus, out / "c"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, "preprocess finished before a worker could be killed"
-            assert time.monotonic() < deadline, "no complete shard after 120 s"
-            names = os.listdir(out) if out.exists() else []
-            if "c_00000_text_document.meta.json" in names and any(".tmp." in n for n in names):
-                os.kill(_children(proc.pid)[0], signal.SIGKILL)
-                break
-            time.sleep(0.005)
+        wait_for_a_half_written_shard(proc, out)
+        os.kill(_children(proc.pid)[0], signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
     finally:
         try:

@@ -7,6 +7,7 @@ hung silently at that save (synchronous) or at the next one (asynchronous)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from tests.train.conftest import run_driver, tiny_config, write_config
 
@@ -19,7 +20,7 @@ def _it(n: int) -> str:
 
 def _config(tmp_path, cache_dir, name: str, async_save: bool):
     return str(write_config(tmp_path / f"{name}.yaml", tiny_config(
-        None, cache_dir, train={"max_steps": 6},
+        None, cache_dir, train={"max_steps": 4},
         checkpoint={"save_interval": 2, "keep_last": None, "async_save": async_save})))
 
 
@@ -29,59 +30,59 @@ def _errors(out: str) -> list[str]:
                       r"is unchanged", out)
 
 
+def _failed(reason: str, latest: Path, removed: bool = True) -> re.Pattern:
+    return re.compile(r"saving the checkpoint of iteration 4 \(iter_0000004.incomplete\) "
+                      rf"failed: rank 0: {reason} was killed by SIGKILL \(what the kernel's "
+                      r"out-of-memory killer sends: see dmesg\); "
+                      + ("the incomplete folder was removed and " if removed else "")
+                      + re.escape(str(latest)) + "$")
+
+
 def test_an_async_writer_that_dies_fails_the_save_on_every_rank(tmp_path, cache_dir):
-    """Two ranks, asynchronous saves: on rank 0 a write bucket's process dies, or
-    megatron's writer itself (which megatron reported as "CheckpointException
-    ranks:dict_keys([0])"); rank 1 stops with rank 0's reason. (Rank 1 of this
-    layout writes nothing: rank 0 writes the replicated state.)"""
+    """Two ranks, asynchronous saves: on rank 0 a write bucket's process dies; rank 1
+    stops with rank 0's reason. (Rank 1 of this layout writes nothing: rank 0
+    writes the replicated state.)"""
     config = _config(tmp_path, cache_dir, "async", True)
     jobs = [{"config": config, "run_dir": str(tmp_path / "bucket"), "expect": 2,
-             "faults": {"kill_writer_in_save": [4, 0, "bucket"]}},
-            {"config": config, "run_dir": str(tmp_path / "writer"), "expect": 2,
-             "faults": {"kill_writer_in_save": [4, 0, "writer"]}}]
+             "faults": {"kill_writer_in_save": [4, 0, "bucket"]}}]
     result = run_driver(jobs, tmp_path / "plan.json", nproc=2, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     errors = _errors(out)
-    assert len(errors) == 4, out[-4000:]  # two ranks, two jobs
-    bucket = re.compile(r"saving the checkpoint of iteration 4 \(iter_0000004.incomplete\) "
-                        r"failed: rank 0: a checkpoint writer process \(pid \d+, forked by the "
-                        r"writer \d+\) was killed by SIGKILL \(what the kernel's out-of-memory "
-                        r"killer sends: see dmesg\); the incomplete folder was removed and "
-                        rf"{tmp_path / 'bucket' / CK / 'latest'}$")
-    writer = re.compile(r".* failed: rank 0: the checkpoint writer process \(pid \d+\) was "
-                        r"killed by SIGKILL \(what")
-    assert sum(bool(bucket.match(e)) for e in errors) == 2, errors
-    assert sum(bool(writer.match(e)) for e in errors) == 2, errors
-    for name in ("bucket", "writer"):
-        ck = tmp_path / name / CK
-        assert (ck / "latest").read_text().strip() == _it(2)
-        assert not list(ck.glob("*.incomplete")) and not (ck / _it(4)).exists()
+    ck = tmp_path / "bucket" / CK
+    bucket = _failed(r"a checkpoint writer process \(pid \d+, forked by the writer \d+\)",
+                     ck / "latest")
+    assert len(errors) == 2 and all(bucket.match(e) for e in errors), out[-4000:]
+    assert (ck / "latest").read_text().strip() == _it(2)
+    assert not list(ck.glob("*.incomplete")) and not (ck / _it(4)).exists()
 
 
-def test_a_sync_save_whose_writer_dies_ends_in_one_line_and_resumes(tmp_path, cache_dir):
-    """One rank, synchronous saves: the trainer itself waits for the write buckets,
-    so the watch ends the process (exit 2) with the line; the resume goes on from
-    the checkpoint of 2 to the end."""
-    config = _config(tmp_path, cache_dir, "sync", False)
-    run_dir = str(tmp_path / "sync")
-    jobs = [{"config": config, "run_dir": run_dir, "expect": 2,
-             "faults": {"kill_writer_in_save": [4, 0, "bucket"]}},
-            {"config": config, "run_dir": run_dir, "overrides": ["checkpoint.resume=auto"]}]
+def test_a_dead_writer_in_one_process_async_or_sync_is_one_line(tmp_path, cache_dir):
+    """One rank. Asynchronous: megatron's writer itself dies (megatron said
+    "CheckpointException ranks:dict_keys([0])"). Synchronous: the trainer itself
+    waits for the write buckets, so the watch ends the process (exit 2) with the
+    line; the resume goes on from the checkpoint of 2 to the end."""
+    writer, sync = tmp_path / "writer", tmp_path / "sync"
+    jobs = [{"config": _config(tmp_path, cache_dir, "async", True), "run_dir": str(writer),
+             "expect": 2, "faults": {"kill_writer_in_save": [4, 0, "writer"]}},
+            {"config": _config(tmp_path, cache_dir, "sync", False), "run_dir": str(sync),
+             "expect": 2, "faults": {"kill_writer_in_save": [4, 0, "bucket"]}},
+            {"config": _config(tmp_path, cache_dir, "sync", False), "run_dir": str(sync)}]
     result = run_driver(jobs, tmp_path / "plan.json", timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     errors = _errors(out)
-    assert len(errors) == 1, out[-4000:]
-    assert re.match(r"saving the checkpoint of iteration 4 \(iter_0000004.incomplete\) failed: "
-                    r"rank 0: a checkpoint writer process \(pid \d+\) was killed by SIGKILL "
-                    r"\(what the kernel's out-of-memory killer sends: see dmesg\); "
-                    rf"{tmp_path / 'sync' / CK / 'latest'}$", errors[0]), errors[0]
-    ck = tmp_path / "sync" / CK
-    assert (ck / "latest").read_text().strip() == _it(6)
-    assert not list(ck.glob("*.incomplete"))
+    assert len(errors) == 2, out[-4000:]
+    assert _failed(r"the checkpoint writer process \(pid \d+\)", writer / CK / "latest"
+                   ).match(errors[0]), errors[0]
+    assert _failed(r"a checkpoint writer process \(pid \d+\)", sync / CK / "latest",
+                   removed=False).match(errors[1]), errors[1]
+    assert (writer / CK / "latest").read_text().strip() == _it(2)
+    assert (sync / CK / "latest").read_text().strip() == _it(4)  # the resume's
+    for ck in (writer / CK, sync / CK):
+        assert not list(ck.glob("*.incomplete"))
 
 
 def test_dead_children_are_found_with_their_wait_status():
