@@ -19,10 +19,13 @@ from the global RNG would shift every later dropout mask.
 from __future__ import annotations
 
 import signal
+from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader
+
+from kvtrain.config import ConfigError
 
 
 class PretrainingBatchSampler:
@@ -86,6 +89,32 @@ def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank
         generator=_own_generator(seed, dp_rank),
     )
     return iter(loader)
+
+
+class LoaderWorkerDied(ConfigError):
+    """A data loader worker process died (the kernel's out-of-memory killer): one
+    line, not torch's traceback from inside megatron's schedule."""
+
+    kind = "data error"
+
+
+@contextmanager
+def loader_deaths_named(num_workers: int) -> Iterator[None]:
+    """torch's error for a loader worker that died, as one line. torch raises it from
+    its SIGCHLD handler, wherever the trainer is at that moment (usually inside
+    megatron's schedule), so it is caught around the whole training loop."""
+    try:
+        yield
+    except RuntimeError as e:
+        what = str(e).strip()
+        if not what.startswith("DataLoader worker"):
+            raise
+        oom = " (SIGKILL: what the kernel's out-of-memory killer sends, see dmesg)" \
+            if "Killed" in what else ""
+        raise LoaderWorkerDied(
+            f"a data loader process ended: {what.rstrip('. ')}{oom}; data.num_workers is "
+            f"{num_workers}. The run stops here; a start resumes from the last checkpoint"
+        ) from None
 
 
 def fixed_batches(dataset, num_samples: int, micro_batch_size: int, dp_rank: int,

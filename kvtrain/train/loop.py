@@ -21,6 +21,7 @@ import torch.distributed as dist
 from data_tools.fileio import atomic_write_text
 from kvtrain.backend import init_process_group
 from kvtrain.config import RunConfig, TrainConfig, checkpoint_folder
+from kvtrain.data.loader import loader_deaths_named
 from kvtrain.data.order import order_changed, order_fingerprint
 from kvtrain.tasks.config import accuracy_masks
 
@@ -304,10 +305,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
     hooks = hooks or RunHooks()
     bind_to_launcher()  # this rank dies with its launcher, its helpers with it
     init_process_group(cfg.train.dist_timeout_minutes, device=cfg.train.device)
-    # one writer per run folder (collective); a requeued job waits for its own
-    # earlier start's lock, within the collectives' timeout (the other ranks wait)
-    wait = min(SAME_JOB_WAIT, cfg.train.dist_timeout_minutes * 60 / 2)
-    lock = hold_run_folder(Path(run_dir), wait=wait)
+    wait = min(SAME_JOB_WAIT, cfg.train.dist_timeout_minutes * 30)  # half the other ranks'
+    lock = hold_run_folder(Path(run_dir), wait=wait)  # one writer per run folder (collective)
     stop = StopRequests(cfg.train.exit_duration_minutes).install()
     with removed_on_bad_input(Path(run_dir), lock):  # refused: no new folder left
         # also where checkpoint.dir lies outside the run folder (or in another's)
@@ -364,7 +363,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
             say(f"kvtrain: nothing to do: iteration {state.iteration} >= {run.total_steps} steps")
             code = EXIT_OK
         else:
-            code = training_loop(run, state, ckpt, metrics, validator, stop, hooks)
+            with loader_deaths_named(cfg.data.num_workers):
+                code = training_loop(run, state, ckpt, metrics, validator, stop, hooks)
         if status_file is not None and rank0:
             _write_status(status_file, state.iteration, run.total_steps)
     finally:

@@ -15,6 +15,9 @@
                                killer does: "bucket" (a write bucket's process, forked
                                by the process that saves) or "writer" (megatron's
                                asynchronous writer itself)
+    {"kill_loader_workers_at": 3}  SIGKILL to this rank's data loader workers (every
+                               child process: a run with synchronous saves has no other)
+                               at the start of step 3, as the OOM killer does
     {"read_only_after_save": [2, "/ck"]}  rank 0 mounts /ck over itself read-only
                                right after the checkpoint of 2 is complete (root only;
                                a bind mount: the lock file open in /ck keeps a remount busy)
@@ -69,7 +72,8 @@ class Faults(RunHooks):
                  kill_at_step: Optional[int] = None, nonfinite_grad_steps: Iterable[int] = (),
                  fail_in_save: Optional[tuple[int, int]] = None,
                  read_only_after_save: Optional[tuple[int, str]] = None,
-                 kill_writer_in_save: Optional[tuple[int, int, str]] = None):
+                 kill_writer_in_save: Optional[tuple[int, int, str]] = None,
+                 kill_loader_workers_at: Optional[int] = None):
         self.kill_in_save = kill_in_save
         self.kill_after_save = kill_after_save
         self.nonfinite_steps = frozenset(nonfinite_steps)
@@ -79,6 +83,7 @@ class Faults(RunHooks):
         self.fail_in_save = tuple(fail_in_save) if fail_in_save else None
         self.read_only_after_save = tuple(read_only_after_save or (None, None))
         self.kill_writer_in_save = tuple(kill_writer_in_save or (None, None, None))
+        self.kill_loader_workers_at = kill_loader_workers_at
 
     def loss(self, iteration, loss_sum):
         if iteration in self.nonfinite_steps:
@@ -98,6 +103,16 @@ class Faults(RunHooks):
     def stop_requested(self, iteration: int) -> bool:
         if iteration == self.kill_at_step:
             _die()
+        if iteration == self.kill_loader_workers_at:
+            import time
+
+            import psutil
+
+            workers = psutil.Process().children()
+            assert workers, "no data loader worker to kill"
+            for worker in workers:
+                worker.kill()
+            time.sleep(1.0)  # torch learns of it from SIGCHLD, in the step that follows
         at, rank, which = self.kill_writer_in_save
         if at is not None and iteration in (at, at + 1):
             import torch.distributed as dist

@@ -5,6 +5,7 @@ built (before training), never found as a traceback at the first batch read;
 from __future__ import annotations
 
 import math
+import re
 import os
 import shutil
 import struct
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvtrain.config import ConfigError, load_config
-from tests.train.conftest import run, tiny_config, write_config
+from tests.train.conftest import run, run_driver, tiny_config, write_config
 
 
 def _copy_shard(prefix: str, dest: Path) -> str:
@@ -294,3 +295,31 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path, corpus, cache_di
     assert len(lines) == 1 and lines[0].startswith(
         "kvtrain: config error: data.paths: a batch holds token id "), lines
     assert "outside model.vocab_size (64)" in lines[0]
+
+
+def test_a_loader_worker_killed_mid_run_is_one_line(tmp_path, corpus, cache_dir):
+    """data.num_workers 2; the loader workers SIGKILLed at step 3 (as the OOM killer
+    does): one line naming the data loader and data.num_workers (before: torch's
+    RuntimeError traceback from inside megatron's schedule); the checkpoint of 2
+    stays, and a start resumes from it."""
+    cfg = tiny_config(corpus, cache_dir, train={"max_steps": 4},
+                      checkpoint={"save_interval": 2})
+    cfg["data"]["num_workers"] = 2
+    config = str(write_config(tmp_path / "c.yaml", cfg))
+    run_dir = str(tmp_path / "run")
+    jobs = [{"config": config, "run_dir": run_dir, "expect": 2,
+             "faults": {"kill_loader_workers_at": 3}},
+            {"config": config, "run_dir": run_dir}]
+    result = run_driver(jobs, tmp_path / "plan.json", timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    lines = [line for line in out.splitlines() if line.startswith("kvtrain: data error:")]
+    assert len(lines) == 1, out[-4000:]
+    assert re.fullmatch(r"kvtrain: data error: a data loader process ended: DataLoader worker "
+                        r"\(pid\(?s?\)? [\d, ]+\) is killed by signal: Killed \(SIGKILL: what "
+                        r"the kernel's out-of-memory killer sends, see dmesg\); data.num_workers "
+                        r"is 2. The run stops here; a start resumes from the last checkpoint",
+                        lines[0]), lines[0]
+    assert "resumed from" in out and "iteration 2" in out, out[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
