@@ -305,7 +305,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
     hooks = hooks or RunHooks()
     bind_to_launcher()  # this rank dies with its launcher, its helpers with it
     init_process_group(cfg.train.dist_timeout_minutes, device=cfg.train.device)
-    wait = min(SAME_JOB_WAIT, cfg.train.dist_timeout_minutes * 30)  # half the other ranks'
+    # a requeued job's wait for its own earlier lock: within the collectives' timeout
+    wait = min(SAME_JOB_WAIT, cfg.train.dist_timeout_minutes * 30)
     lock = hold_run_folder(Path(run_dir), wait=wait)  # one writer per run folder (collective)
     stop = StopRequests(cfg.train.exit_duration_minutes).install()
     with removed_on_bad_input(Path(run_dir), lock):  # refused: no new folder left
