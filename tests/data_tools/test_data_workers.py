@@ -132,3 +132,19 @@ def test_a_worker_killed_mid_run_is_one_line_and_resume_completes(corpus, tmp_pa
     assert resumed.returncode == 0, resumed.stderr
     subprocess.run(_cmd(corpus, ref / "c"), check=True, capture_output=True, timeout=120)
     assert h.files_in(out) == h.files_in(ref)
+
+
+def test_how_the_workers_ended_in_words():
+    """The executor terminates the other workers (SIGTERM) once one died: the one
+    that died is the one named."""
+    from data_tools.workers import _how_it_ended
+
+    def ended(*codes):
+        return [SimpleNamespace(exitcode=c) for c in codes]
+
+    assert _how_it_ended(ended(-signal.SIGTERM, -signal.SIGKILL)).startswith(
+        "a tokenizer worker process was killed by SIGKILL (what the kernel's")
+    assert _how_it_ended(ended(-signal.SIGSEGV, None)) == \
+        "a tokenizer worker process was killed by SIGSEGV"
+    assert _how_it_ended(ended(0, 3)) == "a tokenizer worker process exited with status 3"
+    assert _how_it_ended(ended(-signal.SIGTERM, None)) == "a tokenizer worker process died"

@@ -10,7 +10,7 @@
     {"kill_at_step": 4}        SIGKILL at the start of step 4 (nothing saved for it)
     {"fail_in_save": [4, 1]}   rank 1 fails (EIO) after iteration 4's shards are
                                written, as a rank whose disk fails while it reads them back
-    {"kill_writer_in_save": [4, 1, "bucket"]}  on rank 1, the save of 4 has a process
+    {"kill_writer_in_save": [4, 0, "bucket"]}  on rank 0, the save of 4 has a process
                                that writes its shards SIGKILLed as it starts, as the OOM
                                killer does: "bucket" (a write bucket's process, forked
                                by the process that saves) or "writer" (megatron's

@@ -323,3 +323,19 @@ def test_a_loader_worker_killed_mid_run_is_one_line(tmp_path, corpus, cache_dir)
                         lines[0]), lines[0]
     assert "resumed from" in out and "iteration 2" in out, out[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
+
+
+def test_only_torchs_loader_worker_errors_become_the_data_line():
+    """``loader_deaths_named``: a worker that exited (not killed) is named without
+    the out-of-memory hint; any other RuntimeError passes through untouched."""
+    from kvtrain.data.loader import LoaderWorkerDied, loader_deaths_named
+
+    with pytest.raises(LoaderWorkerDied) as e:
+        with loader_deaths_named(4):
+            raise RuntimeError("DataLoader worker (pid(s) 12, 13) exited unexpectedly")
+    assert str(e.value) == ("a data loader process ended: DataLoader worker (pid(s) 12, 13) "
+                            "exited unexpectedly; data.num_workers is 4. The run stops here; "
+                            "a start resumes from the last checkpoint")
+    with pytest.raises(RuntimeError, match="^CUDA out of memory$"):
+        with loader_deaths_named(4):
+            raise RuntimeError("CUDA out of memory")
