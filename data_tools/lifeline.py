@@ -61,4 +61,22 @@ def die_with_parent(parent_pid: Optional[int], poll: bool = False) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-__all__ = ["die_with_parent"]
+def killed_by(sig: int) -> str:
+    """A signal that ended a process, in words for its one line."""
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    text = f"killed by {name}"
+    if sig == signal.SIGKILL:  # what a user most needs to know about it
+        text += " (what the kernel's out-of-memory killer sends: see dmesg)"
+    return text
+
+
+def ended_by(returncode: int) -> str:
+    """A child's return code (``subprocess``/``multiprocessing``: -N for signal N)
+    in words: "exit 2", or "killed by SIGKILL (...)"."""
+    return killed_by(-returncode) if returncode < 0 else f"exit {returncode}"
+
+
+__all__ = ["die_with_parent", "ended_by", "killed_by"]

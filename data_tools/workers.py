@@ -25,6 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator, Optional
 
 from data_tools.encoder import ChunkEncoder, encode_item, init_worker
+from data_tools.lifeline import killed_by
 from data_tools.units import human
 
 
@@ -69,11 +70,7 @@ def _how_it_ended(processes: list) -> str:
         return "a tokenizer worker process died"
     code = codes[0]
     if code < 0:
-        name = signal.Signals(-code).name
-        text = f"a tokenizer worker process was killed by {name}"
-        if -code == signal.SIGKILL:
-            text += " (what the kernel's out-of-memory killer sends: see dmesg)"
-        return text
+        return f"a tokenizer worker process was {killed_by(-code)}"
     return f"a tokenizer worker process exited with status {code}"
 
 

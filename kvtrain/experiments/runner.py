@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_tools.fileio import atomic_write_text
+from data_tools.lifeline import ended_by
 
 from kvtrain.config import ConfigError, RunConfig, dump_yaml, load_config, to_dict
 from kvtrain.config.compat import config_changes
@@ -211,7 +212,7 @@ def _finish(job: ArmJob, code: int, started: float) -> ArmResult:
     rows = _curve(job, starts)
     write_results(rows, job.folder / "curve.csv")
     _write_record(job, code, total, starts)
-    status = "done" if code == 0 else f"FAILED (exit {code}; see {job.folder / 'train.log'})"
+    status = "done" if code == 0 else f"FAILED ({ended_by(code)}; see {job.folder / 'train.log'})"
     print(f"[{job.arm.name}] {status} in {wall:.0f} s", flush=True)
     return ArmResult(job.arm.name, rows, total, code, _params(job.cfg))
 

@@ -32,6 +32,8 @@ import sys
 import threading
 from typing import Iterable, Optional
 
+from data_tools.lifeline import killed_by
+
 POLL_SECONDS = 0.5
 
 
@@ -79,18 +81,10 @@ def ended(pid: int) -> Optional[int]:
     return int(fields[49])
 
 
-def _killed(sig: int) -> str:
-    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
-    text = f"was killed by {name}"
-    if sig == signal.SIGKILL:
-        text += " (what the kernel's out-of-memory killer sends: see dmesg)"
-    return text
-
-
 def how(status: int) -> Optional[str]:
     """A wait status in words; None for a clean exit."""
     if os.WIFSIGNALED(status):
-        return _killed(os.WTERMSIG(status))
+        return "was " + killed_by(os.WTERMSIG(status))
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
     return f"exited with status {code}" if code else None
 
@@ -104,7 +98,7 @@ def dead_writer(writers: Iterable, forked_by: Optional[int] = None,
     for writer in writers:
         code = writer.exitcode  # polls (waitpid WNOHANG): megatron joins it later
         if code:  # multiprocessing's: -N for signal N
-            words = _killed(-code) if code < 0 else f"exited with status {code}"
+            words = "was " + killed_by(-code) if code < 0 else f"exited with status {code}"
             return f"the checkpoint writer process (pid {writer.pid}) {words}"
         for kid in children(writer.pid):
             words = how(status) if (status := ended(kid)) is not None else None

@@ -148,3 +148,15 @@ def test_how_the_workers_ended_in_words():
         "a tokenizer worker process was killed by SIGSEGV"
     assert _how_it_ended(ended(0, 3)) == "a tokenizer worker process exited with status 3"
     assert _how_it_ended(ended(-signal.SIGTERM, None)) == "a tokenizer worker process died"
+
+
+def test_a_childs_end_in_words():
+    """``lifeline.ended_by``: the words every kvtrain line about a child's end uses
+    (the preprocess workers, the checkpoint writers, an experiment's arms)."""
+    from data_tools.lifeline import ended_by, killed_by
+
+    assert ended_by(2) == "exit 2"
+    assert ended_by(-signal.SIGKILL) == ("killed by SIGKILL (what the kernel's out-of-memory "
+                                         "killer sends: see dmesg)")
+    assert ended_by(-signal.SIGSEGV) == "killed by SIGSEGV"
+    assert killed_by(200) == "killed by signal 200"
