@@ -95,7 +95,7 @@ class EncoderPool:
         parent = None if ctx.get_start_method() == "forkserver" else os.getpid()
         self._executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=initializer,
                                              initargs=(*initargs, parent))
-        self._function, self._limit = function, 4 * workers
+        self._function, self._workers, self._limit = function, workers, 4 * workers
         self._processes: dict = {}  # pid -> Process, as the executor started them
 
     def map(self, items: Iterable) -> Iterator:
@@ -110,7 +110,8 @@ class EncoderPool:
                     more = False
                     break
                 pending.append((where(item), self._executor.submit(self._function, item)))
-                self._processes.update(getattr(self._executor, "_processes", None) or {})
+                if len(self._processes) < self._workers:  # started at the first submits
+                    self._processes.update(getattr(self._executor, "_processes", None) or {})
             if not pending:
                 return
             try:

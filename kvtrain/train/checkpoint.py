@@ -351,9 +351,8 @@ class Checkpointer:
         # a synchronous save waits for the writer processes it forks: one that dies
         # (the OOM killer) ends this process in one line rather than a hang
         watch = nullcontext() if self._async_queue is not None else SyncSaveWatch(
-            lambda why: f"kvtrain: checkpoint error: saving the checkpoint of iteration "
-            f"{state.iteration} ({work.name}) failed: rank {self.rank}: {why}; "
-            f"{self.root / TRACKER} is unchanged")
+            lambda why: f"kvtrain: {CheckpointError.kind}: " + self._failed(
+                work, state.iteration, f"rank {self.rank}: {why}", removed=False))
         with self._save_failure(), watch:
             request = dist_checkpointing.save(
                 sd, str(work), async_sharded_save=self._async_queue is not None,
@@ -378,10 +377,13 @@ class Checkpointer:
             work, iteration = self._pending
             reason = save_failure_reason(e, self.root)  # before the removal frees space
             shutil.rmtree(work, ignore_errors=True)
-            raise CheckpointError(
-                f"saving the checkpoint of iteration {iteration} ({work.name}) failed: {reason}; "
-                f"the incomplete folder was removed and {self.root / TRACKER} is unchanged"
-            ) from e
+            raise CheckpointError(self._failed(work, iteration, reason)) from e
+
+    def _failed(self, work: Path, iteration: int, reason: str, removed: bool = True) -> str:
+        """The line of a failed save (without its ``kvtrain: checkpoint error:``)."""
+        gone = "the incomplete folder was removed and " if removed else ""
+        return (f"saving the checkpoint of iteration {iteration} ({work.name}) failed: {reason}; "
+                f"{gone}{self.root / TRACKER} is unchanged")
 
     def _mark_complete(self, work: Path, state: TrainState, seconds: float) -> None:
         """Runs on every rank once all shards are written (megatron's finalize, which
