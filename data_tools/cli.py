@@ -13,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from data_tools.fileio import os_error_text
+
 # command -> (module with run(args), one-line help)
 COMMANDS = {
     "train-tokenizer": ("data_tools.train_tokenizer",
@@ -42,20 +44,6 @@ def _runner(command: str):
             return 1
 
     return run
-
-
-def os_error_text(e: OSError) -> str:
-    """``PATH: reason`` of an OSError (a rename names its target)."""
-    path = e.filename2 if e.filename2 is not None else e.filename
-    if path is None:
-        return e.strerror or str(e)
-    if isinstance(e, (FileExistsError, NotADirectoryError)):
-        # a folder made, or a file opened, through a path part that is a file
-        from data_tools.fileio import file_in_the_way
-
-        if (part := file_in_the_way(path)) is not None:
-            return f"{part} is a file, not a folder"
-    return f"{path}: {e.strerror or e}"
 
 
 def _inputs(p: argparse.ArgumentParser) -> None:

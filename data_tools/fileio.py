@@ -120,3 +120,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_open(path, "w", encoding="utf-8", newline="\n") as f:
         f.write(text)
+
+
+def os_error_text(e: OSError) -> str:
+    """``PATH: reason`` of an OSError (a rename names its target)."""
+    path = e.filename2 if e.filename2 is not None else e.filename
+    if path is None:
+        return e.strerror or str(e)
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        # a folder made, or a file opened, through a path part that is a file
+        if (part := file_in_the_way(path)) is not None:
+            return f"{part} is a file, not a folder"
+    return f"{path}: {e.strerror or e}"

@@ -288,6 +288,8 @@ def check_shard(prefix: str | os.PathLike) -> str | None:
                 end = (_read_at(f, HEADER_SIZE + 4 * S + 8 * (S - 1), "<q")
                        + _read_at(f, HEADER_SIZE + 4 * (S - 1), "<i")
                        * np.dtype(CODE_DTYPES[code]).itemsize)
+        if last_doc is None:  # not even the leading 0
+            return f"{idx}: no document indices (the first must be 0)"
         if last_doc != S:
             return f"{idx}: last document index {last_doc} is not the sequence count {S}"
         size = os.path.getsize(bin_)

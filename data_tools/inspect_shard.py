@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from data_tools.fileio import os_error_text
 from data_tools.indexed import CODE_DTYPES, IndexedReader, resolve_prefixes
 from data_tools.progress import skipped_text
 
@@ -26,12 +27,13 @@ def histogram(lengths: np.ndarray, width: int = 40) -> list[str]:
     """Log2-bucketed histogram lines: ``[lo, hi)  count  bar``."""
     if lengths.size == 0:
         return ["  (no documents)"]
-    buckets = np.floor(np.log2(np.maximum(lengths, 1))).astype(np.int64)
-    counts = np.bincount(buckets)
+    # bucket 0 is [0, 1): megatron keeps "" as a document of no sequence
+    buckets = np.where(lengths > 0, np.floor(np.log2(np.maximum(lengths, 1))) + 1, 0)
+    counts = np.bincount(buckets.astype(np.int64))
     top = counts.max()
     lines = []
     for b in range(int(buckets.min()), len(counts)):
-        lo, hi = 1 << b, (1 << (b + 1))
+        lo, hi = (0, 1) if b == 0 else (1 << (b - 1), 1 << b)
         bar = "#" * max(1 if counts[b] else 0, round(width * counts[b] / top))
         lines.append(f"  [{lo:>7}, {hi:>7})  {counts[b]:>10,}  {bar}")
     return lines
@@ -47,7 +49,8 @@ def _load_tokenizer(path: str | None, meta: dict | None, warn):
 
         return SentencePieceTokenizer(path)
     except (OSError, ValueError, RuntimeError) as e:
-        warn(f"cannot load tokenizer {path}: {e}")
+        text = str(e)  # the tokenizer's own errors start with the path: not twice
+        warn(f"cannot load tokenizer {text if text.startswith(str(path)) else f'{path}: {text}'}")
         return None
 
 
@@ -144,7 +147,8 @@ def run(args) -> int:
             print()
         try:
             status |= inspect(prefix, args.tokenizer, args.docs, args.max_chars)
-        except (OSError, ValueError) as e:
-            print(f"kvtrain data inspect: error: {e}", file=sys.stderr)
+        except (OSError, ValueError) as e:  # an OSError as PATH: reason, not [Errno 2] ...
+            print(f"kvtrain data inspect: error: "
+                  f"{os_error_text(e) if isinstance(e, OSError) else e}", file=sys.stderr)
             status = 1
     return status

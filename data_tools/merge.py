@@ -129,8 +129,11 @@ def run(args) -> int:
             if glob.has_magic(spec):  # a glob can match an earlier merge result: skip it
                 found = [p for p in found if os.path.abspath(p) != os.path.abspath(out)]
             sources += found  # the output named as an input is refused (merge)
+        if not sources:  # every input a glob matching only the output
+            raise ValueError(f"nothing to merge: {', '.join(args.inputs)} "
+                             f"match{'es' if len(args.inputs) == 1 else ''} only the output {out}")
         merge(sources, out)
-    except (FileNotFoundError, ValueError) as e:
+    except ValueError as e:  # an OSError (a .bin missing) is PATH: reason, in data_tools.cli
         print(f"kvtrain data merge: error: {e}", file=sys.stderr)
         return 1
     return 0
