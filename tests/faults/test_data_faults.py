@@ -151,19 +151,33 @@ def test_preprocess_without_documents_is_an_error(tmp_path):
     assert not list((tmp_path / "out").glob("*")), list((tmp_path / "out").glob("*"))
 
 
-def test_more_loader_workers_than_cpus_is_one_line(tmp_path, corpus, cache_dir):
+# what only the training machine can check, at start: (section, key, value, the line's words)
+MACHINE = {
+    "more_loader_workers_than_cpus": ("data", "num_workers", 100000,
+                                      "data.num_workers (100000) exceeds the {cpus} CPUs this rank may use"),
+    "fp16_without_a_gpu": ("train", "precision", "fp16",
+                           "train.precision fp16 needs a GPU (use fp32 or auto on CPU)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MACHINE))
+def test_what_this_machine_cannot_run_is_one_line(tmp_path, corpus, cache_dir, case):
     """data.num_workers beyond this machine's CPUs (a slip: 100000) started that many
-    DataLoader processes per rank until the machine ran out of them: one line at start."""
+    DataLoader processes per rank until the machine ran out of them; fp16 (a GPU's
+    loss-scaled precision) on a CPU: one line at start, exit 2."""
     import os
 
+    section, key, value, words = MACHINE[case]
     cfg = tiny_config(corpus, cache_dir)
-    cfg["data"]["num_workers"] = 100000
+    cfg[section][key] = value
     result = run(["train", str(write_config(tmp_path / "c.yaml", cfg)),
                   "--run-dir", str(tmp_path / "run")], timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "data.num_workers (100000)" in lines[0], result.stderr[-3000:]
-    assert f"{len(os.sched_getaffinity(0))} CPUs" in lines[0], lines
+    assert lines == [f"kvtrain: config error: "
+                     f"{words.format(cpus=len(os.sched_getaffinity(0)))}" + (
+                         ": DataLoader workers per rank, each a process"
+                         if key == "num_workers" else "")], result.stderr[-3000:]
 
 
 # case: (the shard's .meta.json fingerprint and top level made to say, the run's data
