@@ -13,6 +13,7 @@ outside any run folder (exported to a temporary folder).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -57,6 +58,8 @@ def _spec(args):
     from kvtrain.config import ConfigError
     from kvtrain.evaluate.harness import EvalSpec
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would export and evaluate
+        raise ConfigError("kvtrain eval runs in one process (not under torchrun)")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError(f"--tasks {args.tasks!r}: no task names")

@@ -178,6 +178,7 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str = "fp32",
     require_hf()
     offline()
     import torch.distributed as dist
+    from safetensors import SafetensorError
 
     from kvtrain.inference.loading import inference_process, load_model
 
@@ -185,7 +186,9 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str = "fp32",
         raise ConfigError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir).expanduser().absolute()
     _check_out_dir(out_dir, force)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    # torchrun sets WORLD_SIZE; the process group is not made yet (inference_process)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or \
+            (dist.is_initialized() and dist.get_world_size() > 1):
         raise ConfigError("kvtrain export runs in one process (not under torchrun)")
     work = _work_folder(out_dir)  # before the checkpoint is loaded
     try:
@@ -199,7 +202,7 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str = "fp32",
         try:
             export_model(loaded.model, loaded.config, work, dtype, record, tokenizer)
             publish(work, out_dir)
-        except OSError as e:
+        except (OSError, SafetensorError) as e:  # a full disk under safetensors: its own
             raise ConfigError(f"export to {out_dir} failed: {first_line(e)}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -286,10 +286,17 @@ def import_hf(hf_dir: str | Path, out_checkpoint: str | Path, config: Optional[s
     if export_record.is_file():
         source = _read_json(export_record)
         record["exported_from"] = {k: source.get(k) for k in ("checkpoint", "iteration", "run_dir")}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from kvtrain.train.integrity import INCOMPLETE, save_failure_reason
+
     try:
         return save_weights(model, cfg, out, record)
-    except OSError as e:
-        raise ConfigError(f"import to {out} failed: {first_line(e)}") from None
+    except (Exception, CheckpointException) as e:  # torch's is a BaseException
+        # a full disk is torch.save's "unexpected pos 704 vs 598": the trainer's reading
+        reason = save_failure_reason(e, out.parent)
+        shutil.rmtree(out.with_name(out.name + INCOMPLETE), ignore_errors=True)
+        raise ConfigError(f"import to {out} failed: {reason}") from None
 
 
 __all__ = ["build_from_hf", "import_config", "import_hf", "model_config", "read_weights",

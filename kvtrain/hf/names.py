@@ -21,7 +21,7 @@ Layout facts (megatron-core 0.16.1, GPTModel with the local/torch specs):
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -115,10 +115,16 @@ def _pad_vocab(weight: Tensor, rows: int, vocab: int, name: str) -> Tensor:
 class _Weights(dict):
     """HF weights, taken one by one; a missing one is a one-line error."""
 
-    def take(self, name: str) -> Tensor:
+    def take(self, name: str, shape: Optional[tuple[int, ...]] = None) -> Tensor:
+        """The weight ``name``; ``shape``: the one config.json makes it (a weight that
+        is joined with others is checked before: torch's reshape or cat raised)."""
         if name not in self:
             raise ConfigError(f"the Hugging Face weights have no {name}")
-        return self.pop(name)
+        value = self.pop(name)
+        if shape is not None and tuple(value.shape) != shape:
+            raise ConfigError(f"the Hugging Face weight {name} has shape {tuple(value.shape)}, "
+                              f"config.json makes it {shape}")
+        return value
 
 
 def from_hf(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
@@ -138,12 +144,15 @@ def from_hf(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
                               "model has untied embeddings (model.untie_embeddings: true)")
         out["output_layer.weight"] = _pad_vocab(lm_head, rows, cfg.vocab_size, "lm_head.weight")
     reverse = {hf: mg for mg, hf in _PLAIN.items() if "layer_norm_weight" not in mg}
+    nq, ng, d = _shape(cfg)
+    h, f = cfg.hidden_size, cfg.ffn_size
     for i in range(cfg.num_layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q, k, v = (state.take(f"{hf}self_attn.{p}_proj.weight") for p in "qkv")
+        q, k, v = (state.take(f"{hf}self_attn.{p}_proj.weight", (heads * d, h))
+                   for p, heads in zip("qkv", (nq, ng, ng)))
         out[f"{mg}self_attention.linear_qkv.weight"] = join_qkv(q, k, v, cfg)
         out[f"{mg}mlp.linear_fc1.weight"] = torch.cat(
-            [state.take(f"{hf}mlp.gate_proj.weight"), state.take(f"{hf}mlp.up_proj.weight")])
+            [state.take(f"{hf}mlp.{p}_proj.weight", (f, h)) for p in ("gate", "up")])
         for hf_suffix, mg_suffix in reverse.items():
             if hf_suffix.startswith("self_attn.shift_") and f"{hf}{hf_suffix}" not in state:
                 continue  # a vanilla model, or a stock Llama getting KV shift (initialised)

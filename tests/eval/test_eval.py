@@ -184,6 +184,15 @@ def test_bad_options_are_one_line_before_anything_loads(local, capsys, argv, mes
     assert len(err.strip().splitlines()) == 1, err
 
 
+def test_eval_under_torchrun_is_one_line(local, capsys, monkeypatch):
+    """Under torchrun every rank exported the run and evaluated it again (its
+    export's refusal then named ``kvtrain export``): ``kvtrain eval`` says it."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_mc"], capsys)
+    assert code == 2 and err.strip() == ("kvtrain: config error: kvtrain eval runs in one "
+                                         "process (not under torchrun)"), err
+
+
 def test_out_naming_a_folder_is_one_line_before_anything_loads(local, capsys, tmp_path):
     """``--out DIR`` stopped with IsADirectoryError after the whole evaluation,
     its results lost: it is refused before any task or model loads."""
@@ -229,3 +238,61 @@ def test_a_folder_whose_weights_are_missing_or_cut_short_is_one_line(local, caps
         assert code == 2 and last.startswith(f"kvtrain: config error: {folder}: cannot load "
                                              "its model ("), err
         assert "Traceback" not in err
+
+
+def test_a_folder_whose_config_json_is_not_json_is_one_line(local, capsys, tmp_path):
+    """A model folder whose config.json is cut short or not JSON: one line naming the
+    file, before any task or model loads."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama", ')
+    code, out, err = kvtrain_eval([str(folder), "--tasks", "kvt_mc", "--include-path",
+                                   str(local["tasks"])], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(f"kvtrain: config error: {folder}/config.json: cannot read it "
+                          "(JSONDecodeError: ") and err.count("\n") == 1, err
+
+
+HUB_NAMED_YAML = """task: kvt_named
+dataset_path: kvtrain-tests/never-cached
+dataset_name: sub
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{context}}"
+doc_to_target: "{{target}}"
+"""
+
+
+@pytest.mark.parametrize("task, message", [
+    # a hub dataset's configuration is named with it
+    ("kvt_named", "task 'kvt_named': dataset kvtrain-tests/never-cached name sub is not "
+                  "available offline: not in the local datasets cache (kvtrain eval never "
+                  "downloads)"),
+    # a YAML without dataset_path: no dataset to name
+    ("kvt_nopath", "task 'kvt_nopath': its dataset cannot be read: "),
+])
+def test_a_task_whose_dataset_cannot_be_loaded_names_what_it_can(local, capsys, tmp_path,
+                                                                 monkeypatch, task, message):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "named.yaml").write_text(HUB_NAMED_YAML)
+    (tasks / "nopath.yaml").write_text(HUB_NAMED_YAML.replace("kvt_named", "kvt_nopath").replace(
+        "dataset_path: kvtrain-tests/never-cached\ndataset_name: sub\n", ""))
+    watch = NetworkWatch(monkeypatch)
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", task, "--include-path",
+                                   str(tasks)], capsys)
+    assert code == 2 and watch.attempts == [] and err.count("\n") == 1, err
+    assert err.startswith(f"kvtrain: config error: {message}"), err
+
+
+def test_results_of_a_folder_outside_any_run_without_out_are_printed_not_saved(local, capsys):
+    """An HF folder that is no kvtrain run's, evaluated without --out: the table,
+    and one line saying the results were not saved and how to save them."""
+    before = sorted(local["hf"].rglob("*"))
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_mc", "--include-path",
+                                   str(local["tasks"]), "--limit", "2"], capsys)
+    assert code == 0, err
+    assert "kvt_mc" in out and "acc" in out
+    assert out.splitlines()[-1] == (f"kvtrain eval: results not saved ({local['hf']} is in no "
+                                    "kvtrain run folder: --out FILE)")
+    assert sorted(local["hf"].rglob("*")) == before  # nothing written into the model's folder

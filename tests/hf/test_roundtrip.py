@@ -203,9 +203,11 @@ def test_cli(kv_checkpoint, tmp_path, capsys, monkeypatch):
     (dict(mla={"kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 8,
                "v_head_dim": 8}, num_query_groups=None), "model.mla"),
     (dict(kv_shift={"heads": {"k": [0], "v": [1], "fixed": True}}), "model.kv_shift.heads"),
+    (dict(position_embedding="none"), "model.position_embedding 'none' has no Llama equivalent"),
 ])
 def test_models_without_an_hf_form_are_refused_in_one_line(model, needle):
-    """MLA and the App. J head selection have no exported model code: refused, no folder."""
+    """MLA, the App. J head selection and a model without position embedding (a Llama
+    has RoPE) have no exported model code: refused, no folder."""
     from kvtrain.config import from_dict
     from kvtrain.hf.export import hf_config
 

@@ -154,6 +154,8 @@ def test_cli_prompts_file_and_out(mp1, arm_runs, tmp_path, capsys):
     (["--prompt", "1", "--prompts", "/nonexistent/p.txt"], "--prompts /nonexistent/p.txt"),
     (["--prompt", "1", "--tokenizer", "/nonexistent/tok.model"],
      "--tokenizer /nonexistent/tok.model: cannot load"),
+    # no EOD before it: nothing to generate from
+    (["--prompt", "1", "--prompt", "", "--no-eod-prefix"], "prompt 2 is empty"),
 ])
 def test_bad_input_is_one_line(mp1, arm_runs, capsys, argv, message):
     assert main(["generate", str(arm_runs["kv_shift"]), *argv]) == 2
@@ -207,6 +209,24 @@ def test_text_prompts_through_the_tokenizer(mp1, arm_runs, tmp_path):
     assert g.prompt_tokens == [2] + codec.tokenizer.encode("the cat sat")
     assert len(g.tokens) == 5 and all(0 <= t < 64 for t in g.tokens)
     assert g.text == codec.tokenizer.decode(g.tokens)
+
+
+def test_a_run_whose_tokenizer_is_gone_asks_for_another(tmp_path):
+    """The run's data.tokenizer cannot be loaded (moved, deleted): one line that says
+    so and how to go on (``--tokenizer``); a ``--tokenizer`` that cannot be loaded is
+    named as itself."""
+    from kvtrain.config import ConfigError, RunConfig
+    from kvtrain.inference.generate import PromptCodec
+
+    cfg = RunConfig()
+    cfg.data.tokenizer = str(tmp_path / "gone.model")
+    with pytest.raises(ConfigError) as e:
+        PromptCodec.for_run(cfg)
+    assert str(e.value).startswith(f"the run's data.tokenizer {tmp_path / 'gone.model'}: "
+                                   "cannot load (")
+    assert str(e.value).endswith("; name another with --tokenizer") and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=f"^--tokenizer {tmp_path / 'other.model'}: cannot load"):
+        PromptCodec.for_run(cfg, str(tmp_path / "other.model"))
 
 
 def test_tensor_parallel_size_must_split_the_heads():

@@ -80,3 +80,29 @@ def test_a_damaged_latest_falls_back_with_a_warning(run_dir, capsys):
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("kvtrain: warning: checkpoint ") and "iter_0000005 is damaged" in line
     assert line.endswith(f"using {ckpt}")
+
+
+def test_a_run_folder_with_a_broken_config_or_latest_still_resolves(run_dir):
+    """A run folder whose config.yaml cannot be read (not YAML, or a list), and whose
+    ``latest`` names a checkpoint folder that is not complete (no marker: a copy in
+    progress): the checkpoints/ folder is searched, and its newest complete
+    checkpoint is found."""
+    ckpt = run_dir / "checkpoints" / "iter_0000000"
+    (ckpt.parent / "iter_0000009").mkdir()
+    (ckpt.parent / "latest").write_text("iter_0000009\n")
+    for text in ("checkpoint: [dir\n", "- checkpoint\n"):
+        (run_dir / "config.yaml").write_text(text)
+        assert find_checkpoint(run_dir) == ckpt
+
+
+def test_a_checkpoint_not_saved_by_kvtrain_is_one_line(run_dir):
+    """A torch_dist checkpoint whose common state holds no kvtrain config (Megatron-LM's
+    holds ``args``): ``saved_config`` (what kvtrain generate and kvtrain eval read
+    first) names the checkpoint in one line."""
+    import torch
+
+    ckpt = run_dir / "checkpoints" / "iter_0000000"
+    torch.save({"args": None, "iteration": 3}, ckpt / "common.pt")
+    with pytest.raises(ConfigError, match=f"^checkpoint {ckpt} has no kvtrain config "
+                                          "\\(not saved by kvtrain\\)$"):
+        saved_config(ckpt)
