@@ -269,11 +269,14 @@ def compare(paths: Sequence[str | Path], out: Optional[str | Path] = None) -> tu
         raise ConfigError("kvtrain compare needs at least two run folders")
     paths = [Path(p).expanduser() for p in paths]
     runs = [read_run(p, label) for p, label in zip(paths, unique_labels(paths))]
-    out = Path(out) if out else _common_parent(paths) / "compare"
+    given, out = out, Path(out) if out else _common_parent(paths) / "compare"
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"--out {out}: cannot create it ({e.strerror})") from None
+        if given:
+            raise ConfigError(f"--out {out}: cannot create it ({e.strerror})") from None
+        raise ConfigError(f"{out}: cannot create the report folder ({e.strerror}): name "
+                          "another with --out") from None
     summary = summarize(runs)
     plots = write_plots(runs, out)
     atomic_write_text(out / "report.md", report_markdown(summary, plots))

@@ -34,6 +34,13 @@ def _save(fig, path: Path) -> None:
         fig.savefig(f, format="png", dpi=110)
 
 
+def _legend(ax, **kwargs) -> None:
+    """The axes' legend, where it has labelled lines (an empty one is a matplotlib
+    warning on the user's terminal)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average (train losses are per-step noisy)."""
     out, total = [], 0.0
@@ -63,7 +70,7 @@ def plot_losses(plt, runs: Sequence[RunData], path: Path) -> None:
     ax.set_ylabel("loss")
     ax.set_title("loss against tokens")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     _save(fig, path)
     plt.close(fig)
 
@@ -91,7 +98,7 @@ def plot_differences(plt, runs: Sequence[RunData], path: Path) -> None:
     ax.set_ylabel("loss difference (below 0: better than A)")
     ax.set_title(f"loss difference against {a.label}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     _save(fig, path)
     plt.close(fig)
 
@@ -137,7 +144,7 @@ def plot_coefficients(plt, runs: Sequence[tuple[RunData, dict]], path: Path) -> 
             ax.set_xlabel("layer (one point per KV head)")
             ax.set_title(f"{run.label}: {greek} (iteration {summary['iteration']})", fontsize=9)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            _legend(ax, fontsize=7)
     _save(fig, path)
     plt.close(fig)
 

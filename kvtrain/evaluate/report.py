@@ -11,6 +11,7 @@ The record's shape (``kvtrain compare`` reads ``tasks``)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from data_tools.fileio import atomic_write_text
-from kvtrain.config import RunConfig
+from kvtrain.config import RunConfig, wandb_folder
 
 from .harness import DEFAULT_DTYPE, EvalOutput, EvalSpec
 from .source import EVAL_DIR
@@ -41,8 +42,9 @@ def record_name(tasks: list[str], iteration: Optional[int], num_fewshot: Optiona
     dtype keep apart. The default dtype is not named, so names written before
     the dtype was part of them still mean fp32."""
     joined = "+".join(re.sub(r"[^A-Za-z0-9_.-]", "_", t) for t in tasks)
-    if len(joined) > 120:  # many tasks: keep the name a valid file name
-        joined = joined[:100] + f"+{len(tasks)}tasks"
+    if len(joined) > 120:  # many tasks: a valid file name, one per list (its hash)
+        digest = hashlib.sha1(joined.encode()).hexdigest()[:8]
+        joined = joined[:100] + f"+{len(tasks)}tasks-{digest}"
     parts = [joined, f"iter_{iteration:07d}" if iteration is not None
              else time.strftime("%Y%m%d-%H%M%S")]
     if num_fewshot is not None:
@@ -94,6 +96,11 @@ def log_to_wandb(cfg: RunConfig, run_dir: Path, iteration: Optional[int],
         return "wandb: disabled in the run's config, not logged"
     if not (run_dir / RUN_ID_FILE).exists():
         return f"wandb: {run_dir} has no {RUN_ID_FILE} (the run never opened one), not logged"
+    folder = wandb_folder(cfg.wandb.dir, run_dir)
+    try:  # the results are written: a folder of another machine is a line, not a traceback
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"wandb: cannot make the run's wandb folder {folder} ({e.strerror}), not logged"
     logger = WandbLogger(cfg.wandb, run_dir, run_name=cfg.name, config={})
     metrics: dict[str, Any] = {"iteration": iteration or 0}
     for task, values in tasks.items():

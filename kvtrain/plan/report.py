@@ -68,8 +68,11 @@ def describe_attention(m: ModelConfig) -> str:
                      f"{m.kv_shift.mode})"
         if m.kv_shift.heads is not None:
             hs = m.kv_shift.heads
-            picked = ", ".join(f"{t} heads {getattr(hs, t)}" for t in m.kv_shift.shift
-                               if getattr(hs, t) is not None)
+            selected = {t: getattr(hs, t) for t in m.kv_shift.shift}
+            # a shifted tensor the selection leaves null is shifted in every head
+            picked = ", ".join(f"{t} all heads" if h is None else f"{t} heads {h}"
+                               for t, h in selected.items()) \
+                if any(h is not None for h in selected.values()) else ""
             attention += f" [{picked or 'all heads'}{', fixed (0, 1)' if hs.fixed else ''}]"
     if m.mla is not None:
         q = f"query rank {m.mla.q_lora_rank}" if m.mla.q_lora_rank else "full-rank query"

@@ -163,8 +163,8 @@ class WandbLogger:
             print(f"kvtrain: wandb: a start from step 0 logs to a new wandb run {self.run_id} "
                   f"(this folder's run {old} is another history, left as it was)", flush=True)
         wandb_dir = wandb_folder(cfg.dir, run_dir)
-        wandb_dir.mkdir(parents=True, exist_ok=True)
-        try:
+        try:  # a folder that cannot be made (checked at a training's start) loses wandb only
+            wandb_dir.mkdir(parents=True, exist_ok=True)
             with _no_launch_input_lookup():
                 self.run = wandb.init(
                     project=cfg.project,

@@ -228,3 +228,90 @@ def test_the_same_run_twice_is_one_line(tmp_path, capsys):
         assert capsys.readouterr().err.strip() == (
             f"kvtrain: config error: run folder {a.resolve()} is given twice: name each run once")
     assert not (tmp_path / "compare").exists()
+
+
+def test_a_report_folder_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    """--out under a file, or the default compare/ next to the runs being a file:
+    one line naming the folder (and --out only when the user gave it), nothing
+    written. The default one was blamed on an --out the user never gave."""
+    runs = [str(_write_run(tmp_path / name, [(100, 2.0)])) for name in ("a", "b")]
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "report"
+    assert main(["compare", *runs, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"kvtrain: config error: --out {out}: cannot create it "
+                                       "(Not a directory)\n")
+    (tmp_path / "compare").write_text("x")  # the default report folder's name, taken
+    assert main(["compare", *runs]) == 2
+    assert capsys.readouterr().err == (
+        f"kvtrain: config error: {tmp_path / 'compare'}: cannot create the report folder "
+        "(File exists): name another with --out\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "afile", "b", "compare"]
+    assert (tmp_path / "compare").read_text() == "x"
+
+
+def test_records_of_older_or_damaged_shapes_are_read_or_noted(tmp_path, capsys, recwarn):
+    """Runs of one folder name in two experiments (labelled by their parents, the
+    report next to both); B's records as an older trainer wrote them (train records
+    without consumed tokens, a validation after the last train record, layer means
+    without per-head coefficients) among lines that are not records, and eval files
+    without a tasks mapping or with a task that is not one: read where they can be,
+    each dropped line or file noted. A has no validation curve: nothing is called
+    faster or slower."""
+    a = _write_run(tmp_path / "x" / "run", [])
+    b = tmp_path / "y" / "run"
+    b.mkdir(parents=True)
+    (b / "config.yaml").write_text(yaml.safe_dump(
+        {"model": {"attention": "kv_shift"}, "train": {"global_batch_size": 2, "seq_length": 4}}))
+    lines = [{"kind": "train", "iteration": 1, "lm_loss": 5.0},
+             {"kind": "train", "iteration": 2, "lm_loss": 4.0},
+             {"kind": "valid", "iteration": 3, "val_loss": 3.5},
+             {"kind": "kv_shift", "iteration": 2, "kv_shift/layer_01/alpha1": 0.9,
+              "kv_shift/layer_01/alpha2": 0.1}]
+    (b / "metrics.jsonl").write_text("\n[1, 2]\n" + "\n".join(map(json.dumps, lines)) + "\n")
+    (b / "eval").mkdir()
+    (b / "eval" / "old.json").write_text(json.dumps({"results": {"arc": {"acc": 0.5}}}))
+    (b / "eval" / "new.json").write_text(json.dumps({"tasks": {"lambada": 0.5,
+                                                              "arc": {"acc": 0.25}}}))
+    assert main(["compare", str(a), str(b)]) == 0
+    printed = capsys.readouterr().out
+    # no token range in common: an empty difference plot, without matplotlib's
+    # "No artists with labels found to put in legend" on stderr
+    assert [str(w.message) for w in recwarn if w.filename.endswith("plots.py")] == []
+    out = tmp_path / "compare"  # the runs' common parent folder
+    summary = json.loads((out / "summary.json").read_text())
+    ra, rb = summary["runs"]
+    assert (ra["label"], rb["label"]) == ("x/run", "y/run")
+    assert (rb["tokens"], rb["train_loss"], rb["val_loss"]) == (16, 4.0, 3.5)  # 2 x 4 per step
+    assert rb["vs_reference"]["a_tokens"] is None and rb["vs_reference"]["speedup"] is None
+    assert rb["notes"] == [f"{b / 'metrics.jsonl'}: 1 line(s) are not JSON records (skipped)",
+                           f"{b / 'eval' / 'old.json'}: no \"tasks\" mapping"]
+    assert [(e["task"], e["metrics"]) for e in rb["eval"]] == [("arc", {"acc": 0.25})]
+    assert "  y/run                kv_shift        16 tokens  train 4.0000  val 3.5000  (val - " \
+           "A -; to reach A: no validation curve)" in printed, printed
+    report = (out / "report.md").read_text()
+    assert "| y/run | kv_shift | 2 | 16 | 4.0000 | 3.5000 | 33.12 | - | no validation curve |" \
+        in report, report
+    assert "| 01 | 0.900 | 0.100 |" in report
+    assert (out / "kv_shift_coefficients.png").read_bytes()[:8] == PNG  # from the layer means
+    from kvtrain.analysis.runs import read_run
+
+    valid = read_run(b).valid  # at 3 x 8 tokens: after the last train record, from the config
+    assert (valid.iterations, valid.tokens) == ([3], [24.0])
+
+
+def test_without_matplotlib_is_one_line_keeping_an_earlier_report(tmp_path, capsys, monkeypatch):
+    """kvtrain compare on an install without matplotlib (not the dev extra): one line
+    naming what to install; the report already in --out is left as it was."""
+    import sys
+
+    runs = [str(_write_run(tmp_path / name, [(100, 2.0)])) for name in ("a", "b")]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("earlier report\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["compare", *runs, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == ("kvtrain: config error: kvtrain compare draws with "
+                                       "matplotlib, which is not installed: pip install -e "
+                                       "'.[dev]'\n")
+    assert sorted(p.name for p in out.iterdir()) == ["report.md"]
+    assert (out / "report.md").read_text() == "earlier report\n"

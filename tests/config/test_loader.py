@@ -281,6 +281,15 @@ def test_bad_override_values_are_one_line_naming_the_override(tmp_path):
     (["checkpoint.save_interval=0"], "checkpoint.save_interval must be >= 1 (or null), got 0"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1 (or null), got 0"),
     (["checkpoint.resume=' '"], "checkpoint.resume must be auto, none, or a checkpoint path"),
+    (["model.kv_shift.shift=[k, v, k]"], "model.kv_shift.shift has duplicates: ['k', 'v', 'k']"),
+    (["model.attention=kv_shift", "model.kv_shift.heads={k: []}"],
+     "model.kv_shift.heads.k is empty: drop k from model.kv_shift.shift instead"),
+    (["model.attention=kv_shift", "model.kv_shift.heads={v: [1, 1]}"],
+     "model.kv_shift.heads.v has duplicates: [1, 1]"),
+    (["model.mla={q_lora_rank: 0}", "model.num_query_groups=null"],
+     "model.mla.q_lora_rank must be positive or null, got 0"),
+    (["model.mla={}", "model.num_query_groups=null", "model.position_embedding=none"],
+     "model.mla needs model.position_embedding: rope (MLA's decoupled RoPE key)"),
 ])
 def test_each_value_refusal_is_one_line_naming_its_keys(overrides, message):
     """The single-field checks of ``RunConfig.validate``, each reached from --set."""
@@ -426,3 +435,29 @@ def test_a_split_of_one_number_is_the_training_part(tmp_path):
         load_config(None, ["data.split=1e20"])
     with pytest.raises(ConfigError, match="data.split"):
         load_config(None, ["data.split=true"])
+
+
+def test_micro_batches_the_interleaved_schedule_cannot_split_are_one_line():
+    """parallel.virtual_pipeline on a world size that leaves 3 micro batches per step
+    for PP 2: megatron's interleaved schedule runs them in groups of PP."""
+    sets = ["model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_pipeline=2",
+            "train.micro_batch_size=1", "train.global_batch_size=3"]
+    assert load_config(None, sets).parallel.virtual_pipeline == 2  # no world size: not checked
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets, world_size=2)
+    assert str(e.value) == (
+        "the interleaved schedule needs the micro batches per step (3 = "
+        "train.global_batch_size / (train.micro_batch_size x DP 1)) to be a multiple of "
+        "parallel.pipeline (2)")
+    assert load_config(None, sets[:-1] + ["train.global_batch_size=4"], world_size=2)
+
+
+def test_a_checkpoint_without_a_saved_config_resumes_without_comparing():
+    """A checkpoint of another tool (no kvtrain config in it) is not refused as
+    "saved by a different run": there is nothing to compare."""
+    from kvtrain.config.compat import check_resume_config
+
+    current = to_dict(load_config(None, ["train.max_steps=null", "train.train_tokens=2560"]))
+    for saved in (None, {}):
+        assert check_resume_config(saved, current, [], "checkpoint x") == []
+

@@ -83,6 +83,9 @@ def test_set_is_kvtrain_trains_grammar_and_applies_to_every_arm():
     (["--arms", "nope"], "--arms: unknown arm(s) ['nope']"),
     (["--arms", ","], "--arms ',': no arm names"),  # it ran every arm
     (["--set", "data.type=mock"], "data.type 'mock': kvtrain experiment induction trains the toy"),
+    (["--workers", "0"], "--workers and --nproc must be >= 1, --threads >= 0"),
+    (["--nproc", "-1"], "--workers and --nproc must be >= 1, --threads >= 0"),
+    (["--threads", "-2"], "--workers and --nproc must be >= 1, --threads >= 0"),
 ])
 def test_bad_options_are_one_line_errors(args, message, capsys, tmp_path):
     run_dir = tmp_path / "x"

@@ -463,6 +463,26 @@ def test_a_wandb_that_fails_to_start_or_dies_does_not_stop_training(monkeypatch,
     assert out.count("kvtrain: warning: wandb") == 1 and "ConnectionResetError" in out, out
 
 
+
+def test_a_wandb_folder_that_cannot_be_made_loses_wandb_only(tmp_path, capsys, monkeypatch):
+    """``wandb.dir`` under a file (a run folder copied from another machine, read by
+    ``kvtrain eval``): one warning and no wandb, not a NotADirectoryError traceback
+    (a training checks the folder at its start)."""
+    import sys
+
+    from kvtrain.config import WandbConfig
+    from kvtrain.train.wandb_logger import WandbLogger
+
+    fake = SimpleNamespace(init=lambda **kwargs: pytest.fail("wandb.init without a folder"),
+                           Settings=lambda **k: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    (tmp_path / "notes").write_text("x")
+    logger = WandbLogger(WandbConfig(mode="offline", dir=str(tmp_path / "notes" / "wb")),
+                         tmp_path, "run", {})
+    assert not logger.active
+    out = capsys.readouterr().out
+    assert out.count("kvtrain: warning: wandb did not start") == 1 and "Not a directory" in out, out
+
 def test_a_start_from_step_0_opens_a_new_wandb_run_and_a_resume_the_same(monkeypatch, tmp_path,
                                                                           capsys):
     """The run id kept in the run folder is resumed only by a run that resumes a

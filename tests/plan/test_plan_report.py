@@ -1,0 +1,124 @@
+"""``kvtrain plan``'s printed report (in-process): the advice of a refused layout,
+the memory warning, and the attention line for document masks, KV-shift head
+selections and MLA. Each printed claim is checked against what the plan computes."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtrain.cli import main
+from kvtrain.config import load_config
+from kvtrain.plan import make_plan
+from kvtrain.plan.memory import GiB
+
+from ..launch.conftest import REPO
+
+PAPER = REPO / "configs" / "paper"
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def plan(capsys, config, *args: str, sets=()) -> tuple[int, str, str]:
+    code = main(["plan", str(config), *args, *[x for s in sets for x in ("--set", s)]])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# the 6.7B at TP 1 with full recompute: only the distributed optimizer's sharded
+# states bring it under the card
+NO_DISTOPT = ["parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.recompute=full",
+              "parallel.distributed_optimizer=false", "parallel.overlap_param_gather=false"]
+
+
+def test_a_layout_over_the_card_names_the_setting_that_would_fit(capsys):
+    """The user's mistake: a layout whose states do not fit (no distributed
+    optimizer). The one line names the setting that fits, and that setting does
+    plan at the memory the line gives."""
+    path = PAPER / "6.7b_kv_shift.yaml"
+    code, out, err = plan(capsys, path, "--nodes", "8", sets=NO_DISTOPT)
+    assert code == 1 and out == ""
+    assert err == (f"kvtrain plan: {path}: layout refused: estimated 129.9 GiB per GPU (stage "
+                   "0: states 113.5, activations 7.4) exceeds the 80 GiB of an A100-80G; "
+                   "parallel.distributed_optimizer=true would need 51.7 GiB\n")
+    advised = NO_DISTOPT[:3] + ["parallel.distributed_optimizer=true"]
+    fits = make_plan(load_config(path, advised), nodes=8, gpu="a100")
+    assert f"{fits.memory.total / GiB:.1f}" == "51.7" and fits.fits
+
+
+def test_a_layout_no_single_setting_fixes_says_to_split_the_model(capsys):
+    """The 19B at TP 1, PP 1: no recompute or optimizer setting brings it under
+    the card, so the line says to split the model (or the micro batch)."""
+    path = PAPER / "19b_kv_shift.yaml"
+    sets = ["parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.pipeline=1",
+            "parallel.recompute=full"]
+    code, out, err = plan(capsys, path, "--nodes", "30", "--gpu", "a800", sets=sets)
+    assert code == 1 and out == ""
+    assert err.endswith("exceeds the 80 GiB of an A800-80G; raise parallel.tensor (with "
+                        "sequence_parallel) or parallel.pipeline, or lower "
+                        "train.micro_batch_size\n"), err
+    assert err.count("\n") == 1
+
+
+def test_a_layout_near_the_card_is_planned_with_a_warning(capsys):
+    """40 layers of the 6.7B's width fit an 80 GiB card with 4% to spare: planned
+    (exit 0), with the warning line giving the share the total line shows."""
+    path = PAPER / "6.7b_kv_shift.yaml"
+    code, out, err = plan(capsys, path, "--nodes", "8",
+                          sets=["train.micro_batch_size=8", "model.num_layers=40"])
+    assert code == 0 and err == ""
+    total = make_plan(load_config(path, ["train.micro_batch_size=8", "model.num_layers=40"]),
+                      nodes=8).memory.total
+    share = f"{total / (80 * GiB):.0%}"
+    assert share == "96%" and f"  total            77.2 GiB   of 80 GiB ({share})" in out
+    assert out.splitlines()[-1] == (f"warning      estimated memory is {share} of the card: "
+                                    "little headroom for fragmentation")
+
+
+def _attention_line(capsys, config, sets) -> tuple[str, str]:
+    """The plan's first line (the attention in words) and its attention-memory line."""
+    code, out, err = plan(capsys, config, "--gpus-per-node", "1", sets=sets)
+    assert code == 0, err
+    lines = out.splitlines()
+    (memory,) = [line for line in lines if line.startswith("  attention memory: ")]
+    return lines[0], memory
+
+
+@pytest.mark.parametrize("sets, why", [
+    (["model.attention_dropout=0.1"], "; documents: SDPA with a [b, 1, s, s] mask per micro "
+                                      "batch (not counted: attention_dropout > 0)"),
+    (["model.num_attention_heads=8", "model.num_query_groups=4"],
+     "; documents: SDPA with a [b, 1, s, s] mask per micro batch (not counted: heads of 8 < 16 "
+     "channels)"),
+    ([], "; documents: FlexAttention block mask"),  # 16-channel heads, no dropout
+])
+def test_the_document_mask_the_torch_backend_will_use_is_named(capsys, sets, why):
+    """data.reset_attention_mask on the torch backend: FlexAttention on a GPU,
+    except with attention dropout or heads too narrow for it, where SDPA takes a
+    mask the memory estimate does not count (and says why)."""
+    _, memory = _attention_line(capsys, TINY, ["model.backend=torch",
+                                               "data.reset_attention_mask=true", *sets])
+    assert memory == ("  attention memory: torch spec (model.backend torch): SDPA flash kernels, "
+                      f"no s x s scores{why}")
+
+
+@pytest.mark.parametrize("heads, shown", [
+    ("{k: [1], fixed: true}", "[k heads [1], v all heads, fixed (0, 1)]"),
+    ("{k: [0], v: [1], fixed: true}", "[k heads [0], v heads [1], fixed (0, 1)]"),
+    ("{v: [0, 1]}", "[k all heads, v heads [0, 1]]"),
+    ("{fixed: true}", "[all heads, fixed (0, 1)]"),
+])
+def test_the_shifted_heads_of_each_tensor_are_named(capsys, heads, shown):
+    """model.kv_shift.heads selects heads per tensor; a shifted tensor it leaves
+    null is shifted in every head. The plan named only the selected tensors
+    ("[k heads [1], fixed (0, 1)]"), as if v were not shifted at all."""
+    first, _ = _attention_line(capsys, TINY, ["model.kv_shift.window=1",
+                                              f"model.kv_shift.heads={heads}"])
+    assert first == ("plan for " + str(TINY) + ": tiny, KV shifting attention (shift k+v, "
+                     f"window 1, free) {shown}")
+
+
+@pytest.mark.parametrize("rank, query", [("128", "query rank 128"), ("null", "full-rank query")])
+def test_mla_is_described_with_its_ranks_and_head_widths(capsys, rank, query):
+    path = PAPER / "mla_kv_shift.yaml"
+    first, _ = _attention_line(capsys, path, [f"model.mla.q_lora_rank={rank}"])
+    assert first.endswith(", multi-latent attention (K/V latent 256, " + query
+                          + ", head dims 32+32 RoPE / V 64)"), first
