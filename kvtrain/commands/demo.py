@@ -273,8 +273,10 @@ def run(args) -> int:
     codes.update(train_arms(commands, workers, threads))
     failed = [arm for arm in ARMS if codes.get(arm) != 0]
     if failed:
-        print(f"kvtrain demo: the {', '.join(failed)} arm failed (exit "
-              f"{', '.join(str(codes.get(a)) for a in failed)}); its output is above "
+        exits = ", ".join(f"{a} exit {codes.get(a)}" if len(failed) > 1 else
+                          f"exit {codes.get(a)}" for a in failed)
+        print(f"kvtrain demo: {'both arms' if len(failed) > 1 else f'the {failed[0]} arm'} "
+              f"failed ({exits}); {'their' if len(failed) > 1 else 'its'} output is above "
               f"(kvtrain demo --fresh starts the arms over)", file=sys.stderr)
         return 1
     from kvtrain.analysis.compare import compare
