@@ -292,7 +292,7 @@ def import_hf(hf_dir: str | Path, out_checkpoint: str | Path, config: Optional[s
 
     try:
         return save_weights(model, cfg, out, record)
-    except (Exception, CheckpointException) as e:  # torch's is a BaseException
+    except (OSError, RuntimeError, CheckpointException) as e:  # torch's is a BaseException
         # a full disk is torch.save's "unexpected pos 704 vs 598": the trainer's reading
         reason = save_failure_reason(e, out.parent)
         shutil.rmtree(out.with_name(out.name + INCOMPLETE), ignore_errors=True)
