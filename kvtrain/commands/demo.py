@@ -273,10 +273,13 @@ def run(args) -> int:
     codes.update(train_arms(commands, workers, threads))
     failed = [arm for arm in ARMS if codes.get(arm) != 0]
     if failed:
-        exits = ", ".join(f"{a} exit {codes.get(a)}" if len(failed) > 1 else
-                          f"exit {codes.get(a)}" for a in failed)
-        print(f"kvtrain demo: {'both arms' if len(failed) > 1 else f'the {failed[0]} arm'} "
-              f"failed ({exits}); {'their' if len(failed) > 1 else 'its'} output is above "
+        if len(failed) > 1:
+            exits = ", ".join(f"{a} exit {codes.get(a)}" for a in failed)
+            who, whose = "both arms", "their"
+        else:
+            exits = f"exit {codes.get(failed[0])}"
+            who, whose = f"the {failed[0]} arm", "its"
+        print(f"kvtrain demo: {who} failed ({exits}); {whose} output is above "
               f"(kvtrain demo --fresh starts the arms over)", file=sys.stderr)
         return 1
     from kvtrain.analysis.compare import compare

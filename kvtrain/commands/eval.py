@@ -13,7 +13,6 @@ outside any run folder (exported to a temporary folder).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -55,11 +54,10 @@ def register(sub) -> None:
 
 
 def _spec(args):
-    from kvtrain.config import ConfigError
+    from kvtrain.config import ConfigError, one_process_only
     from kvtrain.evaluate.harness import EvalSpec
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would export and evaluate
-        raise ConfigError("kvtrain eval runs in one process (not under torchrun)")
+    one_process_only("kvtrain eval")  # every rank would export and evaluate
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError(f"--tasks {args.tasks!r}: no task names")

@@ -107,7 +107,7 @@ def check_tensor_parallel(cfg, world: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Everything a user can get wrong is checked before torch/megatron are imported.
-    from kvtrain.config import ConfigError
+    from kvtrain.config import ConfigError, launched_world_size
     from kvtrain.inference.generate import read_prompts
 
     options = _options(args)
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtrain.inference.loading import (find_checkpoint, inference_process, load_model,
                                            saved_config)
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world_size()
     # a bad source or a TP size the model cannot split: one line, before the process group
     check_tensor_parallel(saved_config(find_checkpoint(args.source))[0], world)
     inference_process(tensor=world)  # every rank is a tensor-parallel rank

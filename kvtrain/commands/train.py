@@ -56,9 +56,9 @@ class _NoCudaRuntimeLine(logging.Filter):
 
 
 def run(args) -> int:
-    from kvtrain.config import load_config
+    from kvtrain.config import launched_world_size, load_config
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world_size()
     # Checked here in full (with the world size) so that a bad config fails in
     # one line before torch/megatron are imported.
     cfg = load_config(args.config, args.overrides, world_size=world)

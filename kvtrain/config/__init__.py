@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -64,6 +65,20 @@ def wandb_folder(configured: Optional[str], run_dir: str | Path) -> Path:
     return Path(run_dir) / Path(configured or ".").expanduser()
 
 
+
+def launched_world_size() -> int:
+    """The processes a launcher started for this command (torchrun's or SLURM's
+    ``WORLD_SIZE``; 1 started by hand), known before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def one_process_only(command: str) -> None:
+    """Refuses ``command`` under a launcher that started several processes (every
+    rank would do the whole work, into the same files)."""
+    if launched_world_size() > 1:
+        raise ConfigError(f"{command} runs in one process (not under torchrun)")
+
+
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
@@ -80,7 +95,9 @@ __all__ = [
     "checkpoint_folder",
     "dump_yaml",
     "first_line",
+    "launched_world_size",
     "load_config",
+    "one_process_only",
     "run_folder",
     "to_dict",
     "wandb_folder",

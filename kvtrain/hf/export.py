@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from kvtrain.config import ConfigError, RunConfig, first_line, to_dict
+from kvtrain.config import ConfigError, RunConfig, first_line, one_process_only, to_dict
 
 from . import HF_EXTRA, offline, require_hf  # noqa: F401 (re-exported)
 
@@ -186,9 +186,8 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str = "fp32",
         raise ConfigError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir).expanduser().absolute()
     _check_out_dir(out_dir, force)
-    # torchrun sets WORLD_SIZE; the process group is not made yet (inference_process)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or \
-            (dist.is_initialized() and dist.get_world_size() > 1):
+    one_process_only("kvtrain export")  # before inference_process makes the group
+    if dist.is_initialized() and dist.get_world_size() > 1:  # called inside one
         raise ConfigError("kvtrain export runs in one process (not under torchrun)")
     work = _work_folder(out_dir)  # before the checkpoint is loaded
     try:
