@@ -19,8 +19,10 @@ What is patched, and why:
   ``"cuda:N"``, an int, a CUDA ``torch.device``) rewritten to the CPU.
 * ``Tensor.cuda`` / ``Module.cuda`` return the CPU tensor/module; ``pin_memory``
   becomes a no-op (it needs CUDA).
-* ``torch.cuda.Stream/Event/current_stream/default_stream/stream/synchronize``:
-  CPU execution is synchronous, so these are inert stand-ins.
+* ``torch.cuda.synchronize`` is a no-op (CPU execution is synchronous; the
+  pipeline schedules call it). ``torch.cuda.Stream/Event/current_stream/
+  default_stream/stream/set_stream`` refuse in one line (:class:`GpuOnlyCall`):
+  only megatron's GPU-only paths use them, and kvtrain takes none on the CPU.
 * ``torch.cuda.{get,set}_rng_state/manual_seed/manual_seed_all`` and megatron's
   ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state`` map to the
   CPU generator, so megatron's RNG tracker forks a real generator state for
@@ -47,6 +49,8 @@ import os
 import types
 
 import torch
+
+from kvtrain.config import ConfigError
 
 from .device import probe_device
 
@@ -125,56 +129,27 @@ def _patch_factories() -> None:
     torch.Tensor.to = _wrap_to(torch.Tensor.to)
 
 
-class _InertStream:
-    """Stand-in for torch.cuda.Stream: CPU work is already in order."""
+class GpuOnlyCall(ConfigError):
+    """megatron-core asked for a CUDA stream or event on the CPU backend."""
 
-    def __init__(self, *args, **kwargs):
-        self.device = torch.device("cpu")
-
-    def wait_stream(self, *args, **kwargs):
-        return None
-
-    def wait_event(self, *args, **kwargs):
-        return None
-
-    def record_event(self, event=None):
-        return event or _InertEvent()
-
-    def synchronize(self):
-        return None
-
-    def query(self):
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    kind = "CPU backend"
 
 
-class _InertEvent:
-    """Stand-in for torch.cuda.Event, timing with the wall clock."""
+def _gpu_only(name: str):
+    """A stand-in for ``torch.cuda.<name>`` that refuses in one line.
 
-    def __init__(self, *args, **kwargs):
-        self._t = None
+    No path kvtrain runs on the CPU creates a stream or an event (the whole suite was
+    run with these recording their callers: none did). megatron's paths that do, none
+    of which a kvtrain config selects, are refused rather than run untested on inert
+    stand-ins whose ordering would mean nothing on the CPU."""
 
-    def record(self, stream=None):
-        import time
+    def refuse(*args, **kwargs):
+        raise GpuOnlyCall(
+            f"megatron-core called torch.cuda.{name}, which only its GPU paths use "
+            f"(overlapped communication on a side stream, activation offloading, "
+            f"CUDA-graph and dynamic inference): kvtrain runs none of them on the CPU")
 
-        self._t = time.perf_counter()
-
-    def wait(self, stream=None):
-        return None
-
-    def synchronize(self):
-        return None
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, end: "_InertEvent") -> float:
-        return (end._t - self._t) * 1000.0
+    return refuse
 
 
 def _patch_cuda_module() -> None:
@@ -184,13 +159,9 @@ def _patch_cuda_module() -> None:
     cuda.set_device = lambda *a, **k: None
     cuda.synchronize = lambda *a, **k: None
     cuda.empty_cache = lambda: None
-    cuda.Stream = _InertStream
-    cuda.ExternalStream = _InertStream
-    cuda.Event = _InertEvent
-    cuda.current_stream = lambda *a, **k: _InertStream()
-    cuda.default_stream = lambda *a, **k: _InertStream()
-    cuda.set_stream = lambda *a, **k: None
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    for name in ("Stream", "ExternalStream", "Event", "current_stream", "default_stream",
+                 "set_stream", "stream"):
+        setattr(cuda, name, _gpu_only(name))
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0
     cuda.memory_reserved = lambda *a, **k: 0

@@ -54,6 +54,33 @@ def test_forked_stream_draws_do_not_warn(mp1, caplog):
             torch.nn.functional.dropout(torch.ones(8), 0.5)
     assert "CPU RNG state changed" not in caplog.text
 
+def test_cuda_streams_and_events_are_refused_in_one_line(single_rank):
+    """No path kvtrain runs on the CPU creates a CUDA stream or event (the whole suite
+    was run with them recording their callers: none did); megatron's paths that do
+    (partial distributed optimizers, activation offloading, dynamic inference, its
+    a2a-overlap schedule) are refused in one line instead of running untested on
+    inert stand-ins. ``synchronize``, which the pipeline schedules call, stays."""
+    from kvtrain.cli import error_line
+    from kvtrain.config import ConfigError
+
+    assert enable_cpu_backend() is True
+    torch.cuda.synchronize()
+    calls = {"torch.cuda.Stream": lambda: torch.cuda.Stream(device=0),
+             "torch.cuda.ExternalStream": lambda: torch.cuda.ExternalStream(0),
+             "torch.cuda.Event": lambda: torch.cuda.Event(enable_timing=True),
+             "torch.cuda.current_stream": torch.cuda.current_stream,
+             "torch.cuda.default_stream": torch.cuda.default_stream,
+             "torch.cuda.stream": lambda: torch.cuda.stream(None),
+             "torch.cuda.set_stream": lambda: torch.cuda.set_stream(None)}
+    for name, call in calls.items():
+        with pytest.raises(ConfigError) as refused:
+            call()
+        assert error_line(refused.value) == (
+            f"kvtrain: CPU backend: megatron-core called {name}, which only its GPU "
+            f"paths use (overlapped communication on a side stream, activation offloading, "
+            f"CUDA-graph and dynamic inference): kvtrain runs none of them on the CPU")
+
+
 def test_disabled_by_environment():
     code = ("import os; os.environ['KVTRAIN_CPU_BACKEND']='0';"
             "from kvtrain.backend import enable_cpu_backend; print(enable_cpu_backend())")
