@@ -48,12 +48,15 @@ class GPU:
         return self.fp32_tflops, "fp32"
 
 
-# 80 GB cards; dense peaks without sparsity.
+# SXM cards; dense peaks without sparsity.
 GPUS = {
     "a100": GPU("A100-80G", 80.0, 312.0, 156.0, 19.5),
     "a800": GPU("A800-80G", 80.0, 312.0, 156.0, 19.5),  # A100, reduced NVLink (the paper's 19B)
     "h800": GPU("H800-80G", 80.0, 989.0, 494.5, 67.0),  # H100 SXM compute, reduced NVLink
     "h100": GPU("H100-80G", 80.0, 989.0, 494.5, 67.0),
+    # H100 SXM compute with 141 GB of HBM3e, of which PyTorch is given ~139 GiB (the
+    # H200 that benchmarks/device measures on)
+    "h200": GPU("H200-141G", 139.0, 989.0, 494.5, 67.0),
 }
 
 

@@ -122,3 +122,16 @@ def test_mla_is_described_with_its_ranks_and_head_widths(capsys, rank, query):
     first, _ = _attention_line(capsys, path, [f"model.mla.q_lora_rank={rank}"])
     assert first.endswith(", multi-latent attention (K/V latent 256, " + query
                           + ", head dims 32+32 RoPE / V 64)"), first
+
+
+def test_an_h200_has_an_h100s_compute_and_the_memory_to_fit_more(capsys):
+    """--gpu h200 (the card benchmarks/device measures on): an H100's dense bf16 peak,
+    so the same step time, and 139 GiB, so the layout refused on 80 GiB above plans."""
+    path = PAPER / "6.7b_kv_shift.yaml"
+    code, out, err = plan(capsys, path, "--nodes", "8", "--gpu", "h200", sets=NO_DISTOPT)
+    assert code == 0 and err == ""
+    assert "64 x H200-141G = 8 node(s) x 8; 989 TFLOP/s bf16 and 139 GiB each" in out
+    assert "total           129.9 GiB   of 139 GiB (93%)" in out
+    cfg = load_config(path, [])
+    h100, h200 = (make_plan(cfg, nodes=8, gpu=gpu) for gpu in ("h100", "h200"))
+    assert h200.step_seconds == h100.step_seconds and h200.memory.total == h100.memory.total
