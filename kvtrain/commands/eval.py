@@ -106,10 +106,13 @@ def run(args) -> int:
 
     spec = _spec(args)
     check_out(args.out)  # a file in its path: one line now, not after the evaluation
+    source = Path(args.source).expanduser()
+    if not source.exists():  # a typo: now, not after lm-eval indexed its tasks (seconds)
+        raise ConfigError(f"{source}: no such run folder, checkpoint or Hugging Face folder")
     quiet_imports()  # the export of a run loads megatron and its checkpoint
     import_harness()  # the extra, before any export; the offline switches, before any HF import
-    if is_hf_folder(Path(args.source).expanduser()):  # folder code refused: before the tasks
-        trusts_remote_code(Path(args.source).expanduser(), spec.trust_remote_code)
+    if is_hf_folder(source):  # folder code refused: before the tasks
+        trusts_remote_code(source, spec.trust_remote_code)
     # unknown task, missing dataset: one line, before any export or model
     loaded = load_tasks(spec.tasks, spec.include_path)
     with prepared(args.source, spec.dtype) as src:

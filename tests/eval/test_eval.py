@@ -193,6 +193,16 @@ def test_eval_under_torchrun_is_one_line(local, capsys, monkeypatch):
                                          "process (not under torchrun)"), err
 
 
+def test_a_source_that_does_not_exist_is_named_before_the_tasks_load(capsys, tmp_path):
+    """A mistyped run folder was found only after lm-eval had indexed its tasks
+    (tens of seconds), and a task refusal hid it: it is the first line now."""
+    missing = tmp_path / "runs" / "kv_shfit"
+    code, out, err = kvtrain_eval([str(missing), "--tasks", "no_such_task"], capsys)
+    assert code == 2 and err.strip() == (f"kvtrain: config error: {missing}: no such run "
+                                         "folder, checkpoint or Hugging Face folder"), err
+    assert out == ""
+
+
 def test_out_naming_a_folder_is_one_line_before_anything_loads(local, capsys, tmp_path):
     """``--out DIR`` stopped with IsADirectoryError after the whole evaluation,
     its results lost: it is refused before any task or model loads."""
