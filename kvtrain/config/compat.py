@@ -22,8 +22,10 @@ replace those of the checkpoint's param groups; a change of one is printed and
 recorded like an allowed change, ``RECORDED``), the intervals, logging, and
 ``model.backend`` and the kernel choices (``model.rope_kernel``,
 ``model.kv_shift.kernel``, ``model.cross_entropy_kernel``,
-``model.swiglu_kernel``: the same weights on other kernels). A key newer
-than the checkpoint compares as its default.
+``model.swiglu_kernel``: the same weights on other kernels), and
+``model.make_vocab_size_divisible_by``, the vocabulary's padding: the load checks
+that the padded tensors keep their shapes (``kvtrain.train.model_fit``). A key
+newer than the checkpoint compares as its default.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ from .loader import ConfigError
 COMPARED = ("model", "train.seq_length", "data.type", "data.paths", "data.split",
             "data.tokenizer", "data.seed", "data.induction", "data.ngram", "data.eod_id",
             "data.eod_mask_loss", "data.reset_attention_mask")
-# how the model runs, not what it is (the same weights on other kernels)
+# how the model runs, not what it is (the same weights on other kernels); the
+# vocabulary's padding multiple too: the load compares the padded tensors' shapes
+# (train/model_fit.py), and a multiple that keeps them is what a new TP may need
 IGNORED = ("model.backend", "model.rope_kernel", "model.kv_shift.kernel",
-           "model.cross_entropy_kernel", "model.swiglu_kernel")
+           "model.cross_entropy_kernel", "model.swiglu_kernel",
+           "model.make_vocab_size_divisible_by")
 # free to change, but said and recorded: the run's values override the checkpoint's
 RECORDED = ("optimizer",)
 # compared where the run is sized by train.train_tokens: the steps it has left are

@@ -177,7 +177,8 @@ def _load(path: Path, backend: str, dtype: torch.dtype) -> LoadedModel:
     from kvtrain.config import ParallelConfig
     from kvtrain.model.builder import Numerics, build_gpt, transformer_config
     from kvtrain.model.specs import resolve_backend
-    from kvtrain.train.checkpoint import SHARDING_METADATA, check_same_parameters
+    from kvtrain.train.checkpoint import SHARDING_METADATA
+    from kvtrain.train.model_fit import check_same_parameters
 
     cfg, iteration = saved_config(path)
     parallel = ParallelConfig(tensor=parallel_state.get_tensor_model_parallel_world_size(),

@@ -94,6 +94,7 @@ from .integrity import (
     INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, SaveFailed, build_manifest,
     checkpoint_folders, own_shards, save_failure_reason, set_aside,
 )
+from .model_fit import check_same_parameters, check_same_shapes
 from .optimizer import adam_step, inner_optimizers, run_param_groups_kept
 from .rng_states import restore_rng_state, rng_sharded_object
 from .save_agreement import gather_or_fail, on_rank0_or_fail
@@ -223,27 +224,6 @@ def _step_free_param_state_load(optimizer):
     finally:
         for opt in patched:
             del opt.load_parameter_state_from_fully_reshardable  # back to the class method
-
-
-def check_same_parameters(path: Path, in_checkpoint_only: set, in_model_only: set) -> None:
-    """Strict loading: the model's tensors and the checkpoint's are the same set.
-
-    megatron's default ignores checkpoint tensors that the model does not ask
-    for: a KV-shift checkpoint would load into a vanilla model, its coefficients
-    silently dropped. Optimizer state and RNG states are not compared here (a
-    weights-only load or a new layout leaves them in the checkpoint on purpose).
-    """
-    def model_keys(keys) -> list[str]:
-        return sorted(k for k in keys if not k.startswith(("optimizer.", "rng_state")))
-
-    extra, missing = model_keys(in_checkpoint_only), model_keys(in_model_only)
-    if extra or missing:
-        def listed(keys: list[str]) -> str:
-            return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
-
-        parts = ([f"{listed(extra)} not in this model"] if extra else []) + \
-                ([f"{listed(missing)} not in the checkpoint"] if missing else [])
-        raise ConfigError(f"checkpoint {path} does not fit the model: {'; '.join(parts)}")
 
 
 # ----------------------------------------------------------------------------- checkpointer
@@ -463,6 +443,8 @@ class Checkpointer:
         same_layout = saved_layout is not None and {"context": 1, **saved_layout} == current_layout()
         rng = load_rng and same_layout
         sd = self._sharded_state(None, loading=True, optimizer=load_optimizer, rng=rng)
+        check_same_shapes(path, sd, changes, self.run_config.get("model", {}),  # megatron's
+                          parallel_state.get_tensor_model_parallel_world_size())  # names none
         loaded, in_checkpoint_only, in_model_only = dist_checkpointing.load(
             sd, str(path), strict=StrictHandling.RETURN_ALL)
         check_same_parameters(path, in_checkpoint_only, in_model_only)

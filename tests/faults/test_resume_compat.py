@@ -153,6 +153,12 @@ def resumes(tmp_path_factory, corpus, cache_dir):
         # holds the shift coefficients, the vanilla model has none...
         "strict_extra": (["model.attention=vanilla",
                           "checkpoint.allow_config_changes=[model.attention]"], 2),
+        # allowed by the config check, but the weights have other shapes: this was
+        # "could not be loaded: CheckpointException" for every checkpoint, as if damaged
+        "hidden_allowed": (["model.hidden_size=64", "model.ffn_hidden_size=128",
+                            "checkpoint.allow_config_changes=[model]"], 2),
+        "window_allowed": (["model.kv_shift.window=2",
+                            "checkpoint.allow_config_changes=[model.kv_shift.window]"], 2),
         # the checkpoint trained at fp32 (auto on a CPU)
         "precision": (["train.precision=bf16"], 2),
         "precision_allowed": (["train.precision=bf16", "train.max_steps=4",
@@ -227,6 +233,24 @@ def test_strict_load_names_the_parameters(resumes):
     assert any("not in the checkpoint" in e and "shift_k" in e for e in errors), errors
 
 
+def test_an_allowed_change_of_the_weights_shapes_is_one_line_not_a_damaged_checkpoint(resumes):
+    """allow_config_changes lets a model key change, but a checkpoint's tensors load
+    only into tensors of their own shapes: the line names a tensor, both shapes and
+    the allowed changes, and no checkpoint is called unusable."""
+    _, result = resumes
+    errors = [line for line in result.stderr.splitlines() if "kvtrain: config error:" in line]
+    hidden = [e for e in errors if "model.hidden_size: 32 -> 64" in e and "shape" in e]
+    assert len(hidden) == 1, errors
+    assert ("does not fit the model: the allowed changes (model.ffn_hidden_size: 64 -> 128; "
+            "model.hidden_size: 32 -> 64) change the shapes of its tensors: "
+            "decoder.final_layernorm.weight is (32,) in the checkpoint and (64,) in this "
+            "model (and 8 more); a checkpoint loads only into a model of its own "
+            "shapes") in hidden[0], hidden[0]
+    window = [e for e in errors if "model.kv_shift.window: 1 -> 2" in e and "shape" in e]
+    assert len(window) == 1 and "shift_k" in window[0], errors
+    assert "could not be loaded" not in result.stderr and "skipping" not in result.stderr
+
+
 def test_allowed_change_is_printed_and_recorded(resumes):
     root, result = resumes
     assert "config changed since the checkpoint: train.seq_length: 32 -> 16" in result.stdout
@@ -298,3 +322,35 @@ def test_a_change_of_precision_is_refused_or_continues_from_the_main_parameters(
     events = [r for r in metrics(root / "precision_allowed", "event") if "config changed" in
               r.get("message", "")]
     assert events[0]["changes"] == {"train.precision": ["fp32", "bf16"]}
+
+
+def test_a_layout_that_pads_the_vocabulary_otherwise_says_which_setting_keeps_it(tmp_path,
+                                                                                 cache_dir):
+    """The vocabulary is padded to a multiple of make_vocab_size_divisible_by x TP: a
+    TP=1 checkpoint of 300 tokens has 320 rows, TP=2 asks for 384. That resume was
+    "could not be loaded: CheckpointException" for every checkpoint, as if damaged;
+    it is one line naming the setting that keeps 320 rows, and that setting resumes."""
+    config = write_config(tmp_path / "c.yaml", tiny_config(
+        None, cache_dir, model={"vocab_size": 300}, train={"max_steps": 2},
+        checkpoint={"save_interval": 2}))
+    saved = run_driver([{"config": str(config), "run_dir": str(tmp_path / "tp1")}],
+                       tmp_path / "save.json", nproc=1)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    ckpt = tmp_path / "tp1" / "checkpoints" / "iter_0000002"
+    resume = ["parallel.tensor=2", "train.max_steps=3", f"checkpoint.resume={ckpt}"]
+    jobs = [{"config": str(config), "run_dir": str(tmp_path / "tp2"), "expect": 2,
+             "overrides": resume},
+            {"config": str(config), "run_dir": str(tmp_path / "tp2_kept"),
+             "overrides": [*resume, "model.make_vocab_size_divisible_by=32"]}]
+    result = run_driver(jobs, tmp_path / "resume.json", nproc=2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    errors = sorted({line for line in result.stderr.splitlines() if "config error" in line})
+    assert errors == [
+        f"kvtrain: config error: checkpoint {ckpt} does not fit the model: "
+        "embedding.word_embeddings.weight is (320, 32) in the checkpoint and (384, 32) in "
+        "this model (and 1 more); the vocabulary (300) is padded to a multiple of "
+        "model.make_vocab_size_divisible_by x parallel.tensor (64 x 2): "
+        "model.make_vocab_size_divisible_by: 32 keeps the checkpoint's 320 rows at "
+        "parallel.tensor 2"], errors
+    assert "could not be loaded" not in result.stderr
+    assert [r["iteration"] for r in metrics(tmp_path / "tp2_kept")] == [3]
