@@ -136,12 +136,14 @@ class GpuOnlyCall(ConfigError):
 
 
 def _gpu_only(name: str):
-    """A stand-in for ``torch.cuda.<name>`` that refuses in one line.
+    """A stand-in for ``torch.cuda.<name>`` that refuses in one line when called.
 
     No path kvtrain runs on the CPU creates a stream or an event (the whole suite was
     run with these recording their callers: none did). megatron's paths that do, none
     of which a kvtrain config selects, are refused rather than run untested on inert
-    stand-ins whose ordering would mean nothing on the CPU."""
+    stand-ins whose ordering would mean nothing on the CPU. ``Stream``, ``Event`` and
+    ``ExternalStream`` stay classes: libraries name them in annotations evaluated at
+    import (transformers: ``torch.cuda.Stream | None``) and in ``isinstance``."""
 
     def refuse(*args, **kwargs):
         raise GpuOnlyCall(
@@ -149,6 +151,8 @@ def _gpu_only(name: str):
             f"(overlapped communication on a side stream, activation offloading, "
             f"CUDA-graph and dynamic inference): kvtrain runs none of them on the CPU")
 
+    if name[0].isupper():
+        return type(name, (), {"__init__": refuse, "__module__": __name__})
     return refuse
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -72,6 +73,10 @@ def test_cuda_streams_and_events_are_refused_in_one_line(single_rank):
              "torch.cuda.default_stream": torch.cuda.default_stream,
              "torch.cuda.stream": lambda: torch.cuda.stream(None),
              "torch.cuda.set_stream": lambda: torch.cuda.set_stream(None)}
+    # names in annotations evaluated at import (transformers' continuous batching:
+    # `torch.cuda.Stream | None`) and in isinstance: classes still
+    assert isinstance(torch.cuda.Stream | None, types.UnionType)
+    assert not isinstance(object(), (torch.cuda.Stream, torch.cuda.Event))
     for name, call in calls.items():
         with pytest.raises(ConfigError) as refused:
             call()
