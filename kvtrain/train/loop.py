@@ -317,17 +317,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
             lock.hold_too(shared)
         run = build_run(cfg, Path(run_dir), data=False)  # the data once the start is known
         rank0 = run.rank == 0
-        if rank0:
-            text = run_config_text(cfg, run.resolved)
-            say(f"kvtrain: run folder {run.run_dir.resolve()}\n--- resolved config ---\n"
-                f"{text}--- layout: world {run.world_size} = TP {cfg.parallel.tensor} x PP "
-                f"{cfg.parallel.pipeline} x DP {run.dp_size}; {run.num_microbatches} micro "
-                f"batches per step; {run.total_steps} steps")
-            say(f"kvtrain: {run.backend.describe()}, device {run.device}, precision "
-                f"{run.precision}")
-            say(f"kvtrain: MFU against {run.mfu_basis}")
-            if run.backend.warning:
-                say(f"kvtrain: warning: {run.backend.warning}")
+        text = _announce(run) if rank0 else None
         ckpt = Checkpointer(run.checkpoint_dir, run.model, run.optimizer, run.scheduler,
                             run_record(cfg, run.resolved), keep_last=cfg.checkpoint.keep_last,
                             async_save=cfg.checkpoint.async_save, hooks=hooks)
@@ -375,6 +365,22 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
         if lock is not None:
             lock.release()
     return code
+
+
+def _announce(run: Run) -> str:
+    """Prints the run folder, the resolved config, the layout, the backend and the MFU
+    basis (rank 0, at every start); returns the config's text for config.yaml."""
+    cfg = run.cfg
+    text = run_config_text(cfg, run.resolved)
+    say(f"kvtrain: run folder {run.run_dir.resolve()}\n--- resolved config ---\n"
+        f"{text}--- layout: world {run.world_size} = TP {cfg.parallel.tensor} x PP "
+        f"{cfg.parallel.pipeline} x DP {run.dp_size}; {run.num_microbatches} micro "
+        f"batches per step; {run.total_steps} steps")
+    say(f"kvtrain: {run.backend.describe()}, device {run.device}, precision {run.precision}")
+    say(f"kvtrain: MFU against {run.mfu_basis}")
+    if run.backend.warning:
+        say(f"kvtrain: warning: {run.backend.warning}")
+    return text
 
 
 def _say_resumed(run: Run, resumed) -> Optional[str]:
