@@ -194,43 +194,56 @@ def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None
         return [_convert(inner, v, f"{key}[{i}]", source, line) for i, v in enumerate(value)]
     if tp is Any:
         return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{_where(key, source, line)}: expected bool, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            # Allow whole numbers written 1e9 / 1.0e9 (token budgets); PyYAML
-            # reads an exponent without a sign as a string.
-            number = _as_float(value)
-            if number is None or not number.is_integer():
-                raise ConfigError(f"{_where(key, source, line)}: expected int, got {value!r}")
-        # numpy, torch and megatron hold ints in 64 bits: a larger one hung the
-        # trainer (max_steps) or forked without end (num_workers), never an error
-        number = int(value if isinstance(value, int) else number)
-        if not -2**63 <= number < 2**63:
-            raise ConfigError(f"{_where(key, source, line)}: expected a 64-bit int, got {value!r}")
-        return number
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            # PyYAML reads "1e-4" (no dot) as a string: accept numeric strings.
-            number = _as_float(value)
-            if number is None:
-                raise ConfigError(f"{_where(key, source, line)}: expected float, got {value!r}")
-        else:
-            number = float(value)
-        if not math.isfinite(number):
-            # nan passes every `<= 0` check, and no float setting gives inf a meaning
-            raise _Unusable(f"{_where(key, source, line)}: expected a finite number, "
-                             f"got {value!r}")
-        return number
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{_where(key, source, line)}: expected str, got {value!r}")
-        if "\0" in value:  # no path or name holds one (a ValueError deep in a later open)
-            raise _Unusable(f"{_where(key, source, line)}: holds a NUL character (\\0)")
-        return value
+    scalar = _SCALARS.get(tp)
+    if scalar is not None:
+        return scalar(value, _where(key, source, line))
     raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def _to_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected bool, got {value!r}")
+    return value
+
+
+def _to_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        # Allow whole numbers written 1e9 / 1.0e9 (token budgets); PyYAML
+        # reads an exponent without a sign as a string.
+        number = _as_float(value)
+        if number is None or not number.is_integer():
+            raise ConfigError(f"{where}: expected int, got {value!r}")
+    # numpy, torch and megatron hold ints in 64 bits: a larger one hung the
+    # trainer (max_steps) or forked without end (num_workers), never an error
+    number = int(value if isinstance(value, int) else number)
+    if not -2**63 <= number < 2**63:
+        raise ConfigError(f"{where}: expected a 64-bit int, got {value!r}")
+    return number
+
+
+def _to_float(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # PyYAML reads "1e-4" (no dot) as a string: accept numeric strings.
+        number = _as_float(value)
+        if number is None:
+            raise ConfigError(f"{where}: expected float, got {value!r}")
+    else:
+        number = float(value)
+    if not math.isfinite(number):
+        # nan passes every `<= 0` check, and no float setting gives inf a meaning
+        raise _Unusable(f"{where}: expected a finite number, got {value!r}")
+    return number
+
+
+def _to_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected str, got {value!r}")
+    if "\0" in value:  # no path or name holds one (a ValueError deep in a later open)
+        raise _Unusable(f"{where}: holds a NUL character (\\0)")
+    return value
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
 def _as_float(value: Any) -> float | None:
