@@ -112,6 +112,56 @@ def _tokens(value: Optional[float]) -> str:
     return f"{value:.0f}"
 
 
+# What the comparison holds equal: the model but its attention, the data, the optimizer
+# and what sizes the run. How a run ran (backend, kernels, layout, workers, intervals)
+# changes no loss beyond the last bits.
+SETTINGS = ("model", "data", "optimizer", "train.seq_length", "train.global_batch_size",
+            "train.seed", "train.precision", "train.train_tokens", "train.max_steps")
+HOW_IT_RAN = ("model.attention", "model.backend", "model.rope_kernel", "model.kv_shift.kernel",
+              "model.cross_entropy_kernel", "model.swiglu_kernel", "data.num_workers",
+              "data.cache_dir")
+
+
+def _settings(config: dict, shifted: bool) -> dict:
+    """The ``SETTINGS`` of a run's config.yaml, flattened (``model.kv_shift`` only
+    when both runs shift: a vanilla run's shift section is unused)."""
+    flat: dict = {}
+
+    def walk(node, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}")
+        elif not key.startswith(HOW_IT_RAN) and (shifted or not key.startswith("model.kv_shift")):
+            flat[key] = node
+
+    for key in SETTINGS:
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        walk(node, key)
+    return flat
+
+
+def setting_differences(a: RunData, b: RunData) -> list[str]:
+    """``key: A -> B`` for every setting of B that is not A's (keys ``SETTINGS``)."""
+    shifted = a.attention == b.attention == "kv_shift"
+    sa, sb = _settings(a.config, shifted), _settings(b.config, shifted)
+    return [f"{k}: {sa.get(k)} -> {sb.get(k)}" for k in sorted(set(sa) | set(sb))
+            if sa.get(k) != sb.get(k)]
+
+
+def _notes(run: RunData, a: RunData) -> list[str]:
+    """The run's notes, and for B, the settings in which it is not A's."""
+    if run is a or not a.config or not run.config:
+        return list(run.notes)
+    diffs = setting_differences(a, run)
+    if not diffs:
+        return list(run.notes)
+    listed = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+    return [f"differs from A beyond model.attention: {listed} (the losses compare more than "
+            f"the attention)", *run.notes]
+
+
 def summarize(runs: Sequence[RunData]) -> dict:
     """Everything the report says, as JSON-able data."""
     a = runs[0]
@@ -121,7 +171,7 @@ def summarize(runs: Sequence[RunData]) -> dict:
                  "iterations": run.train.iterations[-1], "tokens": run.final_tokens,
                  "train_loss": run.train.final, "val_loss": run.valid.final,
                  "val_ppl": math.exp(min(run.valid.final, 80.0)) if run.valid else None,
-                 "kv_shift": shift_summary(run), "eval": run.evals, "notes": run.notes}
+                 "kv_shift": shift_summary(run), "eval": run.evals, "notes": _notes(run, a)}
         if run is not a:
             entry["vs_reference"] = {
                 "train_loss_diff": _diff(run.train.final, a.train.final),

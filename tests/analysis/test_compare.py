@@ -49,6 +49,7 @@ def test_report_of_the_two_arms(arm_runs, tmp_path, capsys):
         assert (out / png).read_bytes()[:8] == PNG and f"]({png})" in report
     assert "| α1 > α2 |" in report and "| kv_shift | kv_shift | 8 |" in report
     assert f"report: {out / 'report.md'}" in printed and "Table 5 quadrants" in printed
+    assert "differs from A" not in printed  # the arms differ in model.attention only
 
 
 def _write_run(folder: Path, val: list[tuple[int, float]], train_loss=5.0, evals=None) -> Path:
@@ -283,7 +284,10 @@ def test_records_of_older_or_damaged_shapes_are_read_or_noted(tmp_path, capsys, 
     assert (ra["label"], rb["label"]) == ("x/run", "y/run")
     assert (rb["tokens"], rb["train_loss"], rb["val_loss"]) == (16, 4.0, 3.5)  # 2 x 4 per step
     assert rb["vs_reference"]["a_tokens"] is None and rb["vs_reference"]["speedup"] is None
-    assert rb["notes"] == [f"{b / 'metrics.jsonl'}: 1 line(s) are not JSON records (skipped)",
+    assert rb["notes"] == ["differs from A beyond model.attention: train.global_batch_size: "
+                           "8 -> 2; train.seq_length: 32 -> 4 (the losses compare more than the "
+                           "attention)",
+                           f"{b / 'metrics.jsonl'}: 1 line(s) are not JSON records (skipped)",
                            f"{b / 'eval' / 'old.json'}: no \"tasks\" mapping"]
     assert [(e["task"], e["metrics"]) for e in rb["eval"]] == [("arc", {"acc": 0.25})]
     assert "  y/run                kv_shift        16 tokens  train 4.0000  val 3.5000  (val - " \
@@ -315,3 +319,29 @@ def test_without_matplotlib_is_one_line_keeping_an_earlier_report(tmp_path, caps
                                        "'.[dev]'\n")
     assert sorted(p.name for p in out.iterdir()) == ["report.md"]
     assert (out / "report.md").read_text() == "earlier report\n"
+
+
+def test_a_run_that_differs_beyond_the_attention_says_how(tmp_path, capsys):
+    """The paper's comparison holds everything but the attention: a B trained on
+    another vocabulary, learning rate or seed is named, in the printed summary and the
+    report, so a "speed-up" of another setting is not taken for KV shifting's."""
+    a = _write_run(tmp_path / "a", [(50, 3.0), (100, 2.0)])
+    b = _write_run(tmp_path / "b", [(50, 2.9), (100, 1.9)])
+    c = _write_run(tmp_path / "c", [(50, 2.9), (100, 1.9)])
+    base = yaml.safe_load((a / "config.yaml").read_text())
+    base["model"].update(vocab_size=256, attention="vanilla", backend="local")
+    base.update(optimizer={"lr": 0.001}, data={"num_workers": 2, "seed": 1})
+    (a / "config.yaml").write_text(yaml.safe_dump(base))
+    same = {**base, "model": {**base["model"], "attention": "kv_shift", "backend": "torch",
+                              "kv_shift": {"window": 1}}, "data": {"num_workers": 0, "seed": 1}}
+    (c / "config.yaml").write_text(yaml.safe_dump(same))
+    other = {**same, "model": {**same["model"], "vocab_size": 300}, "optimizer": {"lr": 0.002},
+             "train": {**base["train"], "seed": 7}}
+    (b / "config.yaml").write_text(yaml.safe_dump(other))
+    assert main(["compare", str(a), str(b), str(c), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    note = ("note: differs from A beyond model.attention: model.vocab_size: 256 -> 300; "
+            "optimizer.lr: 0.001 -> 0.002; train.seed: None -> 7 (the losses compare more "
+            "than the attention)")
+    assert printed.count("differs from A") == 1 and note in printed, printed
+    assert note[len("note: "):] in (tmp_path / "out" / "report.md").read_text()
