@@ -187,6 +187,30 @@ def pack(out: Path) -> list[str]:
     return [p.name for p in records]
 
 
+def plan_row(d: dict) -> str:
+    """The paper shape's peak memory against what ``kvtrain plan`` promises for it on
+    this card: the plan's states and activations (its overhead, the CUDA context, NCCL
+    and fragmentation, is not in ``max_memory_allocated``) over the larger arm's peak."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # kvtrain of this checkout
+    from kvtrain.config import ConfigError, load_config
+    from kvtrain.plan import GPUS, PlanError, make_plan
+
+    gpu = next((k for k in sorted(GPUS) if k.upper() in d["device_name"].upper()), None)
+    peak = max((a.get("peak_memory_bytes") or 0) for a in d["arms"].values())
+    if gpu is None or not peak:
+        return f"paper  plan: no GPU kvtrain plan knows, or no peak ({d['device_name']})"
+    try:
+        cfg = load_config(d["config"], [*(d.get("sets") or []),
+                                        f"model.backend={d['backend']['name']}"])
+        memory = make_plan(cfg, nodes=1, gpus_per_node=d["world_size"], gpu=gpu).memory
+    except (ConfigError, PlanError, OSError) as e:
+        return f"paper  plan: {e}"
+    planned, gib = memory.total - memory.overhead, float(1 << 30)
+    return (f"paper  plan ({GPUS[gpu].name}): {planned / gib:.1f} GiB + "
+            f"{memory.overhead / gib:.1f} overhead; measured peak {peak / gib:.1f} GiB "
+            f"allocated (the larger arm): plan / measured {planned / peak:.3f}")
+
+
 def table(out: Path) -> None:
     tests = tests_row(out / "tests.xml")
     if tests:
@@ -204,6 +228,7 @@ def table(out: Path) -> None:
         mfu = d["arms"]["kv_shift"].get("mfu")
         print(f"paper  MFU (KV shift) {'-' if mfu is None else f'{100 * mfu:.1f}%'} "
               f"({'met' if mfu is not None and mfu >= 0.45 else 'NOT met'} >= 45%)")
+        print(plan_row(d))
         if mlm is None:
             print("paper  Megatron-LM: no iteration times in checks.log")
         else:

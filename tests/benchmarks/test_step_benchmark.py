@@ -98,8 +98,9 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     core_v0.16.1)."""
     out = tmp_path / "out"
     out.mkdir()
-    for name in ("h2048", "paper"):
-        (out / f"step-{name}.json").write_text(json.dumps(result))
+    (out / "step-h2048.json").write_text(json.dumps(result))
+    # the paper shape as on the lent card: the plan's memory for it beside the peak
+    (out / "step-paper.json").write_text(json.dumps({**result, "device_name": "NVIDIA H200"}))
     slower = json.loads(json.dumps(result))  # the variant (megatron's RoPE) at 4/5 the speed
     for arm in slower["arms"].values():
         arm["tokens_per_s"] *= 0.8
@@ -141,7 +142,25 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     megatron = 8 * 2048 / 0.510  # the median interval after the first
     vanilla = result["arms"]["vanilla"]["tokens_per_s"]
     assert f"Megatron-LM {megatron:.0f}: {vanilla / megatron:.3f}" in done.stdout
+    _check_plan_row(result, lines)
     _check_packed_records(tmp_path, out, done.stdout)
+
+
+def _check_plan_row(result: dict, lines: list[str]) -> None:
+    """The paper shape's row: what kvtrain plan promises for the config, the sets and
+    the backend the benchmark ran, on the card it names, beside the measured peak."""
+    from kvtrain.config import load_config
+    from kvtrain.plan import make_plan
+
+    cfg = load_config(result["config"], [*(result["sets"] or []),
+                                         f"model.backend={result['backend']['name']}"])
+    memory = make_plan(cfg, nodes=1, gpus_per_node=1, gpu="h200").memory
+    planned = memory.total - memory.overhead
+    peak = max(a["peak_memory_bytes"] for a in result["arms"].values())
+    gib = float(1 << 30)
+    assert (f"paper  plan (H200-141G): {planned / gib:.1f} GiB + {memory.overhead / gib:.1f} "
+            f"overhead; measured peak {peak / gib:.1f} GiB allocated (the larger arm): "
+            f"plan / measured {planned / peak:.3f}") in lines, lines
 
 
 def _summary(*args) -> subprocess.CompletedProcess:
@@ -322,6 +341,7 @@ def test_the_gpu_checks_need_nothing_the_gpu_machine_lacks(tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", "".join(f"import benchmarks.{s}\n" for s in scripts)
          + "import benchmarks.device.smoke\nimport kvtrain.cli\nimport kvtrain.train.loop\n"
+         + "import benchmarks.device.summary\nimport kvtrain.plan\n"  # summary.plan_row
          + "try:\n    import wandb\nexcept ImportError as e:\n    print(e)"],  # the stand-in
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
