@@ -130,7 +130,7 @@ def _patch_factories() -> None:
 
 
 class GpuOnlyCall(ConfigError):
-    """megatron-core asked for a CUDA stream or event on the CPU backend."""
+    """A CUDA stream or event asked for on the CPU backend."""
 
     kind = "CPU backend"
 
@@ -147,9 +147,9 @@ def _gpu_only(name: str):
 
     def refuse(*args, **kwargs):
         raise GpuOnlyCall(
-            f"megatron-core called torch.cuda.{name}, which only its GPU paths use "
-            f"(overlapped communication on a side stream, activation offloading, "
-            f"CUDA-graph and dynamic inference): kvtrain runs none of them on the CPU")
+            f"torch.cuda.{name} was called, which only GPU paths use (megatron's overlapped "
+            f"communication on a side stream, activation offloading, CUDA-graph and dynamic "
+            f"inference): kvtrain's CPU backend runs none of them")
 
     if name[0].isupper():
         return type(name, (), {"__init__": refuse, "__module__": __name__})

@@ -81,9 +81,9 @@ def test_cuda_streams_and_events_are_refused_in_one_line(single_rank):
         with pytest.raises(ConfigError) as refused:
             call()
         assert error_line(refused.value) == (
-            f"kvtrain: CPU backend: megatron-core called {name}, which only its GPU "
-            f"paths use (overlapped communication on a side stream, activation offloading, "
-            f"CUDA-graph and dynamic inference): kvtrain runs none of them on the CPU")
+            f"kvtrain: CPU backend: {name} was called, which only GPU paths use "
+            f"(megatron's overlapped communication on a side stream, activation offloading, "
+            f"CUDA-graph and dynamic inference): kvtrain's CPU backend runs none of them")
 
 
 def test_disabled_by_environment():
