@@ -194,6 +194,7 @@ def plan_row(d: dict) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # kvtrain of this checkout
     from kvtrain.config import ConfigError, load_config
     from kvtrain.plan import GPUS, PlanError, make_plan
+    from kvtrain.plan.memory import GiB
 
     gpu = next((k for k in sorted(GPUS) if k.upper() in d["device_name"].upper()), None)
     peak = max((a.get("peak_memory_bytes") or 0) for a in d["arms"].values())
@@ -205,9 +206,9 @@ def plan_row(d: dict) -> str:
         memory = make_plan(cfg, nodes=1, gpus_per_node=d["world_size"], gpu=gpu).memory
     except (ConfigError, PlanError, OSError) as e:
         return f"paper  plan: {e}"
-    planned, gib = memory.total - memory.overhead, float(1 << 30)
-    return (f"paper  plan ({GPUS[gpu].name}): {planned / gib:.1f} GiB + "
-            f"{memory.overhead / gib:.1f} overhead; measured peak {peak / gib:.1f} GiB "
+    planned = memory.total - memory.overhead
+    return (f"paper  plan ({GPUS[gpu].name}): {planned / GiB:.1f} GiB + "
+            f"{memory.overhead / GiB:.1f} overhead; measured peak {peak / GiB:.1f} GiB "
             f"allocated (the larger arm): plan / measured {planned / peak:.3f}")
 
 

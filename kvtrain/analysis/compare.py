@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from kvtrain.config import ConfigError
+from kvtrain.config.compat import IGNORED  # the kernels and padding: how a model runs
 
 from .runs import Curve, RunData, eval_key, interpolate, key_order, read_run, unique_labels
 
@@ -113,13 +114,12 @@ def _tokens(value: Optional[float]) -> str:
 
 
 # What the comparison holds equal: the model but its attention, the data, the optimizer
-# and what sizes the run. How a run ran (backend, kernels, layout, workers, intervals)
-# changes no loss beyond the last bits.
+# and what sizes the run. How a run ran (backend, kernels, the vocabulary's padding
+# multiple, layout, workers, intervals: what a resume need not compare either) changes
+# no loss beyond the last bits.
 SETTINGS = ("model", "data", "optimizer", "train.seq_length", "train.global_batch_size",
             "train.seed", "train.precision", "train.train_tokens", "train.max_steps")
-HOW_IT_RAN = ("model.attention", "model.backend", "model.rope_kernel", "model.kv_shift.kernel",
-              "model.cross_entropy_kernel", "model.swiglu_kernel", "data.num_workers",
-              "data.cache_dir")
+HOW_IT_RAN = ("model.attention", *IGNORED, "data.num_workers", "data.cache_dir")
 
 
 def _settings(config: dict, shifted: bool) -> dict:
