@@ -1,16 +1,25 @@
 """The tokenizer worker processes of ``preprocess``: work items encoded in
 input order, at most ``4 * workers`` in flight.
 
-``multiprocessing.Pool`` replaces a worker that dies (the kernel's out-of-memory
-killer, a crash in the tokenizer) and loses the task it held: ``imap`` then
-waits for that result forever, and a preprocess run hung without a word.
-``ProcessPoolExecutor`` fails the work in flight instead (``BrokenProcessPool``);
-``WorkersFailed`` turns that, and a ``MemoryError`` (a memory limit set with
-``ulimit -v``), into one line naming the input in flight and how the worker
-ended.
+A worker can die at any moment (the kernel's out-of-memory killer, a crash in
+the tokenizer), and the run must then end with one line, not hang:
 
-The main thread reads the inputs between results: it keeps the window full,
-so the workers never wait for it, and bounds memory whatever the corpus size
+* ``multiprocessing.Pool`` replaces a dead worker and loses its task: ``imap``
+  waited for that result forever.
+* ``ProcessPoolExecutor`` shares one result pipe and its lock among all
+  workers. A worker killed while writing its result left a message cut short
+  (the executor's reader waited for the rest forever) and the lock held (the
+  other workers waited forever): CI saw that hang.
+
+So each worker here has channels of its own: a task queue it alone reads, and a
+result pipe whose only write end is in the worker. A worker that dies, in
+whatever state, ends its pipe (EOF) and fires its sentinel, which the main
+process waits on beside the result it needs next. ``WorkersFailed`` says how
+the worker ended and which input was in flight; a ``MemoryError`` (a limit set
+with ``ulimit -v``) is reported the same way.
+
+The main thread reads the inputs between results: it keeps the window full, so
+the workers never wait for it, and bounds memory whatever the corpus size
 (about ``chunk size * 4 * workers`` plus their tokens).
 """
 
@@ -20,8 +29,7 @@ import multiprocessing
 import os
 import signal
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import wait
 from typing import Callable, Iterable, Iterator, Optional
 
 from data_tools.encoder import ChunkEncoder, encode_item, init_worker
@@ -64,7 +72,8 @@ def _in_flight(places: list) -> str:
 
 
 def _how_it_ended(processes: list) -> str:
-    """How the workers ended: the executor terminates the others (SIGTERM) once one died."""
+    """How the workers ended: the one that died, not the others (still running, or
+    ended by SIGTERM)."""
     codes = [p.exitcode for p in processes if p.exitcode not in (None, 0, -signal.SIGTERM)]
     if not codes:
         return "a tokenizer worker process died"
@@ -84,6 +93,56 @@ def encode_inline(items: Iterable, encoder: Callable) -> Iterator:
                                 f"{_in_flight([where(item)])}") from None
 
 
+def _serve(tasks, results, function: Callable, initializer: Callable, initargs: tuple) -> None:
+    """A worker's loop: ``function`` over its tasks until the ``None`` that ends them."""
+    try:
+        initializer(*initargs)
+        failed = None
+    except Exception as e:  # every task answers with it: the main process raises it
+        failed = e
+    while (item := tasks.get()) is not None:
+        try:
+            if failed is not None:
+                raise failed
+            message = ("ok", function(item))
+        except MemoryError:
+            message = ("memory", None)
+        except Exception as e:
+            message = ("error", e)
+        results.send(message)
+
+
+class _Worker:
+    """One worker process and its own two channels."""
+
+    def __init__(self, ctx, function: Callable, initializer: Callable, initargs: tuple):
+        self.tasks = ctx.Queue()  # put() hands the item to a feeder thread: never blocks
+        self.tasks.cancel_join_thread()  # a dead worker's queued tasks are not waited for
+        self.results, writer = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_serve, daemon=True, name="tokenizer-worker",
+                                   args=(self.tasks, writer, function, initializer, initargs))
+        self.process.start()
+        writer.close()  # the worker's copy is the only one left: its death is EOF here
+        self.in_flight = 0
+
+    def receive(self, others: list) -> Optional[tuple]:
+        """This worker's next message; None when it, or any of ``others``, died."""
+        ready = wait([self.results] + [w.process.sentinel for w in others])
+        if self.results not in ready:
+            return None
+        try:
+            message = self.results.recv()
+        except (EOFError, OSError):  # died, maybe halfway through the message
+            self.process.join(timeout=10)  # its exit code, for the line
+            return None
+        self.in_flight -= 1
+        return message
+
+    def close(self) -> None:
+        self.tasks.close()
+        self.results.close()
+
+
 class EncoderPool:
     """``workers`` processes running ``function`` (after ``initializer(*initargs)``)."""
 
@@ -93,14 +152,14 @@ class EncoderPool:
         # Workers are children of this process, except under forkserver: the
         # initializer's last argument is the parent they must die with.
         parent = None if ctx.get_start_method() == "forkserver" else os.getpid()
-        self._executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=initializer,
-                                             initargs=(*initargs, parent))
-        self._function, self._workers, self._limit = function, workers, 4 * workers
-        self._processes: dict = {}  # pid -> Process, as the executor started them
+        self._workers = [_Worker(ctx, function, initializer, (*initargs, parent))
+                         for _ in range(workers)]
+        self._processes = {w.process.pid: w.process for w in self._workers}
+        self._limit = 4 * workers
 
     def map(self, items: Iterable) -> Iterator:
         """Results of ``items`` in their order; ``WorkersFailed`` when a worker dies."""
-        pending: deque = deque()  # (where, future), oldest first
+        pending: deque = deque()  # (where, worker), oldest first
         items = iter(items)
         more = True
         while True:
@@ -109,35 +168,53 @@ class EncoderPool:
                 if item is _END:
                     more = False
                     break
-                pending.append((where(item), self._executor.submit(self._function, item)))
-                if len(self._processes) < self._workers:  # started at the first submits
-                    self._processes.update(getattr(self._executor, "_processes", None) or {})
+                worker = min(self._workers, key=lambda w: w.in_flight)
+                worker.tasks.put(item)
+                worker.in_flight += 1
+                pending.append((where(item), worker))
             if not pending:
                 return
-            try:
-                result = pending[0][1].result()
-            except BrokenProcessPool:
-                self._executor.shutdown(wait=True)  # the workers are gone: exit codes are in
-                raise WorkersFailed(f"{_how_it_ended(list(self._processes.values()))} "
-                                    f"while encoding {_in_flight([p for p, _ in pending])}"
-                                    ) from None
-            except MemoryError:
+            message = pending[0][1].receive(self._workers)
+            if message is None:
+                raise WorkersFailed(f"{self._how_they_ended()} "
+                                    f"while encoding {_in_flight([p for p, _ in pending])}")
+            kind, value = message
+            if kind == "memory":
                 raise WorkersFailed(f"a tokenizer worker ran out of memory (MemoryError) "
-                                    f"while encoding {_in_flight([pending[0][0]])}") from None
+                                    f"while encoding {_in_flight([pending[0][0]])}")
+            if kind == "error":
+                raise value
             pending.popleft()
-            yield result
+            yield value
+
+    def _how_they_ended(self) -> str:
+        # A dead process's pipes and sentinel close a moment before its exit
+        # code can be read: wait for the code of each one whose sentinel fired.
+        for process in self._processes.values():
+            if wait([process.sentinel], timeout=0):
+                process.join(timeout=10)
+        return _how_it_ended(list(self._processes.values()))
 
     def close(self) -> None:
         """After the last result: the workers exit."""
-        self._executor.shutdown(wait=True)
+        for worker in self._workers:
+            worker.tasks.put(None)
+        for worker in self._workers:
+            worker.process.join()
+            worker.close()
 
     def terminate(self) -> None:
         """On an error or Ctrl-C: the work queued is dropped and the workers stop now,
         not after the item each is encoding."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        for process in self._processes.values():
-            if process.exitcode is None:
-                process.terminate()
+        for worker in self._workers:
+            if worker.process.exitcode is None:
+                worker.process.terminate()
+        for worker in self._workers:
+            worker.process.join(timeout=10)
+            if worker.process.exitcode is None:  # SIGTERM blocked: not ours to wait on
+                worker.process.kill()
+                worker.process.join()
+            worker.close()
 
 
 _END = object()

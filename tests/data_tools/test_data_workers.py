@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -42,6 +43,25 @@ def _square_or_die(item):
     return item.first_line ** 2
 
 
+def _die_while_sending(item):
+    """A worker's function whose process is SIGKILLed while it writes its result
+    (what the OOM killer may do at any moment): a thread watches this thread's
+    system call and kills the process once it is inside write(2) with the result."""
+    thread = threading.get_native_id()
+
+    def kill_once_writing():
+        while True:
+            with open(f"/proc/self/task/{thread}/syscall") as f:
+                if f.read().split()[0] == "1":  # write(2): the result's bytes
+                    os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.0002)
+
+    if item.first_line == 21:
+        threading.Thread(target=kill_once_writing, daemon=True).start()
+        return b"x" * (256 << 20)  # many pipe buffers: the write takes a while
+    return item.first_line ** 2
+
+
 def _pool(workers: int = 2) -> EncoderPool:
     return EncoderPool(workers, (), function=_square_or_die, initializer=_no_model)
 
@@ -71,6 +91,33 @@ def test_a_worker_killed_ends_the_run_naming_the_work_in_flight():
     assert "c.jsonl:13 (3.0 MB)" in message or "the largest c.jsonl:13 of 3.0 MB" in message
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
+def test_a_worker_killed_while_writing_its_result_ends_the_run():
+    """Killed halfway through sending a result: the main process saw a message cut
+    short (and, under ProcessPoolExecutor, the other workers waited on the lock the
+    dead one held), so the run hung forever (CI, stop 38)."""
+    pool = EncoderPool(2, (), function=_die_while_sending, initializer=_no_model)
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(list(pool.map([_item(20), _item(21), _item(22), _item(23)])))
+        except WorkersFailed as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    try:
+        assert not thread.is_alive(), "hung: the run did not end in 60 s"
+        assert isinstance(outcome[0], WorkersFailed), outcome
+        assert str(outcome[0]).startswith(
+            "a tokenizer worker process was killed by SIGKILL (what the kernel's out-of-memory "
+            "killer sends: see dmesg) while encoding c.jsonl:21 (10 B)"), str(outcome[0])
+    finally:
+        pool.terminate()
+
+
 def test_a_memory_error_in_a_worker_or_inline_is_one_line():
     pool = _pool()
     try:
@@ -83,6 +130,35 @@ def test_a_memory_error_in_a_worker_or_inline_is_one_line():
     with pytest.raises(WorkersFailed) as e:
         list(encode_inline([_item(16), _item(17, size=2000)], _square_or_die))
     assert str(e.value) == "out of memory (MemoryError) while encoding c.jsonl:17 (2.0 kB)"
+
+
+def _refuse_line_5(item):
+    if item.first_line == 5:
+        raise ValueError("line 5 is not text")
+    return item.first_line
+
+
+def _no_tokenizer(*args):
+    raise FileNotFoundError("spm.model")
+
+
+def test_an_error_in_a_worker_or_its_initializer_is_raised_here():
+    """The worker's exception itself, as the in-process path would raise it (the
+    CLI turns the ones it knows into its one line)."""
+    pool = EncoderPool(2, (), function=_refuse_line_5, initializer=_no_model)
+    try:
+        results = pool.map([_item(4), _item(5), _item(6)])
+        assert next(results) == 4
+        with pytest.raises(ValueError, match="line 5 is not text"):
+            next(results)
+    finally:
+        pool.terminate()
+    pool = EncoderPool(2, (), function=_refuse_line_5, initializer=_no_tokenizer)
+    try:
+        with pytest.raises(FileNotFoundError, match="spm.model"):
+            list(pool.map([_item(4)]))
+    finally:
+        pool.terminate()
 
 
 def test_terminate_stops_a_worker_in_the_middle_of_an_item():
@@ -135,8 +211,8 @@ def test_a_worker_killed_mid_run_is_one_line_and_resume_completes(corpus, tmp_pa
 
 
 def test_how_the_workers_ended_in_words():
-    """The executor terminates the other workers (SIGTERM) once one died: the one
-    that died is the one named."""
+    """The dead worker is the one named, not the others (running, or ended by the
+    SIGTERM of a terminate)."""
     from data_tools.workers import _how_it_ended
 
     def ended(*codes):
