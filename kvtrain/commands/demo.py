@@ -225,16 +225,17 @@ def finished_at(config: Path, run_dir: Path, arm: str, overrides: list[str],
 
 
 def check_before_building(config: Path, run_dir: Path, overrides: list[str], nproc: int) -> None:
-    """A bad --set or a --run-dir that is a file: one line before the data is
+    """A bad --set or a --run-dir that cannot be made: one line before the data is
     built and before --fresh clears the arms (the data overrides come later:
     they only point at the data)."""
     from data_tools.fileio import not_a_folder
-    from kvtrain.config import ConfigError, load_config
+    from kvtrain.config import ConfigError, load_config, make_folder
 
     if why := not_a_folder(run_dir):
         raise ConfigError(f"--run-dir {why}")
     for arm in ARMS:
         load_config(config, overrides + [f"model.attention={arm}"], world_size=nproc)
+    make_folder(run_dir, "--run-dir")
 
 
 def _workers(requested: Optional[int], nproc: int) -> int:

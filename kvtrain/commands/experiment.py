@@ -52,7 +52,7 @@ def register(sub) -> None:
 
 
 def run_induction(args) -> int:
-    from kvtrain.config import ConfigError
+    from kvtrain.config import ConfigError, make_folder
     from kvtrain.config.layout import total_steps
     from kvtrain.experiments.presets import arm_configs, select_arms
     from kvtrain.experiments.runner import earlier_group
@@ -72,6 +72,7 @@ def run_induction(args) -> int:
     # of the preset's: those the folder already holds are checked against them).
     configs = arm_configs(args.preset, args.scale, overrides, world_size=args.nproc,
                           extra={"wandb": {"group": group}})
+    make_folder(run_dir, "--run-dir")
     steps = total_steps(configs[0][1])[0]  # train.max_steps or train.train_tokens
     print(f"experiment induction --preset {args.preset} --scale {args.scale}: {len(selected)} "
           f"arms ({', '.join(selected)}), {steps} steps each, "

@@ -81,7 +81,9 @@ def _write(path: str, results, loaded, options, dtype: str, world: int) -> None:
 
 def check_out(path: str | None) -> None:
     """--out must be writable, known before the model is loaded and the prompts
-    generated (a missing folder is made at the end)."""
+    generated: its folder is made now, and a file is made (and removed) in it."""
+    import tempfile
+
     from data_tools.fileio import file_in_the_way
     from kvtrain.config import ConfigError
 
@@ -89,8 +91,16 @@ def check_out(path: str | None) -> None:
         return
     if os.path.isdir(path):
         raise ConfigError(f"--out {path} is a folder, not a file")
-    if blocker := file_in_the_way(os.path.dirname(os.path.abspath(path))):
+    folder = os.path.dirname(os.path.abspath(path))
+    if blocker := file_in_the_way(folder):
         raise ConfigError(f"--out {path}: {blocker} is a file, not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out {path} cannot be written in {folder}: "
+                          f"{e.strerror or e}") from None
 
 
 def check_tensor_parallel(cfg, world: int) -> None:

@@ -66,6 +66,22 @@ def wandb_folder(configured: Optional[str], run_dir: str | Path) -> Path:
 
 
 
+def make_folder(path: str | Path, option: str) -> Path:
+    """Makes the output folder ``path`` (``option``: the flag or key that named it):
+    a file in its path, or a folder the system will not make (read-only,
+    permissions, /proc), is one ``ConfigError`` naming ``option``, not mkdir's
+    traceback after the work began."""
+    from data_tools.fileio import not_a_folder
+
+    if why := not_a_folder(path):
+        raise ConfigError(f"{option} {why}")
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{option} {path} cannot be made: {e.strerror or e}") from None
+    return Path(path)
+
+
 def launched_world_size() -> int:
     """The processes a launcher started for this command (torchrun's or SLURM's
     ``WORLD_SIZE``; 1 started by hand), known before any process group exists."""

@@ -329,3 +329,17 @@ def test_the_steps_each_arm_trains_are_printed_when_train_tokens_sets_them(tmp_p
                  *[x for kv in sets for x in ("--set", kv)]]) == 0
     out = capsys.readouterr().out
     assert "1 arms (kv_shift-1L), 4 steps each" in out and "finished earlier" in out, out
+
+
+def test_a_run_folder_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    """A file in --run-dir's path, or a folder the system will not make (here
+    /proc's): one line before any arm trains, not mkdir's traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for run_dir, message in (
+            (blocker / "x", f"--run-dir {blocker}/x: {blocker} is a file, not a folder"),
+            ("/proc/kvtrain-grid", "--run-dir /proc/kvtrain-grid cannot be made: "
+                                   "No such file or directory")):
+        assert main(["experiment", "induction", "--preset", "fig1b", "--no-wandb",
+                     "--run-dir", str(run_dir)]) == 2
+        assert capsys.readouterr().err == f"kvtrain: config error: {message}\n"

@@ -165,12 +165,18 @@ def test_bad_input_is_one_line(mp1, arm_runs, capsys, argv, message):
 
 def test_an_out_path_that_cannot_be_written_is_refused_before_generating(tmp_path, capsys):
     """--out is checked before the model is loaded (it was a traceback after
-    every prompt had been generated); a missing folder is made."""
+    every prompt had been generated)."""
     blocker = tmp_path / "notes.txt"
     blocker.write_text("x")
     for out, message in ((tmp_path, f"--out {tmp_path} is a folder, not a file"),
                          (blocker / "g.jsonl",
-                          f"--out {blocker}/g.jsonl: {blocker} is a file, not a folder")):
+                          f"--out {blocker}/g.jsonl: {blocker} is a file, not a folder"),
+                         # a folder nothing can be written in (and one that cannot be
+                         # made): the generations were printed, then a traceback
+                         ("/proc/kvtrain-g.jsonl", "--out /proc/kvtrain-g.jsonl cannot be "
+                                                   "written in /proc: No such file or directory"),
+                         ("/proc/new/g.jsonl", "--out /proc/new/g.jsonl cannot be written in "
+                                               "/proc/new: No such file or directory")):
         # the source is not a run: the --out check comes first, before any loading
         assert main(["generate", str(tmp_path / "run"), "--prompt", "1", "--out", str(out)]) == 2
         assert capsys.readouterr().err.strip() == f"kvtrain: config error: {message}"

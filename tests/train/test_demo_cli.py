@@ -80,3 +80,11 @@ def test_workers_above_the_number_of_arms_run_the_two_arms_side_by_side(tmp_path
         assert out.count(f"] threads {threads}\n") == 2, out
         assert err.startswith("kvtrain demo: both arms failed (vanilla exit 1, kv_shift exit "
                               "1); their output is above"), err
+
+
+def test_a_run_folder_that_cannot_be_made_is_one_line(capsys):
+    """A --run-dir the system will not make (here /proc's): one line before the
+    data is built, not mkdir's traceback."""
+    assert main(["demo", "--run-dir", "/proc/kvtrain-demo", "--synthetic"]) == 2
+    assert capsys.readouterr().err == ("kvtrain: config error: --run-dir /proc/kvtrain-demo "
+                                       "cannot be made: No such file or directory\n")
