@@ -65,7 +65,6 @@ def wandb_folder(configured: Optional[str], run_dir: str | Path) -> Path:
     return Path(run_dir) / Path(configured or ".").expanduser()
 
 
-
 def make_folder(path: str | Path, option: str) -> Path:
     """Makes the output folder ``path`` (``option``: the flag or key that named it):
     a file in its path, or a folder the system will not make (read-only,

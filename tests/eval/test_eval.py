@@ -216,17 +216,23 @@ def test_out_naming_a_folder_is_one_line_before_anything_loads(local, capsys, tm
 
 def test_out_that_cannot_be_written_is_one_line_keeping_the_results(local, capsys, tmp_path):
     """``--out`` under a file: a FileExistsError traceback after the whole evaluation,
-    now one line before it. A file system that takes no file (/proc): one line after
-    it, naming the table printed above, which holds the results."""
+    now one line before it, as is a folder that takes no file (/proc). A write that
+    fails after the evaluation (here: a folder where the samples go): one line,
+    naming the table printed above, which holds the results."""
     (tmp_path / "afile").write_text("x")
     argv = [str(local["hf"]), "--tasks", "kvt_mc", "--include-path", str(local["tasks"])]
-    code, out, err = kvtrain_eval([*argv, "--out", str(tmp_path / "afile" / "x.json")], capsys)
-    assert code == 2 and err.strip() == (f"kvtrain: config error: --out {tmp_path}/afile/x.json:"
-                                         f" {tmp_path}/afile is a file, not a folder"), err
-    assert out == ""
-    code, out, err = kvtrain_eval([*argv, "--out", "/proc/kvtrain-eval.json"], capsys)
+    for target, message in (
+            (tmp_path / "afile" / "x.json", f"{tmp_path}/afile is a file, not a folder"),
+            ("/proc/kvtrain-eval.json", "cannot be written in /proc: No such file or directory")):
+        code, out, err = kvtrain_eval([*argv, "--out", str(target)], capsys)
+        assert code == 2 and err.strip().startswith(f"kvtrain: config error: --out {target}")
+        assert err.strip().endswith(message) and len(err.strip().splitlines()) == 1, err
+        assert out == ""  # before the evaluation
+    (tmp_path / "r.samples.jsonl").mkdir()
+    code, out, err = kvtrain_eval([*argv, "--log-samples", "--out", str(tmp_path / "r.json")],
+                                  capsys)
     assert code == 2 and err.strip().splitlines()[-1].startswith(
-        "kvtrain: config error: cannot write the results to /proc/kvtrain-eval.json (they are "
+        f"kvtrain: config error: cannot write the results to {tmp_path / 'r.json'} (they are "
         "in the table above): "), err  # the lines above it: lm-eval's progress bars
     assert "kvt_mc" in out and "acc" in out
 
