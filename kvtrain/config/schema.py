@@ -158,7 +158,10 @@ class DataConfig:
     Left out: ``gpt`` where data.paths names shards, else ``mock``."""
     paths: list[float | str] = field(default_factory=list)
     """Shard prefixes, optionally with weights: [0.7, a_text_document, 0.3, b_text_document].
-    Without weights, several prefixes are one corpus (each weighted by its tokens)."""
+    An entry may also be what the data tools take: a preprocess --output-prefix (``a``:
+    its one ``a_text_document`` or all its ``a_NNNNN_text_document`` shards, sharing
+    its weight by their tokens), a dataset's ``.idx`` or a glob of ``.idx`` files.
+    Without weights, several datasets are one corpus (each weighted by its tokens)."""
     split: str | int | float = "969,30,1"
     """Train/valid/test split weights over documents; one number is the training part
     alone (``100``, as Megatron-LM's ``--split 100``), kept as the string ``'100'``."""

@@ -112,13 +112,35 @@ def _check_made_with(prefix: str, tokenizer: Any, data: Any, model: Any) -> None
             f"tokenizer shard {prefix} was made with ({vocab}, its .meta.json says)")
 
 
+def _datasets_of(path: str) -> list[str]:
+    """The datasets a ``data.paths`` entry names, as the data tools read it: a
+    dataset prefix, its ``.idx``/``.bin``, a preprocess ``--output-prefix`` (its
+    ``_text_document``, or all of its ``_NNNNN_text_document`` shards) or a glob of
+    ``.idx`` files. One naming none stays itself: its check says what is missing."""
+    from data_tools.indexed import idx_path, resolve_prefixes
+
+    if os.path.exists(idx_path(path)):
+        return [path]
+    try:
+        return resolve_prefixes(path)
+    except FileNotFoundError:
+        return [path[: -len(".idx")] if path.endswith((".idx", ".bin")) else path]
+
+
 def _blend(paths: list) -> tuple[tuple, dict[str, tuple[int, int]]]:
-    """The blend to hand megatron, and each prefix's sequence and token counts (its
-    shard checked). Unweighted prefixes get their token counts as weights: one
-    corpus (megatron's own unweighted blend stops at one epoch of each, see above)."""
-    prefixes, weights = parse_blend(paths)
+    """The blend to hand megatron, and each dataset's sequence and token counts (its
+    shard checked). An entry naming several shards shares its weight among them by
+    their tokens; unweighted datasets get their token counts as weights: one corpus
+    (megatron's own unweighted blend stops at one epoch of each, see above)."""
+    entries, entry_weights = parse_blend(paths)
+    named = [_datasets_of(entry) for entry in entries]
+    prefixes = [prefix for group in named for prefix in group]
     sizes = {prefix: _shard_size(prefix) for prefix in prefixes}
-    if weights is None and len(prefixes) > 1:
+    weights = None
+    if entry_weights is not None:
+        weights = [w * sizes[p][1] / max(sum(sizes[q][1] for q in group), 1)
+                   for w, group in zip(entry_weights, named) for p in group]
+    elif len(prefixes) > 1:
         weights = [float(sizes[p][1]) for p in prefixes]
     return (prefixes, weights), sizes
 

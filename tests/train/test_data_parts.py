@@ -6,6 +6,7 @@ parts of ``data.split`` a run draws from."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvtrain.config import load_config
 from tests.train.conftest import VOCAB, metrics, run, tiny_config, write_config
@@ -89,8 +90,6 @@ def test_a_split_without_the_parts_a_run_draws_from_is_one_line():
     """``data.split`` must give every part the run draws from (validation: with
     ``train.eval_interval``) a share of every shard's documents: said in one line
     naming the split, the part and the shard; parts not drawn from are not built."""
-    import pytest
-
     from kvtrain.config import ConfigError
     from kvtrain.data.datasets import plan_split
 
@@ -107,3 +106,40 @@ def test_a_split_without_the_parts_a_run_draws_from_is_one_line():
                             "documents of b: use more documents or a larger validation weight "
                             "(or set train.eval_interval: null)")
     assert plan_split(small, counts, (True, False, False), "99,1,0") == [(0, 0.99), None, None]
+
+
+def test_a_preprocess_prefix_names_its_shards(single_rank, tmp_path, cache_dir):
+    """``data.paths`` takes what the data tools take: a preprocess
+    ``--output-prefix`` (all of its ``_NNNNN_text_document`` shards, or its one
+    ``_text_document``) and a dataset's ``.idx``. A prefix's weight is shared among
+    its shards by their tokens, as one corpus. It was "shard c.idx does not exist"."""
+    from data_tools.indexed import IndexedReader
+    from kvtrain.config import ConfigError
+    from kvtrain.data import build_datasets
+    from kvtrain.data.datasets import _blend
+    from kvtrain.data.synthetic import write_shard
+
+    a, b = _shards(tmp_path, n_docs=(300, 100))
+    c0, c1 = str(tmp_path / "c_00000_text_document"), str(tmp_path / "c_00001_text_document")
+    for src, dst in ((a, c0), (b, c1)):
+        for ext in (".bin", ".idx"):
+            (tmp_path / (dst + ext)).write_bytes((tmp_path / (src + ext)).read_bytes())
+    d = write_shard(tmp_path / "d_text_document", [np.arange(1, 40, dtype=np.int32)] * 50)
+    t0, t1 = IndexedReader(c0).num_tokens, IndexedReader(c1).num_tokens
+    prefix = str(tmp_path / "c")
+    assert _blend([prefix])[0] == ([c0, c1], [float(t0), float(t1)])
+    (prefixes, weights), sizes = _blend([0.6, prefix, 0.4, str(tmp_path / "d")])
+    assert prefixes == [c0, c1, d] and set(sizes) == {c0, c1, d}
+    assert np.allclose(weights, [0.6 * t0 / (t0 + t1), 0.6 * t1 / (t0 + t1), 0.4])
+    assert _blend([d + ".idx"])[0] == ([d], None)
+    for entry, missing in (("nope", "nope"), ("c_0000", "c_0000"), ("e.idx", "e"),
+                           ("c_9*_text_document.idx", "c_9*_text_document")):
+        with pytest.raises(ConfigError) as e:
+            _blend([str(tmp_path / entry)])
+        assert str(e.value) == f"data.paths: shard {tmp_path / missing}.idx does not exist"
+
+    cfg = _config(tmp_path, cache_dir, a, b)
+    cfg["data"]["paths"] = [prefix]
+    cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    train = build_datasets(cfg, str(cache_dir), 400, 40).train
+    assert abs(_from_a(train, 400) - 400 * t0 / (t0 + t1)) <= 2
