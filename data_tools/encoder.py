@@ -12,7 +12,6 @@ C; older versions fall back to id lists flattened with ``np.fromiter``.
 from __future__ import annotations
 
 import itertools
-import signal
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,9 +97,6 @@ def init_worker(model_path: str, dtype: type, json_key: str, keep_samples: int,
                 parent_pid: int | None) -> None:
     """Pool initializer: load the model once per process."""
     global _encoder
-    # Ctrl-C goes to the whole process group; the main process alone handles
-    # it (terminating the pool) so workers do not print tracebacks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # If the main process is SIGKILLed, its pool workers would wait on their task
     # pipe forever. (Under forkserver the parent is the server, which exits with
     # the main process: parent_pid is None then.)

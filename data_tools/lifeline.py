@@ -25,7 +25,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 PR_SET_PDEATHSIG = 1
 
@@ -79,4 +80,54 @@ def ended_by(returncode: int) -> str:
     return killed_by(-returncode) if returncode < 0 else f"exit {returncode}"
 
 
-__all__ = ["die_with_parent", "ended_by", "killed_by"]
+class Terminated(Exception):
+    """SIGTERM arrived (SLURM's scancel or time limit, ``docker stop``, ``kill``)."""
+
+
+_HOLD = {"depth": 0, "pending": None}  # signals_held: nesting, the exception held back
+
+
+def _stop(signum, frame):
+    stop = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    if _HOLD["depth"]:
+        _HOLD["pending"] = _HOLD["pending"] or stop
+        return
+    raise stop
+
+
+@contextmanager
+def stops_raise() -> Iterator[None]:
+    """Within: SIGTERM raises ``Terminated`` and Ctrl-C ``KeyboardInterrupt`` in the
+    main thread (not where ``signals_held`` holds them back), so that the work in
+    progress is cleaned up instead of the process dying where it stands. A child
+    forked within inherits the handlers: it must restore SIGTERM's default."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set a handler
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:  # a background job's ignored Ctrl-C stays so
+            signal.signal(sig, _stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Within: a stop (``stops_raise``) waits, and is raised at the end, so that what
+    runs here (a rename of finished files, a cleanup) is not cut in two."""
+    _HOLD["depth"] += 1
+    try:
+        yield
+    finally:
+        _HOLD["depth"] -= 1
+        if not _HOLD["depth"] and _HOLD["pending"] is not None:
+            stop, _HOLD["pending"] = _HOLD["pending"], None
+            raise stop
+
+
+__all__ = ["Terminated", "die_with_parent", "ended_by", "killed_by", "signals_held",
+           "stops_raise"]

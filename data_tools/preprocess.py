@@ -36,6 +36,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from data_tools import readers
 from data_tools.encoder import Encoded, ShardEnd
 from data_tools.fileio import atomic_write_bytes, check_prefix, remove_stale_temps
 from data_tools.indexed import IndexedWriter, bin_path, idx_path, read_meta, token_dtype
+from data_tools.lifeline import Terminated, signals_held, stops_raise
 from data_tools.progress import Counts, Progress, summary
 from data_tools.tokenizer import SentencePieceTokenizer
 from data_tools.workers import WorkersFailed, encode_in_order
@@ -169,20 +171,24 @@ class _ShardSink:
 
     def add(self, res: Encoded) -> None:
         if self.writer is None:
-            self.writer = self._open(self.shards[res.shard])
+            with signals_held():  # its temporaries are known to abort() once made
+                self.writer = self._open(self.shards[res.shard])
         self.writer.add_documents(res.tokens, res.lengths)
         self.counts.add(len(res.lengths), int(res.tokens.size), res.text_bytes, res.disk_bytes,
                         res.counts)
 
     def end(self, index: int) -> None:
         shard = self.shards[index]
-        if self.writer is None:  # a shard whose inputs hold no line at all
-            self.writer = self._open(shard)
-        writer, self.writer = self.writer, None
-        if self.counts.documents:
-            self._commit(shard, writer, self.counts)
-        else:
-            self.held.append((shard, writer, self.counts))
+        # A stop waits for the commit: cut in two, it left the shard's temporaries
+        # (or a .bin renamed in whose .idx was not).
+        with signals_held():
+            if self.writer is None:  # a shard whose inputs hold no line at all
+                self.writer = self._open(shard)
+            writer, self.writer = self.writer, None
+            if self.counts.documents:
+                self._commit(shard, writer, self.counts)
+            else:
+                self.held.append((shard, writer, self.counts))
 
     def _commit(self, shard: Shard, writer: IndexedWriter, counts: Counts) -> None:
         # Invalidate first: from here until the new meta lands, this shard
@@ -208,10 +214,11 @@ class _ShardSink:
                 writer.abort()
 
     def abort(self) -> None:
-        if self.writer is not None:
-            self.writer.abort()
-            self.writer = None
-        self.finish(keep_empty=False)
+        with signals_held():  # a second Ctrl-C does not leave the cleanup half done
+            if self.writer is not None:
+                self.writer.abort()
+                self.writer = None
+            self.finish(keep_empty=False)
 
 
 def _earlier_shards(plan: list[Shard], output_prefix: str) -> list[str]:
@@ -361,11 +368,17 @@ def run(args) -> int:
         check_options(args.workers, args.shards, args.report_bad)  # before reading inputs
         check_prefix(args.output_prefix, "--output-prefix", "corpus")
         inputs = readers.discover(args.input, args.format)
-        result = preprocess(
-            inputs, args.tokenizer, args.output_prefix, json_key=args.json_key,
-            text_mode=args.text_mode, workers=args.workers, shards=args.shards,
-            resume=args.resume, strict=args.strict, report_bad=args.report_bad,
-            chunk_bytes=int(args.chunk_mb * (1 << 20)), progress=not args.quiet)
+        with stops_raise():  # a stopped job cleans up and says how to go on
+            result = preprocess(
+                inputs, args.tokenizer, args.output_prefix, json_key=args.json_key,
+                text_mode=args.text_mode, workers=args.workers, shards=args.shards,
+                resume=args.resume, strict=args.strict, report_bad=args.report_bad,
+                chunk_bytes=int(args.chunk_mb * (1 << 20)), progress=not args.quiet)
+    except Terminated:
+        print("kvtrain data preprocess: stopped by SIGTERM; nothing was written for the "
+              "shard being processed (--resume keeps the shards completed before it)",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
     except StrictError as e:
         print(f"kvtrain data preprocess: error (--strict): {e}; nothing was written for "
               f"the shard being processed", file=sys.stderr)

@@ -95,6 +95,11 @@ def encode_inline(items: Iterable, encoder: Callable) -> Iterator:
 
 def _serve(tasks, results, function: Callable, initializer: Callable, initargs: tuple) -> None:
     """A worker's loop: ``function`` over its tasks until the ``None`` that ends them."""
+    # terminate() ends a worker (the main process's handler, inherited through
+    # fork, would only raise in here); Ctrl-C goes to the whole process group, and
+    # the main process alone handles it (terminating the pool): no tracebacks here.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         initializer(*initargs)
         failed = None

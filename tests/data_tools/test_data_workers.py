@@ -210,6 +210,36 @@ def test_a_worker_killed_mid_run_is_one_line_and_resume_completes(corpus, tmp_pa
     assert h.files_in(out) == h.files_in(ref)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
+def test_sigterm_is_one_line_and_resume_completes(corpus, tmp_path):
+    """SIGTERM to the job (scancel, a time limit, docker stop, kill): exit 143 with
+    one line saying how to go on, and no temporaries left (before: killed without
+    a word, the shard's temporaries left until the next run)."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    proc = subprocess.Popen(_cmd(corpus, out / "c"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_a_half_written_shard(proc, out)
+        os.killpg(proc.pid, signal.SIGTERM)  # as SLURM signals every process of a step
+        _, err = proc.communicate(timeout=60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 128 + signal.SIGTERM and err == (
+        "kvtrain data preprocess: stopped by SIGTERM; nothing was written for the shard "
+        "being processed (--resume keeps the shards completed before it)\n"), err
+    assert not [n for n in os.listdir(out) if ".tmp." in n]
+    assert "c_00000_text_document.meta.json" in os.listdir(out)
+
+    resumed = subprocess.run(_cmd(corpus, out / "c", "--resume"), capture_output=True,
+                             text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    subprocess.run(_cmd(corpus, ref / "c"), check=True, capture_output=True, timeout=120)
+    assert h.files_in(out) == h.files_in(ref)
+
+
 def test_how_the_workers_ended_in_words():
     """The dead worker is the one named, not the others (running, or ended by the
     SIGTERM of a terminate)."""
@@ -236,3 +266,30 @@ def test_a_childs_end_in_words():
                                          "killer sends: see dmesg)")
     assert ended_by(-signal.SIGSEGV) == "killed by SIGSEGV"
     assert killed_by(200) == "killed by signal 200"
+
+
+def test_a_stop_waits_for_the_end_of_a_held_section():
+    """``stops_raise``: SIGTERM is ``Terminated`` and Ctrl-C ``KeyboardInterrupt``;
+    within ``signals_held`` (a shard's commit, the cleanup) either waits for the
+    end of the section, which then runs to its end (the SIGTERM test's temporaries
+    were left when the stop cut a commit in two)."""
+    from data_tools.lifeline import Terminated, signals_held, stops_raise
+
+    # Python's own Ctrl-C handler, as in a terminal (a background job inherits an
+    # ignored SIGINT, which stops_raise leaves ignored)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    for sig, stop in ((signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)):
+        done = []
+        with stops_raise():
+            with pytest.raises(stop):
+                with signals_held():
+                    os.kill(os.getpid(), sig)
+                    time.sleep(0.05)  # the handler has run: it held the stop back
+                    done.append("renamed")
+            assert done == ["renamed"]
+            with pytest.raises(stop):
+                os.kill(os.getpid(), sig)
+                time.sleep(1)  # not reached: raised at once outside a held section
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    signal.signal(signal.SIGINT, inherited)
