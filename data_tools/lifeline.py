@@ -1,4 +1,6 @@
-"""Dying with the parent: the one helper every child process of kvtrain uses.
+"""Dying with the parent, the one helper every child process of kvtrain uses;
+and stops (SIGTERM, Ctrl-C) turned into exceptions that wait for a section
+that must not be cut in two (``stops_raise``, ``signals_held``).
 
 A process killed with SIGKILL (pre-emption, the OOM killer, ``kill -9`` of a
 launcher) cannot clean up after itself: its children - pool workers, the

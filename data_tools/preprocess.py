@@ -206,12 +206,14 @@ class _ShardSink:
 
     def finish(self, keep_empty: bool) -> None:
         """Commits the held empty shards (other shards have documents), or discards them."""
-        while self.held:
-            shard, writer, counts = self.held.pop(0)
-            if keep_empty:
-                self._commit(shard, writer, counts)
-            else:
-                writer.abort()
+        with signals_held():
+            while self.held:
+                shard, writer, counts = self.held[0]
+                if keep_empty:
+                    self._commit(shard, writer, counts)
+                else:
+                    writer.abort()
+                self.held.pop(0)
 
     def abort(self) -> None:
         with signals_held():  # a second Ctrl-C does not leave the cleanup half done
