@@ -176,38 +176,48 @@ def test_terminate_stops_a_worker_in_the_middle_of_an_item():
     assert time.monotonic() - started < 10
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
-def test_a_worker_killed_mid_run_is_one_line_and_resume_completes(corpus, tmp_path):
-    """The CLI: one worker SIGKILLed (as the OOM killer does) while a later shard is
-    half-written: exit 1 with one line (before: preprocess hung forever), no
-    temporaries left, and --resume completes the run byte-identical."""
-    ref, out = tmp_path / "ref", tmp_path / "out"
+def _stopped_mid_shard(corpus, out, stop) -> tuple[int, str]:
+    """Runs the CLI until shard 0 is complete and a later one half-written, then
+    ``stop(pid)``: its exit code and stderr, once no temporaries are left."""
     proc = subprocess.Popen(_cmd(corpus, out / "c"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for_a_half_written_shard(proc, out)
-        os.kill(_children(proc.pid)[0], signal.SIGKILL)
+        stop(proc.pid)
         _, err = proc.communicate(timeout=60)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    lines = err.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1, err
-    assert lines[0].startswith("kvtrain data preprocess: error: a tokenizer worker process "
-                               "was killed by SIGKILL"), lines[0]
-    assert f"while encoding {corpus}/part" in lines[0], lines[0]
-    assert lines[0].endswith("nothing was written for the shard being processed (--resume "
-                             "keeps the shards completed before it)"), lines[0]
     assert not [n for n in os.listdir(out) if ".tmp." in n]
     assert "c_00000_text_document.meta.json" in os.listdir(out)
+    return proc.returncode, err
 
+
+def _resume_equals_a_run_from_scratch(corpus, out, ref) -> None:
     resumed = subprocess.run(_cmd(corpus, out / "c", "--resume"), capture_output=True,
                              text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     subprocess.run(_cmd(corpus, ref / "c"), check=True, capture_output=True, timeout=120)
     assert h.files_in(out) == h.files_in(ref)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
+def test_a_worker_killed_mid_run_is_one_line_and_resume_completes(corpus, tmp_path):
+    """The CLI: one worker SIGKILLed (as the OOM killer does) while a later shard is
+    half-written: exit 1 with one line (before: preprocess hung forever), no
+    temporaries left, and --resume completes the run byte-identical."""
+    code, err = _stopped_mid_shard(corpus, tmp_path / "out",
+                                   lambda pid: os.kill(_children(pid)[0], signal.SIGKILL))
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0].startswith("kvtrain data preprocess: error: a tokenizer worker process "
+                               "was killed by SIGKILL"), lines[0]
+    assert f"while encoding {corpus}/part" in lines[0], lines[0]
+    assert lines[0].endswith("nothing was written for the shard being processed (--resume "
+                             "keeps the shards completed before it)"), lines[0]
+    _resume_equals_a_run_from_scratch(corpus, tmp_path / "out", tmp_path / "ref")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
@@ -215,29 +225,13 @@ def test_sigterm_is_one_line_and_resume_completes(corpus, tmp_path):
     """SIGTERM to the job (scancel, a time limit, docker stop, kill): exit 143 with
     one line saying how to go on, and no temporaries left (before: killed without
     a word, the shard's temporaries left until the next run)."""
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    proc = subprocess.Popen(_cmd(corpus, out / "c"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        wait_for_a_half_written_shard(proc, out)
-        os.killpg(proc.pid, signal.SIGTERM)  # as SLURM signals every process of a step
-        _, err = proc.communicate(timeout=60)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 128 + signal.SIGTERM and err == (
+    # to every process of the job, as SLURM signals a step
+    code, err = _stopped_mid_shard(corpus, tmp_path / "out",
+                                   lambda pid: os.killpg(pid, signal.SIGTERM))
+    assert code == 128 + signal.SIGTERM and err == (
         "kvtrain data preprocess: stopped by SIGTERM; nothing was written for the shard "
         "being processed (--resume keeps the shards completed before it)\n"), err
-    assert not [n for n in os.listdir(out) if ".tmp." in n]
-    assert "c_00000_text_document.meta.json" in os.listdir(out)
-
-    resumed = subprocess.run(_cmd(corpus, out / "c", "--resume"), capture_output=True,
-                             text=True, timeout=120)
-    assert resumed.returncode == 0, resumed.stderr
-    subprocess.run(_cmd(corpus, ref / "c"), check=True, capture_output=True, timeout=120)
-    assert h.files_in(out) == h.files_in(ref)
+    _resume_equals_a_run_from_scratch(corpus, tmp_path / "out", tmp_path / "ref")
 
 
 def test_how_the_workers_ended_in_words():
