@@ -159,8 +159,12 @@ class EncoderPool:
         parent = None if ctx.get_start_method() == "forkserver" else os.getpid()
         self._workers = [_Worker(ctx, function, initializer, (*initargs, parent))
                          for _ in range(workers)]
-        self._processes = {w.process.pid: w.process for w in self._workers}
         self._limit = 4 * workers
+
+    @property
+    def _processes(self) -> dict:
+        """pid -> Process of the workers."""
+        return {w.process.pid: w.process for w in self._workers}
 
     def map(self, items: Iterable) -> Iterator:
         """Results of ``items`` in their order; ``WorkersFailed`` when a worker dies."""

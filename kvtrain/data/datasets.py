@@ -117,11 +117,9 @@ def _datasets_of(path: str) -> list[str]:
     dataset prefix, its ``.idx``/``.bin``, a preprocess ``--output-prefix`` (its
     ``_text_document``, or all of its ``_NNNNN_text_document`` shards) or a glob of
     ``.idx`` files. One naming none stays itself: its check says what is missing."""
-    from data_tools.indexed import idx_path, resolve_prefixes
+    from data_tools.indexed import resolve_prefixes
 
-    if os.path.exists(idx_path(path)):
-        return [path]
-    try:
+    try:  # a dataset prefix first: resolve_prefixes checks it before the rest
         return resolve_prefixes(path)
     except FileNotFoundError:
         return [path[: -len(".idx")] if path.endswith((".idx", ".bin")) else path]
@@ -138,8 +136,9 @@ def _blend(paths: list) -> tuple[tuple, dict[str, tuple[int, int]]]:
     sizes = {prefix: _shard_size(prefix) for prefix in prefixes}
     weights = None
     if entry_weights is not None:
-        weights = [w * sizes[p][1] / max(sum(sizes[q][1] for q in group), 1)
-                   for w, group in zip(entry_weights, named) for p in group]
+        totals = [max(sum(sizes[p][1] for p in group), 1) for group in named]
+        weights = [w * sizes[p][1] / total
+                   for w, group, total in zip(entry_weights, named, totals) for p in group]
     elif len(prefixes) > 1:
         weights = [float(sizes[p][1]) for p in prefixes]
     return (prefixes, weights), sizes
