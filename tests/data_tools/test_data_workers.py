@@ -5,6 +5,7 @@ line naming the work in flight, where ``multiprocessing.Pool`` waited forever.""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,3 +288,42 @@ def test_a_stop_waits_for_the_end_of_a_held_section():
                 time.sleep(1)  # not reached: raised at once outside a held section
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
     signal.signal(signal.SIGINT, inherited)
+
+
+_UNDER = """
+import multiprocessing, sys
+sys.path[:0] = [{tests!r}, {root!r}]
+from data_tools.workers import EncoderPool, WorkersFailed
+from test_data_workers import _item, _no_model, _square_or_die
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method({method!r})
+    pool = EncoderPool(2, (), function=_square_or_die, initializer=_no_model)
+    print(list(pool.map(_item(i) for i in range(6))))
+    pool.close()
+    pool = EncoderPool(2, (), function=_square_or_die, initializer=_no_model)
+    try:
+        list(pool.map(_item(i) for i in range(11, 15)))
+    except WorkersFailed as e:
+        print(e)
+    finally:
+        pool.terminate()
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_the_pool_under_every_start_method(tmp_path, method):
+    """fork is Linux's default before Python 3.14, forkserver after it; spawn is
+    macOS's: results in order, and a worker's death named, under each."""
+    script = tmp_path / "under.py"
+    script.write_text(_UNDER.format(tests=os.path.dirname(__file__), root=str(h.ROOT),
+                                    method=method))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "[0, 1, 4, 9, 16, 25]"
+    # the oldest item in flight: 13's, or 12's if its worker had not answered yet
+    assert re.match(r"a tokenizer worker process was killed by SIGKILL \(what the kernel's "
+                    r"out-of-memory killer sends: see dmesg\) while encoding c\.jsonl:1[23] "
+                    r"\(10 B\)", lines[1]), done.stdout + done.stderr
