@@ -9,6 +9,12 @@ traceback. ``fn`` must be importable (a module-level function).
 ``one_gpu=True`` puts every rank on GPU 0 over gloo (NCCL refuses two ranks on
 one device; gloo stages CUDA tensors through the host): collectives of CUDA
 tensors tested on a machine with one GPU.
+
+Where no CUDA device is visible the ranks fork from a server that imported
+torch, megatron and kvtrain once; where one is, they are spawned: on a GPU
+machine with Triton those imports initialise CUDA (torch asks the device
+whether Triton can use it), and a process forked after that cannot use CUDA
+("Cannot re-initialize CUDA in forked subprocess", seen on the lent H200).
 """
 
 from __future__ import annotations
@@ -35,6 +41,26 @@ def _init(one_gpu: bool) -> None:
 
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+
+
+def cuda_visible() -> bool:
+    """Whether torch sees a CUDA device, asked through NVML: a plain
+    ``torch.cuda.is_available()`` initialises the driver, after which no child
+    this process forks can use CUDA."""
+    import torch
+
+    saved = os.environ.get(_NVML_CHECK)
+    os.environ[_NVML_CHECK] = "1"  # read by torch at each call
+    try:
+        return torch.cuda.is_available()
+    finally:
+        if saved is None:
+            del os.environ[_NVML_CHECK]
+        else:
+            os.environ[_NVML_CHECK] = saved
+
+
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
@@ -75,17 +101,22 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600,
                     one_gpu: bool = False) -> list:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks."""
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks (see above)."""
     import torch
 
     from kvtrain.backend import free_port
 
-    # Ranks fork from a server that imported torch, megatron and kvtrain once (a fresh
-    # interpreter per rank costs ~10 s of CPU in imports). It holds no process group
-    # and no threads; the caller's environment and working directory are passed on.
-    # torch._dynamo too: torch.optim imports it at a process's first optimizer (~1 s).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["kvtrain.train.loop", "torch._dynamo"])
+    # Without CUDA, ranks fork from a server that imported torch, megatron and kvtrain
+    # once (a fresh interpreter per rank costs ~10 s of CPU in imports). It holds no
+    # process group and no threads; the caller's environment and working directory are
+    # passed on. torch._dynamo too: torch.optim imports it at a process's first
+    # optimizer (~1 s). With CUDA those imports would leave the server unable to fork
+    # a rank that uses it: fresh interpreters then.
+    if cuda_visible():
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["kvtrain.train.loop", "torch._dynamo"])
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [

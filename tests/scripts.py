@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -17,3 +18,22 @@ def load_script(path: Path, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+REPO = Path(__file__).resolve().parents[1]
+# A rendezvous the pytest process may hold (tests that build a run in-process).
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def python_path() -> str:
+    """PYTHONPATH for a script of the repository: the repository first, then the
+    caller's entries (on the lent GPU machine megatron-core is installed there)."""
+    return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def script_env(**extra: str) -> dict:
+    """The environment of a one-process script run as a user runs it: this one less a
+    rendezvous pytest may hold, one thread, :func:`python_path`; then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=python_path(), **extra)
+    return env

@@ -91,11 +91,23 @@ cat "$OUT/env.txt"
 # the Triton kernels have to compile here: one that fails is turned off for the
 # timed runs (and the log says so) rather than failing every one of them
 # (for 150 s at most: a kernel that hangs there is off, with every one not yet seen run)
-timeout 150 python3 benchmarks/device/smoke.py 2>&1 | tee -a "$OUT/checks.log" > "$OUT/smoke.txt"
-grep -q '^smoke-off:' "$OUT/smoke.txt" \
-  || log "smoke.py hung or died: the kernels it did not see run are off"
+# SMOKE=skip: a verdict of an earlier call on this card ("smoke-off:" alone: every kernel ran)
+if [ "${SMOKE:-run}" = skip ]; then
+  echo "smoke-off:" > "$OUT/smoke.txt"; log "smoke: skipped (SMOKE=skip): every kernel on"
+else
+  timeout 150 python3 benchmarks/device/smoke.py 2>&1 | tee -a "$OUT/checks.log" > "$OUT/smoke.txt"
+  grep -q '^smoke-off:' "$OUT/smoke.txt" \
+    || log "smoke.py hung or died: the kernels it did not see run are off"
+fi
 read -r -a off <<< "$(python3 benchmarks/device/smoke.py --verdict "$OUT/smoke.txt")"
 [ ${#off[@]} -eq 0 ] || log "Triton kernels turned off for the timed runs: ${off[*]}"
+
+# TESTS: the gpu tests to run (pytest node ids or files; default: all of tests/); each
+# under TEST_TIMEOUT seconds (pytest-timeout, in the image), which prints the stacks of
+# one that hangs
+read -r -a tests <<< "${TESTS:-tests}"
+test_timeout=()
+python3 -c 'import pytest_timeout' 2>/dev/null && test_timeout=(--timeout "${TEST_TIMEOUT:-90}")
 
 gib=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)' 2>/dev/null || echo 0)
 LAYERS=${LAYERS:-$([ "$gib" -gt 120 ] && echo 28 || echo 12)}
@@ -104,8 +116,8 @@ paper=(--set model.num_layers="$LAYERS" --set train.micro_batch_size=4
 
 for part in "${parts[@]}"; do
   case $part in
-    tests) run tests 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider -o addopts= \
-             --junit-xml="$OUT/tests.xml" ;;
+    tests) run tests 200 python3 -m pytest -v -rfE --tb=short -m gpu "${tests[@]}" \
+             -p no:cacheprovider -o addopts= "${test_timeout[@]}" --junit-xml="$OUT/tests.xml" ;;
     kernel) run kernel 60 python3 benchmarks/shift_kernel.py --qkv --dtype bf16 --seq 2048 \
              --batch 4 --heads 16 --dim 128 --repeat 51
            run kernel-rope 60 python3 benchmarks/shift_kernel.py --qkv --rope --dtype bf16 \
@@ -137,7 +149,8 @@ for part in "${parts[@]}"; do
              --hidden-dropout 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 36000 \
              --micro-batch-size 4 --global-batch-size 8 --bf16 --use-distributed-optimizer \
              --lr 2e-4 --min-lr 2e-4 --lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 \
-             --adam-beta2 0.95 --train-iters 20 --eval-iters 0 --log-interval 5 \
+             --adam-beta2 0.95 --train-iters 20 --eval-iters 1 --eval-interval 1000 \
+             --log-interval 5 \
              --log-throughput --no-gradient-accumulation-fusion --no-masked-softmax-fusion \
              --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm ;;
     kernels)

@@ -4,11 +4,12 @@ it runs two rounds on the tiny config and its lines are checked."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from ..scripts import script_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "optimizer_step.py"
@@ -17,9 +18,7 @@ SCRIPT = REPO / "benchmarks" / "optimizer_step.py"
 def test_two_rounds_time_both_kernels(tmp_path):
     from kvtrain.train.optimizer import FUSED, adam_kernel, megatron_adam_class
 
-    env = {k: v for k, v in os.environ.items()  # a one-process run, whatever pytest holds
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = script_env()
     done = subprocess.run(
         [sys.executable, str(SCRIPT), str(REPO / "configs" / "tiny.yaml"), "--rounds", "2",
          "--warmup", "1", "--set", "train.global_batch_size=4"],

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ..scripts import load_script
+from ..scripts import load_script, python_path, script_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "step.py"
@@ -28,10 +28,7 @@ def _step_module():
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()  # a one-process run, whatever pytest holds
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return env
+    return script_env()
 
 
 def _bench(tmp_path: Path, config: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -330,7 +327,7 @@ def test_the_gpu_checks_need_nothing_the_gpu_machine_lacks(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(  # None in sys.modules: "not installed"
         "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n"
                                  for name in NOT_ON_THE_GPU_MACHINE))
-    env = {**_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    env = {**_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{python_path()}"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "--collect-only",
          "-p", "no:cacheprovider", "-p", "no:timeout", "-o", "addopts="],
@@ -360,3 +357,10 @@ def test_the_shifts_own_kernels_lead_what_it_changes():
     extra = added_by_the_shift(vanilla, shifted)
     assert [row[0] for row in extra] == ["kvtrain::kv_shift", "aten::cat", "aten::mm", "aten::mul"]
     assert extra[1] == ["aten::cat", -0.2, -2]
+
+
+def test_the_benchmarks_subprocesses_keep_the_callers_python_path(monkeypatch):
+    """On the lent GPU machine megatron-core is installed on PYTHONPATH: a benchmark
+    run with the repository alone there failed with "No module named 'megatron'"."""
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")
+    assert _env()["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/opt/site"]

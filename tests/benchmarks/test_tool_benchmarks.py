@@ -6,7 +6,6 @@ otherwise be found only on the GPU machine, where ``checks.sh`` calls
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from kvtrain.model import native_shift
 
-from ..scripts import load_script
+from ..scripts import load_script, script_env
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
@@ -47,10 +46,8 @@ def test_shift_kernel_times_each_path_of_the_cpu(args, expected, capsys):
 
 
 def _run(script: str, *args: str, cwd: Path) -> str:
-    env = {k: v for k, v in os.environ.items()  # one process, whatever pytest holds
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     done = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=cwd,
-                          env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                          env=script_env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

@@ -20,6 +20,7 @@ import time
 
 import psutil
 
+from tests.scripts import python_path
 from tests.train.conftest import metrics, run, start, tiny_config, wait_for, write_config
 
 
@@ -252,7 +253,7 @@ def _start_orphan(tmp_path, argv: list[str], launcher_waits: bool = False):
     line = f"{shlex.join([sys.executable, *argv])} > {shlex.quote(str(out))} 2>&1"
     line += "; echo rc=$? >> " + shlex.quote(str(out)) if launcher_waits else " & sleep 1"
     launcher = subprocess.Popen(["bash", "-c", line], cwd=repo, env=dict(
-        os.environ, WORLD_SIZE="2", LOCAL_RANK="0", PYTHONPATH=str(repo)))
+        os.environ, WORLD_SIZE="2", LOCAL_RANK="0", PYTHONPATH=python_path()))
     return launcher, out
 
 

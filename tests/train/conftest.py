@@ -3,6 +3,8 @@ launching ``kvtrain train`` (one process or torchrun) as a subprocess. A
 one-process launch (``run``, ``run_driver``) is a child forked from the test
 server of this pytest process (``tests/forkserver.py``), which has imported torch
 and megatron once; torchrun's ranks and ``start``'s launches are fresh processes.
+Where CUDA is visible every launch is a fresh process: there the server's imports
+initialise CUDA, and a child forked after that cannot use it (the lent H200).
 
 Every launch runs in its own session (process group), which is killed once the
 launch is over, so a test that SIGKILLs a trainer leaves nothing behind.
@@ -11,6 +13,7 @@ launch is over, so a test that SIGKILLs a trainer leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -166,13 +169,22 @@ def _kill_launch(proc: subprocess.Popen) -> None:
             child.kill()
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_visible() -> bool:
+    """Whether CUDA is visible here (then no launch forks from the server)."""
+    from kvtrain.testing import cuda_visible
+
+    return cuda_visible()
+
+
 def run(args: list[str], nproc: int = 1, env: Optional[dict] = None, timeout: float = 300,
         script: Optional[Path] = None, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
     """Runs a launch to completion; returns its exit code and output. ``kvtrain``
     in one process runs in a child of the test server (as ``python -m kvtrain.cli``),
     unless its environment sets a variable read at import differently."""
     full_env = launch_env(env)
-    if nproc == 1 and script is None and _SERVER.serves(full_env):
+    if nproc == 1 and script is None and not _cuda_visible() \
+            and _SERVER.serves(full_env):
         source = ("import runpy, sys\n"
                   "sys.modules.pop('kvtrain.cli', None)\n"  # the driver's import: as if never
                   f"sys.argv = ['-m', *{list(args)!r}]\n"
@@ -233,7 +245,7 @@ def run_driver(jobs: list[dict], plan: Path, nproc: int = 1, timeout: float = 40
     driver server. ``.job_codes`` maps each job's run_dir to its child's exit code
     (-9: SIGKILL)."""
     plan.write_text(json.dumps(jobs, indent=1))
-    if nproc == 1:
+    if nproc == 1 and not _cuda_visible():
         source = ("import sys\nfrom tests.train.driver import run_plan\n"
                   f"sys.exit(run_plan({str(plan)!r}))\n")
         result = _served([PY, str(DRIVER), str(plan)], source, launch_env(env), REPO, timeout)

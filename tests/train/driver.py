@@ -12,6 +12,8 @@ the seconds of importing torch and megatron per run. No process group exists
 in the parent, so the fork copies no communication state. A one-process plan
 runs in a child of the tests' driver server (``tests/forkserver.py``), which has
 done the imports (``prepare``) once for every plan of a pytest process.
+Where CUDA is visible the driver forks before those imports (each child makes
+its own): after them a forked child cannot use CUDA.
 
 ``faults`` are the arguments of ``tests.faults.injector.Faults``, the hooks
 object handed to ``train`` (``{"stop_after": N}``: step N carries a stop
@@ -132,5 +134,8 @@ def run_plan(plan_path: str) -> int:
 
 
 if __name__ == "__main__":
-    prepare()
+    from kvtrain.testing import cuda_visible
+
+    if not cuda_visible():  # with CUDA the imports initialise it: no child could use it
+        prepare()
     sys.exit(run_plan(sys.argv[1]))

@@ -1,0 +1,25 @@
+"""The tests' launch helpers where CUDA is visible.
+
+On the lent H200 every one-process launch of the trainer tests failed with
+"Cannot re-initialize CUDA in forked subprocess": they were children of the
+import server (``tests/forkserver.py``), whose imports had initialised CUDA.
+With CUDA visible, ``run`` and ``run_driver`` start fresh processes instead.
+"""
+
+from __future__ import annotations
+
+
+from . import conftest
+from .conftest import run, run_driver
+
+
+def test_with_cuda_visible_no_launch_forks_from_the_import_server(monkeypatch, tmp_path):
+    def forked(*args, **kwargs):
+        raise AssertionError("a launch forked from the import server")
+
+    monkeypatch.setattr(conftest, "_cuda_visible", lambda: True, raising=False)
+    monkeypatch.setattr(conftest._SERVER, "run", forked)
+    helped = run(["--help"], timeout=120)
+    assert helped.returncode == 0 and "usage: kvtrain" in helped.stdout
+    driven = run_driver([], tmp_path / "plan.json", timeout=120)
+    assert driven.returncode == 0, driven.stderr[-2000:]
