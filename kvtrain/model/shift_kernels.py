@@ -260,9 +260,9 @@ def _torch_qkv_grads(kv: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef
         else:
             dmixed[..., :query_width].copy_(dq)
         _torch_input_grad(coef, doc_ids, dy, out=_kv_block(dmixed, query_width))
-    if need_coef:
-        dcoef = _torch_coef_grad(kv, doc_ids, dy, coef.shape[-1] - 1)
-        dcoefs = dcoef.unbind(1)
+    if need_coef:  # [g, 2, n] -> contiguous [2, g, n] in one copy (see coef_grads)
+        dcoef = _torch_coef_grad(kv, doc_ids, dy, coef.shape[-1] - 1).transpose(0, 1)
+        dcoefs = triton_shift.contiguous_copy(dcoef, coef.dtype).unbind(0)
     return dmixed, dcoefs
 
 

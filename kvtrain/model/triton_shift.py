@@ -166,9 +166,17 @@ def qkv_backward(raw: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef_v:
 
 def coef_grads(partial: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(dcoef_k, dcoef_v ``[g, w+1]`` in ``dtype``) from the K/V kernels' fp32 partial
-    sums ``[blocks, b, g, 2, w+1]``."""
-    dcoef = partial.sum(dim=(0, 1)).to(dtype)  # [g, 2, w+1]: one cast for both
-    return dcoef[:, 0], dcoef[:, 1]
+    sums ``[blocks, b, g, 2, w+1]``: contiguous halves of one ``[2, g, w+1]`` tensor,
+    cast and laid out by one copy. AccumulateGrad takes them as they are; it copied
+    ``dcoef[:, 0]``-style views, each (two kernels a layer on the H200)."""
+    dcoef = contiguous_copy(partial.sum(dim=(0, 1)).transpose(0, 1), dtype)  # [2, g, w+1]
+    return dcoef[0], dcoef[1]
+
+
+def contiguous_copy(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``, contiguous, in one copy kernel (``t.to(dtype)`` keeps a
+    transposed view's strides, and returns a view of the same dtype as it is)."""
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format).copy_(t)
 
 
 if triton is not None:

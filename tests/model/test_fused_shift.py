@@ -534,3 +534,37 @@ def test_flash_attention_layer_through_the_triton_qkv_shift_keeps_no_more_than_v
     assert mixed.untyped_storage().data_ptr() not in shifted
     one = s * b * g * d * 2  # bytes of one K or V, bf16
     assert sum(shifted.values()) - vanilla <= one - heads_per_group * one + 2 * 2 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", CPU_KERNELS)
+def test_the_coefficients_take_the_nodes_gradients_without_a_copy(impl, dtype):
+    """``coef_k.grad`` and ``coef_v.grad`` are the tensors the node returned: laid out
+    as the parameters, so AccumulateGrad takes them as they are. Views such as
+    ``dcoef[:, 0]`` of a ``[g, 2, n]`` sum it copies, each (on the lent H200 two copy
+    kernels and ~8 host operations a layer, in a step that waits on the host)."""
+    if impl == "native" and dtype != torch.float32:
+        pytest.skip("the native operators take fp32 and fp64 (auto picks torch ops for bf16)")
+    s, b, g, d = 9, 2, 3, 8
+    mixed = torch.randn(s, b, g, 3 * d, dtype=dtype, requires_grad=True)
+    coefs = [torch.rand(g, 2, dtype=dtype, requires_grad=True) for _ in range(2)]
+    returned = {}
+    for name, c in zip("kv", coefs):  # the address only: a reference would force the copy
+        c.register_hook(lambda grad, name=name: returned.__setitem__(name, grad.data_ptr()))
+    q, k, v = fused_shift_qkv(mixed, *coefs, query_width=d, impl=impl)
+    (q.float().sum() + k.float().square().sum() + v.float().sum()).backward()
+    assert [c.grad.data_ptr() for c in coefs] == [returned["k"], returned["v"]]
+
+
+def test_the_triton_paths_coefficient_gradients_are_laid_out_as_the_parameters():
+    """``coef_grads`` (the Triton kernels' partial sums -> both gradients): each
+    contiguous, in the parameters' dtype, one cast for both."""
+    from kvtrain.model.triton_shift import coef_grads
+
+    partial = torch.randn(5, 2, 3, 2, 4)  # [blocks, b, g, 2, w+1]
+    for dtype in (torch.float32, torch.bfloat16):
+        dk, dv = coef_grads(partial, dtype)
+        total = partial.sum(dim=(0, 1))
+        for grad, i in ((dk, 0), (dv, 1)):
+            assert grad.is_contiguous() and grad.dtype == dtype and grad.shape == (3, 4)
+            assert torch.equal(grad, total[:, i].to(dtype))
