@@ -31,6 +31,17 @@ from torch.profiler import ProfilerActivity, profile
 
 TOP = 12
 NAME_WIDTH = 100  # kernel names are whole C++ templates
+# Namespaces and qualifiers that fill a CUDA kernel's name before what tells it apart
+# (the H200's profile: "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<
+# at::native::(anonymous namespace):" named every multi-tensor kernel alike).
+_NOISE = ("void ", "at::native::", "(anonymous namespace)::", "std::", "c10::")
+
+
+def short_name(key: str) -> str:
+    """An operator's or kernel's name, without :data:`_NOISE`, cut to NAME_WIDTH."""
+    for noise in _NOISE:
+        key = key.replace(noise, "")
+    return key[:NAME_WIDTH]
 
 
 def _entries(prof, on_gpu: bool) -> dict[str, tuple[float, int]]:
@@ -46,7 +57,7 @@ def _entries(prof, on_gpu: bool) -> dict[str, tuple[float, int]]:
             us = event.self_cuda_time_total if us is None else us
         else:
             us = event.self_cpu_time_total
-        name = event.key[:NAME_WIDTH]
+        name = short_name(event.key)
         ms, calls = entries.get(name, (0.0, 0))
         entries[name] = (ms + us / 1e3, calls + event.count)
     return entries

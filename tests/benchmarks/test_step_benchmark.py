@@ -364,3 +364,17 @@ def test_the_benchmarks_subprocesses_keep_the_callers_python_path(monkeypatch):
     run with the repository alone there failed with "No module named 'megatron'"."""
     monkeypatch.setenv("PYTHONPATH", "/opt/site")
     assert _env()["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/opt/site"]
+
+
+def test_a_profiles_kernel_names_keep_what_tells_them_apart():
+    """The H200's profile named every multi-tensor kernel "void at::native::(anonymous
+    namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace):" (cut at
+    100 characters), so which optimizer op the shift made launch 11 more was lost."""
+    from benchmarks.step_profile import short_name
+
+    key = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::"
+           "(anonymous namespace)::FusedOptimizerTensorListMetadata<4>, at::native::"
+           "(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, "
+           "false>, float*, double, double, double, double, double, double, bool>(...)")
+    assert "FusedAdamMathFunctor" in short_name(key)
+    assert short_name("aten::mm") == "aten::mm"
