@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Optional
@@ -262,6 +263,19 @@ def build_from_hf(cfg: RunConfig, weights: dict[str, torch.Tensor]) -> torch.nn.
     return model
 
 
+def _warn_of_an_unused_lm_head(weights: dict[str, torch.Tensor], cfg: RunConfig,
+                               config_json: Path) -> None:
+    """One line on stderr when tied embeddings leave a distinct ``lm_head.weight`` of the
+    folder unused (transformers ties them too, without a word)."""
+    head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
+    if cfg.model.untie_embeddings or head is None or embed is None or torch.equal(head, embed):
+        return
+    print(f"kvtrain: warning: {config_json} ties the embeddings (tie_word_embeddings: true) "
+          "but its weights hold an lm_head.weight that differs from model.embed_tokens.weight: "
+          "it is left out and the output layer is the embedding, as transformers loads the "
+          "folder", file=sys.stderr)
+
+
 def import_hf(hf_dir: str | Path, out_checkpoint: str | Path, config: Optional[str | Path] = None,
               overrides: Iterable[str] = ()) -> Path:
     """Imports the Llama folder ``hf_dir`` as the kvtrain checkpoint
@@ -279,6 +293,7 @@ def import_hf(hf_dir: str | Path, out_checkpoint: str | Path, config: Optional[s
     cfg = import_config(_read_json(hf_dir / "config.json"), str(hf_dir / "config.json"),
                         config, overrides)
     weights = read_weights(hf_dir)
+    _warn_of_an_unused_lm_head(weights, cfg, hf_dir / "config.json")
     inference_process(seed=cfg.train.seed)
     model = build_from_hf(cfg, weights)
     record = {"imported_from": str(hf_dir.absolute())}

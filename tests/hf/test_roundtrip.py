@@ -309,3 +309,23 @@ def test_an_export_that_cannot_be_written_is_one_line_before_loading(kv_checkpoi
         with pytest.raises(ConfigError, match=f"^cannot export to {out}: {why}"):
             export_hf(path, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "file"]
+
+
+def test_a_distinct_lm_head_in_a_tied_folder_is_named_as_it_is_dropped(mp1, tmp_path, capsys):
+    """config.json ties the embeddings but the weights hold an lm_head that differs:
+    the import ties them as transformers loads the folder, and says in one line that
+    the file's lm_head goes unused (it went without a word)."""
+    from kvtrain.hf.export import export_model
+
+    cfg = run_config(model_config(untie_embeddings=True))
+    (tmp_path / "hf").mkdir()
+    export_model(build(cfg), cfg, tmp_path / "hf")
+    config = tmp_path / "hf" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "tie_word_embeddings": True}))
+    back = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"kvtrain: warning: {config} ties the embeddings (tie_word_embeddings: "
+                   "true) but its weights hold an lm_head.weight that differs from "
+                   "model.embed_tokens.weight: it is left out and the output layer is the "
+                   "embedding, as transformers loads the folder"]
+    assert not saved_config(back)[0].model.untie_embeddings
