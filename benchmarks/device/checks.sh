@@ -155,7 +155,7 @@ for part in "${parts[@]}"; do
              --log-throughput --no-gradient-accumulation-fusion --no-masked-softmax-fusion \
              --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm ;;
     kernels)
-           run small-torchops 60 python3 benchmarks/step.py configs/bench/small.yaml \
+           run small-torchops 100 python3 benchmarks/step.py configs/bench/small.yaml \
              --backend torch "${off[@]}" --set model.kv_shift.kernel=torch \
              --json "$OUT/step-small-torchops.json"
            run h2048-ropetorch 120 python3 benchmarks/step.py configs/bench/h2048.yaml \
