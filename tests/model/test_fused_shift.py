@@ -536,15 +536,14 @@ def test_flash_attention_layer_through_the_triton_qkv_shift_keeps_no_more_than_v
     assert sum(shifted.values()) - vanilla <= one - heads_per_group * one + 2 * 2 * 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", CPU_KERNELS)
+# the native operators take fp32 and fp64 (auto picks torch ops for bf16)
+@pytest.mark.parametrize("impl, dtype", [("torch", torch.float32), ("torch", torch.bfloat16),
+                                         ("native", torch.float32)])
 def test_the_coefficients_take_the_nodes_gradients_without_a_copy(impl, dtype):
     """``coef_k.grad`` and ``coef_v.grad`` are the tensors the node returned: laid out
     as the parameters, so AccumulateGrad takes them as they are. Views such as
     ``dcoef[:, 0]`` of a ``[g, 2, n]`` sum it copies, each (on the lent H200 two copy
     kernels and ~8 host operations a layer, in a step that waits on the host)."""
-    if impl == "native" and dtype != torch.float32:
-        pytest.skip("the native operators take fp32 and fp64 (auto picks torch ops for bf16)")
     s, b, g, d = 9, 2, 3, 8
     mixed = torch.randn(s, b, g, 3 * d, dtype=dtype, requires_grad=True)
     coefs = [torch.rand(g, 2, dtype=dtype, requires_grad=True) for _ in range(2)]
