@@ -134,10 +134,12 @@ for part in "${parts[@]}"; do
            else
              run swiglu 60 python3 benchmarks/swiglu.py --json "$OUT/swiglu.json"
            fi ;;
+    # 100 timed steps an arm (2 s at these shapes; the start and compiles take the rest):
+    # on the H200 20 steps of h2048 spread 25.5-32.4 ms, a host-bound step's jitter
     small) run small 120 python3 benchmarks/step.py configs/bench/small.yaml --backend torch \
-             "${off[@]}" --profile --json "$OUT/step-small.json" ;;
+             "${off[@]}" --steps 100 --profile --json "$OUT/step-small.json" ;;
     h2048) run h2048 120 python3 benchmarks/step.py configs/bench/h2048.yaml --backend torch \
-             "${off[@]}" --profile --json "$OUT/step-h2048.json" ;;
+             "${off[@]}" --steps 100 --profile --json "$OUT/step-h2048.json" ;;
     paper) run "paper ($LAYERS layers)" 150 python3 benchmarks/step.py \
              configs/paper/1.5b_kv_shift.yaml --backend torch "${paper[@]}" "${off[@]}" --steps 8 \
              --warmup 2 --profile --json "$OUT/step-paper.json" ;;
