@@ -117,7 +117,7 @@ paper=(--set model.num_layers="$LAYERS" --set train.micro_batch_size=4
 
 for part in "${parts[@]}"; do
   case $part in
-    tests) run tests 200 python3 -m pytest -v -rfE --tb=short -m gpu "${tests[@]}" \
+    tests) run tests 240 python3 -m pytest -v -rfE --tb=short -m gpu "${tests[@]}" \
              -p no:cacheprovider -o addopts= "${test_timeout[@]}" --junit-xml="$OUT/tests.xml" ;;
     kernel) run kernel 60 python3 benchmarks/shift_kernel.py --qkv --dtype bf16 --seq 2048 \
              --batch 4 --heads 16 --dim 128 --repeat 51
