@@ -1,4 +1,5 @@
-"""Scripts of the repository (``benchmarks/``: no package) loaded as modules by tests."""
+"""Scripts of the repository (``benchmarks/``: no package): loaded as modules by tests, and the
+environment a test runs one in (:func:`script_env`)."""
 
 from __future__ import annotations
 
