@@ -133,9 +133,15 @@ def run_plan(plan_path: str) -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    from kvtrain.testing import cuda_visible
+def main(plan_path: str) -> int:
+    """``python tests/train/driver.py PLAN``: the imports once, then the plan; where
+    CUDA is visible no imports first (they initialise it: no child could use it)."""
+    from kvtrain import testing
 
-    if not cuda_visible():  # with CUDA the imports initialise it: no child could use it
+    if not testing.cuda_visible():
         prepare()
-    sys.exit(run_plan(sys.argv[1]))
+    return run_plan(plan_path)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

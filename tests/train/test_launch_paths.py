@@ -23,3 +23,19 @@ def test_with_cuda_visible_no_launch_forks_from_the_import_server(monkeypatch, t
     assert helped.returncode == 0 and "usage: kvtrain" in helped.stdout
     driven = run_driver([], tmp_path / "plan.json", timeout=120)
     assert driven.returncode == 0, driven.stderr[-2000:]
+
+
+def test_with_cuda_visible_the_driver_forks_before_its_imports(monkeypatch, tmp_path):
+    """The driver's jobs fork from it: with CUDA visible it must not do the imports
+    that initialise CUDA first (each child makes them)."""
+    from kvtrain import testing
+
+    from . import driver
+
+    def imported():
+        raise AssertionError("the driver imported before forking")
+
+    monkeypatch.setattr(testing, "cuda_visible", lambda: True)
+    monkeypatch.setattr(driver, "prepare", imported)
+    monkeypatch.setattr(driver, "run_plan", lambda plan: 0)
+    assert driver.main(str(tmp_path / "plan.json")) == 0
