@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from .forkserver import REPO
+
 
 def load_script(path: Path, name: str):
     """The script at ``path`` as the module ``name`` (registered in ``sys.modules``:
@@ -21,9 +23,15 @@ def load_script(path: Path, name: str):
     return module
 
 
-REPO = Path(__file__).resolve().parents[1]
-# A rendezvous the pytest process may hold (tests that build a run in-process).
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# A rendezvous the pytest process may hold (tests that build a run in-process): left
+# out of the environment of every process a test starts.
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT", "GROUP_RANK")
+
+
+def without_rendezvous() -> dict:
+    """This process's environment less :data:`RENDEZVOUS_VARS`."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
 
 
 def python_path() -> str:
@@ -35,6 +43,6 @@ def python_path() -> str:
 def script_env(**extra: str) -> dict:
     """The environment of a one-process script run as a user runs it: this one less a
     rendezvous pytest may hold, one thread, :func:`python_path`; then ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env = without_rendezvous()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=python_path(), **extra)
     return env

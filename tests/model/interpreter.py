@@ -13,13 +13,13 @@ takes the environment and working directory of the call, like a fresh process.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 
 import pytest
 
 from ..forkserver import REPO, ForkServer, NoExitCode
+from ..scripts import without_rendezvous
 
 TIMEOUT = 600  # seconds a check may take
 
@@ -83,8 +83,7 @@ def patch_language_once() -> None:
 
 def _environment() -> dict:
     # a one-process group of its own: not the address of the one pytest may hold
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = without_rendezvous()
     env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     return env
 

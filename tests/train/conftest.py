@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from ..forkserver import ForkServer, NoExitCode
+from ..scripts import without_rendezvous
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("driver.py")
@@ -133,14 +134,9 @@ def command(args: list[str], nproc: int = 1, script: Optional[Path] = None) -> l
 
 
 def launch_env(extra: Optional[dict] = None) -> dict:
-    env = dict(os.environ)
+    env = without_rendezvous()  # the one-rank group pytest may hold is not the launch's
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true")
     env.pop("PYTHONWARNINGS", None)
-    # The pytest process may hold a one-rank group of its own (tests that build a
-    # run in-process): its rendezvous variables must not leak into launches.
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "GROUP_RANK"):
-        env.pop(key, None)
     env.update(extra or {})
     return env
 
