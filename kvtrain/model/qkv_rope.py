@@ -8,7 +8,13 @@ each way: its backward writes the whole gradient of the QKV output at once.
 
 What the node keeps for the backward: the angles, the document ids, the
 coefficients, and ``mixed`` only when the coefficients learn (its K and V columns
-are the raw K/V: no copy). Nothing of the size of K or V beyond that.
+are the raw K/V: no copy). Nothing of the size of K or V beyond that. Where it
+keeps ``mixed`` and ``mixed`` is an intermediate (the QKV projection's output, as
+in the layer), the backward writes the gradient over it and returns that memory:
+vanilla's backward allocates its gradient after attention's backward freed
+``mixed``; without this the shift's would hold both (one QKV output more at the
+step's peak, measured on an H200). That backward runs once: a second one
+(``retain_graph``) is refused in one line.
 
 In-place contract: vanilla, ``value`` is a view of ``mixed``'s V columns and
 nothing is written. With coefficients, the shifted V is written over the first d
@@ -89,6 +95,13 @@ class QKVRoPE(torch.autograd.Function):
         query, key, value = triton_qkv_rope.forward(mixed, freqs, query_width, coef_k, coef_v,
                                                     doc_ids)
         learns = coef_k is not None and (coef_k.requires_grad or coef_v.requires_grad)
+        # mixed kept for the coefficients, and an intermediate (the QKV projection's
+        # output: nobody else's memory): the backward writes its gradient over it
+        ctx.in_place = learns and mixed.requires_grad and mixed.grad_fn is not None
+        ctx.used = False
+        # megatron's DDP parameters (the module's own: nothing to save or version)
+        ctx.params = (coef_k, coef_v) if learns and accumulates_in_main_grad(
+            coef_k, coef_v) else None
         if coef_k is not None:
             # The kernel wrote V̂ over the query columns behind autograd's back: say so
             # before saving mixed (its saved version is then the overwritten one).
@@ -105,15 +118,65 @@ class QKVRoPE(torch.autograd.Function):
         if torch.is_grad_enabled():  # the kernels build no graph: its gradient would be lost
             raise RuntimeError("qkv_rope's backward is not differentiable: a gradient of its "
                                "gradient (create_graph=True) is not supported")
-        # A second backward (retain_graph) gives the first one's results: it reads only
-        # K/V columns of mixed (never written) and tensors nothing writes, all saved
-        # with their version checked, so it is not refused.
+        if ctx.used:  # before saved_tensors, whose version check would say less
+            raise RuntimeError("qkv_rope's backward ran twice: the first wrote the QKV "
+                               "output's gradient over it (retain_graph is not supported "
+                               "where the KV shift learns; use model.rope_kernel: torch)")
+        # Otherwise a second backward (retain_graph) gives the first one's results: it
+        # reads only K/V columns of mixed (never written) and tensors nothing writes,
+        # all saved with their version checked.
         mixed, freqs, coef_k, coef_v, doc_ids = ctx.saved_tensors
         if dq is None and dk is None and dv is None:
             return None, None, None, None, None, None
         need_mixed = ctx.needs_input_grad[0]
         need_coef = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        dmixed, dck, dcv = triton_qkv_rope.backward(mixed, freqs, ctx.query_width, coef_k,
-                                                    coef_v, doc_ids, dq, dk, dv, need_coef)
+        in_place = ctx.in_place and need_mixed and need_coef
+        dmixed, dcoef = triton_qkv_rope.backward(mixed, freqs, ctx.query_width, coef_k,
+                                                 coef_v, doc_ids, dq, dk, dv, need_coef,
+                                                 in_place=in_place)
+        dck = dcv = None
+        if dcoef is not None:
+            dck, dcv = coefficient_gradients(dcoef, coef_k.dtype, ctx.params)
+        if in_place:
+            ctx.used = True
+            # mixed changed under autograd's eyes: a node that saved it or a view of it
+            # (attention's V̂, whose backward has run) fails on another backward instead
+            # of reading the gradient
+            torch.autograd.graph.increment_version(mixed)
+            dmixed = mixed.detach()  # the same memory, without mixed's graph
         return (dmixed if need_mixed else None, None, dck if ctx.needs_input_grad[2] else None,
                 dcv if ctx.needs_input_grad[3] else None, None, None)
+
+
+def accumulates_in_main_grad(coef_k: Tensor, coef_v: Tensor) -> bool:
+    """Whether the coefficients are parameters of megatron's DDP (or FSDP), both
+    learning: a fp32 ``main_grad`` that its hook accumulates into unless the
+    parameter says ``grad_added_to_main_grad`` (megatron's contract for kernels that
+    accumulate their weight gradient themselves, as its and TE's GEMMs do)."""
+    return all(p.requires_grad and hasattr(p, "grad_added_to_main_grad")
+               and getattr(p, "main_grad", None) is not None
+               and p.main_grad.shape == p.shape for p in (coef_k, coef_v))
+
+
+def coefficient_gradients(dcoef: Tensor, dtype: torch.dtype,
+                          params: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """The gradients to hand autograd for K's and V's coefficients from their fp32
+    sums ``dcoef [2, g, w+1]``.
+
+    ``params`` (megatron's, :func:`accumulates_in_main_grad`): the sums go straight
+    into the parameters' ``main_grad`` (one multi-tensor add, in fp32: no rounding to
+    the parameters' dtype first), the parameters say so (``grad_added_to_main_grad``,
+    which megatron's DDP resets every step) and autograd gets megatron's placeholder
+    (an uninitialised tensor; zeros for ``zero_out_wgrad``), so that the DDP hook
+    still runs (``overlap_grad_reduce`` counts it) but adds nothing: per layer one add
+    kernel in place of the cast and the hook's two adds. Otherwise the sums in the
+    parameters' dtype, contiguous halves of one tensor (AccumulateGrad takes them
+    without a copy)."""
+    if params is not None:
+        torch._foreach_add_([p.main_grad for p in params], list(dcoef.unbind(0)))
+        for p in params:
+            p.grad_added_to_main_grad = True
+        return tuple(torch.zeros_like(p) if getattr(p, "zero_out_wgrad", False)
+                     else torch.empty_like(p) for p in params)
+    both = dcoef.to(dtype)  # no copy where the parameters are fp32
+    return both[0], both[1]

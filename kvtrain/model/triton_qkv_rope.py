@@ -18,6 +18,16 @@ lags are rows of the block or of the one before (same document only). fp32
 arithmetic, each result rounded once; int64 offsets; the coefficient gradient is
 one fp32 partial per program and lag, summed afterwards (no atomics).
 
+The backward reads, of ``mixed``, only its own block's raw K/V rows: the partial
+for lag i is Σ x_t · dx̂_{t+i} over the block's tokens t (the gradient rows ahead,
+which it loads for dx anyway), not Σ dx̂_t · x_{t-i}, which would read the rows of
+the block before. So where ``mixed`` is kept for the coefficients, the gradient is
+written over it (``in_place``): the node's backward then holds no second buffer of
+``mixed``'s size, which vanilla does not hold either (there ``mixed`` is freed with
+attention's saved V before the node's backward allocates its gradient). Measured
+where it showed, the small shape on an H200 (session 26): 2.0 MiB more at the peak,
+one QKV output.
+
 Outputs: ``query [s, b, g·r_q, d]`` and ``key [s, b, g, d]`` are new tensors (Q
 rotated; K shifted, then rotated). ``value`` is a view of ``mixed``: vanilla, its V
 columns (nothing written); shifted, V̂ written in place over the first d query
@@ -51,7 +61,7 @@ import torch
 from torch import Tensor
 
 from .triton_rope import cos_sin
-from .triton_shift import _cdiv, coef_grads, next_pow2, rows
+from .triton_shift import _cdiv, next_pow2, rows
 
 try:  # Triton ships with CUDA builds of PyTorch; the CPU build has no fused node.
     import triton
@@ -83,7 +93,8 @@ def _setup(s: int, b: int, g: int, d: int, dtype: torch.dtype, coefs, doc_ids,
     and their strides. ``stand_in``: a valid pointer for what is absent, never read."""
     block_t = tokens_per_block(d, coefs[0].shape[1] - 1 if coefs[0] is not None else 0)
     grid = (_cdiv(s, block_t), b, g)
-    cs = [c.to(dtype).contiguous() for c in coefs] if coefs[0] is not None else [stand_in] * 2
+    cs = ([c if c.dtype == dtype and c.is_contiguous() else c.to(dtype).contiguous()
+           for c in coefs] if coefs[0] is not None else [stand_in] * 2)  # no aten::to per call
     docs = doc_ids if doc_ids is not None else stand_in
     doc_strides = (doc_ids.stride(0), doc_ids.stride(1)) if doc_ids is not None else (0, 0)
     return grid, block_t, next_pow2(d // 2), cs, docs, doc_strides
@@ -130,10 +141,15 @@ def forward(mixed: Tensor, freqs: Tensor, query_width: int, coef_k: Optional[Ten
 def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
              coef_k: Optional[Tensor], coef_v: Optional[Tensor], doc_ids: Optional[Tensor],
              dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor],
-             need_coef: bool) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """(dmixed [s, b, g, q + 2d], dcoef_k, dcoef_v or None) from the outputs' gradients
-    (any strides; None: zero, not all three). ``mixed`` (its K/V columns: the raw K
-    and V) is read only with ``need_coef`` and may be None otherwise."""
+             need_coef: bool, in_place: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """(dmixed [s, b, g, q + 2d], dcoef [2, g, w+1] or None) from the outputs' gradients
+    (any strides; None: zero, not all three): dcoef is K's and V's coefficient
+    gradients, fp32 sums (contiguous halves; the caller casts or accumulates them,
+    ``qkv_rope.coefficient_gradients``). ``mixed`` (its K/V columns: the raw K
+    and V) is read only with ``need_coef`` and may be None otherwise. ``in_place``
+    (with ``need_coef``): dmixed is written over ``mixed`` and is ``mixed`` (each
+    program reads only its own tokens' raw K/V, before it writes their gradient), so
+    the backward allocates no tensor of mixed's size while mixed is alive."""
     ref = next(x for x in (dq, dk, dv) if x is not None)
     s, b = ref.shape[:2]
     d = freqs.shape[-1]
@@ -142,14 +158,18 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
     table = _angles_of(freqs, s, d)  # [>= s, 2d]: cos, sin
     shift = coef_k is not None
     coef = need_coef and shift
-    dmixed = torch.empty((s, b, g, query_width + 2 * d), dtype=ref.dtype, device=ref.device)
+    if in_place and not (coef and mixed.stride(-1) == 1):
+        raise ValueError("qkv_rope's backward writes in place only over a mixed it reads "
+                         "(learned coefficients, a unit stride in its last dim)")
+    dmixed = mixed if in_place else torch.empty(
+        (s, b, g, query_width + 2 * d), dtype=ref.dtype, device=ref.device)
     grid, block_t, block_h, (ck, cv), docs, doc_strides = _setup(
         s, b, g, d, ref.dtype, [coef_k, coef_v], doc_ids, table)
     # absent gradients (and mixed without need_coef): dmixed as a pointer, never read
     dq_, dk_, dv_ = (rows(x) if x is not None else dmixed for x in (dq, dk, dv))
     m = rows(mixed) if coef else dmixed
     n = coef_k.shape[1] if shift else 1
-    partial = torch.empty((grid[0], b, g, 2, n) if coef else (1,), dtype=torch.float32,
+    partial = torch.empty((grid[0], b, 2, g, n) if coef else (1,), dtype=torch.float32,
                           device=ref.device)
     _bwd_kernel[grid](
         m, table, ck, cv, docs, dq_, dk_, dv_, dmixed, partial, s, *m.stride()[:3],
@@ -159,9 +179,7 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
         HAS_DQ=dq is not None, HAS_DK=dk is not None, HAS_DV=dv is not None,
         BLOCK_T=block_t, BLOCK_H=block_h, HALF=d // 2,
     )
-    if not coef:
-        return dmixed, None, None
-    return (dmixed, *coef_grads(partial, coef_k.dtype))
+    return dmixed, partial.sum(dim=(0, 1)) if coef else None  # [2, g, w+1]
 
 
 if triton is not None:
@@ -249,60 +267,43 @@ if triton is not None:
             _store(row, t, sm_s, cols, ok, v1, v2, HALF)
 
     @triton.jit
-    def _grad_rows(g_ptr, sg_s, f_ptr, sf_s, c_ptr, doc_ptr, sd_s, doc_t, t, cols, in_seq,
-                   c_ok, S, W: tl.constexpr, SHIFT: tl.constexpr, ROTATE: tl.constexpr,
-                   PRESENT: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-        """(dx_t = Σ_i c_i · dx̂_{t+i} (same document), dx̂_t): both halves each, where
-        dx̂ is the gradient at ``g_ptr`` rotated back (``ROTATE``, K) or as it is (V)."""
-        d1 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        d2 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        own1, own2 = d1, d2
-        if PRESENT:
-            for i in tl.static_range(W + 1):
-                dst = t + i
-                ahead = _same_doc(doc_ptr, dst, in_seq & (dst < S), doc_t, sd_s, HAS_DOC)
-                ok = ahead[:, None] & c_ok[None, :]
-                y1, y2 = _load(g_ptr, dst, sg_s, cols, ok, HALF, True, BLOCK_T, BLOCK_H)
-                if ROTATE:  # by the angles of the token the gradient belongs to
-                    c1, s1, c2, s2 = _angles(f_ptr, dst, sf_s, cols, ok, HALF)
-                    y1, y2 = _rotate(y1, y2, c1, s1, c2, s2, True)
-                if i == 0:
-                    own1, own2 = y1, y2
-                if SHIFT:  # (no +=: own1/own2 may name the same tensors as d1/d2)
-                    c = tl.load(c_ptr + i).to(tl.float32)
-                    d1 = d1 + c * y1
-                    d2 = d2 + c * y2
-                else:
-                    d1, d2 = y1, y2
-        return d1, d2, own1, own2
-
-    @triton.jit
-    def _coef_partials(x_ptr, sx_s, own1, own2, part_ptr, doc_ptr, sd_s, doc_t, t, cols,
-                       in_seq, c_ok, W: tl.constexpr, HAS_DOC: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-        """part[i] = Σ_block dx̂_t · x_{t-i} (same document), x the raw rows at x_ptr."""
-        for i in tl.static_range(W + 1):
-            src = t - i
-            back = _same_doc(doc_ptr, src, in_seq & (src >= 0), doc_t, sd_s, HAS_DOC)
-            x1, x2 = _load(x_ptr, src, sx_s, cols, back[:, None] & c_ok[None, :], HALF, True,
-                           BLOCK_T, BLOCK_H)
-            tl.store(part_ptr + i, tl.sum(tl.sum(own1 * x1 + own2 * x2, axis=1), axis=0))
-
-    @triton.jit
     def _grad_kv(g_ptr, sg_s, x_ptr, sx_s, out_ptr, so_s, part_ptr, f_ptr, sf_s, c_ptr,
                  doc_ptr, sd_s, doc_t, t, cols, in_seq, c_ok, S, W: tl.constexpr,
                  SHIFT: tl.constexpr, COEF: tl.constexpr, ROTATE: tl.constexpr,
                  PRESENT: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-        """K's or V's columns of dmixed, and with ``COEF`` its coefficients' partials."""
-        d1, d2, own1, own2 = _grad_rows(g_ptr, sg_s, f_ptr, sf_s, c_ptr, doc_ptr, sd_s, doc_t,
-                                        t, cols, in_seq, c_ok, S, W, SHIFT, ROTATE, PRESENT,
-                                        HAS_DOC, BLOCK_T, BLOCK_H, HALF)
-        _store(out_ptr, t, so_s, cols, in_seq[:, None] & c_ok[None, :], d1, d2, HALF)
+        """K's or V's columns of the gradient, dx_t = Σ_i c_i · dx̂_{t+i} (same document),
+        where dx̂ is the gradient at ``g_ptr`` rotated back (``ROTATE``, K) or as it is
+        (V); with ``COEF`` the coefficients' partial sums part[i] = Σ_block x_t · dx̂_{t+i}
+        (= Σ dx̂_t · x_{t-i} over the sequence) of the raw rows x at ``x_ptr``. Only this
+        block's own raw rows are read, all before the gradient is stored: ``out_ptr`` may
+        be ``x_ptr`` (the gradient written over the raw K/V, in place)."""
+        ok = in_seq[:, None] & c_ok[None, :]
+        x1, x2 = _load(x_ptr, t, sx_s, cols, ok, HALF, COEF, BLOCK_T, BLOCK_H)
+        d1 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        d2 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for i in tl.static_range(W + 1):
+            dst = t + i
+            ahead = _same_doc(doc_ptr, dst, in_seq & (dst < S), doc_t, sd_s, HAS_DOC)
+            lag_ok = ahead[:, None] & c_ok[None, :]
+            y1, y2 = _load(g_ptr, dst, sg_s, cols, lag_ok, HALF, PRESENT, BLOCK_T, BLOCK_H)
+            if PRESENT:
+                if ROTATE:  # by the angles of the token the gradient belongs to
+                    c1, s1, c2, s2 = _angles(f_ptr, dst, sf_s, cols, lag_ok, HALF)
+                    y1, y2 = _rotate(y1, y2, c1, s1, c2, s2, True)
+            if SHIFT:
+                c = tl.load(c_ptr + i).to(tl.float32)
+                d1 = d1 + c * y1
+                d2 = d2 + c * y2
+            else:
+                d1, d2 = y1, y2
+            if COEF:
+                tl.store(part_ptr + i, tl.sum(tl.sum(x1 * y1 + x2 * y2, axis=1), axis=0))
         if COEF:
-            _coef_partials(x_ptr, sx_s, own1, own2, part_ptr, doc_ptr, sd_s, doc_t, t, cols,
-                           in_seq, c_ok, W, HAS_DOC, BLOCK_T, BLOCK_H, HALF)
+            # The raw rows were loaded by whichever threads hold them in the tile's
+            # layout: all of them must have loaded before any thread stores over them.
+            tl.debug_barrier()
+        _store(out_ptr, t, so_s, cols, ok, d1, d2, HALF)
 
     @triton.jit
     def _bwd_kernel(m_ptr, f_ptr, ck_ptr, cv_ptr, doc_ptr, dq_ptr, dk_ptr, dv_ptr, dm_ptr,
@@ -314,7 +315,8 @@ if triton is not None:
                     HALF: tl.constexpr):
         """The gradient of mixed for one (batch, group): Q's rotated back, K's rotated
         back and shifted back, V's shifted back; with ``COEF`` the coefficients'
-        partial sums, from the raw K/V columns of mixed."""
+        partial sums, from the raw K/V columns of mixed (this block's rows only: ``dm_ptr``
+        may be ``m_ptr``, whose query columns nothing reads)."""
         b, g = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         t, cols, in_seq, c_ok, docs, doc_t = _block(S, sd_s, sd_b, doc_ptr, HAS_DOC,
                                                     BLOCK_T, BLOCK_H, HALF)
@@ -326,15 +328,17 @@ if triton is not None:
                            HAS_DQ, BLOCK_T, BLOCK_H)
             y1, y2 = _rotate(y1, y2, c1, s1, c2, s2, True)
             _store(dm + j * 2 * HALF, t, so_s, cols, ok, y1, y2, HALF)
-        # part [blocks, b, g, 2, w+1]
-        part = part_ptr + ((tl.program_id(0) * tl.num_programs(1) + b)
-                           * tl.num_programs(2) + g) * 2 * (W + 1)
+        # part [blocks, b, 2, g, w+1]: K's, then V's (their sum: contiguous halves)
+        groups = tl.num_programs(2)
+        part = part_ptr + ((tl.program_id(0) * tl.num_programs(1) + b) * 2 * groups
+                           + g) * (W + 1)
         k_col = R * 2 * HALF
         raw = m_ptr + b * sm_b + g * sm_g + k_col
         _grad_kv(dk_ptr + b * sk_b + g * sk_g, sk_s, raw, sm_s, dm + k_col, so_s, part,
                  f_ptr, sf_s, ck_ptr + g * (W + 1), docs, sd_s, doc_t, t, cols, in_seq, c_ok,
                  S, W, SHIFT, COEF, True, HAS_DK, HAS_DOC, BLOCK_T, BLOCK_H, HALF)
         _grad_kv(dv_ptr + b * sv_b + g * sv_g, sv_s, raw + 2 * HALF, sm_s,
-                 dm + k_col + 2 * HALF, so_s, part + W + 1, f_ptr, sf_s, cv_ptr + g * (W + 1),
+                 dm + k_col + 2 * HALF, so_s, part + groups * (W + 1), f_ptr, sf_s,
+                 cv_ptr + g * (W + 1),
                  docs, sd_s, doc_t, t, cols, in_seq, c_ok, S, W, SHIFT, COEF, False, HAS_DV,
                  HAS_DOC, BLOCK_T, BLOCK_H, HALF)

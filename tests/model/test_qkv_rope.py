@@ -86,22 +86,32 @@ def ulps(a, r):
 
 
 def run_case(s=37, b=2, g=2, d=16, r_q=1, window=0, docs=False, dtype=torch.float32,
-             used=(0, 1, 2), block=small_block, strided=False, learn=True):
+             used=(0, 1, 2), block=small_block, strided=False, learn=True, through=True):
+    """``through``: mixed is an intermediate (as the QKV projection's output in a
+    layer, where the backward may write the gradient over it), else a leaf."""
     triton_qkv_rope.tokens_per_block = block
     used = list(used)
     mixed, freqs, coefs, ids, grads = make(s, b, g, d, r_q, window, docs, strided)
-    m = mixed.to(dtype, copy=True).requires_grad_()  # a copy: the shift writes into it
+    leaf = mixed.to(dtype, copy=True).requires_grad_()  # a copy: the shift writes into it
+    m = leaf * 1 if through else leaf  # * 1 keeps the strides
+    where = []  # did the gradient of m come in m's own memory?
+    if through:
+        m.register_hook(lambda grad, ptr=m.data_ptr(): where.append(grad.data_ptr() == ptr))
     cs = [c.clone().requires_grad_(learn) for c in coefs] if coefs else [None, None]
     outs = qkv_rope(m, freqs, r_q * d, *cs, ids)
-    wrt = [m] + ([c for c in cs if c is not None] if learn else [])
+    wrt = [leaf] + ([c for c in cs if c is not None] if learn else [])
+    values = [o.detach().clone() for o in outs]  # value, a view of m, is gone after backward
+    new = [outs[0].is_contiguous(), outs[1].is_contiguous()]
     got = torch.autograd.grad([outs[i] for i in used], wrt,
                               [grads[i].to(dtype) for i in used])
+    shapes = [list(o.shape) for o in values]
+    outs = values
     ref_outs, ref_got, mags = reference(mixed, freqs, r_q, d, coefs, ids, grads, used, dtype)
     res = {"s": s, "d": d, "r_q": r_q, "window": window, "docs": docs, "dtype": str(dtype),
            "used": used, "strided": strided and not m.is_contiguous(), "learn": learn,
+           "through": through, "in_place": where == [True],
            "block": block(d, window), "noncontiguous_grads": not grads[0].is_contiguous(),
-           "shapes": [list(o.shape) for o in outs],
-           "new": [outs[0].is_contiguous(), outs[1].is_contiguous()],
+           "shapes": shapes, "new": new,
            "scale": [r.abs().max().item() for r in ref_outs],
            "err": [err(o, r) for o, r in zip(outs, ref_outs)],
            "ulps": max(ulps(o, r) for o, r in zip((*outs, got[0]), (*ref_outs, ref_got[0]))),
@@ -128,7 +138,9 @@ cases += [run_case(s=2, window=3, docs=True, r_q=2),  # shorter than the window
           run_case(window=1, docs=True, r_q=4, block=default_block),  # one block, masked
           run_case(window=0, r_q=2, block=default_block),
           run_case(window=2, docs=True, r_q=2, strided=True),  # mixed [b, s]-major
-          run_case(window=1, docs=True, r_q=2, learn=False)]  # fixed coefficients
+          run_case(window=1, docs=True, r_q=2, learn=False),  # fixed coefficients
+          run_case(window=1, docs=True, r_q=2, through=False),  # mixed a leaf
+          run_case(window=3, r_q=1, through=False)]
 triton_qkv_rope.tokens_per_block = small_block
 
 # The in-place contract.
@@ -164,15 +176,27 @@ for name, window, learn in (("vanilla", 0, False), ("shift", 1, True), ("fixed",
         qkv_rope(m, freqs, 32, *cs, ids)
     saved[name] = {"kept": kept, "kv_numel": 37 * 2 * 2 * 16}
 
-# A second backward (retain_graph) gives the first one's gradients; create_graph
-# (a gradient of the gradient) is refused.
+# A second backward (retain_graph) gives the first one's gradients where mixed is a
+# leaf (or the coefficients are fixed), and is refused where the first wrote over an
+# intermediate mixed; create_graph (a gradient of the gradient) is refused.
 mixed, freqs, coefs, ids, grads = make(37, 2, 2, 16, 2, 2, True)
-m = mixed.clone().requires_grad_()
-cs = [c.requires_grad_() for c in coefs]
-outs = qkv_rope(m, freqs, 32, *cs, ids)
-first = torch.autograd.grad(outs, [m, *cs], grads, retain_graph=True)
-second = torch.autograd.grad(outs, [m, *cs], grads)
-twice = {"same": all(torch.equal(a, b) for a, b in zip(first, second))}
+twice = {}
+for name, through, learn in (("leaf", False, True), ("fixed", True, False),
+                             ("intermediate", True, True)):
+    leaf = mixed.clone().requires_grad_()
+    m = leaf * 1 if through else leaf
+    cs = [c.detach().requires_grad_(learn) for c in coefs]
+    outs = qkv_rope(m, freqs, 32, *cs, ids)
+    wrt = [leaf, *cs] if learn else [leaf]
+    first = torch.autograd.grad(outs, wrt, grads, retain_graph=True)
+    for part, n in (("", 3), (" without value", 2)):  # autograd checks value (a view) first
+        try:
+            second = torch.autograd.grad(outs[:n], wrt, grads[:n], retain_graph=True)
+            twice[name + part] = all(torch.equal(a, b) for a, b in zip(first, second)) \
+                if n == 3 else True
+        except RuntimeError as e:
+            twice[name + part] = str(e)
+cs = [c.detach().requires_grad_() for c in coefs]
 outs = qkv_rope(mixed.clone().requires_grad_(), freqs, 32, *cs, ids)
 try:
     torch.autograd.grad(outs, cs, grads, create_graph=True)
@@ -212,7 +236,7 @@ def test_values_and_gradients_match_the_split_shift_and_rope(interpreted):
     gradients within 1e-6 of the sum of |dK^_t|·|K_{t-i}| they are rounded against
     (tree sums of <= 1184 products: ~log2(n) + 3 roundings; measured <= 5e-8)."""
     fp32 = [c for c in interpreted["cases"] if c["dtype"] == "torch.float32"]
-    assert len(fp32) == 24
+    assert len(fp32) == 26
     assert any(c["strided"] for c in fp32) and {c["block"] for c in fp32} == {16, 128}
     grid = [(c["window"], c["docs"], c["r_q"]) for c in fp32[:12]]
     for pairs in ({(w, r) for w, _, r in grid}, {(w, docs) for w, docs, _ in grid},
@@ -279,10 +303,34 @@ def test_the_node_keeps_no_copy_of_k_or_v(interpreted):
     assert len(interpreted["saved"]["vanilla"]["kept"]) == 1  # the angles
 
 
-def test_a_second_backward_matches_and_create_graph_is_refused(interpreted):
+def test_a_second_backward_matches_or_is_refused_and_create_graph_is_refused(interpreted):
+    """retain_graph: a leaf mixed, or fixed coefficients, give the first gradients again;
+    an intermediate mixed with learned coefficients, whose memory the first backward
+    took for the gradient, is refused in one line that names the way out."""
     t = interpreted["twice"]
-    assert t["same"], t
+    assert t["leaf"] is True and t["fixed"] is True, t
+    assert t["leaf without value"] is True and t["fixed without value"] is True, t
+    # through V̂ (a view of mixed) autograd refuses by itself; without it, the node
+    assert "modified inplace" in t["intermediate"] and "\n" not in t["intermediate"], t
+    refused = t["intermediate without value"]
+    assert "ran twice" in refused and "model.rope_kernel: torch" in refused, t
+    assert "\n" not in refused, t
     assert "create_graph=True" in t["create_graph"] and "\n" not in t["create_graph"], t
+
+
+def test_the_gradient_is_written_over_mixed_where_the_node_keeps_it(interpreted):
+    """Learned coefficients and an intermediate mixed (the layer's case): the gradient of
+    mixed comes in mixed's own memory, so the backward holds no second buffer of its
+    size (vanilla's frees mixed with attention's saved V before allocating its gradient:
+    the shift's cost one QKV output more at the small shape's peak on an H200). Not for
+    vanilla or fixed coefficients (mixed is not kept), nor a leaf (the caller's memory);
+    the values are checked with the others."""
+    cases = interpreted["cases"]
+    for c in cases:
+        want = c["through"] and c["learn"] and c["window"] > 0
+        assert c["in_place"] == want, c
+    assert sum(c["in_place"] for c in cases) >= 15
+    assert any(not c["through"] and c["window"] for c in cases)
 
 
 def _inputs(s=5, b=2, g=2, d=8, r_q=2):
