@@ -159,6 +159,7 @@ out["parallel"] = {f"tp2 {attention}{' sp' if sp else ''}": run_distributed(
     parallel_rank, 2, attention, sp, "none") for attention, sp in (("kv_shift", True),
                                                                    ("vanilla", False))}
 out["parallel"]["recompute full"] = [parallel_rank(0, 1, "kv_shift", False, "full")]
+out["parallel"]["recompute selective"] = [parallel_rank(0, 1, "kv_shift", False, "selective")]
 print(json.dumps(out))
 '''
 
@@ -237,13 +238,16 @@ def test_a_shifted_query_keeps_megatrons_path(interpreted):
     assert m["logits"] < 1e-5 and m["grads"] < 1e-5, m
 
 
-@pytest.mark.parametrize("name", ["tp2 kv_shift sp", "tp2 vanilla", "recompute full"])
+@pytest.mark.parametrize("name", ["tp2 kv_shift sp", "tp2 vanilla", "recompute full",
+                                  "recompute selective"])
 def test_tensor_parallelism_and_recomputation(interpreted, name):
     """TP = 2 over gloo (the KV shift with sequence parallelism: the node sees each
-    rank's heads over the whole sequence) and full recomputation (megatron re-runs the
-    layer, and the node, in the backward): every rank's logits and gradients equal
-    megatron's path. With full recomputation the checkpointed layers hide the node
-    from the graph of the logits: it is called twice per layer instead."""
+    rank's heads over the whole sequence), full recomputation (megatron re-runs the
+    layer, and the node, in the backward) and selective (core attention re-run, which
+    keeps V̂, a view of the QKV output the node's backward then writes over): every
+    rank's logits and gradients equal megatron's path. With full recomputation the
+    checkpointed layers hide the node from the graph of the logits: it is called twice
+    per layer instead."""
     for rank in interpreted["parallel"][name]:
         recompute = name == "recompute full"
         assert rank["nodes"] == ([0, 0] if recompute else [2, 0]), rank
