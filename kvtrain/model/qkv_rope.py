@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from . import triton_qkv_rope
+from .coefficient_grads import coefficient_gradients, main_grad_params
 
 
 def available() -> bool:
@@ -100,8 +101,7 @@ class QKVRoPE(torch.autograd.Function):
         ctx.in_place = learns and mixed.requires_grad and mixed.grad_fn is not None
         ctx.used = False
         # megatron's DDP parameters (the module's own: nothing to save or version)
-        ctx.params = (coef_k, coef_v) if learns and accumulates_in_main_grad(
-            coef_k, coef_v) else None
+        ctx.params = main_grad_params(coef_k, coef_v) if learns else None
         if coef_k is not None:
             # The kernel wrote V̂ over the query columns behind autograd's back: say so
             # before saving mixed (its saved version is then the overwritten one).
@@ -147,36 +147,3 @@ class QKVRoPE(torch.autograd.Function):
         return (dmixed if need_mixed else None, None, dck if ctx.needs_input_grad[2] else None,
                 dcv if ctx.needs_input_grad[3] else None, None, None)
 
-
-def accumulates_in_main_grad(coef_k: Tensor, coef_v: Tensor) -> bool:
-    """Whether the coefficients are parameters of megatron's DDP (or FSDP), both
-    learning: a fp32 ``main_grad`` that its hook accumulates into unless the
-    parameter says ``grad_added_to_main_grad`` (megatron's contract for kernels that
-    accumulate their weight gradient themselves, as its and TE's GEMMs do)."""
-    return all(p.requires_grad and hasattr(p, "grad_added_to_main_grad")
-               and getattr(p, "main_grad", None) is not None
-               and p.main_grad.shape == p.shape for p in (coef_k, coef_v))
-
-
-def coefficient_gradients(dcoef: Tensor, dtype: torch.dtype,
-                          params: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """The gradients to hand autograd for K's and V's coefficients from their fp32
-    sums ``dcoef [2, g, w+1]``.
-
-    ``params`` (megatron's, :func:`accumulates_in_main_grad`): the sums go straight
-    into the parameters' ``main_grad`` (one multi-tensor add, in fp32: no rounding to
-    the parameters' dtype first), the parameters say so (``grad_added_to_main_grad``,
-    which megatron's DDP resets every step) and autograd gets megatron's placeholder
-    (an uninitialised tensor; zeros for ``zero_out_wgrad``), so that the DDP hook
-    still runs (``overlap_grad_reduce`` counts it) but adds nothing: per layer one add
-    kernel in place of the cast and the hook's two adds. Otherwise the sums in the
-    parameters' dtype, contiguous halves of one tensor (AccumulateGrad takes them
-    without a copy)."""
-    if params is not None:
-        torch._foreach_add_([p.main_grad for p in params], list(dcoef.unbind(0)))
-        for p in params:
-            p.grad_added_to_main_grad = True
-        return tuple(torch.zeros_like(p) if getattr(p, "zero_out_wgrad", False)
-                     else torch.empty_like(p) for p in params)
-    both = dcoef.to(dtype)  # no copy where the parameters are fp32
-    return both[0], both[1]

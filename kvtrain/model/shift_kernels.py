@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import native_shift, triton_shift
+from .coefficient_grads import coefficient_gradients, main_grad_params
 
 IMPLS = ("torch", "triton", "native")
 
@@ -207,6 +208,8 @@ class QKVShift(torch.autograd.Function):
             key = _torch_forward(kv[..., 0, :], coef_k, doc_ids)
             value = _torch_forward(kv[..., 1, :], coef_v, doc_ids)
         ctx.save_for_backward(raw, coef_k, coef_v, doc_ids)
+        # megatron's DDP parameters (the module's own: nothing to save or version)
+        ctx.params = main_grad_params(coef_k, coef_v) if keep_raw else None
         # The query is handed on as a view of the input (autograd makes this node its
         # grad_fn, so its gradient comes back here and is written into dmixed).
         return mixed[..., :query_width], key, value
@@ -223,15 +226,15 @@ class QKVShift(torch.autograd.Function):
             zeros = ref.new_zeros(ctx.kv_shape[:3] + ctx.kv_shape[4:])  # [s, b, g, d]
             dk, dv = (g if g is not None else zeros for g in (dk, dv))
         if ctx.impl == "triton":
-            dmixed, dck, dcv = triton_shift.qkv_backward(raw, ctx.kv_shape, coef_k, coef_v,
-                                                         doc_ids, ctx.query_width, dq, dk, dv)
+            dmixed, dcoef = triton_shift.qkv_backward(raw, ctx.kv_shape, coef_k, coef_v,
+                                                      doc_ids, ctx.query_width, dq, dk, dv)
         else:
-            dmixed, dcoefs = _torch_qkv_grads(raw, ctx.kv_shape, coef_k, coef_v, doc_ids,
-                                              ctx.query_width, (dq, dk, dv), need_mixed,
-                                              need_coef)
-            dck, dcv = dcoefs if dcoefs is not None else (None, None)
-        if need_coef:
-            dck, dcv = dck.to(coef_k.dtype), dcv.to(coef_v.dtype)
+            dmixed, dcoef = _torch_qkv_grads(raw, ctx.kv_shape, coef_k, coef_v, doc_ids,
+                                             ctx.query_width, (dq, dk, dv), need_mixed,
+                                             need_coef)
+        dck = dcv = None
+        if need_coef:  # [2, g, n] sums: cast, or added into megatron's main_grad
+            dck, dcv = coefficient_gradients(dcoef, coef_k.dtype, ctx.params)
         return (dmixed if need_mixed else None, dck if need_coef else None,
                 dcv if need_coef else None, None, None, None)
 
@@ -247,12 +250,13 @@ def _torch_qkv_grads(kv: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef
                      need_coef: bool):
     """``QKVShift.backward`` on torch ops, from the raw K/V ``kv [s, b, g, 2, d]``
     (None where the coefficients need no gradient) and the gradients of Q (or None),
-    K and V: (dmixed or None, (dcoef_k, dcoef_v) or None)."""
+    K and V: (dmixed or None, dcoef [2, g, n] or None: K's and V's coefficient
+    gradients, summed in fp32 (fp64 for fp64))."""
     dq, dk, dv = grads
     s, b, g, _, d = kv_shape
     dy = torch.stack([dk, dv], -2)  # [s, b, g, 2, d]
     coef = torch.stack([coef_k, coef_v], dim=1)  # [g, 2, n]
-    dmixed = dcoefs = None
+    dmixed = dcoef = None
     if need_mixed:  # [s, b, g, q + 2d]: the query's gradient, then dx in place
         dmixed = dy.new_empty((s, b, g, query_width + 2 * d))
         if dq is None:
@@ -260,10 +264,9 @@ def _torch_qkv_grads(kv: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef
         else:
             dmixed[..., :query_width].copy_(dq)
         _torch_input_grad(coef, doc_ids, dy, out=_kv_block(dmixed, query_width))
-    if need_coef:  # [g, 2, n] -> contiguous [2, g, n] in one copy (see coef_grads)
+    if need_coef:  # [g, 2, n] -> [2, g, n], a view (laid out where it is cast)
         dcoef = _torch_coef_grad(kv, doc_ids, dy, coef.shape[-1] - 1).transpose(0, 1)
-        dcoefs = triton_shift.contiguous_copy(dcoef, coef.dtype).unbind(0)
-    return dmixed, dcoefs
+    return dmixed, dcoef
 
 
 def _torch_grads(x: Tensor, coef: Tensor, doc_ids: Optional[Tensor], dy: Tensor,

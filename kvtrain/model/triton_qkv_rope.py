@@ -145,7 +145,7 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
     """(dmixed [s, b, g, q + 2d], dcoef [2, g, w+1] or None) from the outputs' gradients
     (any strides; None: zero, not all three): dcoef is K's and V's coefficient
     gradients, fp32 sums (contiguous halves; the caller casts or accumulates them,
-    ``qkv_rope.coefficient_gradients``). ``mixed`` (its K/V columns: the raw K
+    ``coefficient_grads.coefficient_gradients``). ``mixed`` (its K/V columns: the raw K
     and V) is read only with ``need_coef`` and may be None otherwise. ``in_place``
     (with ``need_coef``): dmixed is written over ``mixed`` and is ``mixed`` (each
     program reads only its own tokens' raw K/V, before it writes their gradient), so

@@ -137,10 +137,11 @@ def qkv_forward(mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional
 
 def qkv_backward(raw: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef_v: Tensor,
                  doc_ids: Optional[Tensor], query_width: int, dq: Optional[Tensor], dk: Tensor,
-                 dv: Tensor) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """(dmixed [s, b, g, q + 2d], dcoef_k, dcoef_v in the coefficients' dtype) from the
-    raw K/V ``[s, b, g, 2, d]`` (``kv_shape``; None: no coefficient gradients) and the
-    gradients of Q (None: zero), K and V."""
+                 dv: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """(dmixed [s, b, g, q + 2d], dcoef [2, g, w+1] or None) from the raw K/V
+    ``[s, b, g, 2, d]`` (``kv_shape``; None: no coefficient gradients) and the gradients
+    of Q (None: zero), K and V. dcoef: K's and V's coefficient gradients, fp32 sums in
+    contiguous halves (``coefficient_grads.coefficient_gradients`` hands them on)."""
     dk, dv = rows(dk), rows(dv)
     s, b, g, _, d = kv_shape
     n = coef_k.shape[1]
@@ -150,7 +151,7 @@ def qkv_backward(raw: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef_v:
     dq = rows(dq) if dq is not None else None
     q_arg = dq if dq is not None else dmixed  # a valid pointer, never read
     raw_arg = raw if raw is not None else dk.unsqueeze(3)  # never read without raw
-    partial = torch.empty((grid[0], b, g, 2, n) if raw is not None else (1,),
+    partial = torch.empty((grid[0], b, 2, g, n) if raw is not None else (1,),
                           dtype=torch.float32, device=dk.device)
     _qkv_shift_bwd_kernel[grid](
         raw_arg, dk, dv, q_arg, ck, cv, docs, dmixed, partial, s, query_width,
@@ -159,24 +160,7 @@ def qkv_backward(raw: Optional[Tensor], kv_shape: tuple, coef_k: Tensor, coef_v:
         W=n - 1, HAS_DOC=doc_ids is not None, HAS_DQ=dq is not None, COEF=raw is not None,
         BLOCK_T=block_t, BLOCK_D=block_d, D=d,
     )
-    if raw is None:
-        return dmixed, None, None
-    return (dmixed, *coef_grads(partial, coef_k.dtype))
-
-
-def coef_grads(partial: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(dcoef_k, dcoef_v ``[g, w+1]`` in ``dtype``) from the K/V kernels' fp32 partial
-    sums ``[blocks, b, g, 2, w+1]``: contiguous halves of one ``[2, g, w+1]`` tensor,
-    cast and laid out by one copy. AccumulateGrad takes them as they are; it copied
-    ``dcoef[:, 0]``-style views, each (two kernels a layer on the H200)."""
-    dcoef = contiguous_copy(partial.sum(dim=(0, 1)).transpose(0, 1), dtype)  # [2, g, w+1]
-    return dcoef[0], dcoef[1]
-
-
-def contiguous_copy(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t`` in ``dtype``, contiguous, in one copy kernel (``t.to(dtype)`` keeps a
-    transposed view's strides, and returns a view of the same dtype as it is)."""
-    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format).copy_(t)
+    return dmixed, partial.sum(dim=(0, 1)) if raw is not None else None  # [2, g, w+1]
 
 
 if triton is not None:
@@ -315,13 +299,14 @@ if triton is not None:
             else:
                 dq = tl.zeros((BLOCK_T, BLOCK_D), dtype=dm_ptr.dtype.element_ty)
             tl.store(dm + t[:, None] * sm_s + cols[None, :], dq, mask=ok)
-        # part [blocks, b, g, 2, w+1]
-        part = part_ptr + ((tl.program_id(0) * tl.num_programs(1) + b)
-                           * tl.num_programs(2) + g) * 2 * (W + 1)
+        # part [blocks, b, 2, g, w+1]: K's, then V's (their sum: contiguous halves)
+        groups = tl.num_programs(2)
+        part = part_ptr + ((tl.program_id(0) * tl.num_programs(1) + b) * 2 * groups
+                           + g) * (W + 1)
         raw = raw_ptr + b * sr_b + g * sr_g
         _bwd_rows(raw, sr_s, dk_ptr + b * sk_b + g * sk_g, sk_s, ck_ptr + g * (W + 1),
                   dm + Q, sm_s, part, docs, sd_s, doc_t, t, dd, in_seq, d_ok, S, W, HAS_DOC,
                   COEF, BLOCK_T, BLOCK_D)
         _bwd_rows(raw + sr_m, sr_s, dv_ptr + b * sv_b + g * sv_g, sv_s, cv_ptr + g * (W + 1),
-                  dm + Q + D, sm_s, part + W + 1, docs, sd_s, doc_t, t, dd, in_seq, d_ok, S,
-                  W, HAS_DOC, COEF, BLOCK_T, BLOCK_D)
+                  dm + Q + D, sm_s, part + groups * (W + 1), docs, sd_s, doc_t, t, dd, in_seq,
+                  d_ok, S, W, HAS_DOC, COEF, BLOCK_T, BLOCK_D)

@@ -555,15 +555,44 @@ def test_the_coefficients_take_the_nodes_gradients_without_a_copy(impl, dtype):
     assert [c.grad.data_ptr() for c in coefs] == [returned["k"], returned["v"]]
 
 
-def test_the_triton_paths_coefficient_gradients_are_laid_out_as_the_parameters():
-    """``coef_grads`` (the Triton kernels' partial sums -> both gradients): each
-    contiguous, in the parameters' dtype, one cast for both."""
-    from kvtrain.model.triton_shift import coef_grads
+def test_the_k_v_nodes_coefficient_gradients_are_laid_out_as_the_parameters():
+    """``coefficient_gradients`` (the K+V nodes' fp32 sums -> both gradients), for the
+    Triton kernels' contiguous ``[2, g, w+1]`` and torch ops' transposed ``[g, 2, w+1]``:
+    each gradient contiguous, in the parameters' dtype, one cast for both (none where
+    the sums already are both)."""
+    from kvtrain.model.coefficient_grads import coefficient_gradients
 
-    partial = torch.randn(5, 2, 3, 2, 4)  # [blocks, b, g, 2, w+1]
-    for dtype in (torch.float32, torch.bfloat16):
-        dk, dv = coef_grads(partial, dtype)
-        total = partial.sum(dim=(0, 1))
-        for grad, i in ((dk, 0), (dv, 1)):
-            assert grad.is_contiguous() and grad.dtype == dtype and grad.shape == (3, 4)
-            assert torch.equal(grad, total[:, i].to(dtype))
+    total = torch.randn(2, 3, 4)  # [2, g, w+1]
+    for sums in (total, total.transpose(0, 1).contiguous().transpose(0, 1)):
+        for dtype in (torch.float32, torch.bfloat16):
+            dk, dv = coefficient_gradients(sums, dtype, None)
+            for grad, i in ((dk, 0), (dv, 1)):
+                assert grad.is_contiguous() and grad.dtype == dtype and grad.shape == (3, 4)
+                assert torch.equal(grad, total[i].to(dtype))
+            same = dtype == torch.float32 and sums.is_contiguous()
+            assert (dk.untyped_storage().data_ptr() == sums.untyped_storage().data_ptr()) == same
+
+
+def test_the_coefficient_gradients_go_into_megatrons_main_grad():
+    """Parameters with megatron's ``main_grad`` (and its ``grad_added_to_main_grad``):
+    the fp32 sums are added there, the flag is set, and autograd gets placeholders of
+    the parameters' shape and dtype (zeros for ``zero_out_wgrad``); anything else, or a
+    parameter that does not learn, is left to autograd."""
+    from kvtrain.model.coefficient_grads import coefficient_gradients, main_grad_params
+
+    params = [torch.nn.Parameter(torch.rand(3, 2, dtype=torch.bfloat16)) for _ in range(2)]
+    assert main_grad_params(*params) is None  # no DDP
+    for p in params:
+        p.main_grad = torch.full((3, 2), 0.5)
+        p.grad_added_to_main_grad = False
+    params[1].zero_out_wgrad = True
+    assert main_grad_params(*params) == tuple(params)
+    sums = torch.randn(2, 3, 2)
+    dk, dv = coefficient_gradients(sums, torch.bfloat16, main_grad_params(*params))
+    for p, i in zip(params, (0, 1)):
+        assert torch.equal(p.main_grad, 0.5 + sums[i]) and p.grad_added_to_main_grad
+    assert dk.shape == dv.shape == (3, 2) and dk.dtype == dv.dtype == torch.bfloat16
+    assert torch.equal(dv, torch.zeros(3, 2, dtype=torch.bfloat16))
+    params[0].requires_grad_(False)
+    assert main_grad_params(*params) is None
+    assert main_grad_params(params[1], params[1] * 1) is None  # a derived coefficient

@@ -56,7 +56,8 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def run(attention, fusion, shift=KVShiftConfig(), groups=4, packed=None, overlap=False):
+def run(attention, fusion, shift=KVShiftConfig(), groups=4, packed=None, overlap=False,
+        kernel=None):
     set_seed(7)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                       num_query_groups=groups, vocab_size=64, max_position_embeddings=64,
@@ -65,7 +66,7 @@ def run(attention, fusion, shift=KVShiftConfig(), groups=4, packed=None, overlap
     model = DistributedDataParallel(
         tc, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                           overlap_grad_reduce=overlap),
-        build_gpt(cfg, tc, backend="torch"))
+        build_gpt(cfg, tc, backend="torch", shift_kernel=kernel))
     ops, nodes = None, None
     for step in range(2):  # the second step counts: caches warm, buffers zeroed again
         model.zero_grad_buffer()
@@ -83,6 +84,7 @@ def run(attention, fusion, shift=KVShiftConfig(), groups=4, packed=None, overlap
                   if "shift_" in n},
         "grads_left": [n for n, p in params.items() if p.grad is not None],
         "fused": sum(n == "QKVRoPEBackward" for n in nodes),
+        "shift_nodes": sum(n == "QKVShiftBackward" for n in nodes),
         "ops": ops.count,
     }
 
@@ -106,6 +108,18 @@ for name, kwargs in (("kv_shift", {}),
         out["extra_ops"] = {k: v for k, v in extra.items() if v}
         out["extra_ops_per_layer"] = sum(extra.values()) / 2  # 2 layers, micro batches alike
         out["micro_batches"] = 2
+# the shift's own K+V node (megatron's RoPE: as the te backend runs it), on the Triton
+# kernels and on torch ops, against the native operators (a C++ node: the hook's path)
+out["shift_node"] = {}
+ref = run("kv_shift", False, shift=KVShiftConfig(window=2), packed=docs, kernel="native")
+for kernel in ("triton", "torch"):
+    got = run("kv_shift", False, shift=KVShiftConfig(window=2), packed=docs, kernel=kernel)
+    out["shift_node"][kernel] = {
+        "main_grad": max(((got["main"][n] - g).abs().max() / g.abs().max()).item()
+                         for n, g in ref["main"].items()),
+        "added": [got["added"], ref["added"]],
+        "grads_left": [got["grads_left"], ref["grads_left"]],
+        "nodes": [got["shift_nodes"], ref["shift_nodes"]]}
 print(json.dumps(out))
 '''
 
@@ -126,6 +140,20 @@ def test_main_grads_match_megatrons_hook_path(interpreted, case):
     fused, ref = c["added"]
     assert fused and all(fused.values()), c
     assert ref and not any(ref.values()), c
+    assert c["grads_left"] == [[], []], c
+
+
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_the_shifts_own_node_adds_into_main_grad_too(interpreted, kernel):
+    """The shift's own K+V node (``QKVShift``: the te backend's, and the torch backend's
+    without the fused RoPE), on the Triton kernels and on torch ops, GQA with documents
+    and window 2: every main_grad equals the native operators' (whose C++ node leaves
+    the coefficients' gradients to megatron's hook), the coefficients marked added."""
+    c = interpreted["shift_node"][kernel]
+    assert c["nodes"] == [2, 0], c  # the native operator's node has another name
+    assert c["main_grad"] <= 1e-5, c
+    got, ref = c["added"]
+    assert got and all(got.values()) and not any(ref.values()), c
     assert c["grads_left"] == [[], []], c
 
 
