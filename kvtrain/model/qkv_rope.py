@@ -146,4 +146,3 @@ class QKVRoPE(torch.autograd.Function):
             dmixed = mixed.detach()  # the same memory, without mixed's graph
         return (dmixed if need_mixed else None, None, dck if ctx.needs_input_grad[2] else None,
                 dcv if ctx.needs_input_grad[3] else None, None, None)
-
