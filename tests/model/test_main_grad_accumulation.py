@@ -89,18 +89,21 @@ def run(attention, fusion, shift=KVShiftConfig(), groups=4, packed=None, overlap
     }
 
 
+def compare(got, ref, nodes):
+    """main_grads' largest relative difference; flags, .grad left and nodes side by side."""
+    return {"main_grad": max(((got["main"][n] - g).abs().max() / g.abs().max()).item()
+                             for n, g in ref["main"].items()),
+            **{key: [got[key], ref[key]] for key in ("added", "grads_left")},
+            "nodes": [got[nodes], ref[nodes]]}
+
+
 out = {"cases": {}}
 for name, kwargs in (("kv_shift", {}),
                      ("gqa window 2 documents", {"shift": KVShiftConfig(window=2),
                                                  "groups": 2, "packed": docs}),
                      ("overlap_grad_reduce", {"overlap": True})):
     fused, ref = run("kv_shift", True, **kwargs), run("kv_shift", False, **kwargs)
-    out["cases"][name] = {
-        "main_grad": max(((fused["main"][n] - g).abs().max() / g.abs().max()).item()
-                         for n, g in ref["main"].items()),
-        "added": [fused["added"], ref["added"]],
-        "grads_left": [fused["grads_left"], ref["grads_left"]],
-        "fused": [fused["fused"], ref["fused"]]}
+    out["cases"][name] = compare(fused, ref, "fused")
     if name == "kv_shift":
         vanilla = run("vanilla", True)
         extra = fused["ops"].copy()
@@ -114,12 +117,7 @@ out["shift_node"] = {}
 ref = run("kv_shift", False, shift=KVShiftConfig(window=2), packed=docs, kernel="native")
 for kernel in ("triton", "torch"):
     got = run("kv_shift", False, shift=KVShiftConfig(window=2), packed=docs, kernel=kernel)
-    out["shift_node"][kernel] = {
-        "main_grad": max(((got["main"][n] - g).abs().max() / g.abs().max()).item()
-                         for n, g in ref["main"].items()),
-        "added": [got["added"], ref["added"]],
-        "grads_left": [got["grads_left"], ref["grads_left"]],
-        "nodes": [got["shift_nodes"], ref["shift_nodes"]]}
+    out["shift_node"][kernel] = compare(got, ref, "shift_nodes")
 print(json.dumps(out))
 '''
 
@@ -135,7 +133,7 @@ def test_main_grads_match_megatrons_hook_path(interpreted, case):
     (fp32, 1e-5 of the largest); the shift's coefficients are marked as added by the
     node there and not on megatron's path, and the hook left no .grad on either."""
     c = interpreted["cases"][case]
-    assert c["fused"] == [2, 0], c  # both layers on the node; megatron's path without
+    assert c["nodes"] == [2, 0], c  # both layers on the node; megatron's path without
     assert c["main_grad"] <= 1e-5, c
     fused, ref = c["added"]
     assert fused and all(fused.values()), c
