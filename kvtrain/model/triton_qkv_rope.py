@@ -150,6 +150,9 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
     (with ``need_coef``): dmixed is written over ``mixed`` and is ``mixed`` (each
     program reads only its own tokens' raw K/V, before it writes their gradient), so
     the backward allocates no tensor of mixed's size while mixed is alive."""
+    if in_place and not (need_coef and coef_k is not None and mixed.stride(-1) == 1):
+        raise ValueError("qkv_rope's backward writes in place only over a mixed it reads "
+                         "(learned coefficients, a unit stride in its last dim)")
     ref = next(x for x in (dq, dk, dv) if x is not None)
     s, b = ref.shape[:2]
     d = freqs.shape[-1]
@@ -158,9 +161,6 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
     table = _angles_of(freqs, s, d)  # [>= s, 2d]: cos, sin
     shift = coef_k is not None
     coef = need_coef and shift
-    if in_place and not (coef and mixed.stride(-1) == 1):
-        raise ValueError("qkv_rope's backward writes in place only over a mixed it reads "
-                         "(learned coefficients, a unit stride in its last dim)")
     dmixed = mixed if in_place else torch.empty(
         (s, b, g, query_width + 2 * d), dtype=ref.dtype, device=ref.device)
     grid, block_t, block_h, (ck, cv), docs, doc_strides = _setup(

@@ -368,3 +368,21 @@ def test_the_launcher_refuses_partial_rotary():
     mixed, freqs, q = _inputs()
     with pytest.raises(ValueError, match="all of an even head dim"):
         triton_qkv_rope.forward(mixed, freqs[..., :4], q)
+
+
+def test_the_launcher_writes_in_place_only_over_what_it_reads():
+    """``in_place`` without learned coefficients (the backward would not read mixed) or
+    over a mixed without a unit last stride: ValueError before any kernel."""
+    from kvtrain.model import triton_qkv_rope
+
+    mixed, freqs, q = _inputs()
+    grads = [torch.randn(5, 2, 4, 8), torch.randn(5, 2, 2, 8), torch.randn(5, 2, 2, 8)]
+    coefs = [torch.rand(2, 2), torch.rand(2, 2)]
+    for args in ((None, None, False), (*coefs, False)):
+        with pytest.raises(ValueError, match="in place only over a mixed it reads"):
+            triton_qkv_rope.backward(mixed, freqs, q, args[0], args[1], None, *grads,
+                                     need_coef=args[2], in_place=True)
+    strided = mixed.transpose(2, 3).contiguous().transpose(2, 3)
+    with pytest.raises(ValueError, match="in place only over a mixed it reads"):
+        triton_qkv_rope.backward(strided, freqs, q, *coefs, None, *grads, need_coef=True,
+                                 in_place=True)
