@@ -20,7 +20,7 @@ from torch import Tensor
 
 
 def main_grad_params(coef_k: Tensor, coef_v: Tensor) -> Optional[tuple[Tensor, Tensor]]:
-    """``(coef_k, coef_v)`` where both are parameters of megatron's DDP (or FSDP) that
+    """``(coef_k, coef_v)`` where both are parameters of megatron's DDP that
     learn: a ``main_grad`` of their shape that its hook accumulates into unless the
     parameter says ``grad_added_to_main_grad`` (megatron's contract for kernels that
     accumulate their weight gradient themselves); else None (plain autograd, derived
