@@ -9,6 +9,15 @@ TE's GEMMs do with ``gradient_accumulation_fusion``: per layer and micro batch o
 multi-tensor add in place of a cast, AccumulateGrad's copy of it and the DDP hook's
 two adds, and the gradients reach the fp32 ``main_grad`` without a rounding to the
 parameters' dtype on the way (bf16 runs).
+
+Where megatron's DDP does not overlap its gradient reduction (the default), its hook
+on a parameter only adds a ``.grad`` into ``main_grad``: nothing waits for it. There
+the nodes take the coefficients out of autograd's sight (:func:`untracked_params`,
+marked by :func:`untrack_coefficients` once the DDP is built): no AccumulateGrad
+node, no placeholder gradient, no hook per coefficient tensor, layer and micro batch;
+the backward adds the sums into ``main_grad`` and that is all. With
+``overlap_grad_reduce`` the hook also tells the parameter's bucket it is ready, so
+the coefficients go through autograd, with megatron's placeholders.
 """
 
 from __future__ import annotations
@@ -33,6 +42,45 @@ def main_grad_params(coef_k: Tensor, coef_v: Tensor) -> Optional[tuple[Tensor, T
     return coef_k, coef_v
 
 
+UNTRACKED = "kv_shift_main_grad_only"
+"""The attribute :func:`untrack_coefficients` sets on a coefficient parameter whose
+gradient the nodes may add into ``main_grad`` outside autograd."""
+
+
+def untrack_coefficients(ddp) -> int:
+    """Marks the KV-shift coefficients (``param.kv_shift``) of the module of megatron's
+    DDP ``ddp`` for the untracked path where nothing waits for their hooks (no
+    ``overlap_grad_reduce``), unmarks them otherwise; how many were marked. Called by
+    the trainer's setup once the DDP is built."""
+    untracked = not ddp.ddp_config.overlap_grad_reduce
+    marked = 0
+    for param in ddp.module.parameters():
+        if getattr(param, "kv_shift", False):
+            setattr(param, UNTRACKED, untracked)
+            marked += untracked
+    return marked
+
+
+def untracked_params(coef_k: Tensor, coef_v: Tensor,
+                     mixed: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+    """``(coef_k, coef_v)`` where a node on ``mixed`` may take them outside autograd
+    (both :func:`main_grad_params` and marked by :func:`untrack_coefficients`), else
+    None. Only while a graph is built through ``mixed``: otherwise no node would run a
+    backward to add their gradients (a layer whose other weights are frozen)."""
+    if not (torch.is_grad_enabled() and mixed.requires_grad):
+        return None
+    params = main_grad_params(coef_k, coef_v)
+    if params is None or not all(getattr(p, UNTRACKED, False) for p in params):
+        return None
+    return params
+
+
+def add_to_main_grad(dcoef: Tensor, params: tuple[Tensor, Tensor]) -> None:
+    """K's and V's sums ``dcoef [2, g, w+1]`` (fp32) into the parameters' ``main_grad``:
+    one multi-tensor add."""
+    torch._foreach_add_([p.main_grad for p in params], list(dcoef.unbind(0)))
+
+
 def coefficient_gradients(dcoef: Tensor, dtype: torch.dtype,
                           params: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """The gradients to hand autograd for K's and V's coefficients from their sums
@@ -48,7 +96,7 @@ def coefficient_gradients(dcoef: Tensor, dtype: torch.dtype,
     they are (views such as ``dcoef[:, 0]`` of a ``[g, 2, w+1]`` sum it copied, each:
     two copy kernels a layer on the lent H200)."""
     if params is not None:
-        torch._foreach_add_([p.main_grad for p in params], list(dcoef.unbind(0)))
+        add_to_main_grad(dcoef, params)
         for p in params:
             p.grad_added_to_main_grad = True
         return tuple(torch.zeros_like(p) if getattr(p, "zero_out_wgrad", False)
@@ -59,4 +107,5 @@ def coefficient_gradients(dcoef: Tensor, dtype: torch.dtype,
     return both[0], both[1]
 
 
-__all__ = ["coefficient_gradients", "main_grad_params"]
+__all__ = ["UNTRACKED", "add_to_main_grad", "coefficient_gradients", "main_grad_params",
+           "untrack_coefficients", "untracked_params"]

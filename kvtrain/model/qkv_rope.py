@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from . import triton_qkv_rope
-from .coefficient_grads import coefficient_gradients, main_grad_params
+from .coefficient_grads import (add_to_main_grad, coefficient_gradients, main_grad_params,
+                                untracked_params)
 
 
 def available() -> bool:
@@ -53,7 +54,10 @@ def qkv_rope(mixed: Tensor, freqs: Tensor, query_width: int, coef_k: Optional[Te
     validate(mixed, freqs, query_width, coef_k, coef_v, doc_ids)
     if not available():
         raise RuntimeError("qkv_rope runs on Triton kernels: the triton package is missing")
-    return QKVRoPE.apply(mixed, freqs, coef_k, coef_v, doc_ids, query_width)
+    untracked = untracked_params(coef_k, coef_v, mixed) if coef_k is not None else None
+    if untracked is not None:  # in a tuple, out of autograd's sight (coefficient_grads)
+        return QKVRoPE.apply(mixed, freqs, None, None, doc_ids, query_width, untracked)
+    return QKVRoPE.apply(mixed, freqs, coef_k, coef_v, doc_ids, query_width, None)
 
 
 def validate(mixed: Tensor, freqs: Tensor, query_width: int, coef_k: Optional[Tensor],
@@ -86,13 +90,19 @@ def validate(mixed: Tensor, freqs: Tensor, query_width: int, coef_k: Optional[Te
 
 class QKVRoPE(torch.autograd.Function):
     """``qkv_rope`` as one node: saves the angles, document ids, coefficients, and
-    ``mixed`` only for the coefficients' gradient."""
+    ``mixed`` only for the coefficients' gradient. ``untracked``: the coefficients as
+    ``(coef_k, coef_v)`` parameters whose gradients it adds into ``main_grad`` outside
+    autograd (``coefficient_grads.untracked_params``; ``coef_k``/``coef_v`` None)."""
 
     @staticmethod
     def forward(ctx, mixed: Tensor, freqs: Tensor, coef_k: Optional[Tensor],
-                coef_v: Optional[Tensor], doc_ids: Optional[Tensor], query_width: int):
+                coef_v: Optional[Tensor], doc_ids: Optional[Tensor], query_width: int,
+                untracked: Optional[tuple[Tensor, Tensor]]):
         ctx.query_width = query_width
         ctx.set_materialize_grads(False)  # an unused output's gradient: None, not zeros
+        ctx.untracked = untracked  # parameters: nothing to save or version
+        if untracked is not None:
+            coef_k, coef_v = untracked
         query, key, value = triton_qkv_rope.forward(mixed, freqs, query_width, coef_k, coef_v,
                                                     doc_ids)
         learns = coef_k is not None and (coef_k.requires_grad or coef_v.requires_grad)
@@ -101,13 +111,14 @@ class QKVRoPE(torch.autograd.Function):
         ctx.in_place = learns and mixed.requires_grad and mixed.grad_fn is not None
         ctx.used = False
         # megatron's DDP parameters (the module's own: nothing to save or version)
-        ctx.params = main_grad_params(coef_k, coef_v) if learns else None
+        ctx.params = main_grad_params(coef_k, coef_v) if learns and not untracked else None
         if coef_k is not None:
             # The kernel wrote V̂ over the query columns behind autograd's back: say so
             # before saving mixed (its saved version is then the overwritten one).
             torch.autograd.graph.increment_version(mixed)
         # The raw K/V are mixed's K/V columns (intact): mixed itself, no copy.
-        ctx.save_for_backward(mixed if learns else None, freqs, coef_k, coef_v,
+        tracked = (coef_k, coef_v) if untracked is None else (None, None)
+        ctx.save_for_backward(mixed if learns else None, freqs, *tracked,
                               doc_ids if coef_k is not None else None)
         # value is a view of mixed; autograd makes this node its grad_fn all the same,
         # so its gradient comes back here and is written into dmixed.
@@ -126,16 +137,21 @@ class QKVRoPE(torch.autograd.Function):
         # reads only K/V columns of mixed (never written) and tensors nothing writes,
         # all saved with their version checked.
         mixed, freqs, coef_k, coef_v, doc_ids = ctx.saved_tensors
+        if ctx.untracked is not None:
+            coef_k, coef_v = ctx.untracked
         if dq is None and dk is None and dv is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         need_mixed = ctx.needs_input_grad[0]
-        need_coef = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        need_coef = (ctx.untracked is not None or ctx.needs_input_grad[2]
+                     or ctx.needs_input_grad[3])
         in_place = ctx.in_place and need_mixed and need_coef
         dmixed, dcoef = triton_qkv_rope.backward(mixed, freqs, ctx.query_width, coef_k,
                                                  coef_v, doc_ids, dq, dk, dv, need_coef,
                                                  in_place=in_place)
         dck = dcv = None
-        if dcoef is not None:
+        if dcoef is not None and ctx.untracked is not None:
+            add_to_main_grad(dcoef, ctx.untracked)
+        elif dcoef is not None:
             dck, dcv = coefficient_gradients(dcoef, coef_k.dtype, ctx.params)
         if in_place:
             ctx.used = True
@@ -145,4 +161,4 @@ class QKVRoPE(torch.autograd.Function):
             torch.autograd.graph.increment_version(mixed)
             dmixed = mixed.detach()  # the same memory, without mixed's graph
         return (dmixed if need_mixed else None, None, dck if ctx.needs_input_grad[2] else None,
-                dcv if ctx.needs_input_grad[3] else None, None, None)
+                dcv if ctx.needs_input_grad[3] else None, None, None, None)

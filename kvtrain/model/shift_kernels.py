@@ -41,7 +41,8 @@ import torch
 from torch import Tensor
 
 from . import native_shift, triton_shift
-from .coefficient_grads import coefficient_gradients, main_grad_params
+from .coefficient_grads import (add_to_main_grad, coefficient_gradients, main_grad_params,
+                                untracked_params)
 
 IMPLS = ("torch", "triton", "native")
 
@@ -183,18 +184,28 @@ def fused_shift_qkv(mixed: Tensor, coef_k: Tensor, coef_v: Tensor,
     impl = _checked_impl(mixed, impl)
     if impl == "native":  # a C++ operator with its own autograd node
         return native_shift.shift_qkv(mixed, coef_k, coef_v, doc_ids, query_width)
-    return QKVShift.apply(mixed, coef_k, coef_v, doc_ids, query_width, impl)
+    untracked = untracked_params(coef_k, coef_v, mixed)
+    if untracked is not None:  # in a tuple, out of autograd's sight (coefficient_grads)
+        return QKVShift.apply(mixed, None, None, doc_ids, query_width, impl, untracked)
+    return QKVShift.apply(mixed, coef_k, coef_v, doc_ids, query_width, impl, None)
 
 
 class QKVShift(torch.autograd.Function):
     """``fused_shift_qkv`` on torch ops or the Triton kernels (the native operator is
-    its C++ twin): saves a copy of the raw K/V, the coefficients and ``doc_ids``."""
+    its C++ twin): saves a copy of the raw K/V, the coefficients and ``doc_ids``.
+    ``untracked``: the coefficients as ``(coef_k, coef_v)`` parameters whose gradients
+    it adds into ``main_grad`` outside autograd (``coefficient_grads.untracked_params``;
+    ``coef_k``/``coef_v`` None)."""
 
     @staticmethod
-    def forward(ctx, mixed: Tensor, coef_k: Tensor, coef_v: Tensor, doc_ids: Optional[Tensor],
-                query_width: int, impl: str = "torch"):
+    def forward(ctx, mixed: Tensor, coef_k: Optional[Tensor], coef_v: Optional[Tensor],
+                doc_ids: Optional[Tensor], query_width: int, impl: str = "torch",
+                untracked: Optional[tuple[Tensor, Tensor]] = None):
         ctx.query_width, ctx.impl = query_width, impl
         ctx.set_materialize_grads(False)  # an unused output's gradient: None, not zeros
+        ctx.untracked = untracked  # parameters: nothing to save or version
+        if untracked is not None:
+            coef_k, coef_v = untracked
         # The raw copy serves the coefficients' gradient alone: none for fixed ones.
         keep_raw = coef_k.requires_grad or coef_v.requires_grad
         s, b, g, width = mixed.shape
@@ -207,9 +218,10 @@ class QKVShift(torch.autograd.Function):
             raw = kv.clone(memory_format=torch.contiguous_format) if keep_raw else None
             key = _torch_forward(kv[..., 0, :], coef_k, doc_ids)
             value = _torch_forward(kv[..., 1, :], coef_v, doc_ids)
-        ctx.save_for_backward(raw, coef_k, coef_v, doc_ids)
+        tracked = (coef_k, coef_v) if untracked is None else (None, None)
+        ctx.save_for_backward(raw, *tracked, doc_ids)
         # megatron's DDP parameters (the module's own: nothing to save or version)
-        ctx.params = main_grad_params(coef_k, coef_v) if keep_raw else None
+        ctx.params = main_grad_params(coef_k, coef_v) if keep_raw and not untracked else None
         # The query is handed on as a view of the input (autograd makes this node its
         # grad_fn, so its gradient comes back here and is written into dmixed).
         return mixed[..., :query_width], key, value
@@ -217,10 +229,13 @@ class QKVShift(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor]):
         raw, coef_k, coef_v, doc_ids = ctx.saved_tensors
+        if ctx.untracked is not None:
+            coef_k, coef_v = ctx.untracked
         if dq is None and dk is None and dv is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         need_mixed = ctx.needs_input_grad[0]
-        need_coef = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        need_coef = (ctx.untracked is not None or ctx.needs_input_grad[1]
+                     or ctx.needs_input_grad[2])
         if dk is None or dv is None:  # K or V unused downstream: its gradient is zero
             ref = dk if dk is not None else dv if dv is not None else dq
             zeros = ref.new_zeros(ctx.kv_shape[:3] + ctx.kv_shape[4:])  # [s, b, g, d]
@@ -233,10 +248,11 @@ class QKVShift(torch.autograd.Function):
                                              ctx.query_width, (dq, dk, dv), need_mixed,
                                              need_coef)
         dck = dcv = None
-        if need_coef:  # [2, g, n] sums: cast, or added into megatron's main_grad
+        if need_coef and ctx.untracked is not None:  # [2, g, n] sums into main_grad
+            add_to_main_grad(dcoef, ctx.untracked)
+        elif need_coef:  # cast, or added into megatron's main_grad with placeholders
             dck, dcv = coefficient_gradients(dcoef, coef_k.dtype, ctx.params)
-        return (dmixed if need_mixed else None, dck if need_coef else None,
-                dcv if need_coef else None, None, None, None)
+        return (dmixed if need_mixed else None, dck, dcv, None, None, None, None)
 
 
 def _kv_block(mixed: Tensor, query_width: int) -> Tensor:

@@ -118,6 +118,7 @@ def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
 
     from kvtrain.backend.distributed import register_ddp
     from kvtrain.model.builder import build_gpt
+    from kvtrain.model.coefficient_grads import untrack_coefficients
 
     p = cfg.parallel
     chunks = []
@@ -149,6 +150,7 @@ def _build_model(cfg: RunConfig, tconfig, numerics, backend: str,
     for chunk in model:
         register_ddp(chunk)  # see release_models
         chunk.broadcast_params()  # identical replicas whatever each rank's init did
+        untrack_coefficients(chunk)  # their gradients straight into main_grad, if they may
     return model
 
 

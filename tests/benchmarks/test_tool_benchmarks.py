@@ -1,5 +1,5 @@
 """The benchmarks that time or count one part (``shift_kernel.py``,
-``shift_saved_bytes.py``, ``preprocess.py``) run on tiny shapes and print what
+``shift_saved_bytes.py``, ``preprocess.py``, ``host_work.py``) run on tiny shapes and print what
 docs/performance.md quotes from them: a benchmark that no longer runs would
 otherwise be found only on the GPU machine, where ``checks.sh`` calls
 ``shift_kernel.py``, or by the next person to measure."""
@@ -77,3 +77,27 @@ def test_preprocess_benchmark_prints_its_ratio(tmp_path):
     ratio = float(re.search(r"^ratio\s+([0-9.]+)", out, re.M)[1])
     assert ours > 0 and ceiling > 0 and ratio == pytest.approx(ours / ceiling, abs=2e-3), out
     assert (tmp_path / "work").is_dir()  # --workdir keeps the files
+
+
+def test_host_work_counts_what_the_shift_adds_on_the_gpus_kernels(tmp_path):
+    """``host_work.py`` (the host's work of a step on the GPU's kernels, in Triton's
+    interpreter): the KV shift launches no kernel more than vanilla (the QKV node
+    shifts inside RoPE's) and dispatches at most 3 operators more per layer in the
+    backward (the coefficients' reduction, its split, the add into main_grad, less the
+    buffer the in-place backward does not allocate, plus the in-place gradient's
+    detach), nothing more in the forward; the update's extra work is per parameter
+    (one detach each of the 2 coefficient tensors a layer)."""
+    out_json = tmp_path / "host.json"
+    out = _run("host_work.py", str(REPO / "configs" / "bench" / "host.yaml"),
+               "--set", "model.num_layers=2", "--json", str(out_json), cwd=tmp_path)
+    import json
+
+    result = json.loads(out_json.read_text())
+    totals = result["totals"]
+    assert totals["kv_shift"]["launches"] == totals["vanilla"]["launches"], out
+    assert sum(totals["vanilla"]["launches"].values()) > 0, out  # the Triton kernels ran
+    extra = {phase: totals["kv_shift"]["ops"][phase] - totals["vanilla"]["ops"][phase]
+             for phase in totals["vanilla"]["ops"]}
+    assert extra["forward"] == 0 and 0 < extra["backward"] <= 3 * 2, out
+    assert extra["update"] == 2 * 2, out
+    assert "kv_shift - vanilla, ops, backward:" in out and "aten._foreach_add_" in out, out

@@ -10,6 +10,7 @@ Each trap test fails without its fix:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,27 @@ def test_weight_decay_groups(single_rank, tmp_path, cache_dir, decay_shift):
     shift = {n for n, p in run.model[0].module.named_parameters() if is_kv_shift_param(p)}
     assert shift and (shift <= decayed if decay_shift else shift <= no_decay)
     assert all(p.dim() == 2 for n, p in run.model[0].module.named_parameters() if n in decayed)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_coefficients_go_outside_autograd_where_no_hook_waits(single_rank, tmp_path,
+                                                                  cache_dir, overlap):
+    """The trainer marks the shift's coefficients for the nodes' untracked path
+    (``coefficient_grads.untrack_coefficients``) where megatron's DDP does not overlap
+    its reduction, and not where it does (its hook on them tells their bucket); a step
+    trains either way."""
+    from kvtrain.model.coefficient_grads import UNTRACKED
+    from kvtrain.model.kv_shift import is_kv_shift_param
+
+    cfg = tiny_config(None, cache_dir, parallel={"overlap_grad_reduce": overlap})
+    run = _run(cfg, tmp_path)
+    marks = [getattr(p, UNTRACKED, None) for p in run.model[0].module.parameters()
+             if is_kv_shift_param(p)]
+    assert len(marks) == 4 and marks == [not overlap] * 4
+    assert not any(getattr(p, UNTRACKED, False) for p in run.model[0].module.parameters()
+                   if not is_kv_shift_param(p))
+    (result,), _ = _steps(run, 1)
+    assert math.isfinite(result.loss) and result.outcome.updated
 
 
 def _flat(run) -> torch.Tensor:
