@@ -69,10 +69,10 @@ def untracked_params(coef_k: Tensor, coef_v: Tensor,
     backward to add their gradients (a layer whose other weights are frozen)."""
     if not (torch.is_grad_enabled() and mixed.requires_grad):
         return None
-    params = main_grad_params(coef_k, coef_v)
-    if params is None or not all(getattr(p, UNTRACKED, False) for p in params):
+    # the flag first: one attribute read where the path does not apply (no DDP)
+    if not (getattr(coef_k, UNTRACKED, False) and getattr(coef_v, UNTRACKED, False)):
         return None
-    return params
+    return main_grad_params(coef_k, coef_v)
 
 
 def add_to_main_grad(dcoef: Tensor, params: tuple[Tensor, Tensor]) -> None:
