@@ -19,6 +19,8 @@ scale, no sync. The values are the same up to the order of summation.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -46,7 +48,7 @@ def foreach_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: list[list[Te
     src, dst = tensor_lists
     if not src:
         return
-    if all(a is b for a, b in zip(src, dst)):
+    if src is dst or all(map(operator.is_, src, dst)):  # no Python frame per tensor
         torch._foreach_mul_(dst, scale)
     elif scale == 1.0:
         torch._foreach_copy_(dst, src)

@@ -28,7 +28,6 @@ except ImportError:  # pragma: no cover - depends on the torch version
 
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ParamGroupOverride
@@ -37,7 +36,7 @@ from kvtrain.config.schema import RunConfig
 from kvtrain.model.builder import Numerics
 from kvtrain.model.kv_shift import is_kv_shift_param
 
-from . import shard_copies
+from . import main_grads, shard_copies
 
 
 def no_weight_decay_overrides(decay_kv_shift: bool) -> dict[ParamKey, ParamGroupOverride]:
@@ -79,6 +78,7 @@ def build_optimizer(cfg: RunConfig, numerics: Numerics, model_chunks: list) -> t
         config_overrides=no_weight_decay_overrides(cfg.model.kv_shift.weight_decay),
     )
     shard_copies.install(optimizer)  # megatron's per-parameter Python loops, batched
+    main_grads.install(optimizer)  # and those of the gradient norm and the clipping
     return optimizer, use_fused_adamw(optimizer)
 
 
@@ -293,12 +293,7 @@ def guarded_step(optimizer, scheduler: OptimizerParamScheduler, loss_is_finite: 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0:
             continue
-        params = opt.get_parameters()
-        if params:
-            clip_grad_by_total_norm_fp32(
-                params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
-                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-            )
+        main_grads.clip(opt, opt.config.clip_grad, grad_norm)
     updated = optimizer.step_with_ready_grads()
     return StepOutcome(bool(updated), grad_norm, None)
 
