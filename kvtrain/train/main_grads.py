@@ -18,9 +18,10 @@ megatron may hand a main parameter a new gradient tensor any step. The norm is
 ``get_grad_norm_fp32``'s L2 path (the multi-tensor norm, its square summed over the
 group, the root) over the same tensors in the same order, less its per-gradient
 DTensor checks, and the clipping megatron's multi-tensor scale with megatron's
-coefficient: the values are megatron's bit for bit. It applies where the gradients are plain ``.grad`` tensors
-(no FSDP's DTensors, no precision-aware optimizer's ``decoupled_grad``); any other
-optimizer keeps megatron's code.
+coefficient: the values are megatron's bit for bit. It applies where the gradients
+are plain ``.grad`` tensors (no FSDP's DTensors, no precision-aware optimizer's
+``decoupled_grad``) and the norm is megatron's own; any other optimizer keeps
+megatron's code.
 """
 
 from __future__ import annotations

@@ -113,6 +113,21 @@ def test_the_norm_leaves_out_shared_and_duplicate_parameters_and_clipping_does_n
                for p in (split, shared, replica))
 
 
+def test_the_norm_of_a_rank_without_gradients_is_zero(single_rank):
+    """megatron's empty norm (a rank whose parameters got no gradient), reduced over the
+    group; and the L2 norm of the gradients otherwise."""
+    from kvtrain.train.main_grads import MainGrads
+
+    p, q = _param(tensor_model_parallel=True), _param(tensor_model_parallel=True)
+    p.grad = q.grad = None
+    opt = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"params": [p, q]}]),
+                          get_grad_stats_parallel_group=lambda: None)
+    grads = MainGrads(opt)
+    assert grads.norm() == 0.0
+    p.grad, q.grad = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])
+    assert grads.norm() == pytest.approx(5.0)
+
+
 def test_other_optimizers_keep_megatrons_code():
     """A subclass with its own norm, a precision-aware optimizer's decoupled
     gradients and FSDP's DTensors are left to megatron."""
