@@ -124,14 +124,12 @@ def install(optimizer) -> int:
     """Puts :class:`MainGrads` in the place of megatron's filter for the norm and its
     norm in every optimizer of ``optimizer`` (chained or single) where it
     :func:`applies`; how many."""
-    done = 0
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if applies(opt):
-            grads = MainGrads(opt)
-            opt.get_main_grads_for_grad_norm = grads.for_norm
-            opt.get_grad_norm = grads.norm
-            done += 1
-    return done
+    plain = [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+             if applies(opt)]
+    for opt in plain:
+        grads = MainGrads(opt)
+        opt.get_main_grads_for_grad_norm, opt.get_grad_norm = grads.for_norm, grads.norm
+    return len(plain)
 
 
 def installed(opt) -> Optional[MainGrads]:
