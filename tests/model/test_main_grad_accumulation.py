@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime import interpreter
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from kvtrain.backend import init_distributed, init_model_parallel, set_seed
-from kvtrain.config import ModelConfig
+from kvtrain.config import ModelConfig, ParallelConfig
 from kvtrain.config.schema import KVShiftConfig
 from kvtrain.model.builder import build_gpt, transformer_config
 from kvtrain.model.coefficient_grads import untrack_coefficients
@@ -45,6 +45,15 @@ def counted_launch(self, *args, **kwargs):
     finally:
         launching[0] -= 1
 interpreter.GridExecutor.__call__ = counted_launch
+
+
+from kvtrain.model import triton_qkv_rope
+node_calls = [0]  # the QKV node's forward kernels, recomputed ones included
+node_forward = triton_qkv_rope.forward
+def counted_forward(*args, **kwargs):
+    node_calls[0] += 1
+    return node_forward(*args, **kwargs)
+triton_qkv_rope.forward = counted_forward
 
 
 class Ops(TorchDispatchMode):
@@ -72,12 +81,12 @@ def coefficient_edges(out):
 
 
 def run(attention, fusion, shift=KVShiftConfig(), groups=4, packed=None, overlap=False,
-        kernel=None, frozen=False):
+        kernel=None, frozen=False, recompute="none"):
     set_seed(7)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                       num_query_groups=groups, vocab_size=64, max_position_embeddings=64,
                       attention=attention, kv_shift=shift)
-    tc = transformer_config(cfg, rope_fusion=fusion)
+    tc = transformer_config(cfg, ParallelConfig(recompute=recompute), rope_fusion=fusion)
     module = build_gpt(cfg, tc, backend="torch", shift_kernel=kernel)
     for name, p in module.named_parameters():
         if frozen and "shift_" not in name:  # a study that trains the coefficients alone
@@ -89,6 +98,7 @@ def run(attention, fusion, shift=KVShiftConfig(), groups=4, packed=None, overlap
     ops, nodes = None, None
     for step in range(2):  # the second step counts: caches warm, buffers zeroed again
         model.zero_grad_buffer()
+        node_calls[0] = 0
         with Ops() as ops:
             for micro in range(2):
                 logits = model(tokens, pos, None, packed_seq_params=packed)
@@ -101,6 +111,7 @@ def run(attention, fusion, shift=KVShiftConfig(), groups=4, packed=None, overlap
     return {
         "main": {n: p.main_grad.clone() for n, p in params.items()},
         "edges": edges,
+        "node_calls": node_calls[0],
         "added": {n: bool(p.grad_added_to_main_grad) for n, p in params.items()
                   if "shift_" in n},
         "grads_left": [n for n, p in params.items() if p.grad is not None],
@@ -114,7 +125,8 @@ def compare(got, ref, nodes):
     """main_grads' largest relative difference; flags, .grad left and nodes side by side."""
     return {"main_grad": max(((got["main"][n] - g).abs().max() / g.abs().max()).item()
                              for n, g in ref["main"].items()),
-            **{key: [got[key], ref[key]] for key in ("added", "grads_left", "edges")},
+            **{key: [got[key], ref[key]] for key in ("added", "grads_left", "edges",
+                                                     "node_calls")},
             "nodes": [got[nodes], ref[nodes]]}
 
 
@@ -123,7 +135,8 @@ for name, kwargs in (("kv_shift", {}),
                      ("gqa window 2 documents", {"shift": KVShiftConfig(window=2),
                                                  "groups": 2, "packed": docs}),
                      ("overlap_grad_reduce", {"overlap": True}),
-                     ("coefficients alone learn", {"frozen": True})):
+                     ("coefficients alone learn", {"frozen": True}),
+                     ("recompute full", {"recompute": "full"})):
     fused, ref = run("kv_shift", True, **kwargs), run("kv_shift", False, **kwargs)
     out["cases"][name] = compare(fused, ref, "fused")
     if name == "kv_shift":
@@ -150,7 +163,7 @@ def interpreted():
 
 
 @pytest.mark.parametrize("case", ["kv_shift", "gqa window 2 documents", "overlap_grad_reduce",
-                                  "coefficients alone learn"])
+                                  "coefficients alone learn", "recompute full"])
 def test_main_grads_match_megatrons_hook_path(interpreted, case):
     """Every parameter's main_grad after two micro batches equals megatron's path's
     (fp32, 1e-5 of the largest), and the hook left no .grad on either. Without
@@ -159,13 +172,18 @@ def test_main_grads_match_megatrons_hook_path(interpreted, case):
     hook tells the bucket a parameter is ready) through autograd, marked as added by
     the node; and where no graph runs through the QKV output to call the node's
     backward (the first layer, when the coefficients alone learn) through autograd
-    too (the second layer's input depends on the first's coefficients: outside)."""
+    too (the second layer's input depends on the first's coefficients: outside).
+    Full recomputation re-runs each layer, the node with it, in the backward (the
+    checkpointed layers hide both paths' nodes from the logits' graph)."""
     c = interpreted["cases"][case]
-    assert c["nodes"] == [2, 0], c  # both layers on the node; megatron's path without
+    hidden = case == "recompute full"
+    assert c["nodes"] == [0 if hidden else 2, 0], c  # the node; megatron's path without
+    # 2 layers x 2 micro batches, each run again in the backward with recomputation
+    assert c["node_calls"] == [8 if hidden else 4, 0], c
     assert c["main_grad"] <= 1e-5, c
     fused, ref = c["added"]
     tracked = {"overlap_grad_reduce": 4, "coefficients alone learn": 2}.get(case, 0)
-    assert c["edges"] == [tracked, 4], c  # 2 layers x K, V on megatron's path
+    assert c["edges"] == [tracked, 0 if hidden else 4], c  # 2 layers x K, V: megatron's
     assert fused and sum(fused.values()) == tracked, c
     assert ref and not any(ref.values()), c
     assert c["grads_left"] == [[], []], c
