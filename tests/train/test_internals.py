@@ -163,6 +163,44 @@ def _flat(run) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in run.model[0].module.parameters()])
 
 
+def _kernel_worker(rank: int, world: int, cfgs: list, run_dir: str):
+    """Two steps of each config; this rank's weights (its TP shard), the losses, and
+    whether its coefficients were marked for the untracked path."""
+    from kvtrain.model.coefficient_grads import UNTRACKED
+    from kvtrain.model.kv_shift import is_kv_shift_param
+
+    out = []
+    for i, cfg in enumerate(cfgs):
+        run = _run(cfg, Path(run_dir) / str(i))
+        results, _ = _steps(run, 2)
+        marked = [getattr(p, UNTRACKED) for p in run.model[0].module.parameters()
+                  if is_kv_shift_param(p)]
+        out.append((_flat(run), [r.loss for r in results], marked))
+    return out
+
+
+@pytest.mark.slow
+def test_untracked_coefficients_train_as_megatrons_hook_path(single_rank, tmp_path, cache_dir):
+    """The shift on torch ops (``QKVShift``: the coefficients outside autograd, their
+    gradients added into main_grad by the node) against the native operators (a C++
+    node: autograd, megatron's hook) on 2 ranks, TP=2 with sequence parallelism (each
+    rank its KV heads' coefficients) and DP=2 with the distributed optimizer: the same
+    losses and weights after two steps (fp32, 1e-5)."""
+    from kvtrain.testing import run_distributed
+
+    layouts = [{"tensor": 2, "sequence_parallel": True}, {}]
+    cfgs = [tiny_config(None, cache_dir, parallel=layout, model={"kv_shift": {"kernel": kernel}})
+            for layout in layouts for kernel in ("torch", "native")]
+    ranks = run_distributed(_kernel_worker, 2, cfgs, str(tmp_path))
+    for rank in ranks:
+        for untracked, hooked in (rank[0:2], rank[2:4]):
+            assert untracked[2] == [True] * 4  # 2 layers x K, V (the native node ignores it)
+            assert untracked[1] == pytest.approx(hooked[1], rel=1e-5)
+            assert torch.allclose(untracked[0], hooked[0], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ranks[0][0][0], ranks[1][0][0])  # TP: each rank its shard
+
+
+
 def _dp_worker(rank: int, world: int, cfgs: list, run_dir: str):
     """For each config: two steps at DP=2, then one more without megatron's
     finalize_model_grads (without it DDP never reduces); this replica's weights after each."""
