@@ -18,7 +18,8 @@ caches and allocates the optimizer's state) counts one step's:
   interpreter's own inside a kernel launch left out;
 * ``launches``: Triton kernel launches, by kernel;
 * ``calls``: Python function calls (``sys.setprofile``), the interpreter's inside
-  a launch left out, by ``module:function``;
+  a launch left out, by ``module:function`` (a generator counts at every element it
+  yields: Python per element, which a list comprehension does not pay);
 
 each by phase: ``forward`` and ``backward`` (megatron's schedule over the micro
 batches; backward is what autograd's engine runs), ``finalize`` (megatron's
