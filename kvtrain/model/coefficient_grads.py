@@ -75,16 +75,15 @@ def untracked_params(coef_k: Tensor, coef_v: Tensor,
     return main_grad_params(coef_k, coef_v)
 
 
-def add_to_main_grad(dcoef: Tensor, params: tuple[Tensor, Tensor]) -> None:
-    """K's and V's sums ``dcoef [2, g, w+1]`` (fp32) into the parameters' ``main_grad``:
-    one multi-tensor add."""
-    torch._foreach_add_([p.main_grad for p in params], list(dcoef.unbind(0)))
-
-
 def coefficient_gradients(dcoef: Tensor, dtype: torch.dtype,
-                          params: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+                          params: Optional[tuple[Tensor, Tensor]], in_autograd: bool = True
+                          ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """The gradients to hand autograd for K's and V's coefficients from their sums
     ``dcoef [2, g, w+1]`` (fp32; the Triton kernels' contiguous, torch ops' a view).
+
+    ``params`` with ``in_autograd`` False (:func:`untracked_params`: the node took them
+    outside autograd): the sums go into their ``main_grad`` (one multi-tensor add, in
+    fp32), and autograd gets nothing (None, None).
 
     ``params`` (:func:`main_grad_params`): the sums go into the parameters'
     ``main_grad`` (one multi-tensor add, in fp32), the parameters say so
@@ -96,7 +95,9 @@ def coefficient_gradients(dcoef: Tensor, dtype: torch.dtype,
     they are (views such as ``dcoef[:, 0]`` of a ``[g, 2, w+1]`` sum it copied, each:
     two copy kernels a layer on the lent H200)."""
     if params is not None:
-        add_to_main_grad(dcoef, params)
+        torch._foreach_add_([p.main_grad for p in params], list(dcoef.unbind(0)))
+        if not in_autograd:
+            return None, None
         for p in params:
             p.grad_added_to_main_grad = True
         return tuple(torch.zeros_like(p) if getattr(p, "zero_out_wgrad", False)
@@ -107,5 +108,5 @@ def coefficient_gradients(dcoef: Tensor, dtype: torch.dtype,
     return both[0], both[1]
 
 
-__all__ = ["UNTRACKED", "add_to_main_grad", "coefficient_gradients", "main_grad_params",
-           "untrack_coefficients", "untracked_params"]
+__all__ = ["UNTRACKED", "coefficient_gradients", "main_grad_params", "untrack_coefficients",
+           "untracked_params"]

@@ -34,8 +34,7 @@ import torch
 from torch import Tensor
 
 from . import triton_qkv_rope
-from .coefficient_grads import (add_to_main_grad, coefficient_gradients, main_grad_params,
-                                untracked_params)
+from .coefficient_grads import coefficient_gradients, main_grad_params, untracked_params
 
 
 def available() -> bool:
@@ -100,7 +99,7 @@ class QKVRoPE(torch.autograd.Function):
                 untracked: Optional[tuple[Tensor, Tensor]]):
         ctx.query_width = query_width
         ctx.set_materialize_grads(False)  # an unused output's gradient: None, not zeros
-        ctx.untracked = untracked  # parameters: nothing to save or version
+        ctx.untracked = untracked is not None
         if untracked is not None:
             coef_k, coef_v = untracked
         query, key, value = triton_qkv_rope.forward(mixed, freqs, query_width, coef_k, coef_v,
@@ -111,7 +110,7 @@ class QKVRoPE(torch.autograd.Function):
         ctx.in_place = learns and mixed.requires_grad and mixed.grad_fn is not None
         ctx.used = False
         # megatron's DDP parameters (the module's own: nothing to save or version)
-        ctx.params = main_grad_params(coef_k, coef_v) if learns and not untracked else None
+        ctx.params = untracked or (main_grad_params(coef_k, coef_v) if learns else None)
         if coef_k is not None:
             # The kernel wrote V̂ over the query columns behind autograd's back: say so
             # before saving mixed (its saved version is then the overwritten one).
@@ -137,22 +136,20 @@ class QKVRoPE(torch.autograd.Function):
         # reads only K/V columns of mixed (never written) and tensors nothing writes,
         # all saved with their version checked.
         mixed, freqs, coef_k, coef_v, doc_ids = ctx.saved_tensors
-        if ctx.untracked is not None:
-            coef_k, coef_v = ctx.untracked
+        if ctx.untracked:
+            coef_k, coef_v = ctx.params
         if dq is None and dk is None and dv is None:
             return None, None, None, None, None, None, None
         need_mixed = ctx.needs_input_grad[0]
-        need_coef = (ctx.untracked is not None or ctx.needs_input_grad[2]
-                     or ctx.needs_input_grad[3])
+        need_coef = ctx.untracked or ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         in_place = ctx.in_place and need_mixed and need_coef
         dmixed, dcoef = triton_qkv_rope.backward(mixed, freqs, ctx.query_width, coef_k,
                                                  coef_v, doc_ids, dq, dk, dv, need_coef,
                                                  in_place=in_place)
         dck = dcv = None
-        if dcoef is not None and ctx.untracked is not None:
-            add_to_main_grad(dcoef, ctx.untracked)
-        elif dcoef is not None:
-            dck, dcv = coefficient_gradients(dcoef, coef_k.dtype, ctx.params)
+        if dcoef is not None:  # cast, or into main_grad (with placeholders in autograd)
+            dck, dcv = coefficient_gradients(dcoef, coef_k.dtype, ctx.params,
+                                             in_autograd=not ctx.untracked)
         if in_place:
             ctx.used = True
             # mixed changed under autograd's eyes: a node that saved it or a view of it

@@ -41,8 +41,7 @@ import torch
 from torch import Tensor
 
 from . import native_shift, triton_shift
-from .coefficient_grads import (add_to_main_grad, coefficient_gradients, main_grad_params,
-                                untracked_params)
+from .coefficient_grads import coefficient_gradients, main_grad_params, untracked_params
 
 IMPLS = ("torch", "triton", "native")
 
@@ -203,7 +202,7 @@ class QKVShift(torch.autograd.Function):
                 untracked: Optional[tuple[Tensor, Tensor]] = None):
         ctx.query_width, ctx.impl = query_width, impl
         ctx.set_materialize_grads(False)  # an unused output's gradient: None, not zeros
-        ctx.untracked = untracked  # parameters: nothing to save or version
+        ctx.untracked = untracked is not None
         if untracked is not None:
             coef_k, coef_v = untracked
         # The raw copy serves the coefficients' gradient alone: none for fixed ones.
@@ -221,7 +220,7 @@ class QKVShift(torch.autograd.Function):
         tracked = (coef_k, coef_v) if untracked is None else (None, None)
         ctx.save_for_backward(raw, *tracked, doc_ids)
         # megatron's DDP parameters (the module's own: nothing to save or version)
-        ctx.params = main_grad_params(coef_k, coef_v) if keep_raw and not untracked else None
+        ctx.params = untracked or (main_grad_params(coef_k, coef_v) if keep_raw else None)
         # The query is handed on as a view of the input (autograd makes this node its
         # grad_fn, so its gradient comes back here and is written into dmixed).
         return mixed[..., :query_width], key, value
@@ -229,13 +228,12 @@ class QKVShift(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor]):
         raw, coef_k, coef_v, doc_ids = ctx.saved_tensors
-        if ctx.untracked is not None:
-            coef_k, coef_v = ctx.untracked
+        if ctx.untracked:
+            coef_k, coef_v = ctx.params
         if dq is None and dk is None and dv is None:
             return None, None, None, None, None, None, None
         need_mixed = ctx.needs_input_grad[0]
-        need_coef = (ctx.untracked is not None or ctx.needs_input_grad[1]
-                     or ctx.needs_input_grad[2])
+        need_coef = ctx.untracked or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         if dk is None or dv is None:  # K or V unused downstream: its gradient is zero
             ref = dk if dk is not None else dv if dv is not None else dq
             zeros = ref.new_zeros(ctx.kv_shape[:3] + ctx.kv_shape[4:])  # [s, b, g, d]
@@ -248,10 +246,9 @@ class QKVShift(torch.autograd.Function):
                                              ctx.query_width, (dq, dk, dv), need_mixed,
                                              need_coef)
         dck = dcv = None
-        if need_coef and ctx.untracked is not None:  # [2, g, n] sums into main_grad
-            add_to_main_grad(dcoef, ctx.untracked)
-        elif need_coef:  # cast, or added into megatron's main_grad with placeholders
-            dck, dcv = coefficient_gradients(dcoef, coef_k.dtype, ctx.params)
+        if need_coef:  # [2, g, n] sums: cast, or into main_grad (placeholders in autograd)
+            dck, dcv = coefficient_gradients(dcoef, coef_k.dtype, ctx.params,
+                                             in_autograd=not ctx.untracked)
         return (dmixed if need_mixed else None, dck, dcv, None, None, None, None)
 
 

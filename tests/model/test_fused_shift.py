@@ -596,3 +596,19 @@ def test_the_coefficient_gradients_go_into_megatrons_main_grad():
     params[0].requires_grad_(False)
     assert main_grad_params(*params) is None
     assert main_grad_params(params[1], params[1] * 1) is None  # a derived coefficient
+
+
+def test_untracked_coefficient_gradients_go_into_main_grad_alone():
+    """Coefficients a node took outside autograd (``in_autograd=False``): the sums are
+    added into ``main_grad``, nothing is flagged and autograd gets nothing."""
+    from kvtrain.model.coefficient_grads import coefficient_gradients
+
+    params = [torch.nn.Parameter(torch.rand(3, 2)) for _ in range(2)]
+    for p in params:
+        p.main_grad = torch.full((3, 2), 0.5)
+        p.grad_added_to_main_grad = False
+    sums = torch.randn(2, 3, 2)
+    assert coefficient_gradients(sums, torch.float32, tuple(params),
+                                 in_autograd=False) == (None, None)
+    for p, i in zip(params, (0, 1)):
+        assert torch.equal(p.main_grad, 0.5 + sums[i]) and not p.grad_added_to_main_grad
