@@ -63,15 +63,14 @@ from kvtrain.config import ConfigError  # noqa: E402
 PHASES = ("forward", "backward", "finalize", "update")
 
 
-class Counter:
-    """The host's work while :meth:`counting`: by phase, operators, launches, calls."""
+class Phases:
+    """Which part of megatron's step the host is in (:meth:`install` wraps the run's
+    schedule and gradient reduction), and whether inside a Triton launch (the
+    interpreter's own work, which a GPU does not do on the host)."""
 
-    def __init__(self) -> None:
-        self.counts = {kind: {p: collections.Counter() for p in PHASES}
-                       for kind in ("ops", "launches", "calls")}
-        self.phase = "update"  # outside megatron's schedule (set by count_arm's wrappers)
-        self.launching = 0  # inside a Triton launch: the interpreter's work
-        self.on = False
+    def __init__(self, phase: str = "update") -> None:
+        self.phase = phase  # outside megatron's schedule: the update (or the build)
+        self.launching = 0
 
     def where(self) -> str:
         if self.phase == "forward" and torch._C._current_autograd_node() is not None:
@@ -87,6 +86,27 @@ class Counter:
             finally:
                 self.phase = before
         return in_phase
+
+    def install(self, run) -> None:
+        """Phases for ``run`` (a ``kvtrain.train.setup.Run``): megatron's schedule runs
+        forward and backward, ``finalize_model_grads`` the reduction."""
+        run.forward_backward = self.wrap(run.forward_backward, "forward")
+        config = run.model[0].config  # the TransformerConfig megatron's schedule reads
+        config.finalize_model_grads_func = self.wrap(config.finalize_model_grads_func,
+                                                     "finalize")
+
+    def launched(self, name: str) -> None:
+        """Called at each Triton launch, before its inside runs."""
+
+
+class Counter(Phases):
+    """The host's work while :meth:`counting`: by phase, operators, launches, calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {kind: {p: collections.Counter() for p in PHASES}
+                       for kind in ("ops", "launches", "calls")}
+        self.on = False
 
     def launched(self, name: str) -> None:
         if self.on and not self.launching:
@@ -133,24 +153,34 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count_launches(counter: Counter) -> None:
-    """Every interpreted launch counted once (its kernel's name) and its inside left out."""
+_LAUNCHES: list = []  # [the Phases told of launches] once hooked
+
+
+def hook_launches(phases: Phases) -> None:
+    """Every interpreted launch told to ``phases`` once (its kernel's name), its inside
+    marked (``phases.launching``) to be left out. Hooked once a process: a second
+    call hands the launches to its ``phases`` instead."""
     from triton.runtime import interpreter
 
+    if _LAUNCHES:
+        _LAUNCHES[0] = phases
+        return
+    _LAUNCHES.append(phases)
     launch = interpreter.GridExecutor.__call__
 
     def counted(self, *args, **kwargs):
-        counter.launched(getattr(self.fn, "__name__", "?"))
-        counter.launching += 1
+        told = _LAUNCHES[0]
+        told.launched(getattr(self.fn, "__name__", "?"))
+        told.launching += 1
         try:
             return launch(self, *args, **kwargs)
         finally:
-            counter.launching -= 1
+            told.launching -= 1
 
     interpreter.GridExecutor.__call__ = counted
 
 
-def _gpu_kernels() -> None:
+def gpu_kernels() -> None:
     """The run's kernels as a GPU run resolves them (the torch backend's Triton node,
     loss and SwiGLU), where the CPU would take torch's ops; the backend's record says
     so."""
@@ -186,12 +216,8 @@ def count_arm(arm, steps: int) -> Counter:
     """``steps`` steps of ``arm`` (benchmarks/step.py's ``Arm``), then two more counted:
     one its Python calls, one its operators (launches in both: counted in the second)."""
     counter = Counter()
-    _count_launches(counter)
-    run = arm.run
-    run.forward_backward = counter.wrap(run.forward_backward, "forward")
-    config = run.model[0].config  # the TransformerConfig megatron's schedule reads
-    config.finalize_model_grads_func = counter.wrap(config.finalize_model_grads_func,
-                                                    "finalize")
+    hook_launches(counter)
+    counter.install(arm.run)
     for _ in range(steps):
         arm.step()
     with counter.counting(calls=True):
@@ -258,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sets = ["train.precision=bf16", *args.set]
         cfgs = bench.arm_configs(args.config, None, sets, args.steps)
         quiet_imports()
-        _gpu_kernels()
+        gpu_kernels()
         env = bench._init(cfgs["vanilla"])
         scratch = Path(tempfile.mkdtemp(prefix="kvtrain-host-"))
         try:

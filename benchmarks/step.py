@@ -37,6 +37,11 @@ global buffer of the local spec's attention scores - whichever is built first:
 
 Under ``torchrun`` (several ranks) memory is not measured.
 
+``--memory-history DIR`` (a GPU, one process) has each memory probe record the caching
+allocator's history from before its build and dump it to ``DIR/<arm>.pickle``
+(``torch.cuda.memory._dump_snapshot``): ``benchmarks/peak_memory.py --snapshots``
+says what is alive at each arm's peak and what differs. It slows the probes only.
+
 ``--profile`` runs one more step of each arm under ``torch.profiler`` and adds
 where the time goes (kernels, host operators, what the shift adds) to the
 output and the JSON (``benchmarks/step_profile.py``).
@@ -139,15 +144,25 @@ def memory_kind(world_size: int) -> str:
     return "cpu_rss_high_water_mark (one forked process per arm)"
 
 
-def _probe_child(cfg: RunConfig, warmup: int, pipe) -> None:
-    """A probe process: builds and warms up ``cfg`` alone, sends its peak memory."""
+HISTORY_ENTRIES = 2_000_000  # the allocator's trace is a ring: the build's must stay in it
+
+
+def _probe_child(cfg: RunConfig, warmup: int, pipe, history: Optional[str] = None) -> None:
+    """A probe process: builds and warms up ``cfg`` alone, sends its peak memory
+    (``history``: the allocator's history dumped into that folder, module docstring)."""
     try:
         from kvtrain.commands.train import quiet_imports
 
         quiet_imports()
+        if history:
+            torch.cuda.init()  # the allocator whose history is recorded
+            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES,
+                                                     stacks="python")
         with tempfile.TemporaryDirectory(prefix="kvtrain-step-probe-") as scratch:
             arm = build_arm(cfg.model.attention, cfg, Path(scratch), _init(cfg), warmup,
                             measure=True)
+        if history:
+            torch.cuda.memory._dump_snapshot(str(Path(history) / f"{arm.name}.pickle"))
         pipe.send(("ok", arm.peak_bytes))
     except ConfigError:
         pipe.send(("refused", None))  # the parent's own build says it, in one line
@@ -155,7 +170,8 @@ def _probe_child(cfg: RunConfig, warmup: int, pipe) -> None:
         pipe.send(("failed", traceback.format_exc()))
 
 
-def probe_memory(cfgs: dict[str, RunConfig], warmup: int) -> dict[str, Optional[int]]:
+def probe_memory(cfgs: dict[str, RunConfig], warmup: int,
+                 history: Optional[str] = None) -> dict[str, Optional[int]]:
     """Each arm's peak memory, measured in a process of its own (module docstring),
     before this process builds or times anything. On the CPU both at once, forked
     (the children inherit the imports); on a GPU one after the other, spawned (CUDA
@@ -170,7 +186,7 @@ def probe_memory(cfgs: dict[str, RunConfig], warmup: int) -> dict[str, Optional[
 
     def start(arm: str) -> None:
         receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_probe_child, args=(cfgs[arm], warmup, send))
+        proc = ctx.Process(target=_probe_child, args=(cfgs[arm], warmup, send, history))
         proc.start()
         send.close()  # the child's end: recv() sees EOF if the child dies
         children[arm] = (proc, receive)
@@ -366,9 +382,19 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--json", help="where the result goes")
     parser.add_argument("--profile", action="store_true",
                         help="one more step per arm under torch.profiler (step_profile.py)")
+    parser.add_argument("--memory-history", metavar="DIR",
+                        help="a GPU: each arm's allocator history into DIR/<arm>.pickle "
+                             "(for benchmarks/peak_memory.py --snapshots)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1")
+    if args.memory_history:
+        if not torch.cuda.is_available():
+            parser.error("--memory-history records CUDA's caching allocator: no GPU here "
+                         "(benchmarks/peak_memory.py replays it on the CPU)")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            parser.error("--memory-history: memory is measured with one process only")
+        Path(args.memory_history).mkdir(parents=True, exist_ok=True)
     return args
 
 
@@ -403,7 +429,7 @@ def benchmark(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> dict:
     load_before = os.getloadavg()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # both probes at once (each measures its own process), done before anything is timed
-    probed = probe_memory(cfgs, args.warmup) if world == 1 else {}
+    probed = probe_memory(cfgs, args.warmup, args.memory_history) if world == 1 else {}
     env = _init(cfgs["vanilla"])
     scratch = _shared_tempdir()
     try:

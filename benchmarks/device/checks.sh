@@ -18,6 +18,8 @@
 # what is left of DEADLINE seconds from the start; a part with under 60 s left is
 # skipped and says so:
 #   small   benchmarks/step.py configs/bench/small.yaml, torch backend      -> step-small.json
+#           with each arm's allocator history, read by benchmarks/peak_memory.py
+#           --snapshots (what is alive at each arm's peak) -> peak-small.json
 #           (small, h2048 and paper add one profiled step per arm: --profile)
 #   h2048   benchmarks/step.py configs/bench/h2048.yaml, torch backend      -> step-h2048.json
 #   paper   the paper's 1.5B shape, torch backend (LAYERS of its 28 layers;
@@ -136,8 +138,15 @@ for part in "${parts[@]}"; do
            fi ;;
     # 100 timed steps an arm (2 s at these shapes; the start and compiles take the rest):
     # on the H200 20 steps of h2048 spread 25.5-32.4 ms, a host-bound step's jitter
+    # and the small shape's allocator history, each arm's, read at once (peak_memory.py:
+    # what is alive at each peak) and dropped (tens of MB; the JSON comes back)
     small) run small 120 python3 benchmarks/step.py configs/bench/small.yaml --backend torch \
-             "${off[@]}" --steps 100 --profile --json "$OUT/step-small.json" ;;
+             "${off[@]}" --steps 100 --profile --memory-history "$OUT/memory" \
+             --json "$OUT/step-small.json"
+           run small-memory 60 python3 benchmarks/peak_memory.py --snapshots \
+             "$OUT/memory/vanilla.pickle" "$OUT/memory/kv_shift.pickle" \
+             --json "$OUT/peak-small.json"
+           rm -rf "$OUT/memory" ;;
     h2048) run h2048 120 python3 benchmarks/step.py configs/bench/h2048.yaml --backend torch \
              "${off[@]}" --steps 100 --profile --json "$OUT/step-h2048.json" ;;
     paper) run "paper ($LAYERS layers)" 150 python3 benchmarks/step.py \

@@ -11,6 +11,7 @@ logs beside it. The table reads a DIR's archive as if unpacked; with several DIR
 checks.log are read one after the other.
 
 Reads DIR/step-*.json (benchmarks/step.py, with its ``--profile`` record),
+DIR/peak-*.json (benchmarks/peak_memory.py over step.py's ``--memory-history``),
 DIR/cross-entropy.json (benchmarks/cross_entropy.py), DIR/swiglu.json
 (benchmarks/swiglu.py) and Megatron-LM's iteration times from
 DIR/checks.log ("elapsed time per iteration (ms)", the first logged interval - warm-up
@@ -212,11 +213,26 @@ def plan_row(d: dict) -> str:
             f"allocated (the larger arm): plan / measured {planned / peak:.3f}")
 
 
+def peak_rows(out: Path) -> list[str]:
+    """What is alive at each arm's peak, from the GPU's own allocator trace."""
+    rows = []
+    for path in sorted(out.glob("peak-*.json")):
+        d = json.loads(path.read_text())
+        name, arms, mib = path.stem.removeprefix("peak-"), d["arms"], 2 ** 20
+        top = d["differences"][0] if d["differences"] else None
+        rows.append(
+            f"{name:6s} memory replayed from the trace: blocks {arms['vanilla']['allocator_peak_bytes'] / mib:.1f}"
+            f" / {arms['kv_shift']['allocator_peak_bytes'] / mib:.1f} MiB "
+            f"({d['allocator_ratio']:.4f}), alive {d['ratio']:.4f}; largest difference at the "
+            f"peaks: {'none' if top is None else f'{top[4] / mib:+.2f} MiB {top[1]}'}")
+    return rows
+
+
 def table(out: Path) -> None:
     tests = tests_row(out / "tests.xml")
     if tests:
         print(tests)
-    for row in step_rows(out) + variant_rows(out):
+    for row in step_rows(out) + variant_rows(out) + peak_rows(out):
         print(row)
     for row in (cross_entropy_row(out / "cross-entropy.json"), swiglu_row(out / "swiglu.json")):
         if row:

@@ -120,8 +120,18 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     (out / "swiglu.json").write_text(json.dumps({  # benchmarks/swiglu.py's, made up
         "tokens": 8192, "ffn": 5504, "dtype": "bf16", "ms": {"torch": 1.2, "triton": 0.6},
         "time_ratio": 2.0, "triton_gb_per_s": 2400.0}))
+    mib = 1 << 20  # benchmarks/peak_memory.py --snapshots' JSON (its keys, made-up values)
+    (out / "peak-small.json").write_text(json.dumps({
+        "arms": {"vanilla": {"peak_bytes": 215 * mib, "allocator_peak_bytes": 248 * mib},
+                 "kv_shift": {"peak_bytes": 215 * mib, "allocator_peak_bytes": 250 * mib}},
+        "ratio": 1.0001, "allocator_ratio": 250 / 248,
+        "differences": [["gpu", "kvtrain/model/qkv_rope.py:150 backward", "alloc", "bytes",
+                         2 * mib, "", "[2097152]"]]}))
     done = _summary(out)
     lines = done.stdout.splitlines()
+    assert ("small  memory replayed from the trace: blocks 248.0 / 250.0 MiB (1.0081), alive "
+            "1.0001; largest difference at the peaks: +2.00 MiB "
+            "kvtrain/model/qkv_rope.py:150 backward") in lines, lines
     assert lines[0] == "tests  gpu: 2 passed, 1 failed, 1 skipped: tests.a.test_y"
     ratio = result["ratio"]["step_time_median"]
     h2048 = next(i for i, line in enumerate(lines) if line.startswith("h2048 "))
@@ -223,6 +233,41 @@ def test_on_a_gpu_memory_mfu_and_bf16_are_measured(tmp_path):
         if result["peak_tflops_per_device"]:  # a GPU the trainer knows the peak of
             assert 0 < arm["mfu"] < 1
     assert 0.5 < result["ratio"]["peak_memory"] < 2.0
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU records it")
+def test_memory_history_without_a_gpu_is_one_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(TINY), "--memory-history", str(tmp_path / "m")],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert "--memory-history records CUDA's caching allocator: no GPU here" in last, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "m").exists()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_allocators_history_is_recorded_and_replayed(tmp_path):
+    """``--memory-history``: each probe's snapshot, read by ``peak_memory.py
+    --snapshots``; the allocator replayed over the GPU's own requests comes to the
+    measured ``max_memory_allocated`` growth within 5 % (what the probe's process had
+    cached before its build is not in the trace)."""
+    history = tmp_path / "memory"
+    _, result = _bench(tmp_path, REPO / "configs" / "bench" / "host.yaml",
+                       "--memory-history", str(history))
+    assert sorted(p.name for p in history.iterdir()) == ["kv_shift.pickle", "vanilla.pickle"]
+    out_json = tmp_path / "peak.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "peak_memory.py"), "--snapshots",
+         str(history / "vanilla.pickle"), str(history / "kv_shift.pickle"),
+         "--json", str(out_json)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peaks = json.loads(out_json.read_text())["arms"]
+    for arm, measured in result["arms"].items():
+        replayed = peaks[arm]["allocator_peak_bytes"]
+        assert abs(replayed - measured["peak_memory_bytes"]) <= 0.05 * replayed, (arm, peaks)
+        assert peaks[arm]["peak_bytes"] <= replayed
 
 
 def test_device_checks_without_prepared_wheels_say_so_in_one_line(tmp_path):
@@ -334,7 +379,8 @@ def test_the_gpu_checks_need_nothing_the_gpu_machine_lacks(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
     assert re.search(r"^\d+/\d+ tests collected", done.stdout, re.M), done.stdout[-3000:]
-    scripts = ["step", "step_profile", "shift_kernel", "cross_entropy", "swiglu", "gpu_rounds"]
+    scripts = ["step", "step_profile", "shift_kernel", "cross_entropy", "swiglu", "gpu_rounds",
+               "peak_memory"]
     done = subprocess.run(
         [sys.executable, "-c", "".join(f"import benchmarks.{s}\n" for s in scripts)
          + "import benchmarks.device.smoke\nimport kvtrain.cli\nimport kvtrain.train.loop\n"

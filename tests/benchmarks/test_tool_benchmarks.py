@@ -1,5 +1,5 @@
 """The benchmarks that time or count one part (``shift_kernel.py``,
-``shift_saved_bytes.py``, ``preprocess.py``, ``host_work.py``) run on tiny shapes and print what
+``shift_saved_bytes.py``, ``preprocess.py``, ``host_work.py``, ``peak_memory.py``) run on tiny shapes and print what
 docs/performance.md quotes from them: a benchmark that no longer runs would
 otherwise be found only on the GPU machine, where ``checks.sh`` calls
 ``shift_kernel.py``, or by the next person to measure."""
@@ -101,3 +101,27 @@ def test_host_work_counts_what_the_shift_adds_on_the_gpus_kernels(tmp_path):
     assert extra["forward"] == 0 and 0 < extra["backward"] <= 3 * 2, out
     assert extra["update"] == 0, out
     assert "kv_shift - vanilla, ops, backward:" in out and "aten._foreach_add_" in out, out
+
+
+def test_peak_memory_finds_no_activation_more_alive_at_the_shifts_peak(tmp_path):
+    """``peak_memory.py`` (each arm's build and steps on the GPU's kernels, the caching
+    allocator's count replayed): at each arm's peak the same blocks are alive, less the
+    coefficients' own state (their weights, gradients, main weights and Adam's moments,
+    made at the build and the first update): nothing the forward, backward or gradient
+    reduction made. The peak is the backward's, the allocator's blocks at least what is
+    alive."""
+    out_json = tmp_path / "peak.json"
+    out = _run("peak_memory.py", str(REPO / "configs" / "bench" / "host.yaml"),
+               "--set", "model.num_layers=2", "--set", "train.micro_batch_size=2",
+               "--set", "train.global_batch_size=2", "--json", str(out_json), cwd=tmp_path)
+    import json
+
+    result = json.loads(out_json.read_text())
+    arms = result["arms"]
+    for arm in arms.values():
+        assert arm["peak_at"].endswith("in the backward"), out
+        assert arm["alive_at_peak_by_phase"]["forward"] > 0, out  # activations counted
+        assert arm["allocator_peak_bytes"] >= arm["peak_bytes"] > 0, out
+    assert {d[0] for d in result["differences"]} <= {"build", "update"}, out
+    extra = arms["kv_shift"]["peak_bytes"] - arms["vanilla"]["peak_bytes"]
+    assert 0 < extra <= 32 * 1024, out  # 2 layers x 2 tensors of [2 groups, 2], 512 B blocks
