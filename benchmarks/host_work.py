@@ -212,6 +212,26 @@ def gpu_kernels() -> None:
     setup._resolve_backend = as_on_a_gpu
 
 
+@contextlib.contextmanager
+def on_gpu_kernels(config: str, sets: list[str], steps: int, prefix: str):
+    """Both arms' configs (bf16 unless ``sets`` say otherwise), this process set up to
+    build them on the GPU's kernels (:func:`gpu_kernels`), and a scratch folder,
+    removed after: ``(cfgs, env, scratch, sets)``."""
+    from benchmarks import step as bench
+    from kvtrain.commands.train import quiet_imports
+
+    sets = ["train.precision=bf16", *sets]
+    cfgs = bench.arm_configs(config, None, sets, steps)
+    quiet_imports()
+    gpu_kernels()
+    env = bench._init(cfgs["vanilla"])
+    scratch = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield cfgs, env, scratch, sets
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def count_arm(arm, steps: int) -> Counter:
     """``steps`` steps of ``arm`` (benchmarks/step.py's ``Arm``), then two more counted:
     one its Python calls, one its operators (launches in both: counted in the second)."""
@@ -263,7 +283,6 @@ def table(result: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from benchmarks import step as bench
-    from kvtrain.commands.train import quiet_imports
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="configs/bench/host.yaml")
@@ -281,21 +300,14 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        sets = ["train.precision=bf16", *args.set]
-        cfgs = bench.arm_configs(args.config, None, sets, args.steps)
-        quiet_imports()
-        gpu_kernels()
-        env = bench._init(cfgs["vanilla"])
-        scratch = Path(tempfile.mkdtemp(prefix="kvtrain-host-"))
-        try:
+        with on_gpu_kernels(args.config, args.set, args.steps, "kvtrain-host-") as (
+                cfgs, env, scratch, sets):
             counters = {}
             for name in bench.ARMS:
                 arm = bench.build_arm(name, cfgs[name], scratch / name, env, 0, measure=False)
                 counters[name] = count_arm(arm, args.steps)
                 backend = arm.run.backend.describe()
                 micro = arm.run.num_microbatches
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
     except ConfigError as e:
         print(f"host_work.py: config error: {e}", file=sys.stderr)
         return 2

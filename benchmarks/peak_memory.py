@@ -43,9 +43,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
 import pickle  # noqa: E402
-import shutil  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import weakref  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
@@ -57,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.allocator_replay import (Block, Log, allocator_peak,  # noqa: E402
                                          block_bytes, read_snapshot)
-from benchmarks.host_work import Phases, gpu_kernels, hook_launches  # noqa: E402
+from benchmarks.host_work import Phases, hook_launches, on_gpu_kernels  # noqa: E402
 from kvtrain.config import ConfigError  # noqa: E402
 
 import importlib.util  # noqa: E402
@@ -254,23 +252,17 @@ def table(result: dict) -> str:
 def replay_arms(args) -> dict:
     """Both arms built and stepped on the CPU (module docstring): :func:`report`'s result."""
     from benchmarks import step as bench
-    from kvtrain.commands.train import quiet_imports
+    from kvtrain.backend import destroy_distributed
 
-    sets = ["train.precision=bf16", *args.set]
-    cfgs = bench.arm_configs(args.config, None, sets, args.steps)
-    quiet_imports()
-    gpu_kernels()
-    env = bench._init(cfgs["vanilla"])
-    scratch = Path(tempfile.mkdtemp(prefix="kvtrain-peak-"))
     try:
-        logs = {}
-        for name in bench.ARMS:
-            tracker, backend = measure_arm(name, cfgs[name], scratch / name, env, args.steps)
-            logs[name] = tracker.log
+        with on_gpu_kernels(args.config, args.set, args.steps, "kvtrain-peak-") as (
+                cfgs, env, scratch, sets):
+            logs = {}
+            for name in bench.ARMS:
+                tracker, backend = measure_arm(name, cfgs[name], scratch / name, env,
+                                               args.steps)
+                logs[name] = tracker.log
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        from kvtrain.backend import destroy_distributed
-
         destroy_distributed()
     return report(logs, args.top, config=args.config, sets=sets, steps=args.steps,
                   backend=backend, name=cfgs["vanilla"].name)

@@ -125,3 +125,16 @@ def test_peak_memory_finds_no_activation_more_alive_at_the_shifts_peak(tmp_path)
     assert {d[0] for d in result["differences"]} <= {"build", "update"}, out
     extra = arms["kv_shift"]["peak_bytes"] - arms["vanilla"]["peak_bytes"]
     assert 0 < extra <= 32 * 1024, out  # 2 layers x 2 tensors of [2 groups, 2], 512 B blocks
+
+
+def test_peak_memory_refuses_what_it_does_not_replay_in_one_line(tmp_path):
+    """An explicit kernel choice is not the GPU path it replays: one line, no JSON."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "peak_memory.py"), str(REPO / "configs" / "bench" /
+                                                           "host.yaml"),
+         "--set", "model.kv_shift.kernel=torch", "--json", str(tmp_path / "x.json")],
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "model.kv_shift.kernel" in lines[0], done.stderr[-3000:]
+    assert not (tmp_path / "x.json").exists()
