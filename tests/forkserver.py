@@ -18,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -101,6 +102,14 @@ class NoExitCode(Exception):
         self.done = done
 
 
+def _pump(stream, lines: queue.Queue) -> None:
+    """Each line of ``stream`` into ``lines``, stripped; "" at its end."""
+    with contextlib.suppress(ValueError, OSError):  # closed under it: the server stopped
+        for line in stream:
+            lines.put(line.strip())
+    lines.put("")
+
+
 def _read_at_import(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT)}
 
@@ -115,6 +124,8 @@ class ForkServer:
         self.preamble = preamble
         self._proc: Optional[subprocess.Popen] = None
         self._env: Optional[dict] = None
+        self._lines: Optional[queue.Queue] = None  # the server's replies, read by a thread
+        self._read: Optional[subprocess.Popen] = None  # the server they are read from
 
     def _alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -144,9 +155,18 @@ class ForkServer:
             self._proc = None
 
     def _reply(self, timeout: float) -> Optional[str]:
-        """The next line, "" once the server has closed its end, None after ``timeout``."""
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        return self._proc.stdout.readline().strip() if ready else None
+        """The next line, "" once the server has closed its end, None after ``timeout``.
+        A thread reads the lines: a wait on the pipe itself would not see a second line
+        that the first one's read took into its buffer (the pid and the exit code of a
+        child that ends at once arrive together)."""
+        if self._read is not self._proc:
+            self._read, self._lines = self._proc, queue.Queue()
+            threading.Thread(target=_pump, args=(self._proc.stdout, self._lines),
+                             daemon=True).start()
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def run(self, source: str, env: dict, cwd: Path = REPO, timeout: float = 600,
             session: bool = False) -> Done:

@@ -100,3 +100,29 @@ def test_a_server_whose_preamble_fails_says_so():
     broken = ForkServer("raise ImportError('no such module')\n")
     with pytest.raises(NoExitCode, match=r"the server exited \(1\) before answering"):
         broken.run("pass", dict(os.environ), timeout=60)
+
+
+def test_two_replies_already_in_the_pipe_are_both_read(tmp_path):
+    """The pid and the exit code of a child that ends at once can reach the pipe
+    together; reading the first must not leave the second in a buffer a wait on the
+    pipe does not see (``make test`` hung there for the 600 s timeout, then failed)."""
+    import subprocess
+    import sys
+
+    written = tmp_path / "written"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nprint('123'); print('0'); sys.stdout.flush()\n"
+         f"open({str(written)!r}, 'w').close()\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not written.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server = ForkServer("")
+        server._proc = proc  # a server that has answered both lines and lives on
+        assert server._reply(5) == "123"
+        assert server._reply(5) == "0"
+        assert server._reply(0.2) is None  # nothing more: the wait's timeout
+    finally:
+        proc.kill()
+        proc.wait()
