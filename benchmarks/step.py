@@ -156,8 +156,11 @@ def _probe_child(cfg: RunConfig, warmup: int, pipe, history: Optional[str] = Non
         quiet_imports()
         if history:
             torch.cuda.init()  # the allocator whose history is recorded
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES,
-                                                     stacks="python")
+            # every action traced, Python stacks for allocations only (a free's adds
+            # nothing the reader uses, and would double the dump)
+            torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
+                                                     stacks="python",
+                                                     max_entries=HISTORY_ENTRIES)
         with tempfile.TemporaryDirectory(prefix="kvtrain-step-probe-") as scratch:
             arm = build_arm(cfg.model.attention, cfg, Path(scratch), _init(cfg), warmup,
                             measure=True)
