@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import importlib.util
 import os
 import pickle
 from dataclasses import dataclass
@@ -15,6 +16,24 @@ from pathlib import Path
 from typing import Optional
 
 BLOCK = 512  # the caching allocator's rounding (kMinBlockSize)
+
+# Where a block is said to be made: the innermost frame in kvtrain's or megatron-core's
+# package, named from the folder that holds the package, not the CPU backend's
+# factory wrappers. Found, not imported (megatron's import warnings).
+_PACKAGES = {name: os.path.dirname(os.path.abspath(importlib.util.find_spec(name).origin))
+             for name in ("kvtrain", "megatron.core")}
+OWN = {folder + os.sep: os.path.dirname(folder) if name == "kvtrain"
+       else os.path.dirname(os.path.dirname(folder)) for name, folder in _PACKAGES.items()}
+PASSING = os.path.join(_PACKAGES["kvtrain"], "backend", "cpu.py")
+
+
+def site(filename: str, line, function: str) -> Optional[str]:
+    """``path:line function`` of a frame in kvtrain or megatron-core (the path from
+    the folder holding the package), None for any other frame."""
+    if filename == PASSING:
+        return None
+    root = next((r for folder, r in OWN.items() if filename.startswith(folder)), None)
+    return None if root is None else f"{os.path.relpath(filename, root)}:{line} {function}"
 
 
 def block_bytes(nbytes: int) -> int:
@@ -180,12 +199,8 @@ def allocator_peak(log: "Log") -> dict:
 
 def _frame_site(frames: list[dict]) -> str:
     """The innermost kvtrain/megatron frame of a snapshot's stack (innermost first)."""
-    for f in frames:
-        name = f.get("filename", "")
-        for marker in (os.sep + "kvtrain" + os.sep, os.sep + "megatron" + os.sep):
-            if marker in name and not name.endswith(os.path.join("backend", "cpu.py")):
-                return f"{name[name.rfind(marker) + 1:]}:{f.get('line')} {f.get('name')}"
-    return "?"
+    named = (site(f.get("filename", ""), f.get("line"), f.get("name")) for f in frames)
+    return next(filter(None, named), "?")
 
 
 def read_snapshot(path: Path) -> Log:

@@ -54,31 +54,18 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.allocator_replay import (Block, Log, allocator_peak,  # noqa: E402
-                                         block_bytes, read_snapshot)
+                                         block_bytes, read_snapshot, site)
 from benchmarks.host_work import Phases, hook_launches, on_gpu_kernels  # noqa: E402
 from kvtrain.config import ConfigError  # noqa: E402
 
-import importlib.util  # noqa: E402
-
-# Where a block is said to be made: the innermost frame in kvtrain's or megatron's
-# package (named from the folder that holds the package), not the CPU backend's
-# factory wrappers. Found, not imported (megatron's import warnings).
-OWN = {os.path.dirname(os.path.abspath(importlib.util.find_spec(name).origin)) + os.sep:
-       name.count(".") + 1 for name in ("kvtrain", "megatron.core")}  # -> its depth
-PASSING = os.path.join(next(iter(OWN)), "backend", "cpu.py")
-
-
 def _site() -> str:
+    """Where the operator being dispatched was called from (:func:`allocator_replay.site`)."""
     frame = sys._getframe(2)
     while frame is not None:
-        name = frame.f_code.co_filename
-        own = next((p for p in OWN if name.startswith(p)), None)
-        if own and name != PASSING:
-            root = own
-            for _ in range(OWN[own] + 1):
-                root = os.path.dirname(root)
-            path = os.path.relpath(name, root)
-            return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
+        code = frame.f_code
+        named = site(code.co_filename, frame.f_lineno, code.co_name)
+        if named:
+            return named
         frame = frame.f_back
     return "?"
 
@@ -186,17 +173,30 @@ def _shapes(blocks: list[Block]) -> str:
                      for shape, n in shapes.most_common(3)) + (" ..." if len(shapes) > 3 else "")
 
 
-def compare(logs: dict[str, Log], top: int) -> list[list]:
-    """What differs between the arms at their peaks: [[phase, site, op, dtype,
-    kv_shift bytes - vanilla bytes, vanilla's shapes, kv_shift's]], largest first."""
-    a, b = (logs[arm].at_peak() for arm in ("vanilla", "kv_shift"))
-    diff = []
+def differences(a: dict, b: dict, top: int, shapes: Optional[tuple] = None) -> list[list]:
+    """The kinds whose counts differ between vanilla's ``a`` and the shift's ``b``
+    (kind -> (bytes, ...)): [[*kind, *(kv_shift - vanilla of each count), and with
+    ``shapes`` (each arm's kind -> blocks) vanilla's shapes, kv_shift's]], largest
+    first."""
+    rows = []
     for key in set(a) | set(b):
-        va, vb = (sum(x.size for x in side.get(key, ())) for side in (a, b))
-        if va != vb:
-            diff.append([*key, vb - va, _shapes(a.get(key, [])), _shapes(b.get(key, []))])
-    diff.sort(key=lambda e: (-abs(e[4]), e[:4]))
-    return diff[:top]
+        va, vb = a.get(key), b.get(key)
+        zero = (0,) * len(va or vb)
+        d = [y - x for x, y in zip(va or zero, vb or zero)]
+        if any(d):
+            listed = [_shapes(side.get(key, [])) for side in shapes] if shapes else []
+            rows.append([*key, *d, *listed])
+    rows.sort(key=lambda e: (-abs(e[4]), e[:4]))
+    return rows[:top]
+
+
+def compare(logs: dict[str, Log], top: int) -> list[list]:
+    """What is alive at the arms' peaks, compared: [[phase, site, op, dtype,
+    kv_shift bytes - vanilla bytes, vanilla's shapes, kv_shift's]], largest first."""
+    alive = [logs[arm].at_peak() for arm in ("vanilla", "kv_shift")]
+    a, b = ({key: (sum(x.size for x in blocks),) for key, blocks in side.items()}
+            for side in alive)
+    return differences(a, b, top, shapes=alive)
 
 
 def summary(log: Log, blocks: dict) -> dict:
@@ -216,14 +216,11 @@ def report(logs: dict[str, Log], top: int, **about) -> dict:
     blocks = {name: allocator_peak(log) for name, log in logs.items()}
     arms = {name: summary(log, blocks[name]) for name, log in logs.items()}
     k, v = arms["kv_shift"], arms["vanilla"]
-    a, b = blocks["vanilla"]["kinds"], blocks["kv_shift"]["kinds"]
-    held = [[*key, b.get(key, [0, 0])[0] - a.get(key, [0, 0])[0],
-             b.get(key, [0, 0])[1] - a.get(key, [0, 0])[1]] for key in set(a) | set(b)
-            if a.get(key) != b.get(key)]
-    held.sort(key=lambda e: (-abs(e[4]), e[:4]))
+    held = differences(*({key: tuple(v) for key, v in blocks[arm]["kinds"].items()}
+                         for arm in ("vanilla", "kv_shift")), top)
     return {**about, "arms": arms, "ratio": k["peak_bytes"] / v["peak_bytes"],
             "allocator_ratio": k["allocator_peak_bytes"] / v["allocator_peak_bytes"],
-            "differences": compare(logs, top), "allocator_differences": held[:top]}
+            "differences": compare(logs, top), "allocator_differences": held}
 
 
 def table(result: dict) -> str:

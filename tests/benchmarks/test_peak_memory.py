@@ -145,12 +145,18 @@ def _snapshot(path, events):
     """A snapshot as ``torch.cuda.memory._dump_snapshot`` pickles it (the fields read)."""
     import pickle
 
-    frames = {"mg": [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1,
-                      "name": "linear"},
-                     {"filename": "/x/site-packages/megatron/core/tensor_parallel/layers.py",
+    import importlib.util
+
+    kvtrain, megatron = (os.path.dirname(importlib.util.find_spec(name).origin)
+                         for name in ("kvtrain", "megatron.core"))  # where the run's frames are
+    frames = {"mg": [{"filename": os.path.join(os.path.dirname(torch.__file__), "nn",
+                                               "functional.py"), "line": 1, "name": "linear"},
+                     {"filename": os.path.join(megatron, "tensor_parallel", "layers.py"),
                       "line": 7, "name": "forward"}],
-              "kv": [{"filename": "/r/kvtrain/backend/cpu.py", "line": 96, "name": "wrapper"},
-                     {"filename": "/r/kvtrain/model/qkv_rope.py", "line": 150, "name": "backward"}]}
+              "kv": [{"filename": os.path.join(kvtrain, "backend", "cpu.py"), "line": 96,
+                      "name": "wrapper"},
+                     {"filename": os.path.join(kvtrain, "model", "qkv_rope.py"), "line": 150,
+                      "name": "backward"}]}
     trace = [{"action": a, "addr": addr, "size": size, "stream": 0,
               "frames": frames.get(where, [])} for a, addr, size, where in events]
     with open(path, "wb") as f:
