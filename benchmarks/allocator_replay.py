@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import difflib
 import importlib.util
 import os
 import pickle
@@ -195,6 +196,48 @@ def allocator_peak(log: "Log") -> dict:
         kinds[blocks[key].key()][1] += blocks[key].size
     return {"bytes": first.peak, "asked": sum(b.size for b in blocks.values()),
             "kinds": dict(kinds)}
+
+
+def requests_apart(a: "Log", b: "Log") -> list[list]:
+    """Where two logs' requests part: the allocations of one that the other does not
+    make, and those both make at different sizes, matched in order by where they were
+    made (phase, site, operator, dtype). Two logs with none hand the caching allocator
+    the same requests in the same order, so it packs them alike and their blocks differ
+    only by the sizes that differ; where one makes a request the other does not, what
+    follows may be packed otherwise (``docs/performance.md``, session 29: a QKV-sized
+    gradient in vanilla's backward moved three of Adam's states into larger blocks).
+    [[side ("a only", "b only", "sizes differ"), phase, site, op, dtype, bytes (b's
+    minus a's where sizes differ), requests]], largest first."""
+    made = [[blk for sign, blk in log.events if sign > 0] for log in (a, b)]
+    rows: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
+
+    def add(side: str, blk: Block, size: int) -> None:
+        rows[(side, *blk.key())][0] += size
+        rows[(side, *blk.key())][1] += 1
+
+    # matched by kind and size; in each stretch where they part, a request of a kind
+    # both make is paired with the other's next of that kind (a buffer grown by the
+    # coefficients), the rest is one arm's own
+    matcher = difflib.SequenceMatcher(None, *([(blk.key(), blk.size) for blk in side]
+                                              for side in made), autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        theirs: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+        for blk in made[1][j1:j2]:
+            theirs[blk.key()].append(blk)
+        for blk in made[0][i1:i2]:
+            other = theirs[blk.key()]
+            if other:
+                add("sizes differ", blk, other.popleft().size - blk.size)
+            else:
+                add("a only", blk, blk.size)
+        for blocks in theirs.values():
+            for blk in blocks:
+                add("b only", blk, blk.size)
+    out = [[*key, size, n] for key, (size, n) in rows.items()]
+    out.sort(key=lambda r: (-abs(r[5]), r[:5]))
+    return out
 
 
 def _frame_site(frames: list[dict]) -> str:

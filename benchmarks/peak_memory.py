@@ -24,7 +24,11 @@ Triton's interpreter: ``host_work.py``'s setup), and keeps two counts:
   ``max_memory_allocated`` counts, and at its peak the blocks held against what was
   asked for them.
 
-The two arms' lists are compared, largest difference first. Neither count sees a
+The two arms' lists are compared, largest difference first; and their requests in
+order (``allocator_replay.requests_apart``): those one arm makes and the other does
+not, and those both make at other sizes. Where none but the coefficients' own are
+listed, the allocator is handed the same requests in the same order and packs both
+arms alike. Neither count sees a
 kernel's own buffers (cuBLAS's workspace, 32 MiB on Hopper; attention's), which a
 GPU's peak includes in both arms, nor tensors made from numpy without an operator.
 ``--snapshots`` reads a GPU run's own trace instead (``step.py --memory-history``),
@@ -54,7 +58,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.allocator_replay import (Block, Log, allocator_peak,  # noqa: E402
-                                         block_bytes, read_snapshot, site)
+                                         block_bytes, read_snapshot, requests_apart, site)
 from benchmarks.host_work import Phases, hook_launches, on_gpu_kernels  # noqa: E402
 from kvtrain.config import ConfigError  # noqa: E402
 
@@ -218,12 +222,15 @@ def report(logs: dict[str, Log], top: int, **about) -> dict:
     k, v = arms["kv_shift"], arms["vanilla"]
     held = differences(*({key: tuple(v) for key, v in blocks[arm]["kinds"].items()}
                          for arm in ("vanilla", "kv_shift")), top)
+    sides = {"a only": "vanilla only", "b only": "kv_shift only", "sizes differ": "sizes differ"}
+    apart = [[sides[r[0]], *r[1:]] for r in requests_apart(logs["vanilla"], logs["kv_shift"])]
     return {**about, "arms": arms, "ratio": k["peak_bytes"] / v["peak_bytes"],
             "allocator_ratio": k["allocator_peak_bytes"] / v["allocator_peak_bytes"],
-            "differences": compare(logs, top), "allocator_differences": held}
+            "differences": compare(logs, top), "allocator_differences": held,
+            "requests_apart": apart}
 
 
-def table(result: dict) -> str:
+def table(result: dict, top: int = 15) -> str:
     mib = 2 ** 20
     lines = [f"{result['config']}: {result['backend']}; after {result['steps']} steps"]
     for arm, s in result["arms"].items():
@@ -243,6 +250,11 @@ def table(result: dict) -> str:
     lines.append("the allocator's blocks at its peaks, kv_shift - vanilla (held, asked for):")
     lines += [f"  {d / mib:+9.3f} MiB ({asked / mib:+.3f})  {phase:8s} {site}  {op} {dtype}"
               for phase, site, op, dtype, d, asked in result["allocator_differences"]]
+    apart = result["requests_apart"]
+    lines.append(f"requests one arm makes and the other does not, or at another size "
+                 f"({len(apart)} kinds; all of them in the JSON):")
+    lines += [f"  {side:13s} {n:5d} x, {size / 2**10:+10.1f} KiB  {phase:8s} {site}  {op} {dtype}"
+              for side, phase, site, op, dtype, size, n in apart[:top]]
     return "\n".join(lines)
 
 
@@ -300,7 +312,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ConfigError as e:
             print(f"peak_memory.py: config error: {e}", file=sys.stderr)
             return 2
-    print(table(result))
+    print(table(result, args.top))
     out = Path(args.json or Path("runs") / "bench" / f"peak-{result['name']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

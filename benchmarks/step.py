@@ -30,7 +30,11 @@ after the other), so that both
 pay the same one-off costs - lazy imports, cuBLAS workspaces, megatron's
 global buffer of the local spec's attention scores - whichever is built first:
 
-* GPU: the growth of ``torch.cuda.max_memory_allocated`` over the arm;
+* GPU: the growth of ``torch.cuda.max_memory_allocated`` over the arm (the
+  caching allocator's blocks: a cached block handed out whole counts whole), and
+  beside it the peak of the bytes asked for (``requested_bytes.all.peak``, the
+  requests unrounded): where the two ratios part, the allocator's packing of the
+  two arms' requests differs, not what they keep (``benchmarks/peak_memory.py``);
 * CPU: torch keeps no allocator statistics there, so the growth of the
   process's resident-set high-water mark (Linux VmHWM, reset through
   ``/proc/self/clear_refs`` after freed heap is returned to the system).
@@ -115,6 +119,7 @@ class PeakMemory:
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available()
         self.base = 0
+        self.base_requested = 0
 
     def start(self) -> None:
         """Resets the peak to the present."""
@@ -123,6 +128,7 @@ class PeakMemory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
+            self.base_requested = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
             return
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system
         with open("/proc/self/clear_refs", "w") as f:
@@ -134,6 +140,14 @@ class PeakMemory:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.base
         return _proc_kib("VmHWM") * 1024 - self.base
+
+    def requested(self) -> Optional[int]:
+        """The peak of the bytes asked for since :meth:`start` (a GPU; None on the CPU,
+        or where this torch's allocator keeps no such count)."""
+        if not self.cuda:
+            return None
+        peak = torch.cuda.memory_stats().get("requested_bytes.all.peak")
+        return None if peak is None else peak - self.base_requested
 
 
 def memory_kind(world_size: int) -> str:
@@ -166,7 +180,7 @@ def _probe_child(cfg: RunConfig, warmup: int, pipe, history: Optional[str] = Non
                             measure=True)
         if history:
             torch.cuda.memory._dump_snapshot(str(Path(history) / f"{arm.name}.pickle"))
-        pipe.send(("ok", arm.peak_bytes))
+        pipe.send(("ok", (arm.peak_bytes, arm.requested_bytes)))
     except ConfigError:
         pipe.send(("refused", None))  # the parent's own build says it, in one line
     except BaseException:
@@ -174,8 +188,9 @@ def _probe_child(cfg: RunConfig, warmup: int, pipe, history: Optional[str] = Non
 
 
 def probe_memory(cfgs: dict[str, RunConfig], warmup: int,
-                 history: Optional[str] = None) -> dict[str, Optional[int]]:
-    """Each arm's peak memory, measured in a process of its own (module docstring),
+                 history: Optional[str] = None) -> dict[str, tuple]:
+    """Each arm's peak memory and peak of the bytes asked for (None where not counted),
+    measured in a process of its own (module docstring),
     before this process builds or times anything. On the CPU both at once, forked
     (the children inherit the imports); on a GPU one after the other, spawned (CUDA
     does not survive a fork, and two arms of a model sized to fill the card would
@@ -203,7 +218,7 @@ def probe_memory(cfgs: dict[str, RunConfig], warmup: int,
         proc.join()
         if status == "failed":
             raise RuntimeError(f"the memory probe of {arm} failed:\n{value}")
-        peaks[arm] = value
+        peaks[arm] = value if status == "ok" else (None, None)
 
     for arm in ARMS:
         start(arm)
@@ -222,6 +237,7 @@ class Arm:
     iterators: list
     forward_step: Any
     peak_bytes: Optional[int] = None
+    requested_bytes: Optional[int] = None  # the peak of the bytes asked for (a GPU)
     times: list = field(default_factory=list)
 
     def step(self) -> float:
@@ -260,7 +276,8 @@ def build_arm(name: str, cfg: RunConfig, run_dir: Path, env, warmup: int,
     arm = Arm(name, run, iterators, ForwardStep())
     for _ in range(warmup):
         arm.step()
-    arm.peak_bytes = memory.peak() if measure else None
+    if measure:
+        arm.peak_bytes, arm.requested_bytes = memory.peak(), memory.requested()
     return arm
 
 
@@ -295,6 +312,7 @@ def arm_record(arm: Arm) -> dict:
         "tflops_per_device": tflops,
         "mfu": tflops / run.peak_tflops if run.peak_tflops else None,
         "peak_memory_bytes": arm.peak_bytes,  # measured with one rank only
+        "peak_requested_bytes": arm.requested_bytes,  # a GPU only
     }
 
 
@@ -341,6 +359,7 @@ def report(args: argparse.Namespace, arms: list[Arm], load_before: tuple) -> dic
             "step_time_paired_median": statistics.median(
                 a / b for a, b in zip(k["step_times_s"], v["step_times_s"])),
             "peak_memory": _ratio(k["peak_memory_bytes"], v["peak_memory_bytes"]),
+            "peak_requested": _ratio(k["peak_requested_bytes"], v["peak_requested_bytes"]),
         },
     }
 
@@ -369,7 +388,12 @@ def table(result: dict) -> str:
     lines.append(f"kv_shift / vanilla: step time {q['step_time_median']:.3f} (median), "
                  f"{q['step_time_mean']:.3f} (mean), {q['step_time_paired_median']:.3f} "
                  f"(median of paired steps); peak memory "
-                 f"{num(q['peak_memory'], '.3f')} ({result['memory_kind']})")
+                 f"{num(q['peak_memory'], '.4f')} ({result['memory_kind']})")
+    if q.get("peak_requested") is not None:  # a GPU: the requests beside the blocks
+        asked = "/".join(f"{r['peak_requested_bytes'] / 2**20:.1f}"
+                         for r in result["arms"].values())
+        lines.append(f"peak of the bytes asked for: {asked} MiB, kv_shift / vanilla "
+                     f"{q['peak_requested']:.4f} (the blocks above round and pack them)")
     return "\n".join(lines)
 
 
@@ -439,7 +463,7 @@ def benchmark(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> dict:
         arms = [build_arm(name, cfgs[name], scratch / name, env, args.warmup, measure=False)
                 for name in ARMS]
         for arm in arms:
-            arm.peak_bytes = probed.get(arm.name)
+            arm.peak_bytes, arm.requested_bytes = probed.get(arm.name, (None, None))
         if env.rank == 0:  # the KV-shift arm's line: the backend, and the shift's kernel
             run = shifted_arm(arms).run
             print(f"step.py: {run.backend.describe()}, device {run.device}", flush=True)

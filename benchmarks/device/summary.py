@@ -47,12 +47,13 @@ def step_rows(out: Path) -> list[str]:
         if goal is not None:
             verdict = "met" if r["step_time_median"] <= goal[1] else "NOT met"
             verdict = f"time {verdict} (<= {goal[1]})"
-        memory = r.get("peak_memory")
+        memory, asked = r.get("peak_memory"), r.get("peak_requested")
         rows.append(
             f"{name:6s} {d['device_name']}: time {r['step_time_median']:.3f} "
             f"(paired {r['step_time_paired_median']:.3f}), memory "
             f"{memory if memory is None else f'{memory:.4f}'}"
-            f"{' ' + memory_verdict(memory) if goal else ''}; "
+            f"{' ' + memory_verdict(memory) if goal else ''}"
+            f"{'' if asked is None else f' (asked for: {asked:.4f})'}; "
             f"tokens/s {arms['vanilla']['tokens_per_s']:.0f} / "
             f"{arms['kv_shift']['tokens_per_s']:.0f}; "
             f"MFU {'/'.join('-' if m is None else f'{100 * m:.1f}%' for m in mfu)}; "

@@ -53,11 +53,12 @@ class _RoPECall:
     config and modules do not change), in a plain object: a module attribute set
     costs ``nn.Module.__setattr__``, a module attribute read ``__getattr__``."""
 
-    __slots__ = ("freqs", "layer_fuses")
+    __slots__ = ("freqs", "layer_fuses", "value_kept")
 
     def __init__(self) -> None:
         self.freqs: Optional[Tensor] = None
         self.layer_fuses: Optional[bool] = None
+        self.value_kept = False  # core attention keeps V, a view of the QKV output
 
 
 def is_identity(module: Optional[torch.nn.Module]) -> bool:
@@ -97,7 +98,8 @@ class FusedRoPESelfAttention(SelfAttention):
                                query_width: int) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated Q ``[s, b, np, hn]``, rotated K and V ``[s, b, ng, hn]`` from megatron's
         QKV layout ``mixed [s, b, ng, (np/ng + 2) * hn]`` (the KV shift adds its own)."""
-        return qkv_rope(mixed, freqs, query_width)
+        return qkv_rope(mixed, freqs, query_width,
+                        attention_keeps_value=self._rope_call.value_kept)
 
     def _fuses_here(self) -> bool:
         """Whether this layer's split can take RoPE (the KV shift adds its conditions)."""
@@ -127,6 +129,7 @@ class FusedRoPESelfAttention(SelfAttention):
         call = self._rope_call
         if call.layer_fuses is None:
             call.layer_fuses = self._layer_fuses()
+            call.value_kept = call.layer_fuses and self.core_attention.keeps_value()
         if (args or not call.layer_fuses or kwargs.get("inference_context") is not None
                 or kwargs.get("inference_params") is not None
                 or kwargs.get("key_value_states") is not None):

@@ -21,12 +21,9 @@ one fp32 partial per program and lag, summed afterwards (no atomics).
 The backward reads, of ``mixed``, only its own block's raw K/V rows: the partial
 for lag i is Σ x_t · dx̂_{t+i} over the block's tokens t (the gradient rows ahead,
 which it loads for dx anyway), not Σ dx̂_t · x_{t-i}, which would read the rows of
-the block before. So where ``mixed`` is kept for the coefficients, the gradient is
-written over it (``in_place``): the node's backward then holds no second buffer of
-``mixed``'s size, which vanilla does not hold either (there ``mixed`` is freed with
-attention's saved V before the node's backward allocates its gradient). Measured
-where it showed, the small shape on an H200 (session 26): 2.0 MiB more at the peak,
-one QKV output.
+the block before. So the gradient can be written over ``mixed`` (``in_place``,
+where the node keeps it: ``qkv_rope``'s module doc), and the node's backward holds
+no second buffer of ``mixed``'s size.
 
 Outputs: ``query [s, b, g·r_q, d]`` and ``key [s, b, g, d]`` are new tensors (Q
 rotated; K shifted, then rotated). ``value`` is a view of ``mixed``: vanilla, its V
@@ -146,13 +143,13 @@ def backward(mixed: Optional[Tensor], freqs: Tensor, query_width: int,
     (any strides; None: zero, not all three): dcoef is K's and V's coefficient
     gradients, fp32 sums (contiguous halves; the caller casts or accumulates them,
     ``coefficient_grads.coefficient_gradients``). ``mixed`` (its K/V columns: the raw K
-    and V) is read only with ``need_coef`` and may be None otherwise. ``in_place``
-    (with ``need_coef``): dmixed is written over ``mixed`` and is ``mixed`` (each
-    program reads only its own tokens' raw K/V, before it writes their gradient), so
-    the backward allocates no tensor of mixed's size while mixed is alive."""
-    if in_place and not (need_coef and coef_k is not None and mixed.stride(-1) == 1):
-        raise ValueError("qkv_rope's backward writes in place only over a mixed it reads "
-                         "(learned coefficients, a unit stride in its last dim)")
+    and V) is read only with ``need_coef`` and may be None otherwise. ``in_place``:
+    dmixed is written over ``mixed`` and is ``mixed`` (each program reads only its own
+    tokens' raw K/V, before it writes their gradient; without ``need_coef`` it reads
+    none), so the backward allocates no tensor of mixed's size."""
+    if in_place and not (mixed is not None and mixed.stride(-1) == 1):
+        raise ValueError("qkv_rope's backward writes in place only over a mixed it is given "
+                         "with a unit stride in its last dim")
     ref = next(x for x in (dq, dk, dv) if x is not None)
     s, b = ref.shape[:2]
     d = freqs.shape[-1]

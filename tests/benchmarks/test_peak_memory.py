@@ -204,3 +204,25 @@ def test_the_allocators_peak_names_the_blocks_held_larger_than_asked(replay):
     assert kinds[("backward", "c", "aten.empty", "torch.uint8")] == [3 * MiB, 5 * MiB // 2]
     assert kinds[("backward", "d", "aten.empty", "torch.uint8")] == [2 * MiB, 3 * MiB // 2]
     assert ("backward", "a", "aten.empty", "torch.uint8") not in kinds  # freed
+
+
+def test_where_two_arms_requests_part(replay):
+    """Matched in order by kind and size: a request only one arm makes, one both make
+    at other sizes (a buffer the coefficients grow), and the rest equal (frees not
+    compared: the same program frees what it made)."""
+    def log(requests):
+        out = replay.Log()
+        for phase, site, size in requests:
+            out.count(+1, replay.Block(size, site, "aten.empty", phase, (), "torch.uint8"))
+        return out
+
+    common = [("forward", f"layer{i}", (i + 1) * 1024) for i in range(5)]
+    vanilla = log([("build", "buffer", 8192), *common[:3], ("backward", "dqkv", 16384),
+                   *common[3:]])
+    shift = log([("build", "buffer", 9216), *common[:2], ("build", "coef", 512),
+                 *common[2:]])
+    rows = replay.requests_apart(vanilla, shift)
+    assert rows == [["a only", "backward", "dqkv", "aten.empty", "torch.uint8", 16384, 1],
+                    ["sizes differ", "build", "buffer", "aten.empty", "torch.uint8", 1024, 1],
+                    ["b only", "build", "coef", "aten.empty", "torch.uint8", 512, 1]], rows
+    assert replay.requests_apart(vanilla, vanilla) == []

@@ -61,6 +61,10 @@ def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
         assert arm["tokens_per_s"] == pytest.approx(128 / arm["step_time_median_s"])
         assert arm["tflops_per_device"] > 0 and arm["flops_per_step"] > 0
         assert arm["peak_memory_bytes"] > 0  # a model, its optimizer and a step's activations
+        # the peak of the bytes asked for: CUDA's allocator counts it, the CPU has no count
+        on_gpu = result["device"] == "cuda"
+        assert (0 < arm["peak_requested_bytes"] <= arm["peak_memory_bytes"] if on_gpu
+                else arm["peak_requested_bytes"] is None)
     # the shift's FLOPs are counted (kvtrain/train/flops.py), so kv_shift's are larger
     flops = {name: arm["flops_per_step"] for name, arm in result["arms"].items()}
     assert flops["kv_shift"] > flops["vanilla"]
@@ -70,6 +74,7 @@ def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
     assert min(ratio["step_time_median"], ratio["step_time_mean"],
                ratio["step_time_paired_median"]) > 0
     assert 0.5 < ratio["peak_memory"] < 2.0  # same model but four scalars per KV head
+    assert (ratio["peak_requested"] is None) == (result["device"] == "cpu")
     assert "kv_shift / vanilla: step time" in done.stdout
     _check_profile(result["profile"], on_gpu=result["device"] == "cuda")
     assert "profile: what the KV shift changes: " in done.stdout
@@ -103,6 +108,9 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
         arm["tokens_per_s"] *= 0.8
     slower["backend"]["rope"] = "torch (model.rope_kernel: torch)"
     (out / "step-h2048-ropetorch.json").write_text(json.dumps(slower))
+    small = json.loads(json.dumps(result))  # as a GPU writes it: the requests' peak too
+    small["ratio"].update(peak_memory=1.0081, peak_requested=1.0001)
+    (out / "step-small.json").write_text(json.dumps(small))
     (out / "tests.xml").write_text(  # pytest's JUnit XML, as `pytest --junit-xml` writes it
         '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" '
         'failures="1" skipped="1" tests="4"><testcase classname="tests.a" name="test_x"/>'
@@ -133,6 +141,9 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
             "1.0001; largest difference at the peaks: +2.00 MiB "
             "kvtrain/model/qkv_rope.py:150 backward") in lines, lines
     assert lines[0] == "tests  gpu: 2 passed, 1 failed, 1 skipped: tests.a.test_y"
+    small_row = next(line for line in lines if line.startswith("small "))
+    assert "memory 1.0081 (NOT met <= 1.005) (asked for: 1.0001); " in small_row, small_row
+    assert "asked for" not in lines[next(i for i, x in enumerate(lines) if x.startswith("h2048 "))]
     ratio = result["ratio"]["step_time_median"]
     h2048 = next(i for i, line in enumerate(lines) if line.startswith("h2048 "))
     assert f"time {ratio:.3f}" in lines[h2048] and "(<= 1.01)" in lines[h2048]
@@ -229,10 +240,11 @@ def test_on_a_gpu_memory_mfu_and_bf16_are_measured(tmp_path):
     assert result["device"] == "cuda" and result["param_dtype"] == "bfloat16"
     assert result["memory_kind"].startswith("cuda_max_memory_allocated")
     for arm in result["arms"].values():
-        assert arm["peak_memory_bytes"] > 0
+        assert 0 < arm["peak_requested_bytes"] <= arm["peak_memory_bytes"]
         if result["peak_tflops_per_device"]:  # a GPU the trainer knows the peak of
             assert 0 < arm["mfu"] < 1
     assert 0.5 < result["ratio"]["peak_memory"] < 2.0
+    assert 0.5 < result["ratio"]["peak_requested"] < 2.0
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU records it")
@@ -268,6 +280,9 @@ def test_on_a_gpu_the_allocators_history_is_recorded_and_replayed(tmp_path):
         replayed = peaks[arm]["allocator_peak_bytes"]
         assert abs(replayed - measured["peak_memory_bytes"]) <= 0.05 * replayed, (arm, peaks)
         assert peaks[arm]["peak_bytes"] <= replayed
+        # the requests replayed (rounded to 512 bytes) against those the GPU counted
+        asked = measured["peak_requested_bytes"]
+        assert abs(peaks[arm]["peak_bytes"] - asked) <= 0.05 * asked, (arm, peaks, asked)
 
 
 def test_device_checks_without_prepared_wheels_say_so_in_one_line(tmp_path):

@@ -111,6 +111,22 @@ def test_gqa_on_a_torch_without_sdpa_gqa_repeats_kv_heads(mp1, monkeypatch):
     assert [shape for shape in repeats if len(shape) == 4] == [kv] * 8, repeats
 
 
+def test_attention_says_whether_it_keeps_the_value_it_is_given(mp1, monkeypatch):
+    """``keeps_value`` (what the fused QKV node reads to write the QKV output's gradient
+    over it): SDPA keeps its inputs; an older torch's GQA path keeps repeated copies."""
+    from kvtrain.model import attention
+
+    def core(groups):
+        cfg = model_config("vanilla", groups)
+        return build_gpt(cfg, transformer_config(cfg), backend="torch") \
+            .decoder.layers[0].self_attention.core_attention
+
+    mha, gqa = core(4), core(2)
+    assert mha.keeps_value() and gqa.keeps_value()
+    monkeypatch.setattr(attention, "sdpa_has_gqa", lambda: False)
+    assert mha.keeps_value() and not gqa.keeps_value()
+
+
 def test_fewer_queries_than_keys_attend_bottom_right(mp1):
     """Causal attention of the last ``sq`` positions over ``sk`` keys (megatron's
     causal mask when a call hands fewer queries than keys): each query sees the keys
