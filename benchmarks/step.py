@@ -16,7 +16,11 @@ loading included) and the optimizer update.
 Printed and written to the JSON (``--json``, default
 ``runs/bench/step-<name>-<backend>.json``): the step time of each arm (median
 and mean over the timed steps) and the ratios kv_shift / vanilla of both and
-the median of the per-round ratios (a round's two steps are adjacent in time),
+the median of the per-round ratios (a round's two steps are adjacent in time;
+also over the rounds whose two steps clipped their gradients alike: clipping by
+``optimizer.clip_grad`` is a pass over every gradient that each step's norm decides,
+so with norms near the bound one arm may pay it where the other does not; each
+step's norm and whether it clipped are in the JSON),
 tokens/s, TFLOP/s per device and MFU (the trainer's model-FLOP count,
 ``kvtrain/train/flops.py``; the peak from ``train.peak_tflops_per_device`` or
 the device name, none on a CPU unless given), and each arm's peak memory and
@@ -239,6 +243,8 @@ class Arm:
     peak_bytes: Optional[int] = None
     requested_bytes: Optional[int] = None  # the peak of the bytes asked for (a GPU)
     times: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)  # of the timed steps
+    last_grad_norm: Optional[float] = None
 
     def step(self) -> float:
         """One trainer step; its wall time in seconds."""
@@ -249,12 +255,14 @@ class Arm:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         started = time.perf_counter()
-        train_step(run.forward_backward, self.forward_step, self.iterators, run.model,
-                   run.optimizer, run.scheduler, run.num_microbatches, t.seq_length,
-                   t.micro_batch_size, (0.0, 0.0))
+        result = train_step(run.forward_backward, self.forward_step, self.iterators,
+                            run.model, run.optimizer, run.scheduler, run.num_microbatches,
+                            t.seq_length, t.micro_batch_size, (0.0, 0.0))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.last_grad_norm = result.outcome.grad_norm
+        return elapsed
 
 
 def build_arm(name: str, cfg: RunConfig, run_dir: Path, env, warmup: int,
@@ -286,6 +294,7 @@ def time_arms(arms: list[Arm], steps: int) -> None:
     for i in range(steps):
         for arm in (arms if i % 2 == 0 else arms[::-1]):
             arm.times.append(arm.step())
+            arm.grad_norms.append(arm.last_grad_norm)
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
@@ -313,11 +322,27 @@ def arm_record(arm: Arm) -> dict:
         "mfu": tflops / run.peak_tflops if run.peak_tflops else None,
         "peak_memory_bytes": arm.peak_bytes,  # measured with one rank only
         "peak_requested_bytes": arm.requested_bytes,  # a GPU only
+        "grad_norms": arm.grad_norms,  # of the timed steps (None: a step skipped)
+        "clipped": clipped(arm),
     }
+
+
+def clipped(arm: Arm) -> list[bool]:
+    """Which timed steps scaled their gradients (``optimizer.clip_grad``): a pass over
+    every gradient that the step's norm decides, so one arm may pay it where the other
+    does not (mock data's norms near the bound)."""
+    from kvtrain.train.main_grads import clips
+
+    bound = arm.run.cfg.optimizer.clip_grad
+    return [norm is not None and clips(bound, norm) for norm in arm.grad_norms]
 
 
 def shifted_arm(arms: list[Arm]) -> Arm:
     return next(arm for arm in arms if arm.name == "kv_shift")
+
+
+def _median_or_none(values: list[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -344,6 +369,7 @@ def report(args: argparse.Namespace, arms: list[Arm], load_before: tuple) -> dic
         "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_length,
         "steps": args.steps, "warmup": args.warmup,
         "peak_tflops_per_device": run.peak_tflops,
+        "clip_grad": cfg.optimizer.clip_grad,
         "memory_kind": memory_kind(run.world_size),
         "model": {"layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size,
                   "heads": cfg.model.num_attention_heads, "kv_heads": cfg.model.kv_heads,
@@ -358,6 +384,10 @@ def report(args: argparse.Namespace, arms: list[Arm], load_before: tuple) -> dic
             # steps: what machine drift (other users' load) disturbs least
             "step_time_paired_median": statistics.median(
                 a / b for a, b in zip(k["step_times_s"], v["step_times_s"])),
+            # the same over the rounds whose two steps clipped alike (None: no round did)
+            "step_time_paired_median_clipped_alike": _median_or_none([
+                a / b for a, b, ca, cb in zip(k["step_times_s"], v["step_times_s"],
+                                              k["clipped"], v["clipped"]) if ca == cb]),
             "peak_memory": _ratio(k["peak_memory_bytes"], v["peak_memory_bytes"]),
             "peak_requested": _ratio(k["peak_requested_bytes"], v["peak_requested_bytes"]),
         },
@@ -389,6 +419,14 @@ def table(result: dict) -> str:
                  f"{q['step_time_mean']:.3f} (mean), {q['step_time_paired_median']:.3f} "
                  f"(median of paired steps); peak memory "
                  f"{num(q['peak_memory'], '.4f')} ({result['memory_kind']})")
+    clip = {name: r["clipped"] for name, r in result["arms"].items()}
+    if any(any(c) for c in clip.values()):
+        alike = q["step_time_paired_median_clipped_alike"]
+        lines.append(
+            f"gradients clipped (optimizer.clip_grad {result['clip_grad']}) in "
+            + ", ".join(f"{name} {sum(c)}/{len(c)}" for name, c in clip.items())
+            + " timed steps (each a pass over every gradient); step time "
+            f"{num(alike, '.3f')} (median of the paired steps clipped alike)")
     if q.get("peak_requested") is not None:  # a GPU: the requests beside the blocks
         asked = "/".join(f"{r['peak_requested_bytes'] / 2**20:.1f}"
                          for r in result["arms"].values())

@@ -57,10 +57,24 @@ def step_rows(out: Path) -> list[str]:
             f"tokens/s {arms['vanilla']['tokens_per_s']:.0f} / "
             f"{arms['kv_shift']['tokens_per_s']:.0f}; "
             f"MFU {'/'.join('-' if m is None else f'{100 * m:.1f}%' for m in mfu)}; "
-            f"backend {d['backend']['name']}, shift {d['backend'].get('shift_kernel')} {verdict}")
+            f"backend {d['backend']['name']}, shift {d['backend'].get('shift_kernel')} {verdict}"
+            f"{clipping(d)}")
         if d.get("profile"):
             rows.append(f"{'':6s} {profile_row(d['profile'])}")
     return rows
+
+
+def clipping(d: dict) -> str:
+    """The timed steps that clipped, per arm, and the time ratio over the rounds whose
+    two steps clipped alike (older JSONs: nothing)."""
+    arms = d["arms"]
+    if "clipped" not in arms["vanilla"] or not any(any(a["clipped"]) for a in arms.values()):
+        return ""
+    alike = d["ratio"].get("step_time_paired_median_clipped_alike")
+    counts = "/".join(f"{sum(a['clipped'])}" for a in arms.values())
+    return (f"; clipped {counts} of {len(arms['vanilla']['clipped'])} steps "
+            f"(vanilla/KV shift), paired time clipped alike "
+            f"{'-' if alike is None else f'{alike:.3f}'}")
 
 
 def memory_verdict(memory: float | None) -> str:

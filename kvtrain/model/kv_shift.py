@@ -378,9 +378,8 @@ class KVShiftSelfAttention(KVShiftMixin, FusedRoPESelfAttention):
         return (tensors["q"], tensors["k"], tensors["v"], *out[3:])
 
     def _fused_query_key_value(self, mixed: Tensor, freqs: Tensor, query_width: int):
-        return qkv_rope(mixed, freqs, query_width, self.coefficients("k"),
-                        self.coefficients("v"), self._resolve_doc_ids(*mixed.shape[:2]),
-                        attention_keeps_value=self._rope_call.value_kept)
+        return qkv_rope(mixed, freqs, query_width, self.coefficients("k"), self.coefficients("v"),
+                        self._resolve_doc_ids(*mixed.shape[:2]), self._rope_call.value_kept)
 
     def _fuses_here(self) -> bool:  # the paper's K+V shift, on the Triton kernels
         return self._kv_in_place and self.kv_shift.kernel in ("auto", "triton")

@@ -83,14 +83,20 @@ class MainGrads:
         by ``max_norm / (total_norm + 1e-6)`` where that is below 1."""
         from megatron.core.optimizer import clip_grads
 
-        clip_coeff = max_norm / (total_norm + 1.0e-6)
-        if clip_coeff >= 1.0:
+        if not clips(max_norm, total_norm):
             return
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
         grads = [p.grad for p in self._params()[0] if p.grad is not None]
         if grads:
             noop = torch.zeros(1, dtype=torch.int, device=grads[0].device)
             clip_grads.multi_tensor_applier(clip_grads.multi_tensor_scale_impl, noop,
                                             [grads, grads], clip_coeff)
+
+
+def clips(max_norm: float, total_norm: float) -> bool:
+    """Whether megatron's clipping by ``max_norm`` scales gradients of ``total_norm``
+    (a pass over every gradient: ``clip_grad_by_total_norm_fp32``'s rule)."""
+    return max_norm > 0 and max_norm / (total_norm + 1.0e-6) < 1.0
 
 
 def _device() -> torch.device:
@@ -155,4 +161,4 @@ def clip(opt, max_norm: float, total_norm: float) -> None:
             use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
-__all__ = ["MainGrads", "applies", "clip", "install", "installed"]
+__all__ = ["MainGrads", "applies", "clip", "clips", "install", "installed"]

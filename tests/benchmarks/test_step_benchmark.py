@@ -75,10 +75,29 @@ def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
                ratio["step_time_paired_median"]) > 0
     assert 0.5 < ratio["peak_memory"] < 2.0  # same model but four scalars per KV head
     assert (ratio["peak_requested"] is None) == (result["device"] == "cpu")
+    # each timed step's gradient norm, and whether it clipped (a pass over every gradient)
+    clip = result["clip_grad"]
+    for arm in result["arms"].values():
+        assert len(arm["grad_norms"]) == 2 and all(n > 0 for n in arm["grad_norms"])
+        assert arm["clipped"] == [n + 1e-6 > clip for n in arm["grad_norms"]], (clip, arm)
+    clipped_any = any(any(a["clipped"]) for a in result["arms"].values())
+    assert ("gradients clipped (optimizer.clip_grad" in done.stdout) == clipped_any
     assert "kv_shift / vanilla: step time" in done.stdout
     _check_profile(result["profile"], on_gpu=result["device"] == "cuda")
     assert "profile: what the KV shift changes: " in done.stdout
     _check_device_summary(tmp_path, result)
+
+
+def test_steps_that_clip_are_counted_per_arm(tmp_path):
+    """A bound every norm exceeds: every timed step of both arms clips, said in a line,
+    and the paired median over the rounds clipped alike is over all of them."""
+    done, result = _bench(tmp_path, TINY, "--backend", "local",
+                          "--set", "optimizer.clip_grad=1e-9")
+    assert all(a["clipped"] == [True, True] for a in result["arms"].values()), result["arms"]
+    ratio = result["ratio"]
+    assert ratio["step_time_paired_median_clipped_alike"] == ratio["step_time_paired_median"]
+    assert ("gradients clipped (optimizer.clip_grad 1e-09) in vanilla 2/2, kv_shift 2/2 "
+            "timed steps") in done.stdout, done.stdout
 
 
 def _check_profile(profile: dict, on_gpu: bool) -> None:
@@ -110,6 +129,9 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     (out / "step-h2048-ropetorch.json").write_text(json.dumps(slower))
     small = json.loads(json.dumps(result))  # as a GPU writes it: the requests' peak too
     small["ratio"].update(peak_memory=1.0081, peak_requested=1.0001)
+    for arm, clips in zip(small["arms"].values(), ([False, True], [True, True])):
+        arm["clipped"] = clips
+    small["ratio"]["step_time_paired_median_clipped_alike"] = 1.012
     (out / "step-small.json").write_text(json.dumps(small))
     (out / "tests.xml").write_text(  # pytest's JUnit XML, as `pytest --junit-xml` writes it
         '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" '
@@ -143,6 +165,8 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     assert lines[0] == "tests  gpu: 2 passed, 1 failed, 1 skipped: tests.a.test_y"
     small_row = next(line for line in lines if line.startswith("small "))
     assert "memory 1.0081 (NOT met <= 1.005) (asked for: 1.0001); " in small_row, small_row
+    assert small_row.endswith("; clipped 1/2 of 2 steps (vanilla/KV shift), paired time "
+                              "clipped alike 1.012"), small_row
     assert "asked for" not in lines[next(i for i, x in enumerate(lines) if x.startswith("h2048 "))]
     ratio = result["ratio"]["step_time_median"]
     h2048 = next(i for i, line in enumerate(lines) if line.startswith("h2048 "))
