@@ -90,15 +90,19 @@ class TorchAttention(MegatronModule):
             "torch", torch.cuda.is_available(), self.dropout, config.context_parallel_size,
             min(head_dim, v_channels or config.kv_channels))
 
-    def keeps_value(self) -> bool:
-        """Whether this attention keeps the ``value`` it is given for its backward (SDPA
-        and FlexAttention keep their inputs): where kvtrain's QKV node made it, a view of
-        the QKV output, which then stays alive until the node's backward. Not an older
-        torch's SDPA with GQA, which takes repeated copies (``_sdpa``), nor context
-        parallelism, which gathers K and V (the node does not run there)."""
+    def keeps_value(self, documents: bool) -> bool:
+        """Whether this attention keeps the ``value`` it is given for its backward, with
+        or without ``documents``: where kvtrain's QKV node made it, a view of the QKV
+        output, which then stays alive until the node's backward. SDPA keeps its inputs
+        (tested); not an older torch's SDPA with GQA, which takes repeated copies
+        (``_sdpa``), nor context parallelism, which gathers K and V (the node does not
+        run there). Compiled FlexAttention (documents on a GPU) is not counted on: what
+        it saves is its compiler's choice (the ``gpu`` test says which)."""
         c = self.config
-        return cp_group() is None and (sdpa_has_gqa() or c.num_query_groups is None
-                                       or c.num_query_groups == c.num_attention_heads)
+        if cp_group() is not None or (documents and self.documents_kernel == "flex"
+                                      and torch.cuda.is_available()):
+            return False
+        return sdpa_has_gqa() or c.num_query_groups in (None, c.num_attention_heads)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 attention_mask: Optional[Tensor], attn_mask_type: Optional[AttnMaskType] = None,

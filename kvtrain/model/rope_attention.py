@@ -53,12 +53,15 @@ class _RoPECall:
     config and modules do not change), in a plain object: a module attribute set
     costs ``nn.Module.__setattr__``, a module attribute read ``__getattr__``."""
 
-    __slots__ = ("freqs", "layer_fuses", "value_kept")
+    __slots__ = ("freqs", "layer_fuses", "kept", "value_kept")
 
     def __init__(self) -> None:
         self.freqs: Optional[Tensor] = None
         self.layer_fuses: Optional[bool] = None
-        self.value_kept = False  # core attention keeps V, a view of the QKV output
+        # whether core attention keeps V (a view of the QKV output) for its backward,
+        # without and with documents; this call's
+        self.kept = (False, False)
+        self.value_kept = False
 
 
 def is_identity(module: Optional[torch.nn.Module]) -> bool:
@@ -129,7 +132,8 @@ class FusedRoPESelfAttention(SelfAttention):
         call = self._rope_call
         if call.layer_fuses is None:
             call.layer_fuses = self._layer_fuses()
-            call.value_kept = call.layer_fuses and self.core_attention.keeps_value()
+            if call.layer_fuses:
+                call.kept = tuple(self.core_attention.keeps_value(docs) for docs in (0, 1))
         if (args or not call.layer_fuses or kwargs.get("inference_context") is not None
                 or kwargs.get("inference_params") is not None
                 or kwargs.get("key_value_states") is not None):
@@ -143,6 +147,7 @@ class FusedRoPESelfAttention(SelfAttention):
         if (emb is None or emb.dtype != torch.float32 or emb.dim() != 4
                 or emb.shape[-1] != self.hidden_size_per_attention_head):
             return None
+        call.value_kept = call.kept[packed is not None]
         return emb
 
 

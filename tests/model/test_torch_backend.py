@@ -111,20 +111,52 @@ def test_gqa_on_a_torch_without_sdpa_gqa_repeats_kv_heads(mp1, monkeypatch):
     assert [shape for shape in repeats if len(shape) == 4] == [kv] * 8, repeats
 
 
-def test_attention_says_whether_it_keeps_the_value_it_is_given(mp1, monkeypatch):
+def _value_kept(core, documents, device="cpu") -> bool:
+    """Whether ``core``, given a view of a QKV output as its value (the fused node's Q
+    and K are new tensors), keeps the QKV output alive after its forward; it is freed
+    with the attention's saved tensors by the backward either way (asserted)."""
+    import weakref
+
+    c = core.config
+    groups = c.num_query_groups or c.num_attention_heads
+    d, r = c.hidden_size // c.num_attention_heads, c.num_attention_heads // groups
+    leaf = torch.randn(12, BATCH, groups, (r + 2) * d, device=device, requires_grad=True)
+    mixed = leaf * 1  # an intermediate, as the QKV projection's output
+    gone = []
+    weakref.finalize(mixed.untyped_storage(), gone.append, True)
+    query = mixed[..., :r * d].reshape(12, BATCH, groups * r, d).clone()
+    key = mixed[..., r * d:(r + 1) * d].clone()
+    value = mixed[..., (r + 1) * d:]  # a view, as the node's (vanilla's V columns)
+    out = core(query, key, value, None, packed_seq_params=documents)
+    del mixed, query, key, value
+    kept = not gone
+    out.float().sum().backward()
+    assert gone
+    return kept
+
+
+def _documents(device="cpu") -> DocumentParams:
+    ids = torch.tensor([[0] * 5 + [1] * 7] * BATCH, dtype=torch.int32, device=device)
+    return DocumentParams.from_ids(ids)
+
+
+def test_attention_keeps_the_value_it_is_given_where_it_says_so(mp1, monkeypatch):
     """``keeps_value`` (what the fused QKV node reads to write the QKV output's gradient
-    over it): SDPA keeps its inputs; an older torch's GQA path keeps repeated copies."""
+    over it, keeping the QKV output to the node's backward) checked against what the
+    attention keeps: SDPA, with and without documents, keeps it; an older torch's GQA
+    path (stood in for), which takes copies, frees it at once."""
     from kvtrain.model import attention
 
-    def core(groups):
+    for groups, has_gqa, documents in ((4, True, None), (2, True, None),
+                                       (2, True, _documents()), (4, False, None),
+                                       (2, False, None)):
+        monkeypatch.setattr(attention, "sdpa_has_gqa", lambda has_gqa=has_gqa: has_gqa)
         cfg = model_config("vanilla", groups)
-        return build_gpt(cfg, transformer_config(cfg), backend="torch") \
+        core = build_gpt(cfg, transformer_config(cfg), backend="torch") \
             .decoder.layers[0].self_attention.core_attention
-
-    mha, gqa = core(4), core(2)
-    assert mha.keeps_value() and gqa.keeps_value()
-    monkeypatch.setattr(attention, "sdpa_has_gqa", lambda: False)
-    assert mha.keeps_value() and not gqa.keeps_value()
+        kept = _value_kept(core, documents)
+        assert kept == core.keeps_value(documents is not None), (groups, has_gqa, documents)
+    assert not core.keeps_value(False)  # the last case: GQA taking copies
 
 
 def test_fewer_queries_than_keys_attend_bottom_right(mp1):
@@ -371,6 +403,20 @@ def test_torch_equals_local_on_gpu_with_documents(mp1, attention):
         torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
         for name in ref[2]:  # to each gradient's size: an absolute 1e-4 checks few here
             assert_close_to_scale(got[2][name], ref[2][name], 1e-4, msg=name)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_attention_keeps_the_value_where_it_says_so(mp1):
+    """The same on a GPU: SDPA's flash kernels keep their inputs; for documents,
+    compiled FlexAttention, whose saved tensors are its compiler's choice: where this
+    fails because it keeps them, ``TorchAttention.keeps_value`` may say so for flex."""
+    cfg = model_config("vanilla", hidden=128)  # head dim 32: Triton's flex kernels want >= 16
+    core = build_gpt(cfg, transformer_config(cfg), backend="torch").cuda() \
+        .decoder.layers[0].self_attention.core_attention
+    assert core.documents_kernel == "flex"
+    for documents in (None, _documents("cuda")):
+        kept = _value_kept(core, documents, "cuda")
+        assert kept == core.keeps_value(documents is not None), documents
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
