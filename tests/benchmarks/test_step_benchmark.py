@@ -287,7 +287,8 @@ def test_on_a_gpu_the_allocators_history_is_recorded_and_replayed(tmp_path):
     """``--memory-history``: each probe's snapshot, read by ``peak_memory.py
     --snapshots``; the allocator replayed over the GPU's own requests comes to the
     measured ``max_memory_allocated`` growth within 5 % (what the probe's process had
-    cached before its build is not in the trace)."""
+    cached before its build is not in the trace), and the trace's requests alive at
+    their peak lie between the peak of the bytes asked for and the blocks."""
     history = tmp_path / "memory"
     _, result = _bench(tmp_path, REPO / "configs" / "bench" / "host.yaml",
                        "--memory-history", str(history))
@@ -304,9 +305,11 @@ def test_on_a_gpu_the_allocators_history_is_recorded_and_replayed(tmp_path):
         replayed = peaks[arm]["allocator_peak_bytes"]
         assert abs(replayed - measured["peak_memory_bytes"]) <= 0.05 * replayed, (arm, peaks)
         assert peaks[arm]["peak_bytes"] <= replayed
-        # the requests replayed (rounded to 512 bytes) against those the GPU counted
+        # the trace's requests rounded to 512 bytes, alive at their peak: at least the
+        # peak of the requests the GPU counted unrounded, at most its blocks
         asked = measured["peak_requested_bytes"]
-        assert abs(peaks[arm]["peak_bytes"] - asked) <= 0.05 * asked, (arm, peaks, asked)
+        assert asked <= peaks[arm]["peak_bytes"] <= measured["peak_memory_bytes"], (
+            arm, peaks, measured)
 
 
 def test_device_checks_without_prepared_wheels_say_so_in_one_line(tmp_path):
