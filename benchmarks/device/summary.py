@@ -228,6 +228,17 @@ def plan_row(d: dict) -> str:
             f"allocated (the larger arm): plan / measured {planned / peak:.3f}")
 
 
+def requests_apart(rows: list | None) -> str:
+    """The largest request one arm makes alone, or at another size (older JSONs: none)."""
+    if rows is None:
+        return ""
+    if not rows:
+        return "; the arms' requests part nowhere"
+    side, _, site, _, _, size, n = rows[0]
+    return (f"; requests apart: {len(rows)} kinds, the largest {side} {n} x "
+            f"{size / n / 2**10:+.1f} KiB {site}")
+
+
 def peak_rows(out: Path) -> list[str]:
     """What is alive at each arm's peak, from the GPU's own allocator trace."""
     rows = []
@@ -239,7 +250,8 @@ def peak_rows(out: Path) -> list[str]:
             f"{name:6s} memory replayed from the trace: blocks {arms['vanilla']['allocator_peak_bytes'] / mib:.1f}"
             f" / {arms['kv_shift']['allocator_peak_bytes'] / mib:.1f} MiB "
             f"({d['allocator_ratio']:.4f}), alive {d['ratio']:.4f}; largest difference at the "
-            f"peaks: {'none' if top is None else f'{top[4] / mib:+.2f} MiB {top[1]}'}")
+            f"peaks: {'none' if top is None else f'{top[4] / mib:+.2f} MiB {top[1]}'}"
+            f"{requests_apart(d.get('requests_apart'))}")
     return rows
 
 

@@ -156,12 +156,16 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
                  "kv_shift": {"peak_bytes": 215 * mib, "allocator_peak_bytes": 250 * mib}},
         "ratio": 1.0001, "allocator_ratio": 250 / 248,
         "differences": [["gpu", "kvtrain/model/qkv_rope.py:150 backward", "alloc", "bytes",
-                         2 * mib, "", "[2097152]"]]}))
+                         2 * mib, "", "[2097152]"]],
+        "requests_apart": [["vanilla only", "gpu", "kvtrain/model/triton_qkv_rope.py:164 "
+                            "backward", "alloc", "bytes", 8 * mib, 4]]}))
     done = _summary(out)
     lines = done.stdout.splitlines()
     assert ("small  memory replayed from the trace: blocks 248.0 / 250.0 MiB (1.0081), alive "
             "1.0001; largest difference at the peaks: +2.00 MiB "
-            "kvtrain/model/qkv_rope.py:150 backward") in lines, lines
+            "kvtrain/model/qkv_rope.py:150 backward; requests apart: 1 kinds, the largest "
+            "vanilla only 4 x +2048.0 KiB kvtrain/model/triton_qkv_rope.py:164 backward") \
+        in lines, lines
     assert lines[0] == "tests  gpu: 2 passed, 1 failed, 1 skipped: tests.a.test_y"
     small_row = next(line for line in lines if line.startswith("small "))
     assert "memory 1.0081 (NOT met <= 1.005) (asked for: 1.0001); " in small_row, small_row
