@@ -111,7 +111,7 @@ def test_gqa_on_a_torch_without_sdpa_gqa_repeats_kv_heads(mp1, monkeypatch):
     assert [shape for shape in repeats if len(shape) == 4] == [kv] * 8, repeats
 
 
-def _value_kept(core, documents, device="cpu") -> bool:
+def _value_kept(core, documents, device="cpu", dtype=torch.float32) -> bool:
     """Whether ``core``, given a view of a QKV output as its value (the fused node's Q
     and K are new tensors), keeps the QKV output alive after its forward; it is freed
     with the attention's saved tensors by the backward either way (asserted)."""
@@ -120,7 +120,8 @@ def _value_kept(core, documents, device="cpu") -> bool:
     c = core.config
     groups = c.num_query_groups or c.num_attention_heads
     d, r = c.hidden_size // c.num_attention_heads, c.num_attention_heads // groups
-    leaf = torch.randn(12, BATCH, groups, (r + 2) * d, device=device, requires_grad=True)
+    leaf = torch.randn(12, BATCH, groups, (r + 2) * d, device=device, dtype=dtype,
+                       requires_grad=True)
     mixed = leaf * 1  # an intermediate, as the QKV projection's output
     gone = []
     weakref.finalize(mixed.untyped_storage(), gone.append, True)
@@ -407,7 +408,7 @@ def test_torch_equals_local_on_gpu_with_documents(mp1, attention):
 
 @pytest.mark.gpu
 def test_on_a_gpu_attention_keeps_the_value_where_it_says_so(mp1):
-    """The same on a GPU: SDPA's flash kernels keep their inputs; for documents,
+    """The same on a GPU in bf16: SDPA's flash kernels keep their inputs; for documents,
     compiled FlexAttention, whose saved tensors are its compiler's choice: where this
     fails because it keeps them, ``TorchAttention.keeps_value`` may say so for flex."""
     cfg = model_config("vanilla", hidden=128)  # head dim 32: Triton's flex kernels want >= 16
@@ -415,7 +416,7 @@ def test_on_a_gpu_attention_keeps_the_value_where_it_says_so(mp1):
         .decoder.layers[0].self_attention.core_attention
     assert core.documents_kernel == "flex"
     for documents in (None, _documents("cuda")):
-        kept = _value_kept(core, documents, "cuda")
+        kept = _value_kept(core, documents, "cuda", torch.bfloat16)
         assert kept == core.keeps_value(documents is not None), documents
 
 
