@@ -20,7 +20,9 @@ the median of the per-round ratios (a round's two steps are adjacent in time;
 also over the rounds whose two steps clipped their gradients alike: clipping by
 ``optimizer.clip_grad`` is a pass over every gradient that each step's norm decides,
 so with norms near the bound one arm may pay it where the other does not; each
-step's norm and whether it clipped are in the JSON),
+step's norm and whether it clipped are in the JSON), each step split into its
+forward-backward and the rest (the loss's reduction, the gradient norm, clipping,
+the update; ``PhaseClock``: CUDA events on a GPU, no synchronization added),
 tokens/s, TFLOP/s per device and MFU (the trainer's model-FLOP count,
 ``kvtrain/train/flops.py``; the peak from ``train.peak_tflops_per_device`` or
 the device name, none on a CPU unless given), and each arm's peak memory and
@@ -234,6 +236,33 @@ def probe_memory(cfgs: dict[str, RunConfig], warmup: int,
 
 
 # ----------------------------------------------------------------------------- arms
+class PhaseClock:
+    """Where a step's time goes: forward-backward over the micro batches, then the rest
+    (the loss's reduction, the gradient norm, clipping, the update), without a
+    synchronization of its own: on a GPU CUDA events on the stream (the device's time,
+    read after the step's closing synchronize), on the CPU the host's clock."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def phases(self) -> tuple[float, float]:
+        """(forward-backward, the rest) in seconds, from the three marks (start, the end
+        of forward-backward, the end), after the step's synchronize."""
+        a, b, c = self.marks
+        if self.cuda:
+            return a.elapsed_time(b) / 1e3, b.elapsed_time(c) / 1e3
+        return b - a, c - b
+
+
 @dataclass
 class Arm:
     name: str
@@ -244,7 +273,9 @@ class Arm:
     requested_bytes: Optional[int] = None  # the peak of the bytes asked for (a GPU)
     times: list = field(default_factory=list)
     grad_norms: list = field(default_factory=list)  # of the timed steps
+    phases: list = field(default_factory=list)  # (forward-backward, rest) of the timed steps
     last_grad_norm: Optional[float] = None
+    last_phases: tuple = (0.0, 0.0)
 
     def step(self) -> float:
         """One trainer step; its wall time in seconds."""
@@ -252,16 +283,25 @@ class Arm:
 
         run, t = self.run, self.run.cfg.train
         self.forward_step.iteration += 1
+        clock = PhaseClock()
+
+        def forward_backward(**kwargs):
+            out = run.forward_backward(**kwargs)
+            clock.mark()
+            return out
+
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         started = time.perf_counter()
-        result = train_step(run.forward_backward, self.forward_step, self.iterators,
+        clock.mark()
+        result = train_step(forward_backward, self.forward_step, self.iterators,
                             run.model, run.optimizer, run.scheduler, run.num_microbatches,
                             t.seq_length, t.micro_batch_size, (0.0, 0.0))
+        clock.mark()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - started
-        self.last_grad_norm = result.outcome.grad_norm
+        self.last_grad_norm, self.last_phases = result.outcome.grad_norm, clock.phases()
         return elapsed
 
 
@@ -295,6 +335,7 @@ def time_arms(arms: list[Arm], steps: int) -> None:
         for arm in (arms if i % 2 == 0 else arms[::-1]):
             arm.times.append(arm.step())
             arm.grad_norms.append(arm.last_grad_norm)
+            arm.phases.append(arm.last_phases)
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
@@ -311,6 +352,7 @@ def arm_record(arm: Arm) -> dict:
     run, t = arm.run, arm.run.cfg.train
     times = _max_over_ranks(arm.times)
     median = statistics.median(times)
+    fb, rest = (_max_over_ranks([p[i] for p in arm.phases]) for i in (0, 1))
     tflops = run.flops_per_step / median / run.world_size / 1e12
     return {
         "step_time_median_s": median,
@@ -322,6 +364,9 @@ def arm_record(arm: Arm) -> dict:
         "mfu": tflops / run.peak_tflops if run.peak_tflops else None,
         "peak_memory_bytes": arm.peak_bytes,  # measured with one rank only
         "peak_requested_bytes": arm.requested_bytes,  # a GPU only
+        # each timed step's forward-backward and the rest (PhaseClock: a GPU's own time)
+        "forward_backward_s": fb, "forward_backward_median_s": statistics.median(fb),
+        "update_s": rest, "update_median_s": statistics.median(rest),
         "grad_norms": arm.grad_norms,  # of the timed steps (None: a step skipped)
         "clipped": clipped(arm),
     }
@@ -388,6 +433,9 @@ def report(args: argparse.Namespace, arms: list[Arm], load_before: tuple) -> dic
             "step_time_paired_median_clipped_alike": _median_or_none([
                 a / b for a, b, ca, cb in zip(k["step_times_s"], v["step_times_s"],
                                               k["clipped"], v["clipped"]) if ca == cb]),
+            "forward_backward_median": _ratio(k["forward_backward_median_s"],
+                                              v["forward_backward_median_s"]),
+            "update_median": _ratio(k["update_median_s"], v["update_median_s"]),
             "peak_memory": _ratio(k["peak_memory_bytes"], v["peak_memory_bytes"]),
             "peak_requested": _ratio(k["peak_requested_bytes"], v["peak_requested_bytes"]),
         },
@@ -419,6 +467,13 @@ def table(result: dict) -> str:
                  f"{q['step_time_mean']:.3f} (mean), {q['step_time_paired_median']:.3f} "
                  f"(median of paired steps); peak memory "
                  f"{num(q['peak_memory'], '.4f')} ({result['memory_kind']})")
+    v, k = result["arms"]["vanilla"], result["arms"]["kv_shift"]
+    clock = "the GPU" if "cuda" in str(result["device"]) else "the host"
+    lines.append(
+        f"phases (median ms, vanilla / kv_shift; {clock}'s time): forward-backward {v['forward_backward_median_s'] * 1e3:.2f} / "
+        f"{k['forward_backward_median_s'] * 1e3:.2f} ({q['forward_backward_median']:.3f}), "
+        f"the rest (loss, norm, clipping, update) {v['update_median_s'] * 1e3:.2f} / "
+        f"{k['update_median_s'] * 1e3:.2f} ({q['update_median']:.3f})")
     clip = {name: r["clipped"] for name, r in result["arms"].items()}
     if any(any(c) for c in clip.values()):
         alike = q["step_time_paired_median_clipped_alike"]

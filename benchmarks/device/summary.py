@@ -58,10 +58,18 @@ def step_rows(out: Path) -> list[str]:
             f"{arms['kv_shift']['tokens_per_s']:.0f}; "
             f"MFU {'/'.join('-' if m is None else f'{100 * m:.1f}%' for m in mfu)}; "
             f"backend {d['backend']['name']}, shift {d['backend'].get('shift_kernel')} {verdict}"
-            f"{clipping(d)}")
+            f"{phases(r)}{clipping(d)}")
         if d.get("profile"):
             rows.append(f"{'':6s} {profile_row(d['profile'])}")
     return rows
+
+
+def phases(ratio: dict) -> str:
+    """KV shift / vanilla of each phase's median (step.py's PhaseClock; older JSONs: none)."""
+    if ratio.get("forward_backward_median") is None:
+        return ""
+    return (f"; phases forward-backward {ratio['forward_backward_median']:.3f}, "
+            f"the rest {ratio['update_median']:.3f}")
 
 
 def clipping(d: dict) -> str:

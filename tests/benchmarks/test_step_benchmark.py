@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,14 @@ def test_two_steps_each_give_the_fields_and_sane_values(tmp_path):
     for arm in result["arms"].values():
         assert len(arm["grad_norms"]) == 2 and all(n > 0 for n in arm["grad_norms"])
         assert arm["clipped"] == [n + 1e-6 > clip for n in arm["grad_norms"]], (clip, arm)
+    # each step's forward-backward and the rest, which make up the step
+    for arm in result["arms"].values():
+        for fb, rest, whole in zip(arm["forward_backward_s"], arm["update_s"],
+                                   arm["step_times_s"]):
+            assert 0 < fb and 0 < rest and fb + rest <= whole, arm
+        assert arm["forward_backward_median_s"] == statistics.median(arm["forward_backward_s"])
+    assert ratio["forward_backward_median"] > 0 and ratio["update_median"] > 0
+    assert "phases (median ms, vanilla / kv_shift;" in done.stdout
     clipped_any = any(any(a["clipped"]) for a in result["arms"].values())
     assert ("gradients clipped (optimizer.clip_grad" in done.stdout) == clipped_any
     assert "kv_shift / vanilla: step time" in done.stdout
@@ -131,7 +140,8 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     small["ratio"].update(peak_memory=1.0081, peak_requested=1.0001)
     for arm, clips in zip(small["arms"].values(), ([False, True], [True, True])):
         arm["clipped"] = clips
-    small["ratio"]["step_time_paired_median_clipped_alike"] = 1.012
+    small["ratio"].update(step_time_paired_median_clipped_alike=1.012,
+                          forward_backward_median=1.021, update_median=1.004)
     (out / "step-small.json").write_text(json.dumps(small))
     (out / "tests.xml").write_text(  # pytest's JUnit XML, as `pytest --junit-xml` writes it
         '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" '
@@ -169,8 +179,9 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     assert lines[0] == "tests  gpu: 2 passed, 1 failed, 1 skipped: tests.a.test_y"
     small_row = next(line for line in lines if line.startswith("small "))
     assert "memory 1.0081 (NOT met <= 1.005) (asked for: 1.0001); " in small_row, small_row
-    assert small_row.endswith("; clipped 1/2 of 2 steps (vanilla/KV shift), paired time "
-                              "clipped alike 1.012"), small_row
+    assert small_row.endswith("; phases forward-backward 1.021, the rest 1.004; clipped 1/2 "
+                              "of 2 steps (vanilla/KV shift), paired time clipped alike "
+                              "1.012"), small_row
     assert "asked for" not in lines[next(i for i, x in enumerate(lines) if x.startswith("h2048 "))]
     ratio = result["ratio"]["step_time_median"]
     h2048 = next(i for i, line in enumerate(lines) if line.startswith("h2048 "))
