@@ -198,7 +198,7 @@ def allocator_peak(log: "Log") -> dict:
             "kinds": dict(kinds)}
 
 
-def requests_apart(a: "Log", b: "Log") -> list[list]:
+def requests_apart(a: "Log", b: "Log", names: tuple[str, str] = ("a", "b")) -> list[list]:
     """Where two logs' requests part: the allocations of one that the other does not
     make, and those both make at different sizes, matched in order by where they were
     made (phase, site, operator, dtype). Two logs with none hand the caching allocator
@@ -206,8 +206,8 @@ def requests_apart(a: "Log", b: "Log") -> list[list]:
     only by the sizes that differ; where one makes a request the other does not, what
     follows may be packed otherwise (``docs/performance.md``, session 29: a QKV-sized
     gradient in vanilla's backward moved three of Adam's states into larger blocks).
-    [[side ("a only", "b only", "sizes differ"), phase, site, op, dtype, bytes (b's
-    minus a's where sizes differ), requests]], largest first."""
+    [[side ("<a's name> only", "<b's name> only", "sizes differ"), phase, site, op,
+    dtype, bytes (b's minus a's where sizes differ), requests]], largest first."""
     made = [[blk for sign, blk in log.events if sign > 0] for log in (a, b)]
     rows: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
 
@@ -231,10 +231,10 @@ def requests_apart(a: "Log", b: "Log") -> list[list]:
             if other:
                 add("sizes differ", blk, other.popleft().size - blk.size)
             else:
-                add("a only", blk, blk.size)
+                add(f"{names[0]} only", blk, blk.size)
         for blocks in theirs.values():
             for blk in blocks:
-                add("b only", blk, blk.size)
+                add(f"{names[1]} only", blk, blk.size)
     out = [[*key, size, n] for key, (size, n) in rows.items()]
     out.sort(key=lambda r: (-abs(r[5]), r[:5]))
     return out

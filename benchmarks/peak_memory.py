@@ -222,8 +222,7 @@ def report(logs: dict[str, Log], top: int, **about) -> dict:
     k, v = arms["kv_shift"], arms["vanilla"]
     held = differences(*({key: tuple(v) for key, v in blocks[arm]["kinds"].items()}
                          for arm in ("vanilla", "kv_shift")), top)
-    sides = {"a only": "vanilla only", "b only": "kv_shift only", "sizes differ": "sizes differ"}
-    apart = [[sides[r[0]], *r[1:]] for r in requests_apart(logs["vanilla"], logs["kv_shift"])]
+    apart = requests_apart(logs["vanilla"], logs["kv_shift"], ("vanilla", "kv_shift"))
     return {**about, "arms": arms, "ratio": k["peak_bytes"] / v["peak_bytes"],
             "allocator_ratio": k["allocator_peak_bytes"] / v["allocator_peak_bytes"],
             "differences": compare(logs, top), "allocator_differences": held,

@@ -240,26 +240,27 @@ class PhaseClock:
     """Where a step's time goes: forward-backward over the micro batches, then the rest
     (the loss's reduction, the gradient norm, clipping, the update), without a
     synchronization of its own: on a GPU CUDA events on the stream (the device's time,
-    read after the step's closing synchronize), on the CPU the host's clock."""
+    read after the step's closing synchronize; made once, recorded every step), on the
+    CPU the host's clock. Marks: the start, the end of forward-backward, the end."""
 
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available()
-        self.marks: list = []
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] \
+            if self.cuda else []
+        self.marks = [0.0] * 3
 
-    def mark(self) -> None:
+    def mark(self, i: int) -> None:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
+            self.events[i].record()
         else:
-            self.marks.append(time.perf_counter())
+            self.marks[i] = time.perf_counter()
 
     def phases(self) -> tuple[float, float]:
-        """(forward-backward, the rest) in seconds, from the three marks (start, the end
-        of forward-backward, the end), after the step's synchronize."""
-        a, b, c = self.marks
+        """(forward-backward, the rest) in seconds, after the step's synchronize."""
         if self.cuda:
+            a, b, c = self.events
             return a.elapsed_time(b) / 1e3, b.elapsed_time(c) / 1e3
+        a, b, c = self.marks
         return b - a, c - b
 
 
@@ -274,35 +275,34 @@ class Arm:
     times: list = field(default_factory=list)
     grad_norms: list = field(default_factory=list)  # of the timed steps
     phases: list = field(default_factory=list)  # (forward-backward, rest) of the timed steps
-    last_grad_norm: Optional[float] = None
-    last_phases: tuple = (0.0, 0.0)
+    clock: PhaseClock = field(default_factory=PhaseClock)
 
-    def step(self) -> float:
-        """One trainer step; its wall time in seconds."""
+    def step(self, timed: bool = False) -> None:
+        """One trainer step; ``timed``: its wall time, gradient norm and phases recorded."""
         from kvtrain.train.step import train_step
 
-        run, t = self.run, self.run.cfg.train
+        run, t, clock = self.run, self.run.cfg.train, self.clock
         self.forward_step.iteration += 1
-        clock = PhaseClock()
 
         def forward_backward(**kwargs):
             out = run.forward_backward(**kwargs)
-            clock.mark()
+            clock.mark(1)
             return out
 
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         started = time.perf_counter()
-        clock.mark()
+        clock.mark(0)
         result = train_step(forward_backward, self.forward_step, self.iterators,
                             run.model, run.optimizer, run.scheduler, run.num_microbatches,
                             t.seq_length, t.micro_batch_size, (0.0, 0.0))
-        clock.mark()
+        clock.mark(2)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - started
-        self.last_grad_norm, self.last_phases = result.outcome.grad_norm, clock.phases()
-        return elapsed
+        if timed:
+            self.times.append(time.perf_counter() - started)
+            self.grad_norms.append(result.outcome.grad_norm)
+            self.phases.append(clock.phases())
 
 
 def build_arm(name: str, cfg: RunConfig, run_dir: Path, env, warmup: int,
@@ -333,9 +333,7 @@ def time_arms(arms: list[Arm], steps: int) -> None:
     """``steps`` timed steps per arm, alternating, the order flipped every round."""
     for i in range(steps):
         for arm in (arms if i % 2 == 0 else arms[::-1]):
-            arm.times.append(arm.step())
-            arm.grad_norms.append(arm.last_grad_norm)
-            arm.phases.append(arm.last_phases)
+            arm.step(timed=True)
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:

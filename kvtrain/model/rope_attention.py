@@ -133,7 +133,7 @@ class FusedRoPESelfAttention(SelfAttention):
         if call.layer_fuses is None:
             call.layer_fuses = self._layer_fuses()
             if call.layer_fuses:
-                call.kept = tuple(self.core_attention.keeps_value(docs) for docs in (0, 1))
+                call.kept = tuple(self.core_attention.keeps_value(docs) for docs in (False, True))
         if (args or not call.layer_fuses or kwargs.get("inference_context") is not None
                 or kwargs.get("inference_params") is not None
                 or kwargs.get("key_value_states") is not None):
