@@ -57,6 +57,9 @@ GPUS = {
     # H100 SXM compute with 141 GB of HBM3e, of which PyTorch is given ~139 GiB (the
     # H200 that benchmarks/device measures on)
     "h200": GPU("H200-141G", 139.0, 989.0, 494.5, 67.0),
+    # HGX B200 at 1,000 W (not GB200's 1,200 W): 180 GB of HBM3e, of which PyTorch
+    # is given ~178 GiB (nvidia-smi: 183,359 MiB)
+    "b200": GPU("B200-180G", 178.0, 2250.0, 1100.0, 75.0),
 }
 
 

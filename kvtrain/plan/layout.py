@@ -126,7 +126,7 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
         raise PlanError(
             f"estimated {memory.total / GiB:.1f} GiB per GPU (stage {memory.stage}: states "
             f"{memory.states / GiB:.1f}, activations {memory.activations / GiB:.1f}) exceeds the "
-            f"{card.memory_gib:.0f} GiB of an {card.name}; {_suggest(plan)}"
+            f"{card.memory_gib:.0f} GiB of each {card.name}; {_suggest(plan)}"
         )
     if memory.total > WARN_MEMORY_FRACTION * capacity:
         warnings.append(f"estimated memory is {memory.total / capacity:.0%} of the card: "

@@ -37,7 +37,7 @@ def test_a_layout_over_the_card_names_the_setting_that_would_fit(capsys):
     code, out, err = plan(capsys, path, "--nodes", "8", sets=NO_DISTOPT)
     assert code == 1 and out == ""
     assert err == (f"kvtrain plan: {path}: layout refused: estimated 129.9 GiB per GPU (stage "
-                   "0: states 113.5, activations 7.4) exceeds the 80 GiB of an A100-80G; "
+                   "0: states 113.5, activations 7.4) exceeds the 80 GiB of each A100-80G; "
                    "parallel.distributed_optimizer=true would need 51.7 GiB\n")
     advised = NO_DISTOPT[:3] + ["parallel.distributed_optimizer=true"]
     fits = make_plan(load_config(path, advised), nodes=8, gpu="a100")
@@ -52,7 +52,7 @@ def test_a_layout_no_single_setting_fixes_says_to_split_the_model(capsys):
             "parallel.recompute=full"]
     code, out, err = plan(capsys, path, "--nodes", "30", "--gpu", "a800", sets=sets)
     assert code == 1 and out == ""
-    assert err.endswith("exceeds the 80 GiB of an A800-80G; raise parallel.tensor (with "
+    assert err.endswith("exceeds the 80 GiB of each A800-80G; raise parallel.tensor (with "
                         "sequence_parallel) or parallel.pipeline, or lower "
                         "train.micro_batch_size\n"), err
     assert err.count("\n") == 1
@@ -135,3 +135,20 @@ def test_an_h200_has_an_h100s_compute_and_the_memory_to_fit_more(capsys):
     cfg = load_config(path, [])
     h100, h200 = (make_plan(cfg, nodes=8, gpu=gpu) for gpu in ("h100", "h200"))
     assert h200.step_seconds == h100.step_seconds and h200.memory.total == h100.memory.total
+
+
+def test_a_b200_plans_at_its_own_peak_and_memory(capsys):
+    """--gpu b200 (HGX B200, 1,000 W): 2,250 dense bf16 TFLOP/s and the ~178 GiB
+    PyTorch is given of its 180 GB, so the same layout steps 2250/989 x faster than
+    on an H100; and a layout over it is refused naming the card."""
+    path = PAPER / "6.7b_kv_shift.yaml"
+    code, out, err = plan(capsys, path, "--nodes", "8", "--gpu", "b200", sets=NO_DISTOPT)
+    assert code == 0 and err == ""
+    assert "64 x B200-180G = 8 node(s) x 8; 2250 TFLOP/s bf16 and 178 GiB each" in out
+    cfg = load_config(path, [])
+    h100, b200 = (make_plan(cfg, nodes=8, gpu=gpu) for gpu in ("h100", "b200"))
+    assert b200.step_seconds == pytest.approx(h100.step_seconds * 989 / 2250, rel=1e-12)
+    code, out, err = plan(capsys, path, "--nodes", "8", "--gpu", "b200",
+                          sets=NO_DISTOPT + ["parallel.recompute=none"])
+    assert code == 1 and out == ""
+    assert "GiB of each B200-180G; " in err, err
