@@ -17,6 +17,7 @@ from .schema import (
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    ProfileConfig,
     RunConfig,
     ShiftHeadsConfig,
     TrainConfig,
@@ -55,6 +56,12 @@ def checkpoint_folder(configured: Optional[str], run_dir: str | Path) -> Path:
     here, so that they agree on where the checkpoints are."""
     # an absolute (or ~) folder replaces run_dir in the join
     return Path(run_dir) / Path(configured or "checkpoints").expanduser()
+
+
+def profile_folder(configured: Optional[str], run_dir: str | Path) -> Path:
+    """The folder of a run's step traces: ``profile.dir`` with ``~`` expanded, a
+    relative one under the run folder, ``<run_dir>/profile`` when it is null."""
+    return Path(run_dir) / Path(configured or "profile").expanduser()
 
 
 def wandb_folder(configured: Optional[str], run_dir: str | Path) -> Path:
@@ -103,6 +110,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "ProfileConfig",
     "RunConfig",
     "ShiftHeadsConfig",
     "TrainConfig",
@@ -113,6 +121,7 @@ __all__ = [
     "launched_world_size",
     "load_config",
     "one_process_only",
+    "profile_folder",
     "run_folder",
     "to_dict",
     "wandb_folder",

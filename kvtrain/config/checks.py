@@ -14,7 +14,7 @@ from .layout import total_steps
 from .loader import ConfigError
 
 if TYPE_CHECKING:
-    from .schema import RunConfig
+    from .schema import ProfileConfig, RunConfig
 
 
 # The longest timeout torch's process groups hold (int64 nanoseconds); beyond
@@ -180,3 +180,24 @@ def check_checkpoint(cfg: RunConfig) -> None:
     if not c.resume.strip():
         raise ConfigError("checkpoint.resume must be auto, none, or a checkpoint path")
     check_allowed_keys(c.allow_config_changes)
+
+
+def check_profile(pr: ProfileConfig, default: ProfileConfig, world_size: int | None) -> None:
+    """The trace window and its ranks (``profile``); a setting of a profile that traces
+    nothing (``start_step`` null) is refused, not ignored."""
+    if pr.start_step is None:
+        for key in ("num_steps", "ranks", "record_shapes", "with_stack", "memory_history", "dir"):
+            if getattr(pr, key) != getattr(default, key):
+                raise ConfigError(f"profile.{key} is set but profile.start_step is null: no "
+                                  "step is traced (set profile.start_step)")
+        return
+    if pr.start_step < 1 or pr.num_steps < 1:
+        raise ConfigError(f"profile.start_step and profile.num_steps must be >= 1, got "
+                          f"{pr.start_step} and {pr.num_steps}")
+    if not pr.ranks:
+        raise ConfigError("profile.ranks is empty: name the ranks that trace (e.g. [0])")
+    if len(set(pr.ranks)) != len(pr.ranks) or min(pr.ranks) < 0:
+        raise ConfigError(f"profile.ranks must be distinct ranks >= 0, got {pr.ranks}")
+    if world_size is not None and max(pr.ranks) >= world_size:
+        raise ConfigError(f"profile.ranks: rank {max(pr.ranks)} is not one of this run's "
+                          f"{world_size} (0-{world_size - 1})")

@@ -265,6 +265,31 @@ class WandbConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """Traces of a few training steps on chosen ranks (``kvtrain/train/profiling.py``):
+    ``torch.profiler``'s trace and operator table, on a GPU also the caching allocator's
+    history, written under the run folder. Off while ``start_step`` is null."""
+
+    start_step: Optional[int] = None
+    """First iteration traced (1-based, as the log counts them); null: no profiling. The
+    step before it runs under the profiler untraced (its warm-up) where this start runs it."""
+    num_steps: int = 2
+    """Iterations traced, from start_step (a window past the run's last step ends there)."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks that trace; each writes its own files."""
+    record_shapes: bool = False
+    """Record each operator's input shapes (a larger trace)."""
+    with_stack: bool = False
+    """Record each operator's Python stack (a much larger trace; slower traced steps)."""
+    memory_history: bool = False
+    """Also record the CUDA caching allocator's history over the traced steps and write its
+    snapshot (``rankNNNNN.memory.pickle``, for pytorch.org/memory_viz). GPU runs only."""
+    dir: Optional[str] = None
+    """Folder of the traces (default: <run_dir>/profile; relative: under the run folder);
+    each window in ``iter_AAAAAAA-BBBBBBB/``."""
+
+
+@dataclass
 class RunConfig:
     """A whole run: one YAML file."""
 
@@ -286,6 +311,8 @@ class RunConfig:
     """Checkpoints."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """wandb."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Step traces (off by default)."""
 
     def validate(self, world_size: Optional[int] = None) -> None:
         """Cross-field checks, each one clear line. ``world_size`` enables DP checks."""
@@ -359,3 +386,4 @@ class RunConfig:
         for check in (checks.check_train, checks.check_optimizer, checks.check_data,
                       checks.check_checkpoint):
             check(self)
+        checks.check_profile(self.profile, ProfileConfig(), world_size)

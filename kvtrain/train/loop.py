@@ -32,6 +32,7 @@ from .integrity import plan_resume
 from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
 from .processes import bind_to_launcher
+from .profiling import StepProfiler, check_profile_start
 from .resume import resume
 from .runlock import SAME_JOB_WAIT, hold_run_folder, removed_on_bad_input
 from .setup import (
@@ -51,7 +52,8 @@ def _due(iteration: int, interval: Optional[int]) -> bool:
 
 
 def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: MetricsLogger,
-                  validator: Validator, stop: StopRequests, hooks: RunHooks) -> int:
+                  validator: Validator, stop: StopRequests, hooks: RunHooks,
+                  profiler: StepProfiler) -> int:
     """Trains from ``state`` to the end of the run (or a stop); returns the exit code."""
     cfg, t = run.cfg, run.cfg.train
     iterators = _data_iterators(run, state.consumed_samples)
@@ -63,9 +65,10 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
         forward_step.iteration = state.iteration + 1
         started = time.perf_counter()
         signal_flag = max(stop.signal_flag, float(hooks.stop_requested(state.iteration + 1)))
-        result = train_step(run.forward_backward, forward_step, iterators, run.model,
-                            run.optimizer, run.scheduler, run.num_microbatches, t.seq_length,
-                            t.micro_batch_size, (signal_flag, stop.time_flag))
+        with profiler.step(state.iteration + 1):  # a trace, where profile asks for one
+            result = train_step(run.forward_backward, forward_step, iterators, run.model,
+                                run.optimizer, run.scheduler, run.num_microbatches,
+                                t.seq_length, t.micro_batch_size, (signal_flag, stop.time_flag))
         state.iteration += 1
         state.consumed_samples += t.global_batch_size
         state.consumed_tokens += t.global_batch_size * t.seq_length
@@ -329,6 +332,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
         if budget:  # another global batch since the checkpoint
             resumed.add(f"kvtrain: {budget}")
         build_data(run, resumed.state)  # for what this start draws (the end may have moved)
+        check_profile_start(cfg.profile, run.device, run.total_steps, run.run_dir, run.rank)
         if rank0:  # once the start is taken: a refused one leaves the config of the records
             write_run_config(text, run.run_dir)  # the text printed above
     state = resumed.state
@@ -348,6 +352,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
                           t.global_batch_size, t.micro_batch_size, run.num_microbatches,
                           t.seq_length, accuracy_masks(cfg.data.type), cfg.model.vocab_size,
                           documents=run.documents)
+    profiler = StepProfiler.for_start(cfg.profile, run.run_dir, run.rank, run.device,
+                                      state.iteration + 1, run.total_steps, metrics)
     code = 1
     try:
         if state.iteration >= run.total_steps:
@@ -355,10 +361,12 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
             code = EXIT_OK
         else:
             with loader_deaths_named(cfg.data.num_workers):
-                code = training_loop(run, state, ckpt, metrics, validator, stop, hooks)
+                code = training_loop(run, state, ckpt, metrics, validator, stop, hooks,
+                                     profiler)
         if status_file is not None and rank0:
             _write_status(status_file, state.iteration, run.total_steps)
     finally:
+        profiler.close()  # a stop inside its window: what was traced
         metrics.close()
         wandb.finish(exit_code=code)
         stop.restore()
