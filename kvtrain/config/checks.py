@@ -119,21 +119,45 @@ def check_optimizer(cfg: RunConfig) -> None:
                           f"train.precision is {cfg.train.precision}; set it to fp16 or "
                           "optimizer.loss_scale: null")
 
+def _check_blend(key: str, paths: list) -> None:
+    """``paths``: all prefixes, or (positive weight, prefix) pairs."""
+    weights = [x for x in paths if not isinstance(x, str)]
+    if weights and (len(paths) % 2 or any(
+            not isinstance(w, (int, float)) or not isinstance(pth, str)
+            for w, pth in zip(paths[0::2], paths[1::2]))):
+        raise ConfigError(
+            f"{key} must be all prefixes or weight, prefix pairs "
+            f"([0.7, a_text_document, 0.3, b_text_document]), got {paths}"
+        )
+    if any(w <= 0 for w in weights):
+        raise ConfigError(f"{key} weights must be positive, got {weights}")
+
+
+def _check_valid_paths(cfg: RunConfig, split: list[float]) -> None:
+    """A held-out validation set (``data.valid_paths``) replaces data.split's parts."""
+    d = cfg.data
+    _check_blend("data.valid_paths", d.valid_paths)
+    if d.type != "gpt":
+        raise ConfigError(f"data.valid_paths names shards: it needs data.type gpt, not "
+                          f"{d.type}")
+    if cfg.train.eval_interval is None:
+        raise ConfigError("data.valid_paths is set but train.eval_interval is null: nothing "
+                          "validates on it (set train.eval_interval)")
+    from .schema import DataConfig
+
+    if d.split != DataConfig.split and any(split[1:]):
+        raise ConfigError(
+            f"data.split {d.split!r} gives data.paths validation or test parts, but "
+            "data.valid_paths is the validation set and the training draws from all of "
+            "data.paths: leave data.split out (or give the training part alone: '100')")
+
+
 def check_data(cfg: RunConfig) -> None:
     d = cfg.data
     if d.type == "gpt" and not d.paths:
         raise ConfigError("data.paths is empty: name at least one shard prefix for data.type gpt")
     if d.paths:
-        weights = [x for x in d.paths if not isinstance(x, str)]
-        if weights and (len(d.paths) % 2 or any(
-                not isinstance(w, (int, float)) or not isinstance(pth, str)
-                for w, pth in zip(d.paths[0::2], d.paths[1::2]))):
-            raise ConfigError(
-                "data.paths must be all prefixes or weight, prefix pairs "
-                f"([0.7, a_text_document, 0.3, b_text_document]), got {d.paths}"
-            )
-        if any(w <= 0 for w in weights):
-            raise ConfigError(f"data.paths weights must be positive, got {weights}")
+        _check_blend("data.paths", d.paths)
     parts = [x.strip() for x in d.split.split(",")]
     # plain decimals only: megatron reads the split as the runs of digits and dots
     # in it, so 1e-3, 1_000 or inf (float() takes them) would be other numbers there
@@ -144,7 +168,9 @@ def check_data(cfg: RunConfig) -> None:
             f"data.split must be up to three non-negative training,validation,test weights "
             f"with a positive training part (e.g. '969,30,1'), got {d.split!r}"
         )
-    if cfg.train.eval_interval is not None and (len(values) < 2 or values[1] == 0):
+    if d.valid_paths:
+        _check_valid_paths(cfg, values)
+    elif cfg.train.eval_interval is not None and (len(values) < 2 or values[1] == 0):
         raise ConfigError(
             f"data.split {d.split!r} has no validation part but train.eval_interval is set "
             "(give the validation part a weight or set train.eval_interval: null)"

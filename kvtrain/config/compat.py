@@ -2,8 +2,8 @@
 
 A resume silently reinterprets a checkpoint when the run around it changed:
 another ``train.seq_length`` changes what the data position and the token
-counts mean, another data blend or tokenizer feeds other tokens, another
-end-of-document id, loss mask on it or document separation (``data.eod_id``,
+counts mean, another data blend or tokenizer feeds other tokens (another
+validation set, ``data.valid_paths``, scores other ones), another end-of-document id, loss mask on it or document separation (``data.eod_id``,
 ``eod_mask_loss``, ``reset_attention_mask``) trains on other targets or
 contexts, another model section is another model. Before a checkpoint is loaded, the config saved in
 it is compared with the run's on the keys of ``COMPARED``; a difference stops
@@ -37,8 +37,8 @@ from .loader import ConfigError
 
 # Sections or keys compared on resume (a section compares every key below it).
 COMPARED = ("model", "train.seq_length", "data.type", "data.paths", "data.split",
-            "data.tokenizer", "data.seed", "data.induction", "data.ngram", "data.eod_id",
-            "data.eod_mask_loss", "data.reset_attention_mask")
+            "data.valid_paths", "data.tokenizer", "data.seed", "data.induction", "data.ngram",
+            "data.eod_id", "data.eod_mask_loss", "data.reset_attention_mask")
 # how the model runs, not what it is (the same weights on other kernels); the
 # vocabulary's padding multiple too: the load compares the padded tensors' shapes
 # (train/model_fit.py), and a multiple that keeps them is what a new TP may need

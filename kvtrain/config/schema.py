@@ -164,7 +164,13 @@ class DataConfig:
     Without weights, several datasets are one corpus (each weighted by its tokens)."""
     split: str | int | float = "969,30,1"
     """Train/valid/test split weights over documents; one number is the training part
-    alone (``100``, as Megatron-LM's ``--split 100``), kept as the string ``'100'``."""
+    alone (``100``, as Megatron-LM's ``--split 100``), kept as the string ``'100'``.
+    Not used with data.valid_paths (leave it out, or give the training part alone)."""
+    valid_paths: list[float | str] = field(default_factory=list)
+    """Shards of a held-out validation set, in the forms of data.paths, in place of
+    data.split's validation part (Megatron-LM's --valid-data-path): the training draws
+    from all of data.paths, and runs on other corpora or splits validate on the same
+    sequences. No shard may be in both. Empty: data.split's validation part."""
     tokenizer: Optional[str] = None
     """SentencePiece model (its sidecar JSON gives BOS/EOS/PAD ids)."""
     cache_dir: Optional[str] = None
@@ -230,8 +236,8 @@ class CheckpointConfig:
     allow_config_changes: list[str] = field(default_factory=list)
     """Keys (or sections) that may differ from the checkpoint's saved config on resume,
     e.g. [train.seq_length] for a longer context. Resume compares the model section,
-    train.seq_length and the data (type, paths, split, tokenizer, seed, toy tasks,
-    eod_id, eod_mask_loss, reset_attention_mask);
+    train.seq_length and the data (type, paths, split, valid_paths, tokenizer, seed,
+    toy tasks, eod_id, eod_mask_loss, reset_attention_mask);
     any other difference stops the run with one line. Allowed changes are printed
     and recorded as an event in metrics.jsonl."""
     verify: Literal["full", "sizes", "none"] = "full"

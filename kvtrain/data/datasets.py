@@ -5,6 +5,11 @@
   ``data.split`` through ``BlendedMegatronDatasetBuilder`` + ``GPTDataset``;
 * ``data.type: mock`` - ``MockGPTDataset`` (synthetic documents), for smoke runs.
 
+With ``data.valid_paths`` the validation part is a blend of its own (megatron's
+``blend_per_split``, Megatron-LM's ``--valid-data-path``): every document of its
+shards, none of which ``data.paths`` may hold, and the training draws from every
+document of ``data.paths``.
+
 Index caches (document/sample/shuffle indices) go to ``data.cache_dir``
 (default ``<run_dir>/data_cache``); the builder makes rank 0 build them while
 the other ranks wait at a barrier, then every rank loads them.
@@ -65,7 +70,7 @@ def parse_blend(paths: list) -> tuple[list[str], Optional[list[float]]]:
     return prefixes, weights
 
 
-def _shard_size(prefix: str) -> tuple[int, int]:
+def _shard_size(prefix: str, key: str = "data.paths") -> tuple[int, int]:
     """Sequences (megatron's split unit) and tokens in a shard, from its .idx only."""
     from data_tools.indexed import IndexedReader, check_shard
 
@@ -76,16 +81,17 @@ def _shard_size(prefix: str) -> tuple[int, int]:
     # lengths or decreasing document indices trained on other tokens, silently.
     problem = check_shard(prefix)
     if problem is not None:
-        raise ConfigError(f"data.paths: shard {problem}")
+        raise ConfigError(f"{key}: shard {problem}")
     reader = IndexedReader(prefix)
     problems = reader.check()
     if problems:
-        raise ConfigError(f"data.paths: shard {prefix} has a damaged index {reader.idx_file}: "
+        raise ConfigError(f"{key}: shard {prefix} has a damaged index {reader.idx_file}: "
                           f"{'; '.join(problems)}")
     return reader.sequence_count, reader.num_tokens
 
 
-def _check_made_with(prefix: str, tokenizer: Any, data: Any, model: Any) -> None:
+def _check_made_with(prefix: str, tokenizer: Any, data: Any, model: Any,
+                     key: str = "data.paths") -> None:
     """Refuses a shard whose ``.meta.json`` (preprocess, merge) records another
     tokenizer, EOD id or a larger vocabulary than the run's: its ids would be read
     as other pieces, its document ends missed, or overrun the embedding. Shards
@@ -97,7 +103,7 @@ def _check_made_with(prefix: str, tokenizer: Any, data: Any, model: Any) -> None
     sha = getattr(tokenizer, "sha256", None)  # a sentencepiece model (data.tokenizer)
     if sha is not None and made.get("tokenizer_sha256", sha) != sha:
         raise ConfigError(
-            f"data.paths: shard {prefix} was made with another tokenizer than data.tokenizer "
+            f"{key}: shard {prefix} was made with another tokenizer than data.tokenizer "
             f"{data.tokenizer} (sha256 {str(made['tokenizer_sha256'])[:12]}... vs {sha[:12]}..., "
             f"its .meta.json says): its ids are other pieces; give the tokenizer it was made with")
     if data.tokenizer is None and data.eod_id is not None and made.get("eod",
@@ -125,7 +131,7 @@ def _datasets_of(path: str) -> list[str]:
         return [path[: -len(".idx")] if path.endswith((".idx", ".bin")) else path]
 
 
-def _blend(paths: list) -> tuple[tuple, dict[str, tuple[int, int]]]:
+def _blend(paths: list, key: str = "data.paths") -> tuple[tuple, dict[str, tuple[int, int]]]:
     """The blend to hand megatron, and each dataset's sequence and token counts (its
     shard checked). An entry naming several shards shares its weight among them by
     their tokens; unweighted datasets get their token counts as weights: one corpus
@@ -133,7 +139,7 @@ def _blend(paths: list) -> tuple[tuple, dict[str, tuple[int, int]]]:
     entries, entry_weights = parse_blend(paths)
     named = [_datasets_of(entry) for entry in entries]
     prefixes = [prefix for group in named for prefix in group]
-    sizes = {prefix: _shard_size(prefix) for prefix in prefixes}
+    sizes = {prefix: _shard_size(prefix, key) for prefix in prefixes}
     weights = None
     if entry_weights is not None:
         totals = [max(sum(sizes[p][1] for p in group), 1) for group in named]
@@ -231,20 +237,16 @@ INDEX_BYTES_PER_SAMPLE = 12
 INDEX_BYTES_PER_DOCUMENT_EPOCH = 4
 
 
-def _document_index_bytes(cfg: RunConfig, part: int, samples: int, blend: Optional[tuple],
+def _document_index_bytes(cfg: RunConfig, share: float, samples: int, blend: Optional[tuple],
                           sizes: dict[str, tuple[int, int]]) -> int:
-    """One part's document indices (``part``: 0 training, 1 validation): each shard's
-    documents in that part, times the epochs of them its share of ``samples`` takes.
-    Short documents under long sequences make these larger than the sample indices
-    (a corpus of 50-token documents at seq_length 2048: 14 x)."""
-    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
-
+    """One part's document indices (``share``: the part's share of every shard's
+    documents): each shard's documents in that part, times the epochs of them its
+    share of ``samples`` takes. Short documents under long sequences make these larger
+    than the sample indices (a corpus of 50-token documents at seq_length 2048: 14 x)."""
     if blend is None or samples == 0:
         return 0
     prefixes, weights = blend
     weights = weights or [1.0] * len(prefixes)
-    # of every shard's documents (and so, about, tokens), as megatron reads data.split
-    share = parse_and_normalize_split(cfg.data.split)[part]
     total = 0
     for prefix, weight in zip(prefixes, weights):
         documents, tokens = sizes[prefix]
@@ -255,16 +257,17 @@ def _document_index_bytes(cfg: RunConfig, part: int, samples: int, blend: Option
 
 
 def _check_index_memory(cfg: RunConfig, train_samples: int, valid_samples: int,
-                        blend: Optional[tuple], sizes: dict[str, tuple[int, int]]) -> None:
+                        blends: list, sizes: dict[str, tuple[int, int]]) -> None:
     """Refuses sequences whose indices cannot fit this machine's memory: megatron
     would count their epochs one loop turn at a time (for hours with a large
     ``train.max_steps``), then fail to allocate them with a traceback. Both parts
-    drawn from count: the training part's and the validation part's."""
+    drawn from count: the training part's and the validation part's (``blends``: each
+    part's blend and its share of every shard's documents)."""
     from kvtrain.config.layout import total_steps
 
     sample_bytes = INDEX_BYTES_PER_SAMPLE * (train_samples + valid_samples)
-    document_bytes = sum(_document_index_bytes(cfg, part, samples, blend, sizes)
-                         for part, samples in enumerate((train_samples, valid_samples)))
+    document_bytes = sum(_document_index_bytes(cfg, share, samples, blend, sizes)
+                         for (blend, share), samples in zip(blends, (train_samples, valid_samples)))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if sample_bytes + document_bytes > memory:
         valid = f" and train.eval_iters for {valid_samples} validation ones" if valid_samples else ""
@@ -276,6 +279,41 @@ def _check_index_memory(cfg: RunConfig, train_samples: int, valid_samples: int,
             f"bytes a sequence; {document_bytes / 2**30:.0f} GiB of document indices, "
             f"{INDEX_BYTES_PER_DOCUMENT_EPOCH} bytes a document per epoch), more than this "
             f"machine's {memory / 2**30:.0f} GiB")
+
+
+def _part_blends(d, blend: Optional[tuple], held_out: Optional[tuple]) -> list:
+    """Each drawn part's blend and its share of every shard's documents: data.split's
+    parts of data.paths, or all of data.paths and all of data.valid_paths."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    if held_out is not None:
+        return [(blend, 1.0), (held_out, 1.0)]
+    # of every shard's documents (and so, about, tokens), as megatron reads data.split
+    share = parse_and_normalize_split(d.split)
+    return [(blend, share[0]), (blend, share[1])]
+
+
+def _check_apart(blend: Optional[tuple], held_out: Optional[tuple]) -> None:
+    """A held-out validation set shares no shard with the training data."""
+    if blend is None or held_out is None:
+        return
+    train = {os.path.realpath(p): p for p in blend[0]}
+    both = [p for p in held_out[0] if os.path.realpath(p) in train]
+    if both:
+        raise ConfigError(f"data.valid_paths: {both[0]} is also in data.paths: a held-out "
+                          "validation set shares no shard with the training data")
+
+
+def _checked_made_with(blend: Optional[tuple], held_out: Optional[tuple], tokenizer: Any,
+                       cfg: RunConfig) -> list[str]:
+    """Every shard of the training and the held-out blends, each checked against the
+    tokenizer it was made with (:func:`_check_made_with`)."""
+    prefixes = []
+    for key, part in (("data.paths", blend), ("data.valid_paths", held_out)):
+        for prefix in part[0] if part is not None else []:
+            _check_made_with(prefix, tokenizer, cfg.data, cfg.model, key)
+            prefixes.append(prefix)
+    return prefixes
 
 
 def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
@@ -299,18 +337,23 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         train, valid = synthetic_datasets(cfg, train_samples, valid_samples)
         return Datasets(train=train, valid=valid, test=None, tokenizer=None)
     blend, sizes = _blend(d.paths) if d.type == "gpt" else (None, {})
+    held_out, held_out_sizes = _blend(d.valid_paths, "data.valid_paths") if d.valid_paths \
+        else (None, {})
+    _check_apart(blend, held_out)
     # the toy tasks above index nothing
-    _check_index_memory(cfg, train_samples, valid_samples, blend, sizes)
+    _check_index_memory(cfg, train_samples, valid_samples, _part_blends(d, blend, held_out),
+                        {**sizes, **held_out_sizes})
     tokenizer = load_tokenizer(d, cfg.model)
-    counts = {prefix: n for prefix, (n, _) in sizes.items()}
-    for prefix in blend[0] if blend is not None else []:
-        _check_made_with(prefix, tokenizer, d, cfg.model)
+    prefixes = _checked_made_with(blend, held_out, tokenizer, cfg)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     ds_config = GPTDatasetConfig(
         random_seed=d.seed if d.seed is not None else cfg.train.seed,
         sequence_length=cfg.train.seq_length,
-        blend=blend,
-        split=d.split,
+        # a held-out validation set: each part from its own blend (Megatron-LM's
+        # --train-data-path / --valid-data-path), the training from all of data.paths
+        blend=None if held_out else blend,
+        blend_per_split=[blend, held_out if valid_samples else None, None] if held_out else None,
+        split=None if held_out else d.split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
         # RoPE takes no position ids, so restarting them per document would change
@@ -324,16 +367,17 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
-    ds_config.shard_files = _file_stamps(blend[0]) if blend is not None else None
+    ds_config.shard_files = _file_stamps(prefixes) if prefixes else None
     needed = (True, valid_samples > 0, False)
-    if blend is not None:
+    if blend is not None and held_out is None:  # (held out: each part all of its shards)
+        counts = {prefix: n for prefix, (n, _) in sizes.items()}
         ds_config.split_matrix = plan_split(ds_config.split_matrix, counts, needed, d.split)
-    else:
+    elif blend is None:
         # Mock data: megatron sets split "1,1,1"; build only what is drawn from.
         ds_config.split_matrix = [m if needed[i] else None
                                   for i, m in enumerate(ds_config.split_matrix)]
     sizes = [train_samples, valid_samples if needed[1] else None, None]
-    if blend is not None and blend[1] is not None:
+    if any(b is not None and b[1] is not None for b in (blend, held_out)):
         # a weighted blend: megatron's builder takes a size for every part (it asserts
         # otherwise, and shares each part's size out by weight): 0 for a part not built
         sizes = [0 if n is None else n for n in sizes]

@@ -30,7 +30,7 @@ class Validator:
     def __init__(self, dataset, forward_backward: Callable, model: list, eval_iters: int,
                  global_batch_size: int, micro_batch_size: int, num_microbatches: int,
                  seq_length: int, accuracy_masks: tuple = (), vocab_size: int = 0,
-                 documents: Optional[Callable] = None):
+                 documents: Optional[Callable] = None, source: str = "data.paths"):
         self.dataset = dataset
         self.forward_backward = forward_backward
         self.model = model
@@ -42,7 +42,8 @@ class Validator:
             self.forward_step = AccuracyForwardStep(self.accuracy_masks, vocab_size,
                                                     share=context_parallel_share)
         else:
-            self.forward_step = ForwardStep(documents=documents, vocab_size=vocab_size or None)
+            self.forward_step = ForwardStep(documents=documents, vocab_size=vocab_size or None,
+                                            source=source)
         self.documents = documents
 
     def run(self, iteration: int) -> Optional[dict]:

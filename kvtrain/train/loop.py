@@ -351,7 +351,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
     validator = Validator(run.datasets.valid, run.forward_backward, run.model, t.eval_iters,
                           t.global_batch_size, t.micro_batch_size, run.num_microbatches,
                           t.seq_length, accuracy_masks(cfg.data.type), cfg.model.vocab_size,
-                          documents=run.documents)
+                          documents=run.documents,
+                          source="data.valid_paths" if cfg.data.valid_paths else "data.paths")
     profiler = StepProfiler.for_start(cfg.profile, run.run_dir, run.rank, run.device,
                                       state.iteration + 1, run.total_steps, metrics)
     code = 1

@@ -67,7 +67,8 @@ def window_of(cfg: ProfileConfig, begin: int, total_steps: int) -> tuple[Optiona
         return None, (f"{asked} ran before this start (resumed at iteration {begin - 1}): "
                       "not traced")
     window = Window(first, last, 1 if first > begin else 0)
-    cut = [] if first == cfg.start_step else [f"{cfg.start_step}-{first - 1} ran before this start"]
+    before = f"{cfg.start_step}" + (f"-{first - 1}" if first - 1 > cfg.start_step else "")
+    cut = [] if first == cfg.start_step else [f"{before} ran before this start"]
     cut += [] if last == asked_last else [f"the run ends at {total_steps}"]
     return window, f"tracing {window.text()}" + (f" ({'; '.join(cut)})" if cut else "")
 

@@ -59,16 +59,17 @@ class ForwardStep:
 
     def __init__(self, hooks: Optional[RunHooks] = None,
                  documents: Optional[Callable[[dict], tuple]] = None,
-                 vocab_size: Optional[int] = None):
+                 vocab_size: Optional[int] = None, source: str = "data.paths"):
         self.iteration = 0  # the training step being run (1-based); 0 in evaluation
         self.hooks = hooks
         self.documents = documents
         self.vocab_size = vocab_size  # model.vocab_size: the token ids checked below it
+        self.source = source  # the key naming the shards read (a bad id's line)
 
     def __call__(self, data_iterator, model):
         batch = {k: v for k, v in next(data_iterator).items() if k in BATCH_KEYS}
         if self.vocab_size is not None:
-            check_token_ids(batch["tokens"], self.vocab_size)
+            check_token_ids(batch["tokens"], self.vocab_size, self.source)
         if torch.cuda.is_available():
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
         packed = None
@@ -81,7 +82,7 @@ class ForwardStep:
         return output, partial(loss_func, batch["loss_mask"], alter)
 
 
-def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+def check_token_ids(tokens: torch.Tensor, vocab_size: int, source: str = "data.paths") -> None:
     """Token ids of a micro batch [b, s] (on the host: a max over b x s ints) below
     ``model.vocab_size``. Shards of a larger vocabulary whose ``.meta.json`` does
     not say so (megatron's own) were an IndexError traceback in the embedding at
@@ -92,7 +93,7 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
     low, high = (int(x) for x in torch.aminmax(tokens))  # one pass over the ids
     if low < 0 or high >= vocab_size:
         raise ConfigError(
-            f"data.paths: a batch holds token id {high if high >= vocab_size else low}, "
+            f"{source}: a batch holds token id {high if high >= vocab_size else low}, "
             f"outside model.vocab_size ({vocab_size}): the shards were made with another "
             "tokenizer (set model.vocab_size to its size, or data.tokenizer to it, which is "
             "checked before training)")

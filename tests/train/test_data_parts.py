@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtrain.config import load_config
-from tests.train.conftest import VOCAB, metrics, run, tiny_config, write_config
+from tests.train.conftest import VOCAB, metrics, run, run_driver, tiny_config, write_config
 
 EOD = VOCAB - 1
 
@@ -143,3 +143,134 @@ def test_a_preprocess_prefix_names_its_shards(single_rank, tmp_path, cache_dir):
     cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
     train = build_datasets(cfg, str(cache_dir), 400, 40).train
     assert abs(_from_a(train, 400) - 400 * t0 / (t0 + t1)) <= 2
+
+
+# ----------------------------------------------------------------------------- data.valid_paths
+def _held_out_config(tmp_path, cache_dir, paths: list, valid: list, **data) -> object:
+    cfg = _config(tmp_path, cache_dir, *paths[:2] if len(paths) > 1 else (paths[0], paths[0]),
+                  eval_interval=3, eval_iters=2)
+    cfg["data"].update({"paths": paths, "valid_paths": valid, "split": "100"}, **data)
+    return load_config(write_config(tmp_path / "held_out.yaml", cfg), [])
+
+
+def test_a_held_out_validation_set_is_all_its_shards_and_the_same_for_any_training_data(
+        single_rank, tmp_path, cache_dir):
+    """``data.valid_paths``: the validation draws from its shards alone, the training
+    from every document of ``data.paths`` (no split carves a part out), and two runs
+    on other training corpora validate on the very same sequences."""
+    from data_tools.indexed import IndexedReader
+    from kvtrain.data import build_datasets
+
+    a, b = _shards(tmp_path)
+    (c,) = _shards(tmp_path / "more", n_docs=(200, 1))[:1]  # another corpus below 100
+    ds = build_datasets(_held_out_config(tmp_path, cache_dir, [a], [b]), str(cache_dir), 400, 16)
+    assert _from_a(ds.train, 400) == 400 and _from_a(ds.valid, 16) == 0
+    documents = len(IndexedReader(a).document_indices) - 1
+    assert len(ds.train.indices) == documents  # all of a: no validation part of it
+    other = build_datasets(_held_out_config(tmp_path, cache_dir, [0.5, a, 0.5, c], [b]),
+                           str(cache_dir), 400, 16)
+    assert len(other.valid) == len(ds.valid) >= 16
+    for i in range(16):
+        assert np.array_equal(np.asarray(other.valid[i]["tokens"]),
+                              np.asarray(ds.valid[i]["tokens"])), i
+    # the split's validation part of the same corpus holds other sequences
+    split = _config(tmp_path, cache_dir, a, b, eval_interval=3, eval_iters=2)
+    split["data"]["paths"] = [a]
+    by_split = build_datasets(load_config(write_config(tmp_path / "s.yaml", split), []),
+                              str(cache_dir), 400, 16)
+    assert _from_a(by_split.valid, 16) == 16
+
+
+def test_a_held_out_blend_is_weighted_by_its_tokens(single_rank, tmp_path, cache_dir):
+    from data_tools.indexed import IndexedReader
+    from kvtrain.data import build_datasets
+
+    a, b = _shards(tmp_path, n_docs=(300, 100))
+    (c,) = _shards(tmp_path / "more", n_docs=(200, 1))[:1]
+    ds = build_datasets(_held_out_config(tmp_path, cache_dir, [c], [a, b]), str(cache_dir),
+                        100, 400)
+    tokens_a, tokens_b = IndexedReader(a).num_tokens, IndexedReader(b).num_tokens
+    assert len(ds.valid) >= 400
+    assert abs(_from_a(ds.valid, 400) - 400 * tokens_a / (tokens_a + tokens_b)) <= 2
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"split": "98,2,0"}, "data.split '98,2,0' gives data.paths validation or test parts, but "
+                          "data.valid_paths is the validation set and the training draws from "
+                          "all of data.paths: leave data.split out (or give the training part "
+                          "alone: '100')"),
+    ({"type": "mock"}, "data.valid_paths names shards: it needs data.type gpt, not mock"),
+    ({"valid_paths": [0.5, "x", "y"]}, "data.valid_paths must be all prefixes or weight, "
+                                       "prefix pairs"),
+    ({"valid_paths": [-1, "x"]}, "data.valid_paths weights must be positive, got [-1.0]"),
+])
+def test_held_out_settings_that_cannot_hold_are_one_line(tmp_path, cache_dir, change, error):
+    from kvtrain.config import ConfigError
+
+    cfg = _config(tmp_path, cache_dir, "a", "b", eval_interval=3)
+    cfg["data"].update({"valid_paths": ["v"], "split": "969,30,1"}, **change)
+    with pytest.raises(ConfigError) as e:
+        load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    assert str(e.value).startswith(error), str(e.value)
+    cfg["data"].update(valid_paths=["v"], type="gpt", split="100")
+    cfg["train"]["eval_interval"] = None  # nothing validates
+    with pytest.raises(ConfigError, match="^data.valid_paths is set but train.eval_interval "
+                                          "is null: nothing validates on it"):
+        load_config(write_config(tmp_path / "c.yaml", cfg), [])
+
+
+def test_held_out_shards_that_are_missing_or_trained_on_are_one_line(single_rank, tmp_path,
+                                                                    cache_dir):
+    from kvtrain.config import ConfigError
+    from kvtrain.data import build_datasets
+
+    a, b = _shards(tmp_path)
+    for valid, error in (([str(tmp_path / "nope")],
+                          f"data.valid_paths: shard {tmp_path / 'nope'}.idx does not exist"),
+                         ([b, a + ".idx"], f"data.valid_paths: {a} is also in data.paths: a "
+                                           "held-out validation set shares no shard with the "
+                                           "training data")):
+        with pytest.raises(ConfigError) as e:
+            build_datasets(_held_out_config(tmp_path, cache_dir, [a], valid), str(cache_dir),
+                           10, 16)
+        assert str(e.value) == error
+
+
+def test_a_resume_onto_another_held_out_set_is_refused():
+    """Another validation set makes the curve score other sequences from the resume on;
+    a checkpoint from before the key compares as the split's validation."""
+    from kvtrain.config import to_dict
+    from kvtrain.config.compat import config_changes
+
+    saved = to_dict(load_config(None, ["data.paths=[a]"]))
+    moved = to_dict(load_config(None, ["data.paths=[a]", "data.valid_paths=[v]", "data.split=100",
+                                       "train.eval_interval=10"]))
+    keys = [c.key for c in config_changes(saved, moved)]
+    assert "data.valid_paths" in keys and "data.split" in keys
+    del saved["data"]["valid_paths"]  # written before kvtrain had the key
+    assert "data.valid_paths" not in [c.key for c in config_changes(saved, dict(saved))]
+
+
+def test_a_run_validates_on_its_held_out_set(tmp_path, cache_dir):
+    """The trainer with ``data.valid_paths``: it validates (records at the interval),
+    and a held-out shard of ids beyond the vocabulary is one line naming
+    data.valid_paths, not data.paths."""
+    from kvtrain.data.synthetic import write_shard
+
+    a, b = _shards(tmp_path)
+    big = write_shard(tmp_path / "big" / "shard",
+                      [np.arange(400, 440, dtype=np.int32)] * 20)  # ids over VOCAB
+    jobs = []
+    for name, valid in (("run", b), ("big", big)):
+        cfg = _config(tmp_path, cache_dir, a, b, max_steps=3, eval_interval=3, eval_iters=1)
+        cfg["data"].update(paths=[a], valid_paths=[valid], split="100")
+        jobs.append({"config": str(write_config(tmp_path / f"{name}.yaml", cfg)),
+                     "run_dir": str(tmp_path / name), "log": str(tmp_path / f"{name}.log"),
+                     "expect": 0 if name == "run" else 2})
+    result = run_driver(jobs, tmp_path / "plan.json")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert [r["iteration"] for r in metrics(tmp_path / "run", "valid")] == [3]
+    lines = (tmp_path / "big.log").read_text().strip().splitlines()
+    assert lines[-1].startswith("kvtrain: config error: data.valid_paths: a batch holds token "
+                                "id 4"), lines[-3:]
+    assert "Traceback" not in (tmp_path / "big.log").read_text()

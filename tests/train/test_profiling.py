@@ -97,7 +97,7 @@ def test_a_stop_inside_the_window_writes_what_was_traced_and_the_resume_the_rest
 @pytest.mark.parametrize("begin, total, window, line", [
     (1, 10, Window(3, 4, 1), "tracing iterations 3-4"),
     (3, 10, Window(3, 4, 0), "tracing iterations 3-4"),  # no step before it in this start
-    (4, 10, Window(4, 4, 0), "tracing iteration 4 (3-3 ran before this start)"),
+    (4, 10, Window(4, 4, 0), "tracing iteration 4 (3 ran before this start)"),
     (5, 10, None, "iterations 3-4 ran before this start (resumed at iteration 4): not traced"),
     (1, 3, Window(3, 3, 1), "tracing iteration 3 (the run ends at 3)"),
 ])
