@@ -1,5 +1,7 @@
 """``kvtrain experiment induction --preset fig1a|fig1b|ngram [--scale cpu|paper]
-[--set KEY=VALUE ...] [--arms A,B] [--workers N] [--run-dir DIR] [--no-wandb]``.
+[--set KEY=VALUE ...] [--arms A,B] [--workers N] [--run-dir DIR] [--no-wandb]``, and
+``kvtrain experiment landscape [--rest 0,10,100] [--run-dir DIR]`` (Figure 2: the
+analytic loss of Theorem 3.4, ``kvtrain.experiments.landscape``).
 
 Generates one ``kvtrain train`` run config per arm of one of the paper's toy
 grids (Figure 1a, Figure 1b, the 3-gram control of Appendix E.3; same seed and
@@ -49,6 +51,35 @@ def register(sub) -> None:
     q.add_argument("--no-wandb", action="store_true",
                    help="do not log to wandb (the same as --set wandb.enabled=false)")
     q.set_defaults(func=run_induction)
+    s = esub.add_parser(
+        "landscape", help="Figure 2: the coefficients' loss landscape (Theorem 3.4)",
+        description="Draw the contour lines and descent directions of Theorem 3.4's loss "
+                    "over (alpha1, beta1) for each O(T) (landscape.png) and write what they "
+                    "show, with where gradient descent from U(0,1) starts ends "
+                    "(landscape.json). No training: the analytic loss.")
+    s.add_argument("--rest", default="0,10,100", metavar="O1,O2,...",
+                   help="the O(T) of each panel, >= 0 (default: the paper's 0,10,100)")
+    s.add_argument("--run-dir", default=os.path.join("runs", "landscape"), metavar="DIR",
+                   help="output folder (default: runs/landscape)")
+    s.set_defaults(func=run_landscape)
+
+
+def run_landscape(args) -> int:
+    import math
+
+    from kvtrain.config import ConfigError, make_folder
+    from kvtrain.experiments.landscape import format_panels, write_landscape
+
+    try:
+        rests = [float(x) for x in args.rest.split(",") if x.strip()]
+    except ValueError:
+        rests = []
+    if not rests or any(not math.isfinite(r) or r < 0 for r in rests):
+        raise ConfigError(f"--rest {args.rest!r}: give finite O(T) values >= 0, e.g. 0,10,100")
+    out = make_folder(args.run_dir, "--run-dir")
+    print(format_panels(write_landscape(out, rests)))
+    print(f"wrote {out}/landscape.png, {out}/landscape.json")
+    return 0
 
 
 def run_induction(args) -> int:

@@ -8,6 +8,8 @@ train`` run configs, one per arm.
   and writes the results
 * ``results`` - curves from each run's ``metrics.jsonl``, results.csv,
   accuracy.png, loss.png, summary.json
+* ``landscape`` - Figure 2: Theorem 3.4's analytic loss over the coefficients
+  (no training)
 
 The tasks' data and accuracy live in ``kvtrain.tasks``.
 """
