@@ -119,6 +119,7 @@ def check_optimizer(cfg: RunConfig) -> None:
                           f"train.precision is {cfg.train.precision}; set it to fp16 or "
                           "optimizer.loss_scale: null")
 
+
 def _check_blend(key: str, paths: list) -> None:
     """``paths``: all prefixes, or (positive weight, prefix) pairs."""
     weights = [x for x in paths if not isinstance(x, str)]

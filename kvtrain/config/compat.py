@@ -3,7 +3,8 @@
 A resume silently reinterprets a checkpoint when the run around it changed:
 another ``train.seq_length`` changes what the data position and the token
 counts mean, another data blend or tokenizer feeds other tokens (another
-validation set, ``data.valid_paths``, scores other ones), another end-of-document id, loss mask on it or document separation (``data.eod_id``,
+validation set, ``data.valid_paths``, scores other ones), another end-of-document
+id, loss mask on it or document separation (``data.eod_id``,
 ``eod_mask_loss``, ``reset_attention_mask``) trains on other targets or
 contexts, another model section is another model. Before a checkpoint is loaded, the config saved in
 it is compared with the run's on the keys of ``COMPARED``; a difference stops

@@ -267,7 +267,8 @@ def _check_index_memory(cfg: RunConfig, train_samples: int, valid_samples: int,
 
     sample_bytes = INDEX_BYTES_PER_SAMPLE * (train_samples + valid_samples)
     document_bytes = sum(_document_index_bytes(cfg, share, samples, blend, sizes)
-                         for (blend, share), samples in zip(blends, (train_samples, valid_samples)))
+                         for (blend, share), samples in zip(blends,
+                                                             (train_samples, valid_samples)))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if sample_bytes + document_bytes > memory:
         valid = f" and train.eval_iters for {valid_samples} validation ones" if valid_samples else ""
