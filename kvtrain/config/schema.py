@@ -230,9 +230,14 @@ class CheckpointConfig:
     """Restore optimizer and scheduler state on resume (false: weights only, a fresh
     optimizer and, as Megatron-LM's --no-load-optim, an LR schedule from its step 0,
     warmup included, while the iteration count goes on: a decaying schedule ends with
-    the run only if optimizer.lr_decay_steps is set to the steps left)."""
+    the run only if optimizer.lr_decay_steps is set to the steps left). Once: the run's
+    own checkpoints written under false restore the fresh optimizer and its schedule
+    (a restart after a crash goes on exactly); to start afresh again from one of them,
+    name it in checkpoint.resume."""
     load_rng: bool = True
-    """Restore every rank's RNG states on resume (skipped when the TP/PP/DP layout changed)."""
+    """Restore every rank's RNG states on resume (skipped when the TP/PP/DP layout
+    changed). False, like load_optimizer false, holds for the checkpoint it starts from,
+    not for the run's own checkpoints written under it."""
     allow_config_changes: list[str] = field(default_factory=list)
     """Keys (or sections) that may differ from the checkpoint's saved config on resume,
     e.g. [train.seq_length] for a longer context. Resume compares the model section,

@@ -92,7 +92,7 @@ from .checkpoint_readers import remove_unless_read
 from .hooks import RunHooks
 from .integrity import (
     INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, SaveFailed, build_manifest,
-    checkpoint_folders, own_shards, save_failure_reason, set_aside,
+    carried_on, checkpoint_folders, own_shards, save_failure_reason, set_aside,
 )
 from .model_fit import check_same_parameters, check_same_shapes
 from .optimizer import adam_step, inner_optimizers, run_param_groups_kept
@@ -422,11 +422,14 @@ class Checkpointer:
         self.finalize(blocking=True)
 
     # -- load ---------------------------------------------------------------------
-    def load(self, path: Path, load_optimizer: bool = True, load_rng: bool = True) -> TrainState:
+    def load(self, path: Path, load_optimizer: bool = True, load_rng: bool = True,
+             own: bool = False) -> TrainState:
         """Loads ``path`` into the model (and optimizer, scheduler, RNG) of this rank.
 
         Works from any TP/PP/DP layout to any other; the RNG states are only
-        restored when the layout is the one they were saved from.
+        restored when the layout is the one they were saved from. ``own``: a checkpoint
+        of this run's history (not ``checkpoint.resume``'s path), where what
+        ``load_optimizer``/``load_rng`` false started afresh goes on (:func:`carried_on`).
         """
         path = Path(path)
         common = dist_checkpointing.load_common_state_dict(str(path))
@@ -438,6 +441,10 @@ class Checkpointer:
             meta.get("config"), self.run_config,
             self.run_config.get("checkpoint", {}).get("allow_config_changes", []),
             where=f"checkpoint {path}")
+        # (a precision change without the distributed optimizer loads weights only)
+        load_optimizer, load_rng, carried = carried_on(
+            path, meta, own, load_optimizer, load_rng,
+            optimizer_too=not any(c.key == "train.precision" for c in changes))
         saved_layout = meta.get("layout")
         # checkpoints from before context parallelism have no "context": it was 1
         same_layout = saved_layout is not None and {"context": 1, **saved_layout} == current_layout()
@@ -471,6 +478,7 @@ class Checkpointer:
         if not load_optimizer:
             state.nonfinite_in_row = 0
         state.extra = {"same_layout": same_layout, "rng_kept_back": kept_back,
-                       "saved_layout": saved_layout, "config_changes": changes}
+                       "saved_layout": saved_layout, "config_changes": changes,
+                       "carried_on": carried}
         return state
 

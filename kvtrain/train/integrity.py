@@ -383,3 +383,27 @@ def _probe_write(folder: Path, size: int = CHUNK) -> Optional[str]:
         except OSError:
             pass
     return None
+
+
+def carried_on(path: Path, meta: dict, own: bool, load_optimizer: bool, load_rng: bool,
+               optimizer_too: bool = True) -> tuple[bool, bool, Optional[str]]:
+    """``checkpoint.load_optimizer``/``load_rng`` false start a fresh optimizer (with its
+    LR schedule) or RNG states from a checkpoint once: a checkpoint ``path`` of the run's
+    own history (``own``) written under the same setting holds the fresh ones, which a
+    restart restores (it reset them at every pre-emption). Returns what to load and,
+    where a setting is so carried on, the line that says it (``meta``: the checkpoint's
+    common ``kvtrain`` record; ``optimizer_too`` False: the optimizer starts afresh
+    anyway, as a change of train.precision needs without the distributed optimizer)."""
+    saved = ((meta.get("config") or {}).get("checkpoint") or {}) if own else {}
+    carried = []
+    if not load_optimizer and saved.get("load_optimizer") is False and optimizer_too \
+            and not meta.get("weights_only"):
+        load_optimizer = True
+        carried.append("load_optimizer")
+    if not load_rng and saved.get("load_rng") is False:
+        load_rng = True
+        carried.append("load_rng")
+    note = carried and (f"{path.name} was written under checkpoint.{' and '.join(carried)}: "
+                        "false, so what that started afresh goes on from it (a new fresh "
+                        f"start: checkpoint.resume: {path})")
+    return load_optimizer, load_rng, note or None

@@ -62,7 +62,8 @@ def resume(ckpt: Checkpointer, plan: ResumePlan, verify: str = "full",
             # A load that fails half-way may leave some tensors overwritten: the
             # next candidate's load overwrites them all again (model, optimizer,
             # scheduler, RNG states), so nothing of the failed one survives.
-            state, problem = _try_load(ckpt, path, load_optimizer, load_rng)
+            state, problem = _try_load(ckpt, path, load_optimizer, load_rng,
+                                       own=not plan.explicit)
         if problem is not None:
             if plan.explicit:
                 raise CheckpointError(f"checkpoint.resume: {problem}")
@@ -71,6 +72,8 @@ def resume(ckpt: Checkpointer, plan: ResumePlan, verify: str = "full",
             continue
         if warning:
             resumed.add(warn(warning))
+        if state.extra.get("carried_on"):
+            resumed.add(f"kvtrain: {state.extra['carried_on']}")
         if plan.explicit:  # this history's first start: its checkpoints will say so
             state.started_from = str(path.resolve())
         resumed.path, resumed.state = path, state
@@ -93,12 +96,12 @@ def _verify(ckpt: Checkpointer, path: Path, level: str) -> tuple[Optional[str], 
     return next((p for p in problems if p), None), check.warning
 
 
-def _try_load(ckpt: Checkpointer, path: Path, load_optimizer: bool,
-              load_rng: bool) -> tuple[Optional[TrainState], Optional[str]]:
+def _try_load(ckpt: Checkpointer, path: Path, load_optimizer: bool, load_rng: bool,
+              own: bool) -> tuple[Optional[TrainState], Optional[str]]:
     """(state, None), or (None, why) when megatron cannot load ``path`` on some rank."""
     state, error = None, None
     try:
-        state = ckpt.load(path, load_optimizer, load_rng)
+        state = ckpt.load(path, load_optimizer, load_rng, own=own)
     except ConfigError:
         raise  # the checkpoint does not fit the run: an older one would not either
     except (Exception, CheckpointException) as e:  # torch's is a BaseException
