@@ -14,6 +14,7 @@ scheduler, datasets and dist checkpoints, put together for one run.
 * ``evaluation``   - validation loss/perplexity and KV-shift statistics
 * ``metrics``      - metrics.jsonl, stdout, memory
 * ``flops``        - model FLOPs and MFU
+* ``profiling``    - torch.profiler traces of chosen steps and ranks (``profile``)
 * ``signals``      - SIGTERM/SIGUSR1 and the time limit
 * ``wandb_logger`` - one wandb run per run folder (resumable), offline reader
 * ``writer_queue`` - the checkpoint writer's queue process (stdlib only)

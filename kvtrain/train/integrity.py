@@ -38,7 +38,10 @@ An explicit ``checkpoint.resume: PATH`` has one candidate and no fallback: the
 run's first start. Its checkpoints record PATH (the marker's ``started_from``,
 carried on through later resumes), so a rerun of the same command after a crash
 or a requeue continues from the run's own checkpoints that descend from PATH
-(newest first, PATH last), not from PATH again.
+(newest first, PATH last), not from PATH again. What a start takes from its
+checkpoint follows (``carried_on``): ``load_optimizer``/``load_rng`` false start
+afresh from a checkpoint once, and the run's own checkpoints written under that
+setting restore the fresh optimizer, schedule and RNG states at every restart.
 ``resume: none`` is refused when the folder holds checkpoints (keep_last would
 delete them and the new saves replace those of the same number).
 
