@@ -144,9 +144,7 @@ def _check_valid_paths(cfg: RunConfig, split: list[float]) -> None:
     if cfg.train.eval_interval is None:
         raise ConfigError("data.valid_paths is set but train.eval_interval is null: nothing "
                           "validates on it (set train.eval_interval)")
-    from .schema import DataConfig
-
-    if d.split != DataConfig.split and any(split[1:]):
+    if d.split != type(d).split and any(split[1:]):  # the class attribute: the default
         raise ConfigError(
             f"data.split {d.split!r} gives data.paths validation or test parts, but "
             "data.valid_paths is the validation set and the training draws from all of "
@@ -209,10 +207,11 @@ def check_checkpoint(cfg: RunConfig) -> None:
     check_allowed_keys(c.allow_config_changes)
 
 
-def check_profile(pr: ProfileConfig, default: ProfileConfig, world_size: int | None) -> None:
+def check_profile(pr: ProfileConfig, world_size: int | None) -> None:
     """The trace window and its ranks (``profile``); a setting of a profile that traces
     nothing (``start_step`` null) is refused, not ignored."""
     if pr.start_step is None:
+        default = type(pr)()
         for key in ("num_steps", "ranks", "record_shapes", "with_stack", "memory_history", "dir"):
             if getattr(pr, key) != getattr(default, key):
                 raise ConfigError(f"profile.{key} is set but profile.start_step is null: no "

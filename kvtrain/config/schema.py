@@ -397,4 +397,4 @@ class RunConfig:
         for check in (checks.check_train, checks.check_optimizer, checks.check_data,
                       checks.check_checkpoint):
             check(self)
-        checks.check_profile(self.profile, ProfileConfig(), world_size)
+        checks.check_profile(self.profile, world_size)

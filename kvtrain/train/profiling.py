@@ -103,7 +103,7 @@ class StepProfiler:
         self.traced = window is not None and rank in cfg.ranks
         self._profiler = None
         self._history = False
-        self._ran: Optional[list[int]] = None  # the window's iterations run so far
+        self._ran: Optional[tuple[int, int]] = None  # the window's iterations run so far
 
     @classmethod
     def for_start(cls, cfg: ProfileConfig, run_dir: Path, rank: int, device: str,
@@ -134,7 +134,6 @@ class StepProfiler:
         if self.traced and self._profiler is None:
             self._start()
         if iteration == w.first:
-            self._ran = []
             if self.traced and self.cfg.memory_history:
                 torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES)
                 self._history = True
@@ -143,8 +142,8 @@ class StepProfiler:
             yield
         if self.traced:
             self._profiler.step()
-        if self._ran is not None:
-            self._ran.append(iteration)
+        if iteration >= w.first:
+            self._ran = (w.first, iteration)
         if iteration == w.last:
             self.close()
 
@@ -174,9 +173,8 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
         ran, self._ran = self._ran, None
         if ran and self.rank == 0 and self.metrics is not None:
-            traced = Window(ran[0], ran[-1], 0).text()
-            message = f"profile: {traced} traced into {self.folder}"
-            self.metrics.write({"kind": "event", "iteration": ran[-1], "message": message},
+            message = f"profile: {Window(*ran, 0).text()} traced into {self.folder}"
+            self.metrics.write({"kind": "event", "iteration": ran[1], "message": message},
                                echo=False)
             say(f"kvtrain: {message}")
 
@@ -192,7 +190,7 @@ class StepProfiler:
         """``write(tmp)`` then a rename to ``name``: a reader never sees half a file; a
         failure (a full disk) is a warning, the training goes on."""
         path = self.folder / name
-        tmp = path.with_name(f".{name}.tmp{os.getpid()}{''.join(path.suffixes[-1:])}")
+        tmp = path.with_name(f".{name}.tmp{os.getpid()}{path.suffix}")  # (.gz: gzipped)
         try:
             write(str(tmp))
             os.replace(tmp, path)
