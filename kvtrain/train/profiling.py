@@ -182,21 +182,22 @@ class StepProfiler:
         """The trace and the operator table (torch.profiler's ``on_trace_ready``)."""
         self._write(f"rank{self.rank:05d}.trace.json.gz", profiler.export_chrome_trace)
         sort = "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
-        table = profiler.key_averages().table(sort_by=sort, row_limit=OPS_ROWS)
-        self._write(f"rank{self.rank:05d}.ops.txt",
-                    lambda tmp: Path(tmp).write_text(table + "\n"))
+        # (torch's own parse of the events can fail: with_stack at a stop inside the
+        # window, torch 2.13's UnicodeDecodeError; the table is then left out)
+        self._write(f"rank{self.rank:05d}.ops.txt", lambda tmp: Path(tmp).write_text(
+            profiler.key_averages().table(sort_by=sort, row_limit=OPS_ROWS) + "\n"))
 
     def _write(self, name: str, write) -> None:
         """``write(tmp)`` then a rename to ``name``: a reader never sees half a file; a
-        failure (a full disk) is a warning, the training goes on."""
+        failure (a full disk, the profiler's own) is a warning, the training goes on."""
         path = self.folder / name
         tmp = path.with_name(f".{name}.tmp{os.getpid()}{path.suffix}")  # (.gz: gzipped)
         try:
             write(str(tmp))
             os.replace(tmp, path)
-        except (OSError, RuntimeError) as e:
-            print(f"kvtrain: warning: rank {self.rank}: cannot write the profile's {path}: {e}",
-                  flush=True)
+        except Exception as e:  # noqa: BLE001 - an auxiliary file: never the run's end
+            print(f"kvtrain: warning: rank {self.rank}: cannot write the profile's {path}: "
+                  f"{e if isinstance(e, OSError) else f'{type(e).__name__}: {e}'}", flush=True)
             tmp.unlink(missing_ok=True)
 
 
