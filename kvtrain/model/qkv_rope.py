@@ -98,7 +98,8 @@ def validate(mixed: Tensor, freqs: Tensor, query_width: int, coef_k: Optional[Te
 
 class QKVRoPE(torch.autograd.Function):
     """``qkv_rope`` as one node: saves the angles, document ids, coefficients, and
-    ``mixed`` only for the coefficients' gradient. ``untracked``: the coefficients as
+    ``mixed`` for the coefficients' gradient or where attention keeps it alive anyway
+    (``value_kept``; then the gradient is written over it). ``untracked``: the coefficients as
     ``(coef_k, coef_v)`` parameters whose gradients it adds into ``main_grad`` outside
     autograd (``coefficient_grads.untracked_params``; ``coef_k``/``coef_v`` None).
     ``value_kept``: :func:`qkv_rope`'s ``attention_keeps_value``."""
