@@ -11,6 +11,9 @@ The first run is the reference A; every other run B is compared with it:
 * for KV-shift runs, the paper's Table 5 quadrant counts (α1 vs α2 against
   β1 vs β2 over all KV heads) and the coefficients per layer, from the latest
   ``kv_shift`` statistics record;
+* each named validation set (``data.valid_sets``: records with ``set: NAME``)
+  the same way: final loss, B - A and the tokens for B to reach A on it, for every
+  set the runs share;
 * evaluation results (``RUN/eval/*.json``) when present, one row per task and
   setting (checkpoint iteration, shots, limit, dtype): only results of one setting
   are compared.
@@ -49,15 +52,20 @@ def tokens_to_reach(curve: Curve, target: float) -> Optional[float]:
 
 def speedup(a: RunData, b: RunData) -> dict:
     """B against A on the validation curves."""
-    out = {"target_loss": a.valid.final, "a_tokens": None, "b_tokens": None, "speedup": None}
-    if not a.valid:
+    return curve_speedup(a.valid, b.valid)
+
+
+def curve_speedup(a: Curve, b: Curve) -> dict:
+    """B against A on one validation curve (the run's, or a named set's)."""
+    out = {"target_loss": a.final, "a_tokens": None, "b_tokens": None, "speedup": None}
+    if not a:
         return out
     # A's tokens by the rule applied to B (first crossing), not A's last point: on
     # a curve that is not monotone a run would otherwise beat a copy of itself
-    out["a_tokens"] = tokens_to_reach(a.valid, a.valid.final)
-    if not b.valid:
+    out["a_tokens"] = tokens_to_reach(a, a.final)
+    if not b:
         return out
-    reached = tokens_to_reach(b.valid, a.valid.final)
+    reached = tokens_to_reach(b, a.final)
     if reached is not None and reached > 0:
         out.update(b_tokens=reached, speedup=out["a_tokens"] / reached)
     return out
@@ -172,11 +180,17 @@ def summarize(runs: Sequence[RunData]) -> dict:
                  "train_loss": run.train.final, "val_loss": run.valid.final,
                  "val_ppl": math.exp(min(run.valid.final, 80.0)) if run.valid else None,
                  "kv_shift": shift_summary(run), "eval": run.evals, "notes": _notes(run, a)}
+        entry["valid_sets"] = {name: {"iteration": curve.iterations[-1], "val_loss": curve.final}
+                               for name, curve in run.valid_sets.items() if curve}
         if run is not a:
             entry["vs_reference"] = {
                 "train_loss_diff": _diff(run.train.final, a.train.final),
                 "val_loss_diff": _diff(run.valid.final, a.valid.final),
-                **speedup(a, run)}
+                **speedup(a, run),
+                "valid_sets": {name: {"val_loss_diff": _diff(curve.final, a.valid_sets[name].final),
+                                      **curve_speedup(a.valid_sets[name], curve)}
+                               for name, curve in run.valid_sets.items()
+                               if curve and a.valid_sets.get(name)}}
         out["runs"].append(entry)
     return out
 
@@ -209,6 +223,26 @@ def loss_table(summary: dict) -> list[str]:
         lines.append(f"| {r['label']} | {r['attention']} | {r['iterations']} | "
                      f"{_tokens(r['tokens'])} | {_fmt(r['train_loss'])} | {_fmt(r['val_loss'])} "
                      f"| {_fmt(r['val_ppl'], 2)} | {delta} | {speed} |")
+    return lines
+
+
+def valid_set_table(summary: dict) -> list[str]:
+    """The named validation sets' final losses, one row per set and run (empty when
+    no run has one); B - A and the tokens to reach A where A has the set too."""
+    ref = summary["reference"]
+    rows = [(name, r) for name in sorted({n for r in summary["runs"] for n in r["valid_sets"]})
+            for r in summary["runs"] if name in r["valid_sets"]]
+    if not rows:
+        return []
+    lines = ["| set | run | iteration | val loss | val loss - A | tokens to reach A's val loss |",
+             "|---|---|---:|---:|---:|---|"]
+    for name, r in rows:
+        vs = (r.get("vs_reference") or {}).get("valid_sets", {}).get(name)
+        own = r["valid_sets"][name]
+        delta = "(A)" if "vs_reference" not in r else _fmt(vs["val_loss_diff"]) if vs else "-"
+        speed = _speed_text(vs, ref, own["val_loss"]) if vs else "-"
+        lines.append(f"| {name} | {r['label']} | {own['iteration']} | {_fmt(own['val_loss'])} "
+                     f"| {delta} | {speed} |")
     return lines
 
 
@@ -271,6 +305,9 @@ def report_markdown(summary: dict, plots: dict[str, str]) -> str:
              "validation curve (linear between evaluations) at A's final validation loss; the "
              "speed-up is A's tokens over that.", ""]
     lines += loss_table(summary)
+    sets = valid_set_table(summary)
+    if sets:
+        lines += ["", "## Validation sets (data.valid_sets)", ""] + sets
     for title, name in plots.items():
         lines += ["", f"## {title}", "", f"![{title}]({name})"]
     shift = shift_tables(summary)
@@ -298,6 +335,13 @@ def printed_summary(summary: dict, out: Path, plots: dict[str, str]) -> str:
             speed = _speed_text(vs, ref, r["val_loss"])
             line += f"  (val - A {_fmt(vs['val_loss_diff'])}; to reach A: {speed})"
         lines.append(line)
+        for name, own in r["valid_sets"].items():
+            line = f"  {'':<20} set {name}: val {_fmt(own['val_loss'])}"
+            on = (vs or {}).get("valid_sets", {}).get(name)
+            if on:
+                line += (f"  (val - A {_fmt(on['val_loss_diff'])}; to reach A: "
+                         f"{_speed_text(on, ref, own['val_loss'])})")
+            lines.append(line)
         s = r["kv_shift"]
         if s and s["quadrants"]:
             lines.append(f"  {'':<20} Table 5 quadrants: {s['quadrants']}")
@@ -342,5 +386,5 @@ def _common_parent(paths: Sequence[Path]) -> Path:
     return common if len(common.parts) > 1 else Path.cwd()
 
 
-__all__ = ["compare", "difference", "report_markdown", "shift_summary", "speedup", "summarize",
-           "tokens_to_reach"]
+__all__ = ["compare", "curve_speedup", "difference", "report_markdown", "shift_summary",
+           "speedup", "summarize", "tokens_to_reach"]

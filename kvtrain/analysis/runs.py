@@ -46,6 +46,7 @@ class RunData:
     config: dict  # config.yaml as a plain mapping ({} when absent)
     train: Curve
     valid: Curve
+    valid_sets: dict[str, Curve] = field(default_factory=dict)  # data.valid_sets, by name
     shift: Optional[dict] = None  # the latest kv_shift record
     evals: list = field(default_factory=list)  # read_evals' entries: a task's setting + metrics
     notes: list[str] = field(default_factory=list)  # what could not be read, for the report
@@ -104,11 +105,12 @@ def interpolate(x: float, xs: list[float], ys: list[float]) -> Optional[float]:
     return ys[0]
 
 
-def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve]:
-    """Train loss and validation loss against tokens. Validation records carry no
-    token count: it comes from the train records' consumed tokens at that
-    iteration (interpolated), else from the config's tokens per iteration."""
-    train, valid = Curve(), Curve()
+def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve, dict[str, Curve]]:
+    """Train loss and validation loss against tokens, and each named validation set's
+    (records with ``set: NAME``). Validation records carry no token count: it comes
+    from the train records' consumed tokens at that iteration (interpolated), else
+    from the config's tokens per iteration."""
+    train, valid, sets = Curve(), Curve(), {}
     for r in records:
         it, loss = r.get("iteration"), _number(r.get("lm_loss"))
         if r.get("kind") == "train" and isinstance(it, int) and loss is not None:
@@ -129,10 +131,12 @@ def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve]:
         if tokens is None and per_iter:
             tokens = it * per_iter
         if tokens is not None:
-            valid.iterations.append(it)
-            valid.tokens.append(tokens)
-            valid.loss.append(loss)
-    return train, valid
+            name = r.get("set")
+            curve = sets.setdefault(str(name), Curve()) if name else valid
+            curve.iterations.append(it)
+            curve.tokens.append(tokens)
+            curve.loss.append(loss)
+    return train, valid, sets
 
 
 def nonfinite_notes(records: list[dict], metrics: Path) -> list[str]:
@@ -221,7 +225,7 @@ def read_run(path: str | Path, label: Optional[str] = None) -> RunData:
     if (run / CONFIG).is_file():
         config = read_yaml(run / CONFIG) or {}
     records, bad = read_records(metrics)
-    train, valid = _curves(records, config)
+    train, valid, sets = _curves(records, config)
     if not train.loss:
         raise ConfigError(f"{metrics} has no train records with a loss")
     shifts = [r for r in records if r.get("kind") == "kv_shift"]
@@ -230,7 +234,8 @@ def read_run(path: str | Path, label: Optional[str] = None) -> RunData:
     if bad:
         notes.insert(0, f"{metrics}: {bad} line(s) are not JSON records (skipped)")
     return RunData(path=run, label=label or run.name, config=config, train=train, valid=valid,
-                   shift=shifts[-1] if shifts else None, evals=evals, notes=notes)
+                   valid_sets=sets, shift=shifts[-1] if shifts else None, evals=evals,
+                   notes=notes)
 
 
 def unique_labels(paths: list[Path]) -> list[str]:

@@ -142,7 +142,8 @@ def summarize(run_dir: Path) -> str:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
     train = [r for r in records if r.get("kind") == "train"]
-    valid = [r for r in records if r.get("kind") == "valid"]
+    # the run's own validation (a named set of data.valid_sets has its own records)
+    valid = [r for r in records if r.get("kind") == "valid" and not r.get("set")]
     lines = [f"[{run_dir.name}] {run_dir}"]
     if train:
         speed = sorted(r["tokens_per_s"] for r in train)[len(train) // 2]

@@ -151,6 +151,30 @@ def _check_valid_paths(cfg: RunConfig, split: list[float]) -> None:
             "data.paths: leave data.split out (or give the training part alone: '100')")
 
 
+# a name is one part of a wandb key (valid/NAME/val_loss) and of a record: no '/', no spaces
+_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _check_valid_sets(cfg: RunConfig) -> None:
+    """Named validation sets (``data.valid_sets``): shards, scored at every evaluation."""
+    d = cfg.data
+    for name, paths in d.valid_sets.items():
+        key = f"data.valid_sets.{name}"
+        if not _SET_NAME.fullmatch(name):
+            raise ConfigError(f"{key}: a set's name is letters, digits, '_', '-' and '.', "
+                              f"starting with a letter or digit (it names its wandb curve, "
+                              f"valid/NAME/val_loss)")
+        if not paths:
+            raise ConfigError(f"{key} is empty: name its shards (the forms of data.paths), "
+                              f"or leave the set out")
+        _check_blend(key, paths)
+    if d.type != "gpt":
+        raise ConfigError(f"data.valid_sets names shards: it needs data.type gpt, not {d.type}")
+    if cfg.train.eval_interval is None:
+        raise ConfigError("data.valid_sets is set but train.eval_interval is null: nothing "
+                          "validates on them (set train.eval_interval)")
+
+
 def check_data(cfg: RunConfig) -> None:
     d = cfg.data
     if d.type == "gpt" and not d.paths:
@@ -174,6 +198,8 @@ def check_data(cfg: RunConfig) -> None:
             f"data.split {d.split!r} has no validation part but train.eval_interval is set "
             "(give the validation part a weight or set train.eval_interval: null)"
         )
+    if d.valid_sets:
+        _check_valid_sets(cfg)
     check_seeds({"data.seed": d.seed, "data.eval_seed": d.eval_seed})
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {d.num_workers}")

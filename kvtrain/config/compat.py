@@ -3,8 +3,9 @@
 A resume silently reinterprets a checkpoint when the run around it changed:
 another ``train.seq_length`` changes what the data position and the token
 counts mean, another data blend or tokenizer feeds other tokens (another
-validation set, ``data.valid_paths``, scores other ones), another end-of-document
-id, loss mask on it or document separation (``data.eod_id``,
+validation set, ``data.valid_paths``, scores other ones; so does a named one,
+``data.valid_sets``, given other shards, but one added or dropped is recorded),
+another end-of-document id, loss mask on it or document separation (``data.eod_id``,
 ``eod_mask_loss``, ``reset_attention_mask``) trains on other targets or
 contexts, another model section is another model. Before a checkpoint is loaded, the config saved in
 it is compared with the run's on the keys of ``COMPARED``; a difference stops
@@ -38,8 +39,13 @@ from .loader import ConfigError
 
 # Sections or keys compared on resume (a section compares every key below it).
 COMPARED = ("model", "train.seq_length", "data.type", "data.paths", "data.split",
-            "data.valid_paths", "data.tokenizer", "data.seed", "data.induction", "data.ngram",
-            "data.eod_id", "data.eod_mask_loss", "data.reset_attention_mask")
+            "data.valid_paths", "data.valid_sets", "data.tokenizer", "data.seed",
+            "data.induction", "data.ngram", "data.eod_id", "data.eod_mask_loss",
+            "data.reset_attention_mask")
+# a named validation set added or dropped on a resume changes no curve the run has
+# (recorded, not refused); one whose shards changed would score other sequences under
+# its old name (compared)
+VALID_SETS = "data.valid_sets."
 # how the model runs, not what it is (the same weights on other kernels); the
 # vocabulary's padding multiple too: the load compares the padded tensors' shapes
 # (train/model_fit.py), and a multiple that keeps them is what a new TP may need
@@ -148,7 +154,7 @@ def check_resume_config(saved: Optional[dict], current: dict, allowed: list[str]
         return []  # a checkpoint of another tool: nothing to compare
     keys = COMPARED + (TOKEN_BUDGET_COMPARED if _sized_by_tokens(current) else ())
     changes = config_changes(saved, current, keys) + _precision_change(saved, current)
-    refused = [c for c in changes if not _allowed(c.key, allowed)]
+    refused = [c for c in changes if not _allowed(c.key, allowed) and not _new_curve(c)]
     if refused:
         keys = ", ".join(sorted({c.key for c in refused}))
         raise ConfigError(
@@ -157,6 +163,12 @@ def check_resume_config(saved: Optional[dict], current: dict, allowed: list[str]
             f"[{keys}] to go on with the new ones")
     check_precision_change(changes, current, where)
     return changes + config_changes(saved, current, RECORDED)
+
+
+def _new_curve(change: Change) -> bool:
+    """A named validation set added or dropped (``VALID_SETS``)."""
+    return change.key.startswith(VALID_SETS) and (change.saved is None
+                                                  or change.current is None)
 
 
 def _resolved_precision(config: dict) -> Optional[str]:

@@ -1,7 +1,8 @@
 """Strict loading of nested typed dataclasses from YAML.
 
 Every config section is a plain ``@dataclass`` whose fields carry type hints
-(int, float, str, bool, Optional[X], list[X], Literal[...], nested dataclasses).
+(int, float, str, bool, Optional[X], list[X], dict[str, X] (a mapping of names),
+Literal[...], nested dataclasses).
 ``from_dict`` walks the hints and refuses anything it does not know:
 
 * an unknown key is an error naming its full dotted path and the closest valid
@@ -11,6 +12,7 @@ Every config section is a plain ``@dataclass`` whose fields carry type hints
 
 ``--set a.b=value`` overrides are parsed as YAML scalars and pass through the
 same checks, so a typo on the command line fails the same way as in the file.
+A mapping's entry is set as ``--set a.b.NAME=value`` (``null`` removes it).
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ def _type_name(tp: Any) -> str:
     if origin is list:
         (inner,) = get_args(tp) or (Any,)
         return f"list of {_type_name(inner)}"
+    if origin is dict:
+        return f"mapping of names to {_type_name(get_args(tp)[1])}"
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
@@ -192,12 +196,32 @@ def _convert(tp: Any, value: Any, key: str, source: str | None, line: int | None
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{_where(key, source, line)}: expected {_type_name(tp)}, got {value!r}")
         return [_convert(inner, v, f"{key}[{i}]", source, line) for i, v in enumerate(value)]
+    if origin is dict:
+        return _convert_mapping(tp, value, key, source, line)
     if tp is Any:
         return value
     scalar = _SCALARS.get(tp)
     if scalar is not None:
         return scalar(value, _where(key, source, line))
     raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def _convert_mapping(tp: Any, value: Any, key: str, source: str | None,
+                     line: int | None) -> dict:
+    """``dict[str, X]``: a mapping whose keys are names (``{code: [...], wiki: [...]}``);
+    each value converted as ``key.NAME``, on its own line."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{_where(key, source, line)}: expected {_type_name(tp)}, got {value!r}")
+    _, inner = get_args(tp)
+    lines = getattr(value, "lines", {})
+    out = {}
+    for name, v in value.items():
+        at = lines.get(name, line)
+        if not isinstance(name, str) or not name:  # YAML reads `1:` or `true:` as others
+            raise ConfigError(f"{_where(key, source, at)}: a name must be a non-empty "
+                              f"string, got {name!r}")
+        out[name] = _convert(inner, v, f"{key}.{name}", source, at)
+    return out
 
 
 def _to_bool(value: Any, where: str) -> bool:
@@ -285,6 +309,8 @@ def to_dict(obj: Any) -> Any:
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
     return obj
 
 
@@ -323,6 +349,9 @@ def _set_path(data: dict, parts: list[str], value: Any, cls: type) -> None:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"--set: unknown key '{dotted}'{hint}")
         tp = _unwrap_optional(hints[part])
+        if get_origin(tp) is dict and i == len(parts) - 2:  # a.b.NAME: one entry
+            _set_entry(node, part, parts[-1], value, tp, ".".join(parts))
+            return
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(tp) and isinstance(value, dict):
                 # A section given whole replaced the file's section, silently
@@ -339,12 +368,27 @@ def _set_path(data: dict, parts: list[str], value: Any, cls: type) -> None:
             node[part] = value
         else:
             if not dataclasses.is_dataclass(tp):
-                raise ConfigError(f"--set: '{dotted}' is a {_type_name(tp)}, not a section")
+                what = "its entries are NAME=value" if get_origin(tp) is dict else "not a section"
+                raise ConfigError(f"--set: '{dotted}' is a {_type_name(tp)}, {what}")
             child = node.get(part)
             if not isinstance(child, dict):
                 child = {}
                 node[part] = child
             node, section = child, tp
+
+
+def _set_entry(node: dict, part: str, name: str, value: Any, tp: Any, dotted: str) -> None:
+    """``--set a.b.NAME=value``: one entry of the mapping ``a.b`` set (kept with the
+    file's others), or removed by ``null``."""
+    current = node.get(part)
+    mapping = _LinedDict(current if isinstance(current, dict) else {},
+                         dict(getattr(current, "lines", {})))  # the file's entries keep their lines
+    if value is None:
+        mapping.pop(name, None)
+    else:
+        _convert(get_args(tp)[1], value, dotted, "--set", None)
+        mapping[name] = value
+    node[part] = mapping
 
 
 def _unwrap_optional(tp: Any) -> Any:

@@ -171,6 +171,13 @@ class DataConfig:
     data.split's validation part (Megatron-LM's --valid-data-path): the training draws
     from all of data.paths, and runs on other corpora or splits validate on the same
     sequences. No shard may be in both. Empty: data.split's validation part."""
+    valid_sets: dict[str, list[float | str]] = field(default_factory=dict)
+    """More validation sets, each scored at every evaluation beside the validation
+    above and named by its key: ``{code: [code_text_document], web: [0.5, a, 0.5, b]}``
+    (each in the forms of data.paths, sharing no shard with it). Each reads its first
+    train.eval_iters global batches, the same sequences for every run; its records in
+    metrics.jsonl carry ``set: NAME``, and wandb plots ``valid/NAME/val_loss``. A name
+    is letters, digits, ``_``, ``-`` and ``.``. ``--set data.valid_sets.NAME=[...]`` adds one."""
     tokenizer: Optional[str] = None
     """SentencePiece model (its sidecar JSON gives BOS/EOS/PAD ids)."""
     cache_dir: Optional[str] = None

@@ -8,7 +8,9 @@
 With ``data.valid_paths`` the validation part is a blend of its own (megatron's
 ``blend_per_split``, Megatron-LM's ``--valid-data-path``): every document of its
 shards, none of which ``data.paths`` may hold, and the training draws from every
-document of ``data.paths``.
+document of ``data.paths``. Each of ``data.valid_sets`` is built the same way, by a
+builder of its own: all its shards, apart from data.paths, indexed under its own
+shards' stamps (a set added keeps the training's index caches).
 
 Index caches (document/sample/shuffle indices) go to ``data.cache_dir``
 (default ``<run_dir>/data_cache``); the builder makes rank 0 build them while
@@ -41,7 +43,7 @@ import functools
 import hashlib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -59,6 +61,7 @@ class Datasets:
     valid: Optional[Any]
     test: Optional[Any]
     tokenizer: Any
+    valid_sets: dict[str, Any] = field(default_factory=dict)  # data.valid_sets, by name
 
 
 def parse_blend(paths: list) -> tuple[list[str], Optional[list[float]]]:
@@ -256,19 +259,19 @@ def _document_index_bytes(cfg: RunConfig, share: float, samples: int, blend: Opt
     return total
 
 
-def _check_index_memory(cfg: RunConfig, train_samples: int, valid_samples: int,
-                        blends: list, sizes: dict[str, tuple[int, int]]) -> None:
+def _check_index_memory(cfg: RunConfig, parts: list[tuple[Optional[tuple], float, int]],
+                        sizes: dict[str, tuple[int, int]]) -> None:
     """Refuses sequences whose indices cannot fit this machine's memory: megatron
     would count their epochs one loop turn at a time (for hours with a large
-    ``train.max_steps``), then fail to allocate them with a traceback. Both parts
-    drawn from count: the training part's and the validation part's (``blends``: each
-    part's blend and its share of every shard's documents)."""
+    ``train.max_steps``), then fail to allocate them with a traceback. Every part
+    drawn from counts (``parts``: each one's blend, its share of every shard's
+    documents and the sequences drawn; the training part first)."""
     from kvtrain.config.layout import total_steps
 
+    train_samples, valid_samples = parts[0][2], sum(n for _, _, n in parts[1:])
     sample_bytes = INDEX_BYTES_PER_SAMPLE * (train_samples + valid_samples)
     document_bytes = sum(_document_index_bytes(cfg, share, samples, blend, sizes)
-                         for (blend, share), samples in zip(blends,
-                                                             (train_samples, valid_samples)))
+                         for blend, share, samples in parts)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if sample_bytes + document_bytes > memory:
         valid = f" and train.eval_iters for {valid_samples} validation ones" if valid_samples else ""
@@ -282,79 +285,67 @@ def _check_index_memory(cfg: RunConfig, train_samples: int, valid_samples: int,
             f"machine's {memory / 2**30:.0f} GiB")
 
 
-def _part_blends(d, blend: Optional[tuple], held_out: Optional[tuple]) -> list:
-    """Each drawn part's blend and its share of every shard's documents: data.split's
-    parts of data.paths, or all of data.paths and all of data.valid_paths."""
+def _drawn_parts(d, blend: Optional[tuple], held_out: Optional[tuple], named: dict,
+                 train_samples: int, valid_samples: int) -> list:
+    """Each drawn part's blend, its share of every shard's documents and its sequences:
+    data.split's parts of data.paths, or all of data.paths and all of data.valid_paths;
+    then all of each named validation set."""
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
     if held_out is not None:
-        return [(blend, 1.0), (held_out, 1.0)]
-    # of every shard's documents (and so, about, tokens), as megatron reads data.split
-    share = parse_and_normalize_split(d.split)
-    return [(blend, share[0]), (blend, share[1])]
+        parts = [(blend, 1.0, train_samples), (held_out, 1.0, valid_samples)]
+    else:  # of every shard's documents (and so, about, tokens), as megatron reads data.split
+        share = parse_and_normalize_split(d.split)
+        parts = [(blend, share[0], train_samples), (blend, share[1], valid_samples)]
+    return parts + [(b, 1.0, valid_samples) for b, _ in named.values()]
 
 
-def _check_apart(blend: Optional[tuple], held_out: Optional[tuple]) -> None:
+def _check_apart(blend: Optional[tuple], held_out: Optional[tuple],
+                 key: str = "data.valid_paths") -> None:
     """A held-out validation set shares no shard with the training data."""
     if blend is None or held_out is None:
         return
     train = {os.path.realpath(p): p for p in blend[0]}
     both = [p for p in held_out[0] if os.path.realpath(p) in train]
     if both:
-        raise ConfigError(f"data.valid_paths: {both[0]} is also in data.paths: a held-out "
+        raise ConfigError(f"{key}: {both[0]} is also in data.paths: a held-out "
                           "validation set shares no shard with the training data")
 
 
-def _checked_made_with(blend: Optional[tuple], held_out: Optional[tuple], tokenizer: Any,
+def _named_sets(cfg: RunConfig, blend: Optional[tuple]) -> dict[str, tuple[tuple, dict]]:
+    """``data.valid_sets``: each set's blend and its shards' sizes, its shards checked
+    whole and apart from data.paths."""
+    named = {}
+    for name, paths in cfg.data.valid_sets.items():
+        key = f"data.valid_sets.{name}"
+        named[name] = _blend(paths, key)
+        _check_apart(blend, named[name][0], key)
+    return named
+
+
+def _checked_made_with(parts: list[tuple[str, Optional[tuple]]], tokenizer: Any,
                        cfg: RunConfig) -> list[str]:
-    """Every shard of the training and the held-out blends, each checked against the
-    tokenizer it was made with (:func:`_check_made_with`)."""
+    """Every shard of the blends (``parts``: each one's key and blend), each checked
+    against the tokenizer it was made with (:func:`_check_made_with`)."""
     prefixes = []
-    for key, part in (("data.paths", blend), ("data.valid_paths", held_out)):
+    for key, part in parts:
         for prefix in part[0] if part is not None else []:
             _check_made_with(prefix, tokenizer, cfg.data, cfg.model, key)
             prefixes.append(prefix)
     return prefixes
 
 
-def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
-                   valid_samples: int) -> Datasets:
-    """Builds the datasets on every rank (rank 0 first: it writes the index caches).
-
-    ``train_samples``/``valid_samples``: sequences that will be drawn, so that
-    megatron builds enough epochs of indices.
-    """
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
-
-    from .tokenizer import load_tokenizer
+def _dataset_config(cfg: RunConfig, cache_dir: str, tokenizer: Any, blend: Optional[tuple],
+                    blend_per_split: Optional[list], split: Optional[str]):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     d = cfg.data
-    if d.type in ("induction", "ngram"):
-        from .induction import synthetic_datasets
-
-        train, valid = synthetic_datasets(cfg, train_samples, valid_samples)
-        return Datasets(train=train, valid=valid, test=None, tokenizer=None)
-    blend, sizes = _blend(d.paths) if d.type == "gpt" else (None, {})
-    held_out, held_out_sizes = _blend(d.valid_paths, "data.valid_paths") if d.valid_paths \
-        else (None, {})
-    _check_apart(blend, held_out)
-    # the toy tasks above index nothing
-    _check_index_memory(cfg, train_samples, valid_samples, _part_blends(d, blend, held_out),
-                        {**sizes, **held_out_sizes})
-    tokenizer = load_tokenizer(d, cfg.model)
-    prefixes = _checked_made_with(blend, held_out, tokenizer, cfg)
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    ds_config = GPTDatasetConfig(
+    return GPTDatasetConfig(
         random_seed=d.seed if d.seed is not None else cfg.train.seed,
         sequence_length=cfg.train.seq_length,
-        # a held-out validation set: each part from its own blend (Megatron-LM's
-        # --train-data-path / --valid-data-path), the training from all of data.paths
-        blend=None if held_out else blend,
-        blend_per_split=[blend, held_out if valid_samples else None, None] if held_out else None,
-        split=None if held_out else d.split,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
         # RoPE takes no position ids, so restarting them per document would change
@@ -368,7 +359,69 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
-    ds_config.shard_files = _file_stamps(prefixes) if prefixes else None
+
+
+def _build_valid_set(cfg: RunConfig, cache_dir: str, tokenizer: Any, set_blend: tuple,
+                     samples: int, stamps: dict) -> Any:
+    """One named validation set: all of its shards, ``samples`` sequences of them (its
+    epochs repeated where it is smaller), drawn in the run's data order (data.seed), so
+    that every run of it scores the very same sequences."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+
+    ds_config = _dataset_config(cfg, cache_dir, tokenizer, None, [None, set_blend, None], None)
+    # its own shards' stamps: a set added keeps the training's index caches
+    ds_config.shard_files = {p: stamps[p] for p in set_blend[0]}
+    sizes = [0, samples, 0] if set_blend[1] is not None else [None, samples, None]
+    return BlendedMegatronDatasetBuilder(_stamped_gpt_dataset(), sizes, lambda: True,
+                                         ds_config).build()[1]
+
+
+def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
+                   valid_samples: int) -> Datasets:
+    """Builds the datasets on every rank (rank 0 first: it writes the index caches).
+
+    ``train_samples``/``valid_samples``: sequences that will be drawn, so that
+    megatron builds enough epochs of indices (``valid_samples`` of each validation set).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    from .tokenizer import load_tokenizer
+
+    d = cfg.data
+    if d.type in ("induction", "ngram"):
+        from .induction import synthetic_datasets
+
+        train, valid = synthetic_datasets(cfg, train_samples, valid_samples)
+        return Datasets(train=train, valid=valid, test=None, tokenizer=None)
+    blend, sizes = _blend(d.paths) if d.type == "gpt" else (None, {})
+    held_out, held_out_sizes = _blend(d.valid_paths, "data.valid_paths") if d.valid_paths \
+        else (None, {})
+    _check_apart(blend, held_out)
+    named = _named_sets(cfg, blend) if valid_samples else {}
+    # the toy tasks above index nothing
+    _check_index_memory(cfg, _drawn_parts(d, blend, held_out, named, train_samples,
+                                          valid_samples),
+                        {**sizes, **held_out_sizes,
+                         **{p: n for _, set_sizes in named.values() for p, n in set_sizes.items()}})
+    tokenizer = load_tokenizer(d, cfg.model)
+    prefixes = _checked_made_with([("data.paths", blend), ("data.valid_paths", held_out)]
+                                  + [(f"data.valid_sets.{name}", b)
+                                     for name, (b, _) in named.items()], tokenizer, cfg)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    # a held-out validation set: each part from its own blend (Megatron-LM's
+    # --train-data-path / --valid-data-path), the training from all of data.paths
+    ds_config = _dataset_config(
+        cfg, cache_dir, tokenizer, blend=None if held_out else blend,
+        blend_per_split=[blend, held_out if valid_samples else None, None] if held_out else None,
+        split=None if held_out else d.split)
+    stamps = _file_stamps(prefixes) if prefixes else {}  # collective
+    main = set(blend[0] if blend else []) | set(held_out[0] if held_out else [])
+    ds_config.shard_files = {p: v for p, v in stamps.items() if p in main} or None
     needed = (True, valid_samples > 0, False)
     if blend is not None and held_out is None:  # (held out: each part all of its shards)
         counts = {prefix: n for prefix, (n, _) in sizes.items()}
@@ -377,18 +430,21 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         # Mock data: megatron sets split "1,1,1"; build only what is drawn from.
         ds_config.split_matrix = [m if needed[i] else None
                                   for i, m in enumerate(ds_config.split_matrix)]
-    sizes = [train_samples, valid_samples if needed[1] else None, None]
+    part_sizes = [train_samples, valid_samples if needed[1] else None, None]
     if any(b is not None and b[1] is not None for b in (blend, held_out)):
         # a weighted blend: megatron's builder takes a size for every part (it asserts
         # otherwise, and shares each part's size out by weight): 0 for a part not built
-        sizes = [0 if n is None else n for n in sizes]
+        part_sizes = [0 if n is None else n for n in part_sizes]
     cls = _stamped_gpt_dataset() if d.type == "gpt" else MockGPTDataset
     train, valid, test = BlendedMegatronDatasetBuilder(
-        cls, sizes, lambda: True, ds_config
+        cls, part_sizes, lambda: True, ds_config
     ).build()
     if train is None or len(train) < train_samples:
         raise ConfigError(
             f"the training data gives {0 if train is None else len(train)} sequences of "
             f"{cfg.train.seq_length} tokens, fewer than the {train_samples} the run needs"
         )
-    return Datasets(train=train, valid=valid, test=test, tokenizer=tokenizer)
+    valid_sets = {name: _build_valid_set(cfg, cache_dir, tokenizer, b, valid_samples, stamps)
+                  for name, (b, _) in named.items()}
+    return Datasets(train=train, valid=valid, test=test, tokenizer=tokenizer,
+                    valid_sets=valid_sets)

@@ -2,7 +2,9 @@
 
 Validation always reads the *first* ``eval_iters`` global batches of the
 validation split, so every evaluation of a run (and of a resumed run) scores
-the same sequences and the curve shows the model, not the sample.
+the same sequences and the curve shows the model, not the sample. So does each
+named set of ``data.valid_sets``, a Validator of its own whose records carry
+``set: NAME``.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from .step import ForwardStep, global_mean_loss, schedule_shape
 
 
 class Validator:
-    """Runs forward-only passes over the fixed validation batches."""
+    """Runs forward-only passes over the fixed validation batches (of the run's
+    validation, or of the named set ``name``)."""
 
     def __init__(self, dataset, forward_backward: Callable, model: list, eval_iters: int,
                  global_batch_size: int, micro_batch_size: int, num_microbatches: int,
                  seq_length: int, accuracy_masks: tuple = (), vocab_size: int = 0,
-                 documents: Optional[Callable] = None, source: str = "data.paths"):
-        self.dataset = dataset
+                 documents: Optional[Callable] = None, source: str = "data.paths",
+                 name: Optional[str] = None):
+        self.dataset, self.name = dataset, name
         self.forward_backward = forward_backward
         self.model = model
         self.gbs, self.mbs, self.m = global_batch_size, micro_batch_size, num_microbatches
@@ -73,7 +77,8 @@ class Validator:
         for chunk in self.model:
             chunk.train()
         loss, tokens = global_mean_loss(losses)
-        record = {"kind": "valid", "iteration": iteration, "val_loss": loss,
+        record = {"kind": "valid", **({"set": self.name} if self.name else {}),
+                  "iteration": iteration, "val_loss": loss,
                   "val_ppl": math.exp(min(loss, 80.0)), "val_tokens": tokens}
         if self.accuracy_masks:
             record.update(reduce_accuracies(losses, self.accuracy_masks))  # collective

@@ -52,7 +52,7 @@ def _due(iteration: int, interval: Optional[int]) -> bool:
 
 
 def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: MetricsLogger,
-                  validator: Validator, stop: StopRequests, hooks: RunHooks,
+                  validators: list[Validator], stop: StopRequests, hooks: RunHooks,
                   profiler: StepProfiler) -> int:
     """Trains from ``state`` to the end of the run (or a stop); returns the exit code."""
     cfg, t = run.cfg, run.cfg.train
@@ -92,7 +92,7 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
         if cfg.model.attention == "kv_shift" and _due(state.iteration, t.kv_shift_stats_interval):
             _log_shift_stats(run, state, metrics)
         if _due(state.iteration, t.eval_interval):
-            _validate(run, validator, state, metrics)
+            _validate(run, validators, state, metrics)
         ckpt.finalize()  # completes a finished async save, if any
         if _due(state.iteration, cfg.checkpoint.save_interval):
             _save(ckpt, run, state, window)
@@ -103,7 +103,7 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
             last_saved != state.iteration and state.iteration > 0:
         _save(ckpt, run, state, window)
         last_saved = state.iteration
-    _wrap_up(run, state, validator, metrics, stopped=why is not None)  # after a stop too
+    _wrap_up(run, state, validators, metrics, stopped=why is not None)  # after a stop too
     ckpt.close()  # waits for an async save to complete
     done = f"iteration {state.iteration}/{run.total_steps}"
     saved = f"; checkpoint {ckpt.root}/latest = iteration {last_saved}" if last_saved else ""
@@ -131,8 +131,8 @@ def _stop_reason(state: TrainState, result: StepResult,
     return None
 
 
-def _wrap_up(run: Run, state: TrainState, validator: Validator, metrics: MetricsLogger,
-             stopped: bool) -> None:
+def _wrap_up(run: Run, state: TrainState, validators: list[Validator],
+             metrics: MetricsLogger, stopped: bool) -> None:
     """At the run's last step (stopped there or not): the final weights' α/β
     statistics and validation where no interval took them (a resume of a run
     stopped there has nothing left to do, so they would never be taken); a stop
@@ -144,7 +144,7 @@ def _wrap_up(run: Run, state: TrainState, validator: Validator, metrics: Metrics
             (stopped or not _due(state.iteration, t.kv_shift_stats_interval)):
         _log_shift_stats(run, state, metrics)
     if t.eval_interval and (stopped or not _due(state.iteration, t.eval_interval)):
-        _validate(run, validator, state, metrics)
+        _validate(run, validators, state, metrics)
 
 
 def _data_iterators(run: Run, consumed_samples: int) -> list:
@@ -209,11 +209,29 @@ def _log_shift_stats(run: Run, state: TrainState, metrics: MetricsLogger) -> Non
         metrics.write(shift_statistics(coefs, state.iteration))
 
 
-def _validate(run: Run, validator: Validator, state: TrainState, metrics: MetricsLogger) -> None:
+def _validate(run: Run, validators: list[Validator], state: TrainState,
+              metrics: MetricsLogger) -> None:
     sync_params(run.model)  # evaluate the updated weights (overlap_param_gather)
-    record = validator.run(state.iteration)  # collective
-    if record is not None:
-        metrics.write(record)
+    for validator in validators:  # the run's validation, then data.valid_sets in order
+        record = validator.run(state.iteration)  # collective
+        if record is not None:
+            metrics.write(record)
+
+
+def _validators(run: Run) -> list[Validator]:
+    """The run's validation (data.split's part, or data.valid_paths) and one per
+    named set of data.valid_sets."""
+    cfg, t = run.cfg, run.cfg.train
+    common = dict(forward_backward=run.forward_backward, model=run.model,
+                  eval_iters=t.eval_iters, global_batch_size=t.global_batch_size,
+                  micro_batch_size=t.micro_batch_size, num_microbatches=run.num_microbatches,
+                  seq_length=t.seq_length, vocab_size=cfg.model.vocab_size,
+                  documents=run.documents)
+    main = Validator(run.datasets.valid, accuracy_masks=accuracy_masks(cfg.data.type),
+                     source="data.valid_paths" if cfg.data.valid_paths else "data.paths",
+                     **common)
+    return [main] + [Validator(dataset, source=f"data.valid_sets.{name}", name=name, **common)
+                     for name, dataset in run.datasets.valid_sets.items()]
 
 
 def _record_config_changes(state: TrainState, metrics: MetricsLogger) -> None:
@@ -347,12 +365,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
     for note in resumed.notes + ([order] if order else []):
         metrics.write({"kind": "event", "iteration": state.iteration, "message": note}, echo=False)
     _record_config_changes(state, metrics)
-    t = cfg.train
-    validator = Validator(run.datasets.valid, run.forward_backward, run.model, t.eval_iters,
-                          t.global_batch_size, t.micro_batch_size, run.num_microbatches,
-                          t.seq_length, accuracy_masks(cfg.data.type), cfg.model.vocab_size,
-                          documents=run.documents,
-                          source="data.valid_paths" if cfg.data.valid_paths else "data.paths")
+    validators = _validators(run)
     profiler = StepProfiler.for_start(cfg.profile, run.run_dir, run.rank, run.device,
                                       state.iteration + 1, run.total_steps, metrics)
     code = 1
@@ -362,7 +375,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
             code = EXIT_OK
         else:
             with loader_deaths_named(cfg.data.num_workers):
-                code = training_loop(run, state, ckpt, metrics, validator, stop, hooks,
+                code = training_loop(run, state, ckpt, metrics, validators, stop, hooks,
                                      profiler)
         if status_file is not None and rank0:
             _write_status(status_file, state.iteration, run.total_steps)

@@ -4,7 +4,8 @@ Every record is one JSON object with ``kind`` (train | valid | kv_shift |
 event) and ``iteration``; train records carry ``lm_loss``, ``lr``,
 ``grad_norm``, consumed samples/tokens, step time, tokens/s, TFLOP/s per
 device, MFU and peak memory. The same numbers go to wandb under
-``train/``, ``valid/`` and ``kv_shift/`` names. Only global rank 0 writes.
+``train/``, ``valid/`` and ``kv_shift/`` names (a named validation set's record,
+``set: NAME``, under ``valid/NAME/``). Only global rank 0 writes.
 
 On a resume the records past the checkpoint's iteration (steps a crashed run
 did after its last save) are dropped from ``metrics.jsonl``: the file then
@@ -145,11 +146,13 @@ class MetricsLogger:
     @staticmethod
     def _wandb_view(record: dict) -> dict:
         kind = record.get("kind", "train")
+        # a named validation set's curves: valid/NAME/val_loss beside valid/val_loss
+        group = f"{kind}/{record['set']}" if kind == "valid" and record.get("set") else kind
         out = {"iteration": record["iteration"]}
         for key, value in record.items():
             if key in ("kind", "iteration", "time") or isinstance(value, (str, dict, list)):
                 continue
-            name = key if "/" in key else f"{kind}/{key}"
+            name = key if "/" in key else f"{group}/{key}"
             out[name] = value
         return out
 
@@ -166,7 +169,8 @@ class MetricsLogger:
         if kind == "valid":
             accs = "".join(f" | {k} {_fmt(v)}" for k, v in record.items()
                            if k.startswith("val_acc_"))
-            return (f"iter {record['iteration']:>7d} | validation | val_loss "
+            named = f" {record['set']}" if record.get("set") else ""
+            return (f"iter {record['iteration']:>7d} | validation{named} | val_loss "
                     f"{_fmt(record['val_loss'])} | val_ppl {_fmt(record['val_ppl'])}{accs}")
         if kind == "kv_shift":
             quad = {k.rsplit("/", 1)[1]: v for k, v in record.items() if "/quadrant/" in k}
