@@ -32,6 +32,7 @@ SUBCOMMANDS = {
     "import": "kvtrain.commands.importer",
     "eval": "kvtrain.commands.eval",
     "generate": "kvtrain.commands.generate",
+    "perplexity": "kvtrain.commands.perplexity",
     "compare": "kvtrain.commands.compare",
 }
 

@@ -120,7 +120,7 @@ def check_optimizer(cfg: RunConfig) -> None:
                           "optimizer.loss_scale: null")
 
 
-def _check_blend(key: str, paths: list) -> None:
+def check_blend(key: str, paths: list) -> None:
     """``paths``: all prefixes, or (positive weight, prefix) pairs."""
     weights = [x for x in paths if not isinstance(x, str)]
     if weights and (len(paths) % 2 or any(
@@ -137,7 +137,7 @@ def _check_blend(key: str, paths: list) -> None:
 def _check_valid_paths(cfg: RunConfig, split: list[float]) -> None:
     """A held-out validation set (``data.valid_paths``) replaces data.split's parts."""
     d = cfg.data
-    _check_blend("data.valid_paths", d.valid_paths)
+    check_blend("data.valid_paths", d.valid_paths)
     if d.type != "gpt":
         raise ConfigError(f"data.valid_paths names shards: it needs data.type gpt, not "
                           f"{d.type}")
@@ -167,7 +167,7 @@ def _check_valid_sets(cfg: RunConfig) -> None:
         if not paths:
             raise ConfigError(f"{key} is empty: name its shards (the forms of data.paths), "
                               f"or leave the set out")
-        _check_blend(key, paths)
+        check_blend(key, paths)
     if d.type != "gpt":
         raise ConfigError(f"data.valid_sets names shards: it needs data.type gpt, not {d.type}")
     if cfg.train.eval_interval is None:
@@ -180,7 +180,7 @@ def check_data(cfg: RunConfig) -> None:
     if d.type == "gpt" and not d.paths:
         raise ConfigError("data.paths is empty: name at least one shard prefix for data.type gpt")
     if d.paths:
-        _check_blend("data.paths", d.paths)
+        check_blend("data.paths", d.paths)
     parts = [x.strip() for x in d.split.split(",")]
     # plain decimals only: megatron reads the split as the runs of digits and dots
     # in it, so 1e-3, 1_000 or inf (float() takes them) would be other numbers there

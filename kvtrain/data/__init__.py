@@ -1,7 +1,7 @@
 """Data for the trainer: megatron GPT/mock datasets, resumable micro-batch
 iterators, the tokenizer object, and a synthetic structured corpus."""
 
-from .datasets import Datasets, build_datasets, parse_blend
+from .datasets import Datasets, build_datasets, build_scored_set, parse_blend
 from .loader import PretrainingBatchSampler, fixed_batches, micro_batches
 from .synthetic import synthetic_documents, write_shard, write_synthetic_corpus
 from .tokenizer import VocabOnlyTokenizer, load_tokenizer
@@ -11,6 +11,7 @@ __all__ = [
     "PretrainingBatchSampler",
     "VocabOnlyTokenizer",
     "build_datasets",
+    "build_scored_set",
     "fixed_batches",
     "load_tokenizer",
     "micro_batches",

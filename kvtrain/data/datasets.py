@@ -335,8 +335,8 @@ def _checked_made_with(parts: list[tuple[str, Optional[tuple]]], tokenizer: Any,
     return prefixes
 
 
-def _dataset_config(cfg: RunConfig, cache_dir: str, tokenizer: Any, blend: Optional[tuple],
-                    blend_per_split: Optional[list], split: Optional[str]):
+def _dataset_config(cfg: RunConfig, cache_dir: Optional[str], tokenizer: Any,
+                    blend: Optional[tuple], blend_per_split: Optional[list], split: Optional[str]):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     d = cfg.data
@@ -361,7 +361,7 @@ def _dataset_config(cfg: RunConfig, cache_dir: str, tokenizer: Any, blend: Optio
     )
 
 
-def _build_valid_set(cfg: RunConfig, cache_dir: str, tokenizer: Any, set_blend: tuple,
+def _build_valid_set(cfg: RunConfig, cache_dir: Optional[str], tokenizer: Any, set_blend: tuple,
                      samples: int, stamps: dict) -> Any:
     """One named validation set: all of its shards, ``samples`` sequences of them (its
     epochs repeated where it is smaller), drawn in the run's data order (data.seed), so
@@ -376,6 +376,18 @@ def _build_valid_set(cfg: RunConfig, cache_dir: str, tokenizer: Any, set_blend: 
     sizes = [0, samples, 0] if set_blend[1] is not None else [None, samples, None]
     return BlendedMegatronDatasetBuilder(_stamped_gpt_dataset(), sizes, lambda: True,
                                          ds_config).build()[1]
+
+
+def build_scored_set(cfg: RunConfig, paths: list, key: str, samples: int,
+                     tokenizer: Any) -> Any:
+    """The first ``samples`` sequences of the shards ``paths`` (the forms of data.paths),
+    as a named validation set of ``cfg``'s run holds them (``kvtrain perplexity``):
+    shards checked whole and against the tokenizer they were made with (``key`` names
+    them in the one-line refusals); the indices built in memory on every rank, no
+    cache written."""
+    blend, _ = _blend(paths, key)
+    prefixes = _checked_made_with([(key, blend)], tokenizer, cfg)
+    return _build_valid_set(cfg, None, tokenizer, blend, samples, _file_stamps(prefixes))
 
 
 def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,

@@ -1,0 +1,124 @@
+"""``kvtrain perplexity RUN_DIR|CHECKPOINT --data SHARD [SHARD ...] [--name NAME]
+[--sequences N] [--batch-size B] [--seq-length L] [--tokenizer MODEL] [--backend B]
+[--dtype fp32|bf16] [--out FILE]``.
+
+A checkpoint's loss and perplexity on any shards after training: both arms of a
+comparison scored on a corpus neither validated on, or at a longer context than
+they were trained on. The shards are read as a named validation set of the run
+reads them (``data.valid_sets``; ``kvtrain.inference.perplexity``). One process,
+or ``torchrun --nproc-per-node N`` for tensor parallelism N (rank 0 prints and
+writes). The result goes to ``RUN_DIR/eval/perplexity-NAME-iter_XXXXXXX-nN[-seqL]
+[-bf16].json``, where ``kvtrain compare`` shows it beside the lm-eval results (a
+checkpoint outside any run folder: only to ``--out``). Bad input is one line (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "perplexity", help="a checkpoint's loss and perplexity on shards (any corpus, any length)",
+        description="Scores a kvtrain checkpoint on Megatron .bin/.idx shards: the mean "
+                    "next-token loss over their first N sequences, read as a named "
+                    "validation set of the run reads them (data.valid_sets).")
+    p.add_argument("source", metavar="RUN_DIR|CHECKPOINT",
+                   help="a run folder (its latest complete checkpoint) or one iter_* folder")
+    p.add_argument("--data", nargs="+", required=True, metavar="SHARD",
+                   help="shard prefixes in the forms of data.paths (weights too: 0.7 a 0.3 b)")
+    p.add_argument("--name", default=None,
+                   help="the set's name in the record (default: the first shard's name)")
+    p.add_argument("--sequences", type=int, default=None, metavar="N",
+                   help="sequences scored (default: the run's train.eval_iters x "
+                        "global_batch_size)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="sequences a forward pass (default: the run's train.micro_batch_size)")
+    p.add_argument("--seq-length", type=int, default=None, metavar="L",
+                   help="tokens a sequence (default: the run's train.seq_length)")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="sentencepiece model (default: the run's data.tokenizer)")
+    p.add_argument("--backend", default="auto", choices=["auto", "te", "torch", "local"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="the result's JSON (default: RUN_DIR/eval/perplexity-...json)")
+    p.set_defaults(func=run)
+
+
+def _weighted(tokens: list[str]) -> list:
+    """``--data 0.7 a 0.3 b``: numbers are the blend's weights (data.paths' form)."""
+    out = []
+    for token in tokens:
+        try:
+            out.append(float(token))
+        except ValueError:
+            out.append(token)
+    return out
+
+
+def _scoring(args: argparse.Namespace):
+    from kvtrain.config.checks import check_blend
+    from kvtrain.inference.perplexity import Scoring, default_name
+
+    paths = _weighted(args.data)
+    check_blend("--data", paths)
+    return Scoring(paths=paths, name=args.name or default_name(paths),
+                   sequences=args.sequences, batch_size=args.batch_size,
+                   seq_length=args.seq_length, tokenizer=args.tokenizer).check()
+
+
+def _where(args: argparse.Namespace, checkpoint: Path, result: dict, loaded) -> Path | None:
+    """``--out``, else the run folder's ``eval/`` (None: a checkpoint of no run)."""
+    from kvtrain.evaluate.source import EVAL_DIR, run_folder_of
+    from kvtrain.inference.perplexity import record_file
+
+    if args.out:
+        return Path(args.out).expanduser()
+    run_dir = run_folder_of(Path(args.source).expanduser(), checkpoint)
+    if run_dir is None:
+        return None
+    return run_dir / EVAL_DIR / record_file(args.name_used, loaded.iteration, result,
+                                            loaded.config.train.seq_length, args.dtype)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtrain.commands.train import quiet_imports
+
+    quiet_imports()  # megatron's import-time lines about GPU libraries a CPU lacks
+    # What a user can get wrong in the flags is checked before torch/megatron are imported.
+    from kvtrain.commands.generate import check_out, check_tensor_parallel
+    from kvtrain.config import launched_world_size
+
+    scoring = _scoring(args)
+    args.name_used = scoring.name
+    check_out(args.out)
+    import torch
+
+    from data_tools.fileio import atomic_write_text
+    from kvtrain.inference.loading import (find_checkpoint, inference_process, load_model,
+                                           saved_config)
+    from kvtrain.inference.perplexity import result_record, score
+
+    world = launched_world_size()
+    check_tensor_parallel(saved_config(find_checkpoint(args.source))[0], world)
+    inference_process(tensor=world)  # every rank is a tensor-parallel rank
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    loaded = load_model(args.source, backend=args.backend, dtype=dtype)
+    result = score(loaded, scoring)
+    if torch.distributed.get_rank() == 0:
+        print(f"kvtrain perplexity: {loaded.checkpoint} (iteration {loaded.iteration}, "
+              f"{loaded.config.model.attention}, backend {loaded.backend}, {args.dtype}): "
+              f"{scoring.name} loss {result['loss']:.4f} ppl {result['ppl']:.2f} over "
+              f"{result['sequences']} sequences of {result['seq_length']} tokens "
+              f"({result['tokens']} scored)", flush=True)
+        path = _where(args, loaded.checkpoint, result, loaded)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            record = result_record(loaded, scoring, result, args.dtype)
+            atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+            print(f"kvtrain perplexity: wrote {path}", flush=True)
+    sys.stdout.flush()
+    return 0
