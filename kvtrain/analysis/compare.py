@@ -18,8 +18,8 @@ The first run is the reference A; every other run B is compared with it:
   setting (checkpoint iteration, shots, limit, dtype): only results of one setting
   are compared.
 
-Output: ``DIR/report.md`` with ``loss.png``, ``loss_difference.png`` and
-``kv_shift_coefficients.png``, ``DIR/summary.json``, and a printed summary.
+Output: ``DIR/report.md`` with ``loss.png``, ``loss_difference.png``,
+``valid_sets.png`` (runs with named validation sets) and ``kv_shift_coefficients.png``, ``DIR/summary.json``, and a printed summary.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from .runs import Curve, RunData
 LOSS = "loss.png"
 DIFFERENCE = "loss_difference.png"
 COEFFICIENTS = "kv_shift_coefficients.png"
+VALID_SETS = "valid_sets.png"
 
 
 def _pyplot():
@@ -103,6 +104,29 @@ def plot_differences(plt, runs: Sequence[RunData], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_valid_sets(plt, runs: Sequence[RunData], names: list[str], path: Path) -> None:
+    """One panel per named validation set: each run's curve on it against tokens."""
+    cols = min(len(names), 3)
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(4.6 * cols, 3.4 * rows))
+    for i, name in enumerate(names):
+        ax = axes[i // cols][i % cols]
+        for n, run in enumerate(runs):
+            curve = run.valid_sets.get(name)
+            if curve:
+                ax.plot(curve.tokens, curve.loss, "-o", color=f"C{n}", ms=3.5, lw=1.4,
+                        label=run.label)
+        ax.set_title(f"validation set {name}", fontsize=9)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        _legend(ax, fontsize=8)
+    for j in range(len(names), rows * cols):  # the grid's empty cells
+        axes[j // cols][j % cols].axis("off")
+    _save(fig, path)
+    plt.close(fig)
+
+
 def _head_values(summary: dict, greek: str, index: int) -> dict[int, list[float]]:
     """{layer: values of coefficient ``index`` over the layer's heads}, or the
     layer means when the record has no per-head values."""
@@ -159,6 +183,10 @@ def write_plots(runs: Sequence[RunData], out: Path) -> dict[str, str]:
     plots["Loss against tokens"] = LOSS
     plot_differences(plt, runs, out / DIFFERENCE)
     plots[f"Difference against {runs[0].label}"] = DIFFERENCE
+    names = sorted({name for r in runs for name, curve in r.valid_sets.items() if curve})
+    if names:
+        plot_valid_sets(plt, runs, names, out / VALID_SETS)
+        plots["Validation sets (data.valid_sets)"] = VALID_SETS
     shifted = [(r, shift_summary(r)) for r in runs if r.shift]
     shifted = [(r, s) for r, s in shifted if s and (s["heads"] or s["layer_means"])]
     if shifted:

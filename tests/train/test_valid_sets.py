@@ -255,6 +255,12 @@ def test_compare_reads_each_set_on_its_own(tmp_path):
     assert "| only_b | b | 100 | 9.0000 | - | - |" in report
     assert "set code: val 2.2500  (val - A -0.7500; to reach A: 12.80k tokens vs 25.60k: " \
            "2.00x)" in printed
+    png = tmp_path / "out" / "valid_sets.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](valid_sets.png)" in report
+    # runs without named sets draw no such plot
+    plain = [_write_run(tmp_path / name, [(50, 3.0), (100, 2.0)]) for name in ("c", "d")]
+    compare(plain, tmp_path / "plain")
+    assert not (tmp_path / "plain" / "valid_sets.png").exists()
 
 
 def test_the_demo_summary_reads_the_runs_own_validation(tmp_path):
