@@ -13,6 +13,7 @@ LOSS = "loss.png"
 DIFFERENCE = "loss_difference.png"
 COEFFICIENTS = "kv_shift_coefficients.png"
 VALID_SETS = "valid_sets.png"
+POSITIONS = "loss_by_position.png"
 
 
 def _pyplot():
@@ -127,6 +128,52 @@ def plot_valid_sets(plt, runs: Sequence[RunData], names: list[str], path: Path) 
     plt.close(fig)
 
 
+def _latest_positions(run: RunData) -> dict[str, dict]:
+    """Each task's ``by_position`` of the run's latest checkpoint scored
+    (``kvtrain perplexity --by-position``)."""
+    latest: dict[str, dict] = {}
+    for entry in run.evals:
+        if "by_position" in entry:
+            held = latest.get(entry["task"])
+            if held is None or (entry["iteration"] or 0) >= (held["iteration"] or 0):
+                latest[entry["task"]] = entry
+    return latest
+
+
+def plot_positions(plt, runs: Sequence[RunData], path: Path) -> bool:
+    """One panel per scored task: each run's loss against tokens of context (log
+    scale; token-weighted means over 1, 2-3, 4-7, ...). False when no run has any."""
+    from .positions import binned
+
+    latest = [_latest_positions(run) for run in runs]
+    tasks = sorted({task for held in latest for task in held})
+    if not tasks:
+        return False
+    cols = min(len(tasks), 3)
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(4.6 * cols, 3.4 * rows))
+    for i, task in enumerate(tasks):
+        ax = axes[i // cols][i % cols]
+        for n, (run, held) in enumerate(zip(runs, latest)):
+            if task not in held:
+                continue
+            by = held[task]["by_position"]
+            points = [(a, m) for a, _, m in binned(by["loss"], by["tokens"]) if m is not None]
+            ax.plot([a for a, _ in points], [m for _, m in points], "-o", color=f"C{n}",
+                    ms=3.5, lw=1.4, label=f"{run.label} (iter {held[task]['iteration']})")
+        ax.set_xscale("log", base=2)
+        ax.set_title(task, fontsize=9)
+        ax.set_xlabel(f"tokens of context (in the {by.get('context', 'sequence')})")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        _legend(ax, fontsize=8)
+    for j in range(len(tasks), rows * cols):
+        axes[j // cols][j % cols].axis("off")
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
 def _head_values(summary: dict, greek: str, index: int) -> dict[int, list[float]]:
     """{layer: values of coefficient ``index`` over the layer's heads}, or the
     layer means when the record has no per-head values."""
@@ -187,6 +234,8 @@ def write_plots(runs: Sequence[RunData], out: Path) -> dict[str, str]:
     if names:
         plot_valid_sets(plt, runs, names, out / VALID_SETS)
         plots["Validation sets (data.valid_sets)"] = VALID_SETS
+    if plot_positions(plt, runs, out / POSITIONS):
+        plots["Loss by position in the context (kvtrain perplexity --by-position)"] = POSITIONS
     shifted = [(r, shift_summary(r)) for r in runs if r.shift]
     shifted = [(r, s) for r, s in shifted if s and (s["heads"] or s["layer_means"])]
     if shifted:

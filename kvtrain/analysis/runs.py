@@ -184,11 +184,19 @@ def key_order(key: tuple) -> tuple:
     return tuple((v is not None, v if v is not None else 0) for v in key)
 
 
+def _positions(value) -> bool:
+    """A ``by_position`` entry of a record: equally long lists of losses and counts."""
+    return (isinstance(value, dict) and isinstance(value.get("loss"), list)
+            and isinstance(value.get("tokens"), list)
+            and len(value["loss"]) == len(value["tokens"]))
+
+
 def read_evals(run: Path) -> tuple[list[dict], list[str]]:
     """The results of ``RUN/eval/*.json``, one entry per task and setting:
     ``{"task", "iteration", "num_fewshot", "limit", "dtype", "metrics": {metric: value}}``
     (numbers only; files of one setting add up, a later name replacing a
-    metric); files that do not read as such are named in the notes."""
+    metric), and a ``kvtrain perplexity --by-position`` record's ``by_position``;
+    files that do not read as such are named in the notes."""
     entries: dict[tuple, dict] = {}
     notes = []
     for path in sorted((run / EVAL_DIR).glob("*.json")):
@@ -209,6 +217,8 @@ def read_evals(run: Path) -> tuple[list[dict], list[str]]:
                 setting = eval_setting(record, str(task))
                 entry = entries.setdefault(eval_key(setting), {**setting, "metrics": {}})
                 entry["metrics"].update(numbers)
+                if _positions(record.get("by_position")):
+                    entry["by_position"] = record["by_position"]
     return [entries[k] for k in sorted(entries, key=key_order)], notes
 
 

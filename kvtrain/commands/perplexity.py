@@ -1,6 +1,6 @@
 """``kvtrain perplexity RUN_DIR|CHECKPOINT --data SHARD [SHARD ...] [--name NAME]
 [--sequences N] [--batch-size B] [--seq-length L] [--tokenizer MODEL] [--backend B]
-[--dtype fp32|bf16] [--out FILE]``.
+[--by-position] [--dtype fp32|bf16] [--out FILE]``.
 
 A checkpoint's loss and perplexity on any shards after training: both arms of a
 comparison scored on a corpus neither validated on, or at a longer context than
@@ -41,6 +41,9 @@ def register(sub) -> None:
                    help="tokens a sequence (default: the run's train.seq_length)")
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="sentencepiece model (default: the run's data.tokenizer)")
+    p.add_argument("--by-position", action="store_true",
+                   help="also the loss at each position in the context (in the document where "
+                        "the run separated documents) and the in-context learning score")
     p.add_argument("--backend", default="auto", choices=["auto", "te", "torch", "local"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--out", default=None, metavar="FILE",
@@ -67,7 +70,8 @@ def _scoring(args: argparse.Namespace):
     check_blend("--data", paths)
     return Scoring(paths=paths, name=args.name or default_name(paths),
                    sequences=args.sequences, batch_size=args.batch_size,
-                   seq_length=args.seq_length, tokenizer=args.tokenizer).check()
+                   seq_length=args.seq_length, tokenizer=args.tokenizer,
+                   by_position=args.by_position).check()
 
 
 def _where(args: argparse.Namespace, checkpoint: Path, result: dict, loaded) -> Path | None:
@@ -82,6 +86,20 @@ def _where(args: argparse.Namespace, checkpoint: Path, result: dict, loaded) -> 
         return None
     return run_dir / EVAL_DIR / record_file(args.name_used, loaded.iteration, result,
                                             loaded.config.train.seq_length, args.dtype)
+
+
+def _print_positions(by: dict) -> None:
+    from kvtrain.inference.perplexity import fmt
+    from kvtrain.analysis.positions import binned
+
+    bins = "  ".join(f"{a}-{b} {fmt(m)}" if a != b else f"{a} {fmt(m)}"
+                     for a, b, m in binned(by["loss"], by["tokens"]))
+    print(f"kvtrain perplexity: loss by tokens of context (in the {by['context']}): {bins}",
+          flush=True)
+    score = by["icl_score"]
+    print("kvtrain perplexity: in-context learning score (loss at 500 tokens of context - at "
+          f"50): {fmt(score) if score is not None else 'needs sequences of 500 tokens or more'}",
+          flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
               f"{scoring.name} loss {result['loss']:.4f} ppl {result['ppl']:.2f} over "
               f"{result['sequences']} sequences of {result['seq_length']} tokens "
               f"({result['tokens']} scored)", flush=True)
+        if "by_position" in result:
+            _print_positions(result["by_position"])
         path = _where(args, loaded.checkpoint, result, loaded)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

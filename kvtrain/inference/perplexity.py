@@ -7,7 +7,8 @@ the run did, scored by the trainer's own ``Validator`` (megatron's forward-only
 schedule, the loss summed over the scored tokens of all micro batches). So with
 the run's sequence length, batch and count, the number is the one a ``valid_sets``
 entry of the same shards records at that checkpoint; another ``--seq-length`` asks
-how the model does on longer (or shorter) contexts than it was trained on.
+how the model does on longer (or shorter) contexts than it was trained on, and
+``by_position`` the loss at each position in the context (``positions``).
 
 The model is the checkpoint's on this process's tensor-parallel layout
 (``load_model``): one process, or every rank of ``torchrun`` a TP rank.
@@ -43,6 +44,7 @@ class Scoring:
     batch_size: Optional[int] = None
     seq_length: Optional[int] = None
     tokenizer: Optional[str] = None
+    by_position: bool = False  # also the loss at each position in the context
 
     def check(self) -> "Scoring":
         """Refuses what cannot be scored before anything is loaded (one line each)."""
@@ -87,12 +89,18 @@ def _scoring_config(cfg: RunConfig, s: Scoring) -> RunConfig:
 
 def score(loaded: LoadedModel, scoring: Scoring) -> dict:
     """``{"loss", "ppl", "tokens", "sequences", "batch_size", "seq_length"}`` of the
-    loaded model on the scoring's shards (the same on every rank; collective)."""
+    loaded model on the scoring's shards, and ``"by_position"`` when asked (the same
+    on every rank; collective)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from kvtrain.data import build_scored_set, load_tokenizer
     from kvtrain.model.documents import Documents
     from kvtrain.train.evaluation import Validator
+    from kvtrain.train.step import global_mean_loss
+
+    from kvtrain.analysis.positions import icl_score
+
+    from .positions import PositionForwardStep, reduce_by_position
 
     s = scoring.resolved(loaded.config)
     cfg = _scoring_config(loaded.config, s)
@@ -102,19 +110,32 @@ def score(loaded: LoadedModel, scoring: Scoring) -> dict:
     key = "--tokenizer" if scoring.tokenizer else "the run's data.tokenizer (or --tokenizer)"
     tokenizer = load_tokenizer(cfg.data, cfg.model, key=key)
     dataset = build_scored_set(cfg, s.paths, "--data", s.sequences, tokenizer)
-    documents = (Documents(eod=int(tokenizer.eod), thd=loaded.backend == "te")
-                 if cfg.data.reset_attention_mask else None)
+    separated = cfg.data.reset_attention_mask
+    documents = Documents(eod=int(tokenizer.eod), thd=loaded.backend == "te") \
+        if separated else None
     validator = Validator(dataset, get_forward_backward_func(), [loaded.model],
                           eval_iters=s.sequences // s.batch_size,
                           global_batch_size=s.batch_size, micro_batch_size=s.batch_size,
                           num_microbatches=1, seq_length=s.seq_length,
                           vocab_size=cfg.model.vocab_size, documents=documents,
                           source="--data", name=s.name)
-    record = validator.run(loaded.iteration)  # collective
+    if s.by_position:
+        validator.forward_step = PositionForwardStep(
+            validator.forward_step, s.seq_length, int(tokenizer.eod) if separated else None)
+    losses = validator.forward()  # collective
+    loss, tokens = global_mean_loss(losses)
     loaded.model.eval()  # the validator leaves its model in training mode
-    return {"loss": record["val_loss"], "ppl": math.exp(min(record["val_loss"], 80.0)),
-            "tokens": record["val_tokens"], "sequences": s.sequences,
-            "batch_size": s.batch_size, "seq_length": s.seq_length}
+    result = {"loss": loss, "ppl": math.exp(min(loss, 80.0)), "tokens": tokens,
+              "sequences": s.sequences, "batch_size": s.batch_size, "seq_length": s.seq_length}
+    if s.by_position:
+        means, counts = reduce_by_position(losses, s.seq_length)  # collective
+        result["by_position"] = {"context": "document" if separated else "sequence",
+                                 "loss": means, "tokens": counts, "icl_score": icl_score(means)}
+    return result
+
+
+def fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def task_name(name: str, seq_length: int, trained: int) -> str:
@@ -131,9 +152,12 @@ def result_record(loaded: LoadedModel, scoring: Scoring, result: dict, dtype: st
             "iteration": loaded.iteration, "attention": loaded.config.model.attention,
             "backend": loaded.backend, "data": list(scoring.paths),
             "tasks": {task: {"loss": result["loss"], "ppl": result["ppl"],
-                             "tokens": result["tokens"]}},
+                             "tokens": result["tokens"],
+                             **({"icl_score": result["by_position"]["icl_score"]}
+                                if result.get("by_position") else {})}},
             "config": {"limit": result["sequences"], "num_fewshot": None, "dtype": dtype,
-                       "batch_size": result["batch_size"], "seq_length": result["seq_length"]}}
+                       "batch_size": result["batch_size"], "seq_length": result["seq_length"]},
+            **({"by_position": result["by_position"]} if result.get("by_position") else {})}
 
 
 def record_file(name: str, iteration: int, result: dict, trained: int, dtype: str) -> str:
@@ -147,4 +171,4 @@ def record_file(name: str, iteration: int, result: dict, trained: int, dtype: st
     return "-".join(parts) + ".json"
 
 
-__all__ = ["Scoring", "default_name", "record_file", "result_record", "score", "task_name"]
+__all__ = ["Scoring", "default_name", "fmt", "record_file", "result_record", "score", "task_name"]

@@ -54,6 +54,18 @@ class Validator:
         """``{"val_loss", "val_ppl", ...}`` (the same on every rank), or None."""
         if self.iters == 0:
             return None
+        losses = self.forward()  # collective
+        loss, tokens = global_mean_loss(losses)
+        record = {"kind": "valid", **({"set": self.name} if self.name else {}),
+                  "iteration": iteration, "val_loss": loss,
+                  "val_ppl": math.exp(min(loss, 80.0)), "val_tokens": tokens}
+        if self.accuracy_masks:
+            record.update(reduce_accuracies(losses, self.accuracy_masks))  # collective
+        return record
+
+    def forward(self) -> list:
+        """The forward-only passes over the batches: what ``forward_step``'s loss
+        function reported for each micro batch (last pipeline stage; collective)."""
         dp_rank = parallel_state.get_data_parallel_rank()
         dp = parallel_state.get_data_parallel_world_size()
         iterators = [fixed_batches(self.dataset, self.iters * self.gbs, self.mbs, dp_rank, dp)
@@ -76,13 +88,7 @@ class Validator:
                 )
         for chunk in self.model:
             chunk.train()
-        loss, tokens = global_mean_loss(losses)
-        record = {"kind": "valid", **({"set": self.name} if self.name else {}),
-                  "iteration": iteration, "val_loss": loss,
-                  "val_ppl": math.exp(min(loss, 80.0)), "val_tokens": tokens}
-        if self.accuracy_masks:
-            record.update(reduce_accuracies(losses, self.accuracy_masks))  # collective
-        return record
+        return losses
 
 
 # ----------------------------------------------------------------------------- KV-shift statistics

@@ -123,6 +123,13 @@ def sync_params(model: list) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
+def reports_losses() -> bool:
+    """Whether this rank's micro-batch losses count in a sum over the world: the last
+    pipeline stage's, once per tensor-parallel group (its TP rank 0)."""
+    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
 def reduce_losses(losses: list) -> torch.Tensor:
     """``[loss_sum, tokens]`` over the global batch, the same on every rank.
 
@@ -131,9 +138,7 @@ def reduce_losses(losses: list) -> torch.Tensor:
     parallel share and one all-reduce over the world gives everyone the total.
     """
     local = torch.zeros(2, dtype=torch.float64)
-    contributes = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-                   and parallel_state.get_tensor_model_parallel_rank() == 0)
-    if contributes:
+    if reports_losses():
         for item in losses:
             local += item["lm loss"].to(torch.float64).cpu()
     return local

@@ -91,13 +91,98 @@ def _tp_score(rank, world, run_dir, shard):
     from kvtrain.inference.perplexity import Scoring, score
 
     init_model_parallel(tensor=world)
-    return score(load_model(run_dir), Scoring(paths=[shard], name="held"))["loss"]
+    result = score(load_model(run_dir), Scoring(paths=[shard], name="held", by_position=True))
+    return result["loss"], result["by_position"]
 
 
 def test_tp2_scores_as_tp1(mp1, trained):
+    from kvtrain.inference.loading import load_model
+    from kvtrain.inference.perplexity import Scoring, score
+
     ranks = run_distributed(_tp_score, 2, str(trained["run"]), trained["b"])
     assert ranks[0] == ranks[1]
-    assert ranks[0] == pytest.approx(trained["records"]["held"]["val_loss"], rel=1e-5)
+    loss, by = ranks[0]
+    assert loss == pytest.approx(trained["records"]["held"]["val_loss"], rel=1e-5)
+    one = score(load_model(trained["run"]), Scoring(paths=[trained["b"]], name="held",
+                                                    by_position=True))["by_position"]
+    assert by["tokens"] == one["tokens"]
+    assert by["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- by position
+def test_context_positions_count_from_the_sequence_or_the_document():
+    import torch
+
+    from kvtrain.inference.positions import context_positions
+
+    tokens = torch.tensor([[5, 9, 1, 9, 9, 3, 4],
+                           [9, 2, 2, 2, 9, 9, 7]])  # 9: the end of a document
+    assert context_positions(tokens, None).tolist() == [list(range(7))] * 2
+    assert context_positions(tokens, 9).tolist() == [[0, 1, 0, 1, 0, 0, 1],
+                                                     [0, 0, 1, 2, 3, 0, 0]]
+
+
+def test_icl_score_and_bins():
+    from kvtrain.analysis.positions import binned, icl_score
+
+    means = [3.0 - i / 1000 for i in range(600)]
+    assert icl_score(means) == pytest.approx((3.0 - 0.499) - (3.0 - 0.049))
+    assert icl_score(means[:499]) is None and icl_score([None] * 600) is None
+    bins = binned([4.0, 2.0, 1.0, None, 5.0], [1, 1, 3, 0, 2])
+    assert bins == [(1, 1, 4.0), (2, 3, pytest.approx((2.0 + 3.0) / 4)), (4, 5, 5.0)]
+
+
+def test_the_loss_by_position_is_each_tokens_own(mp1, trained):
+    """Against the model run by hand on the same sequences: each scored token's loss
+    at its position in its document (the run separated documents), the token-weighted
+    mean of all of them the scoring's loss."""
+    import torch
+
+    from kvtrain.data import build_scored_set, load_tokenizer
+    from kvtrain.inference.loading import load_model
+    from kvtrain.inference.perplexity import Scoring, score
+    from kvtrain.model.documents import Documents
+
+    loaded = load_model(trained["run"])
+    result = score(loaded, Scoring(paths=[trained["b"]], name="held", by_position=True))
+    by = result["by_position"]
+    assert by["context"] == "document" and sum(by["tokens"]) == result["tokens"]
+    cfg = loaded.config
+    dataset = build_scored_set(cfg, [trained["b"]], "--data", 16,
+                               load_tokenizer(cfg.data, cfg.model))
+    sums, counts = [0.0] * 32, [0] * 32
+    with torch.no_grad():
+        for i in range(16):
+            sample = {k: torch.as_tensor(np.asarray(v))[None] for k, v in dataset[i].items()
+                      if k in ("tokens", "labels", "loss_mask", "position_ids")}
+            batch, packed = Documents(eod=EOD, thd=False)(sample)
+            losses = loaded.model(batch["tokens"], batch["position_ids"], None,
+                                  labels=batch["labels"], packed_seq_params=packed)[0]  # [s]
+            starts = [0] + [j + 1 for j, t in enumerate(sample["tokens"][0].tolist()) if t == EOD]
+            for j, loss in enumerate(losses.tolist()):
+                if sample["loss_mask"][0, j]:
+                    position = j - max(st for st in starts if st <= j)
+                    sums[position] += loss
+                    counts[position] += 1
+    assert by["tokens"] == counts
+    assert by["loss"] == pytest.approx([s / c if c else None for s, c in zip(sums, counts)],
+                                       rel=1e-5)
+    assert result["loss"] == pytest.approx(sum(sums) / sum(counts), rel=1e-6)
+
+
+def test_by_position_on_the_command_line(mp1, trained, capsys):
+    run = trained["run"]
+    assert main(["perplexity", str(run), "--data", trained["b"], "--name", "pos",
+                 "--by-position", "--out", str(run / "pos.json")]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((run / "pos.json").read_text())
+    by = record["by_position"]
+    assert len(by["loss"]) == len(by["tokens"]) == 32 and by["icl_score"] is None
+    assert record["tasks"]["perplexity/pos"]["loss"] == pytest.approx(
+        trained["records"]["held"]["val_loss"], rel=1e-6)
+    assert "loss by tokens of context (in the document): 1 " in out and " 2-3 " in out
+    assert "in-context learning score (loss at 500 tokens of context - at 50): needs " \
+           "sequences of 500 tokens or more" in out
 
 
 @pytest.mark.parametrize("flags, error", [
@@ -168,3 +253,35 @@ def test_on_a_gpu_the_score_is_the_cpus(trained):
                               one_gpu=True)
     assert fp32 == pytest.approx(want, rel=1e-4)
     assert bf16 == pytest.approx(want, rel=2e-2)
+
+
+def test_compare_plots_the_loss_by_position_of_each_run(tmp_path):
+    """``kvtrain compare`` (no torch): the scored tasks in its evaluation table, ICL score
+    included, and each run's latest loss by position drawn."""
+    from kvtrain.analysis.compare import compare
+    from tests.analysis.test_compare import _write_run
+
+    def scored(folder, iteration, slope):
+        losses = [5.0 - slope * i for i in range(600)]
+        record = {"kind": "perplexity", "iteration": iteration,
+                  "tasks": {"perplexity/web": {"loss": 4.0, "ppl": 54.6,
+                                               "icl_score": losses[499] - losses[49]}},
+                  "config": {"limit": 64, "num_fewshot": None, "dtype": "fp32"},
+                  "by_position": {"context": "document", "loss": losses, "tokens": [64] * 600}}
+        (folder / "eval").mkdir(exist_ok=True)
+        (folder / "eval" / f"perplexity-web-iter_{iteration:07d}-n64.json").write_text(
+            json.dumps(record))
+        return folder
+
+    a = scored(_write_run(tmp_path / "a", [(100, 2.0)]), 100, 0.001)
+    b = scored(scored(_write_run(tmp_path / "b", [(100, 1.9)]), 50, 0.0), 100, 0.002)
+    summary, _ = compare([a, b], tmp_path / "out")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| perplexity/web | 100 | - | 64 | fp32 | icl_score | -0.4500 | -0.9000 |" in report
+    assert "| perplexity/web | 50 | - | 64 | fp32 | icl_score | - | 0.0000 |" in report
+    png = tmp_path / "out" / "loss_by_position.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](loss_by_position.png)" in report
+    from kvtrain.analysis.plots import _latest_positions
+    from kvtrain.analysis.runs import read_run
+
+    assert _latest_positions(read_run(b))["perplexity/web"]["iteration"] == 100
