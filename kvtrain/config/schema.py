@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from kvtrain.tasks.config import InductionDataConfig, NgramDataConfig
+from kvtrain.tasks.config import HopDataConfig, InductionDataConfig, NgramDataConfig
 
 from . import checks
 from .layout import derive_layout
@@ -151,10 +151,11 @@ class OptimizerConfig:
 class DataConfig:
     """Where training tokens come from."""
 
-    type: Optional[Literal["gpt", "mock", "induction", "ngram"]] = None
+    type: Optional[Literal["gpt", "mock", "induction", "ngram", "hop"]] = None
     """``gpt``: Megatron .bin/.idx shards; ``mock``: random tokens for smoke runs;
-    ``induction`` / ``ngram``: the paper's toy tasks (Appendix K / E.3), with their
-    accuracy evaluated at every validation (options in data.induction / data.ngram).
+    ``induction`` / ``ngram`` / ``hop``: the paper's toy tasks (Appendix K / E.3 / E.1),
+    with their accuracy evaluated at every validation (options in data.induction /
+    data.ngram / data.hop).
     Left out: ``gpt`` where data.paths names shards, else ``mock``."""
     paths: list[float | str] = field(default_factory=list)
     """Shard prefixes, optionally with weights: [0.7, a_text_document, 0.3, b_text_document].
@@ -201,8 +202,10 @@ class DataConfig:
     """Options of data.type induction."""
     ngram: NgramDataConfig = field(default_factory=NgramDataConfig)
     """Options of data.type ngram."""
+    hop: HopDataConfig = field(default_factory=HopDataConfig)
+    """Options of data.type hop (the k-hop induction heads task)."""
     eval_seed: Optional[int] = None
-    """Seed of the fixed validation set of induction/ngram data (null: data seed + 1000003)."""
+    """Seed of the fixed validation set of the toy tasks' data (null: data seed + 1000003)."""
 
     def __post_init__(self) -> None:
         # the default was mock: a config naming its shards without ``type: gpt``

@@ -49,6 +49,7 @@ from typing import Any, Optional
 
 from kvtrain.config import ConfigError
 from kvtrain.config.schema import RunConfig
+from kvtrain.tasks.config import TASK_TYPES
 
 SPLIT_NAMES = ("training", "validation", "test")  # the parts of data.split, in order
 
@@ -405,7 +406,7 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
     from .tokenizer import load_tokenizer
 
     d = cfg.data
-    if d.type in ("induction", "ngram"):
+    if d.type in TASK_TYPES:
         from .induction import synthetic_datasets
 
         train, valid = synthetic_datasets(cfg, train_samples, valid_samples)

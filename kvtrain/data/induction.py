@@ -59,7 +59,7 @@ def train_and_eval(task: Task, num_train: int, num_eval: int, seed: int = 0,
 
 
 def synthetic_datasets(cfg, train_samples: int, valid_samples: int):
-    """(train, valid) datasets of a ``data.type: induction | ngram`` run: training
+    """(train, valid) datasets of a ``data.type: induction | ngram | hop`` run: training
     samples from the data seed (``data.seed``, else ``train.seed``), validation
     = the fixed evaluation set (``data.eval_seed``, else seed + 1000003);
     valid is None when nothing is evaluated."""

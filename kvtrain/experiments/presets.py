@@ -1,6 +1,6 @@
 """The induction experiments of the paper as run configs: Figure 1a (depth),
-Figure 1b (width) and the 3-gram control of Appendix E.3, a grid of arms with
-the same seed and data, at two scales.
+Figure 1b (width), the 3-gram control of Appendix E.3 and the k-hop task of
+Appendix E.1 (Figure 8), a grid of arms with the same seed and data, at two scales.
 
 A preset at a scale is one ``RunConfig`` (as a dict) that every arm shares;
 an arm sets ``model.attention`` and ``model.num_layers``. The user's ``--set``
@@ -14,6 +14,12 @@ Presets (arms):
 * ``fig1a`` - KV shift 1 layer; vanilla 1, 2 and 4 layers; same width.
 * ``fig1b`` - hidden size 8: vanilla 2 layers vs KV shift 1 layer.
 * ``ngram`` - the 3-gram task: vanilla vs KV shift, same depth and width.
+* ``fig8`` - the k-hop task: vanilla vs KV shift at 2, 3 and 4 layers; the
+  error rate of each hop count (``hop_errors.png``). The paper "followed the
+  code of Sanford et al. (2024b)", whose setting the paper scale takes: 4 symbols,
+  hops 0..16, length 100, width 128 (4 heads), batch 32, AdamW lr 1e-4 with 1000
+  warmup steps then a linear decay to 0 over 100k steps; GPT-2 there, kvtrain's
+  Llama-style model (RoPE, SwiGLU, RMSNorm) here. The cpu scale asks for up to 8 hops.
 
 Scales:
 
@@ -36,7 +42,7 @@ from kvtrain.config import ConfigError, RunConfig
 from kvtrain.config.loader import apply_override, from_dict
 from kvtrain.tasks.config import TASK_TYPES
 
-PRESETS = ("fig1a", "fig1b", "ngram")
+PRESETS = ("fig1a", "fig1b", "ngram", "fig8")
 SCALES = ("cpu", "paper")
 
 PER_ARM_KEYS = ("model.attention", "model.num_layers", "name", "run_dir", "wandb.name")
@@ -60,6 +66,9 @@ def preset_arms(preset: str) -> list[Arm]:
         return [Arm("kv_shift-1L", "kv_shift", 1), Arm("vanilla-2L", "vanilla", 2)]
     if preset == "ngram":
         return [Arm("kv_shift-2L", "kv_shift", 2), Arm("vanilla-2L", "vanilla", 2)]
+    if preset == "fig8":
+        return [Arm(f"{attention}-{n}L", attention, n) for n in (2, 3, 4)
+                for attention in ("kv_shift", "vanilla")]
     raise ConfigError(f"unknown preset {preset!r}; one of {', '.join(PRESETS)}")
 
 
@@ -124,6 +133,22 @@ _NGRAM = {"model": {"vocab_size": 128},
                                                                  "num_symbols": 32}}}
 _NGRAM_CPU = {"train": {"seq_length": 96, "max_steps": 600}}
 
+# Appendix E.1 / Figure 8: Sanford et al.'s k-hop setting (their code's defaults).
+_HOP = {"model": {"hidden_size": 128, "num_attention_heads": 4, "ffn_hidden_size": 512,
+                  "vocab_size": 32, "max_position_embeddings": 128},
+        "train": {"micro_batch_size": 32, "global_batch_size": 32, "seq_length": 100},
+        "data": {"type": "hop", "induction": None,
+                 "hop": {"alphabet": 4, "min_hops": 0, "max_hops": 16}}}
+_HOP_PAPER = {"train": {"max_steps": 100_000, "eval_iters": 8, **_every(1000)},
+              "optimizer": {"lr": 1e-4, "lr_warmup_steps": 1000, "lr_schedule": "wsd",
+                            "wsd_decay_steps": 99_000, "wsd_decay_style": "linear",
+                            "min_lr": 0.0},
+              "checkpoint": {"save_interval": 5000, "save_on_exit": True}}
+# CPU: up to 8 hops (2^3), a larger learning rate, constant after a short warmup
+_HOP_CPU = {"train": {"max_steps": 1500, "eval_iters": 8, **_every(150)},
+            "optimizer": {"lr": 1e-3, "lr_warmup_steps": 100},
+            "data": {"hop": {"max_hops": 8}}}
+
 
 def _merge(base: dict, changes: dict) -> dict:
     """``base`` updated by ``changes`` section by section (a None value drops the key)."""
@@ -149,6 +174,8 @@ def preset_config(preset: str, scale: str) -> dict:
         layers += [_FIG1B] + ([_FIG1B_CPU] if scale == "cpu" else [])
     if preset == "ngram":
         layers += [_NGRAM] + ([_NGRAM_CPU] if scale == "cpu" else [])
+    if preset == "fig8":
+        layers += [_HOP, _HOP_CPU if scale == "cpu" else _HOP_PAPER]
     out: dict = {}
     for layer in layers:
         out = _merge(out, layer)

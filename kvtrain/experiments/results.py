@@ -1,10 +1,12 @@
 """An experiment's results: the curve of each arm (read from its run's
 ``metrics.jsonl``), ``results.csv``, ``accuracy.png``, ``loss.png`` and the
-summary (final accuracies, steps to 95 %, wall time, parameters per arm).
+summary (final accuracies, steps to 95 %, wall time, parameters per arm); for
+the k-hop task also each arm's error rate by hop count (``hop_errors.png``).
 
 Curve fields: ``arm, step, accuracy, accuracy_all, loss, train_loss, lr,
 elapsed_s``; ``accuracy`` is the paper's first-prediction-position accuracy
-(``val_acc_induction_first`` / ``val_acc_ngram_first``), ``accuracy_all`` at
+(``val_acc_induction_first`` / ``val_acc_ngram_first``; every position for the
+k-hop task, ``val_acc_hop_all``), ``accuracy_all`` at
 every prediction position, ``loss`` the LM loss on the fixed evaluation set
 (``val_loss``), ``train_loss`` the trainer's logged ``lm_loss`` at that step.
 """
@@ -105,6 +107,47 @@ class ArmResult:
     wall_s: float
     exit_code: int
     params: dict = field(default_factory=dict)  # total, non_embedding
+    hop_errors: dict = field(default_factory=dict)  # the k-hop task: {k: error rate}
+
+
+def hop_errors_from_metrics(path: str | Path) -> dict[int, float]:
+    """The k-hop task's error rate of each hop count at the last validation
+    (``1 - val_acc_hop_K``); {} for other tasks or before any validation."""
+    records = [r for r in read_records(Path(path))[0] if r.get("kind") == "valid"] \
+        if Path(path).exists() else []
+    if not records:
+        return {}
+    last = records[-1]
+    out = {}
+    for key, value in last.items():
+        hops = key[len("val_acc_hop_"):]
+        if key.startswith("val_acc_hop_") and hops.isdigit() and isinstance(value, (int, float)):
+            out[int(hops)] = 1.0 - float(value)
+    return dict(sorted(out.items()))
+
+
+def plot_hop_errors(results: list["ArmResult"], path: str | Path, title: str = "") -> None:
+    """Figure 8: each arm's error rate against the hop count, at its last evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, r in enumerate(results):
+        if r.hop_errors:
+            style = "-o" if r.arm.startswith("kv_shift") else "--s"
+            ax.plot(list(r.hop_errors), list(r.hop_errors.values()), style, ms=3.5,
+                    color=f"C{i // 2}", label=r.arm)
+    ax.set_xlabel("hops k")
+    ax.set_ylabel("error rate (last evaluation)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _arm_summary(r: ArmResult) -> dict:
@@ -125,6 +168,7 @@ def _arm_summary(r: ArmResult) -> dict:
         "exit_code": r.exit_code,
         "non_embedding_params": r.params.get("non_embedding"),
         "total_params": r.params.get("total"),
+        **({"hop_errors": {str(k): v for k, v in r.hop_errors.items()}} if r.hop_errors else {}),
     }
 
 
@@ -186,5 +230,12 @@ def format_summary(summary: dict) -> str:
         lines.append(f"{arm:<14} {a['final_accuracy']:>9.4f} {a['final_accuracy_all']:>8.4f} "
                      f"{a['max_accuracy']:>8.4f} {str(s95):>11} {a['final_loss']:>7.4f} "
                      f"{a['wall_s']:>7.0f}")
+    hops = {arm: a["hop_errors"] for arm, a in summary["arms"].items() if a.get("hop_errors")}
+    if hops:
+        counts = sorted({int(k) for errors in hops.values() for k in errors})
+        lines.append("error rate by hops: " + " ".join(f"{k:>5}" for k in counts))
+        for arm, errors in hops.items():
+            lines.append(f"{arm:<18} " + " ".join(
+                f"{errors[str(k)]:>5.3f}" if str(k) in errors else "    -" for k in counts))
     lines.append(f"total wall time: {summary['wall_s']:.0f} s")
     return "\n".join(lines)

@@ -7,8 +7,8 @@ side; its log is ``arms/<arm>/train.log``. A process per arm isolates the
 arms (megatron's global state, a crash) and is the exact command a user can
 rerun. The curve of an arm is read from its ``metrics.jsonl``.
 
-Outputs in the run folder: ``results.csv``, ``accuracy.png``, ``loss.png``,
-``summary.json``, ``spec.json`` (preset, scale, overrides, arms, command) and
+Outputs in the run folder: ``results.csv``, ``accuracy.png``, ``loss.png``
+(and ``hop_errors.png`` for the k-hop task), ``summary.json``, ``spec.json`` (preset, scale, overrides, arms, command) and
 per arm ``arm.yaml``, ``curve.csv``, ``train.log`` (the output of every
 attempt, each after a line ``===== attempt N, <time>: <command> =====``),
 ``result.json`` (exit code, wall time of all attempts, their start times) and
@@ -36,8 +36,8 @@ from kvtrain.config.layout import total_steps
 from kvtrain.plan.params import count_params
 
 from .presets import Arm
-from .results import (ArmResult, curve_from_metrics, plot_curves, summarize, summary_json,
-                      write_results)
+from .results import (ArmResult, curve_from_metrics, hop_errors_from_metrics, plot_curves,
+                      plot_hop_errors, summarize, summary_json, write_results)
 
 # Launcher variables of an enclosing torchrun/SLURM job: an arm is its own job.
 _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
@@ -119,7 +119,8 @@ def _earlier_result(job: ArmJob) -> ArmResult:
     result = _record(job.folder)
     # no exit code: the runner was stopped while the arm trained
     return ArmResult(job.arm.name, _curve(job, result.get("starts", [])),
-                     result.get("wall_s", 0.0), result.get("exit_code"), _params(job.cfg))
+                     result.get("wall_s", 0.0), result.get("exit_code"), _params(job.cfg),
+                     hop_errors_from_metrics(job.run_dir / "metrics.jsonl"))
 
 
 def _finished(result: ArmResult, cfg: RunConfig) -> bool:
@@ -214,7 +215,8 @@ def _finish(job: ArmJob, code: int, started: float) -> ArmResult:
     _write_record(job, code, total, starts)
     status = "done" if code == 0 else f"FAILED ({ended_by(code)}; see {job.folder / 'train.log'})"
     print(f"[{job.arm.name}] {status} in {wall:.0f} s", flush=True)
-    return ArmResult(job.arm.name, rows, total, code, _params(job.cfg))
+    return ArmResult(job.arm.name, rows, total, code, _params(job.cfg),
+                     hop_errors_from_metrics(job.run_dir / "metrics.jsonl"))
 
 
 def _params(cfg: RunConfig) -> dict:
@@ -280,6 +282,8 @@ def run_experiment(configs: list[tuple[Arm, RunConfig]], run_dir: str | Path,
     title = title or run_dir.name
     plot_curves(rows, run_dir / "accuracy.png", "accuracy", title=title, arms=names)
     plot_curves(rows, run_dir / "loss.png", "loss", title=title, arms=names)
+    if any(r.hop_errors for r in results):  # the k-hop task: Figure 8
+        plot_hop_errors(results, run_dir / "hop_errors.png", title=title)
     summary = summarize(results, time.time() - t0)
     summary.update(run_dir=str(run_dir), **{k: spec[k] for k in ("workers", "threads", "nproc")})
     for key in ("preset", "scale", "overrides"):

@@ -7,7 +7,7 @@ scored; the prediction at ``p`` is ``argmax(logits[b, p])``. The masks of each
 task are ``kvtrain.tasks.config.MASKS`` (``induction_first`` /
 ``induction_all``, ``ngram_first`` / ``ngram_all``).
 
-Inside ``kvtrain train`` (``data.type: induction | ngram``) the validator
+Inside ``kvtrain train`` (``data.type: induction | ngram | hop``) the validator
 uses :class:`AccuracyForwardStep` instead of the trainer's loss-only forward
 step: the model is run without labels (logits ``[b, s, V/TP]`` on the last
 pipeline stage), the LM loss is computed from the logits with megatron's

@@ -8,20 +8,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-TASK_TYPES = ("induction", "ngram")
+TASK_TYPES = ("induction", "ngram", "hop")
 """The ``data.type`` values that are toy tasks."""
 
 MASKS = {
     "induction": ("induction_first", "induction_all"),
     "ngram": ("ngram_first", "ngram_all"),
+    "hop": ("hop_all", "hop_all"),
 }
 """Per task: the masks reported as ``accuracy`` (primary: the paper's first
-prediction position / 3-grams not yet seen in the sequence) and ``accuracy_all``."""
+prediction position / 3-grams not yet seen in the sequence / every k-hop
+position) and ``accuracy_all``."""
 
 
-def accuracy_masks(data_type: str) -> tuple[str, ...]:
-    """The masks scored for ``data.type`` (none for text data)."""
-    return MASKS.get(data_type, ())
+def accuracy_masks(data) -> tuple[str, ...]:
+    """The masks scored for ``data`` (a DataConfig, or its ``type``; none for text
+    data): the hop task also scores each hop count on its own (``hop_K``)."""
+    kind = data if isinstance(data, str) else data.type
+    masks = MASKS.get(kind, ())
+    if kind == "hop" and not isinstance(data, str):
+        masks = ("hop_all",) + tuple(f"hop_{k}" for k in data.hop.hop_counts)
+    return masks
 
 
 @dataclass
@@ -48,6 +55,28 @@ class InductionDataConfig:
     def vocab_size(self) -> int:
         """Smallest vocabulary that holds every id of the task."""
         return self.max_val
+
+
+@dataclass
+class HopDataConfig:
+    """Options of ``data.type: hop``: the k-hop induction heads task of Appendix E.1
+    (Sanford et al. 2024's; their defaults: 4 symbols, hops 0..16, length 100)."""
+
+    alphabet: int = 4
+    """Distinct symbols of the random string (never the same one twice in a row)."""
+    min_hops: int = 0
+    """Fewest hops a sequence asks for (0: the symbol itself)."""
+    max_hops: int = 16
+    """Most hops a sequence asks for; each sequence draws its k uniformly."""
+
+    @property
+    def hop_counts(self) -> range:
+        return range(self.min_hops, self.max_hops + 1)
+
+    @property
+    def vocab_size(self) -> int:
+        """0 (unused), a token per hop count, the symbols, "no such position", blank."""
+        return 1 + len(self.hop_counts) + self.alphabet + 2
 
 
 @dataclass

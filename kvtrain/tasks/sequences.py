@@ -93,7 +93,7 @@ from .config import InductionDataConfig, NgramDataConfig
 PAD = 0
 
 # Domain separation of the random streams: (task, seed, index) -> sample.
-_TASK_STREAM = {"induction": 0x1D, "ngram": 0x3E, "ngram_table": 0x3F}
+_TASK_STREAM = {"induction": 0x1D, "ngram": 0x3E, "ngram_table": 0x3F, "hop": 0x4B}
 
 
 def sample_rng(task: str, seed: int, index: int) -> np.random.Generator:
@@ -292,21 +292,23 @@ def _frame(raw: list[int], seq_length: int) -> dict[str, np.ndarray]:
     }
 
 
-Task = InductionTask | NgramTask
+Task = InductionTask | NgramTask  # and hops.HopTask, which imports this module
 
 
-def build_task(kind: str, seq_length: int, **options) -> Task:
-    """``kind`` = induction | ngram, with that task's options (its dataclass fields)."""
-    if kind == "induction":
-        return InductionTask(seq_length=seq_length, **options)
-    if kind == "ngram":
-        return NgramTask(seq_length=seq_length, **options)
-    raise ValueError(f"unknown synthetic task {kind!r}; one of induction, ngram")
+def build_task(kind: str, seq_length: int, **options) -> "Task":
+    """``kind`` = induction | ngram | hop, with that task's options (its dataclass fields)."""
+    from .hops import HopTask
+
+    tasks = {"induction": InductionTask, "ngram": NgramTask, "hop": HopTask}
+    if kind not in tasks:
+        raise ValueError(f"unknown synthetic task {kind!r}; one of {', '.join(tasks)}")
+    return tasks[kind](seq_length=seq_length, **options)
 
 
-def task_from_config(cfg) -> Task:
-    """The task of a run config with ``data.type: induction | ngram`` (options
-    from ``data.induction`` / ``data.ngram``; sequence length ``train.seq_length``)."""
+def task_from_config(cfg) -> "Task":
+    """The task of a run config with ``data.type: induction | ngram | hop`` (options
+    from ``data.induction`` / ``data.ngram`` / ``data.hop``; sequence length
+    ``train.seq_length``)."""
     import dataclasses
 
     d = cfg.data
@@ -317,9 +319,10 @@ def task_from_config(cfg) -> Task:
 def _check_counts(d) -> None:
     """The toy task's counts and seed in range, each named (numpy's own words were
     'high <= 0' or 'negative dimensions are not allowed', naming only the section)."""
-    options = d.ngram if d.type == "ngram" else d.induction
-    least = ({"num_pairs": 1, "num_symbols": 1, "mid_val": 0, "table_seed": 0}
-             if d.type == "ngram" else {"length": 1, "mid_val": 0, "pool_size": 1})
+    options = getattr(d, d.type)
+    least = {"ngram": {"num_pairs": 1, "num_symbols": 1, "mid_val": 0, "table_seed": 0},
+             "hop": {"alphabet": 2, "min_hops": 0, "max_hops": 0},
+             "induction": {"length": 1, "mid_val": 0, "pool_size": 1}}[d.type]
     for key, low in least.items():
         value = getattr(options, key)
         if value is not None and value < low:
@@ -329,7 +332,7 @@ def _check_counts(d) -> None:
 
 
 def validate_config(cfg) -> None:
-    """Cross-field checks of a run config with ``data.type: induction | ngram``.
+    """Cross-field checks of a run config with ``data.type: induction | ngram | hop``.
     Raises ``ValueError`` with one line naming the keys (``RunConfig.validate``
     reports it as a config error; this package imports no config module)."""
     d = cfg.data
@@ -339,11 +342,14 @@ def validate_config(cfg) -> None:
     _check_counts(d)
     task = task_from_config(cfg)
     if task.vocab_size > cfg.model.vocab_size:
-        key = "data.induction.max_val" if d.type == "induction" else \
-            "data.ngram.mid_val + data.ngram.num_symbols + 1"
+        key = {"induction": "data.induction.max_val",
+               "ngram": "data.ngram.mid_val + data.ngram.num_symbols + 1",
+               "hop": "the hop task's tokens (data.hop: 1 + hop counts + alphabet + 2)"}[d.type]
         raise ValueError(f"{key} ({task.vocab_size}) exceeds model.vocab_size "
                          f"({cfg.model.vocab_size})")
     try:
+        if d.type == "hop":
+            task.check()
         task.sample(0, 0)
     except ValueError as e:
         raise ValueError(f"data.{d.type}: {e}") from None

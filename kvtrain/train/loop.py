@@ -227,7 +227,7 @@ def _validators(run: Run) -> list[Validator]:
                   micro_batch_size=t.micro_batch_size, num_microbatches=run.num_microbatches,
                   seq_length=t.seq_length, vocab_size=cfg.model.vocab_size,
                   documents=run.documents)
-    main = Validator(run.datasets.valid, accuracy_masks=accuracy_masks(cfg.data.type),
+    main = Validator(run.datasets.valid, accuracy_masks=accuracy_masks(cfg.data),
                      source="data.valid_paths" if cfg.data.valid_paths else "data.paths",
                      **common)
     return [main] + [Validator(dataset, source=f"data.valid_sets.{name}", name=name, **common)

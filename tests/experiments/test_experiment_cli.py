@@ -33,7 +33,7 @@ def without_arm_keys(cfg) -> dict:
     return d
 
 
-@pytest.mark.parametrize("preset", ["fig1a", "fig1b", "ngram"])
+@pytest.mark.parametrize("preset", ["fig1a", "fig1b", "ngram", "fig8"])
 @pytest.mark.parametrize("scale", ["cpu", "paper"])
 def test_every_arm_is_a_validated_run_config_differing_only_in_its_keys(preset, scale):
     configs = arm_configs(preset, scale)
@@ -45,8 +45,9 @@ def test_every_arm_is_a_validated_run_config_differing_only_in_its_keys(preset, 
         assert without_arm_keys(cfg) == shared  # same seed, data, optimizer, width
     # an arm rerun into its folder resumes from its checkpoints (the paper scale saves some)
     assert shared["checkpoint"]["resume"] == "auto"
-    assert shared["checkpoint"]["save_interval"] == (1000 if scale == "paper" else None)
-    assert shared["data"]["type"] == ("ngram" if preset == "ngram" else "induction")
+    saves = {"paper": 5000 if preset == "fig8" else 1000, "cpu": None}[scale]
+    assert shared["checkpoint"]["save_interval"] == saves
+    assert shared["data"]["type"] == {"ngram": "ngram", "fig8": "hop"}.get(preset, "induction")
 
 
 def test_preset_values():
@@ -62,6 +63,17 @@ def test_preset_values():
     assert fig1b.model.hidden_size == 8 and fig1b.data.induction.variant == "strict"
     ngram = arm_configs("ngram", "cpu")[0][1]
     assert (ngram.data.ngram.num_pairs, ngram.train.seq_length) == (200, 96)
+    # Figure 8: Sanford et al.'s k-hop setting (their code's defaults), 2-4 layers
+    hop = arm_configs("fig8", "paper")
+    assert [a.name for a, _ in hop] == ["kv_shift-2L", "vanilla-2L", "kv_shift-3L", "vanilla-3L",
+                                        "kv_shift-4L", "vanilla-4L"]
+    h = hop[0][1]
+    assert (h.data.hop.alphabet, h.data.hop.min_hops, h.data.hop.max_hops) == (4, 0, 16)
+    assert (h.model.hidden_size, h.model.num_attention_heads, h.train.seq_length) == (128, 4, 100)
+    assert (h.train.global_batch_size, h.train.max_steps, h.optimizer.lr) == (32, 100_000, 1e-4)
+    assert (h.optimizer.lr_schedule, h.optimizer.wsd_decay_steps, h.optimizer.min_lr) == \
+        ("wsd", 99_000, 0.0)
+    assert arm_configs("fig8", "cpu")[0][1].data.hop.max_hops == 8
 
 
 def test_set_is_kvtrain_trains_grammar_and_applies_to_every_arm():
