@@ -115,6 +115,23 @@ def check_tensor_parallel(cfg, world: int) -> None:
                           f"{world} ranks")
 
 
+def load_on_every_rank(source: str, backend: str, dtype: str):
+    """The checkpoint ``source`` names, on this process's tensor-parallel rank: one
+    process, or every rank of ``torchrun`` a TP rank (``dtype``: fp32 | bf16)."""
+    import torch
+
+    from kvtrain.config import launched_world_size
+    from kvtrain.inference.loading import (find_checkpoint, inference_process, load_model,
+                                           saved_config)
+
+    world = launched_world_size()
+    # a bad source or a TP size the model cannot split: one line, before the process group
+    check_tensor_parallel(saved_config(find_checkpoint(source))[0], world)
+    inference_process(tensor=world)  # every rank is a tensor-parallel rank
+    return load_model(source, backend=backend,
+                      dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+
+
 def run(args: argparse.Namespace) -> int:
     # Everything a user can get wrong is checked before torch/megatron are imported.
     from kvtrain.config import ConfigError, launched_world_size
@@ -131,15 +148,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvtrain.inference.generate import PromptCodec, generate
-    from kvtrain.inference.loading import (find_checkpoint, inference_process, load_model,
-                                           saved_config)
 
     world = launched_world_size()
-    # a bad source or a TP size the model cannot split: one line, before the process group
-    check_tensor_parallel(saved_config(find_checkpoint(args.source))[0], world)
-    inference_process(tensor=world)  # every rank is a tensor-parallel rank
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    loaded = load_model(args.source, backend=args.backend, dtype=dtype)
+    loaded = load_on_every_rank(args.source, args.backend, args.dtype)
     codec = PromptCodec.for_run(loaded.config, args.tokenizer)
     results = generate(loaded.model, loaded.config, codec, prompts, options,
                        batch_size=args.batch_size, prefix_eod=args.prefix_eod)

@@ -107,8 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_imports()  # megatron's import-time lines about GPU libraries a CPU lacks
     # What a user can get wrong in the flags is checked before torch/megatron are imported.
-    from kvtrain.commands.generate import check_out, check_tensor_parallel
-    from kvtrain.config import launched_world_size
+    from kvtrain.commands.generate import check_out, load_on_every_rank
 
     scoring = _scoring(args)
     args.name_used = scoring.name
@@ -116,15 +115,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from data_tools.fileio import atomic_write_text
-    from kvtrain.inference.loading import (find_checkpoint, inference_process, load_model,
-                                           saved_config)
     from kvtrain.inference.perplexity import result_record, score
 
-    world = launched_world_size()
-    check_tensor_parallel(saved_config(find_checkpoint(args.source))[0], world)
-    inference_process(tensor=world)  # every rank is a tensor-parallel rank
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    loaded = load_model(args.source, backend=args.backend, dtype=dtype)
+    loaded = load_on_every_rank(args.source, args.backend, args.dtype)
     result = score(loaded, scoring)
     if torch.distributed.get_rank() == 0:
         print(f"kvtrain perplexity: {loaded.checkpoint} (iteration {loaded.iteration}, "

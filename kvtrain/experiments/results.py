@@ -142,12 +142,7 @@ def plot_hop_errors(results: list["ArmResult"], path: str | Path, title: str = "
     ax.set_xlabel("hops k")
     ax.set_ylabel("error rate (last evaluation)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, title)
 
 
 def _arm_summary(r: ArmResult) -> dict:
@@ -202,6 +197,11 @@ def plot_curves(rows: list[dict], path: str | Path, metric: str = "accuracy", ti
     else:
         ax.set_ylabel(f"eval {metric}")
     ax.set_xlabel("step")
+    _finish(plt, fig, ax, path, title)
+
+
+def _finish(plt, fig, ax, path: str | Path, title: str) -> None:
+    """The title, grid and legend of a plot; the PNG written, the figure closed."""
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
