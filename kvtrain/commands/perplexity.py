@@ -1,6 +1,6 @@
 """``kvtrain perplexity RUN_DIR|CHECKPOINT --data SHARD [SHARD ...] [--name NAME]
 [--sequences N] [--batch-size B] [--seq-length L] [--tokenizer MODEL] [--backend B]
-[--by-position] [--dtype fp32|bf16] [--out FILE]``.
+[--by-position] [--dtype fp32|bf16] [--out FILE] [--no-wandb]``.
 
 A checkpoint's loss and perplexity on any shards after training: both arms of a
 comparison scored on a corpus neither validated on, or at a longer context than
@@ -8,8 +8,9 @@ they were trained on. The shards are read as a named validation set of the run
 reads them (``data.valid_sets``; ``kvtrain.inference.perplexity``). One process,
 or ``torchrun --nproc-per-node N`` for tensor parallelism N (rank 0 prints and
 writes). The result goes to ``RUN_DIR/eval/perplexity-NAME-iter_XXXXXXX-nN[-seqL]
-[-bf16].json``, where ``kvtrain compare`` shows it beside the lm-eval results (a
-checkpoint outside any run folder: only to ``--out``). Bad input is one line (exit 2).
+[-bf16].json``, where ``kvtrain compare`` shows it beside the lm-eval results, and
+to the run's wandb run as ``eval/perplexity/NAME/loss`` (a checkpoint outside any run
+folder: only to ``--out``). Bad input is one line (exit 2).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--out", default=None, metavar="FILE",
                    help="the result's JSON (default: RUN_DIR/eval/perplexity-...json)")
+    p.add_argument("--no-wandb", action="store_true", help="do not log to the run's wandb run")
     p.set_defaults(func=run)
 
 
@@ -74,18 +76,39 @@ def _scoring(args: argparse.Namespace):
                    by_position=args.by_position).check()
 
 
-def _where(args: argparse.Namespace, checkpoint: Path, result: dict, loaded) -> Path | None:
-    """``--out``, else the run folder's ``eval/`` (None: a checkpoint of no run)."""
+def _report(args: argparse.Namespace, loaded, scoring, result: dict) -> None:
+    """Rank 0: the lines, the record (``--out``, else the run folder's ``eval/``; a
+    checkpoint of no run folder: none) and the run's wandb run."""
+    from data_tools.fileio import atomic_write_text
+    from kvtrain.evaluate.report import log_to_wandb
     from kvtrain.evaluate.source import EVAL_DIR, run_folder_of
-    from kvtrain.inference.perplexity import record_file
+    from kvtrain.inference.perplexity import record_file, result_record
 
-    if args.out:
-        return Path(args.out).expanduser()
-    run_dir = run_folder_of(Path(args.source).expanduser(), checkpoint)
-    if run_dir is None:
-        return None
-    return run_dir / EVAL_DIR / record_file(args.name_used, loaded.iteration, result,
-                                            loaded.config.train.seq_length, args.dtype)
+    print(f"kvtrain perplexity: {loaded.checkpoint} (iteration {loaded.iteration}, "
+          f"{loaded.config.model.attention}, backend {loaded.backend}, {args.dtype}): "
+          f"{scoring.name} loss {result['loss']:.4f} ppl {result['ppl']:.2f} over "
+          f"{result['sequences']} sequences of {result['seq_length']} tokens "
+          f"({result['tokens']} scored)", flush=True)
+    if "by_position" in result:
+        _print_positions(result["by_position"])
+    run_dir = run_folder_of(Path(args.source).expanduser(), loaded.checkpoint)
+    path = Path(args.out).expanduser() if args.out else None
+    if path is None and run_dir is not None:
+        path = run_dir / EVAL_DIR / record_file(scoring.name, loaded.iteration, result,
+                                                loaded.config.train.seq_length, args.dtype)
+    record = result_record(loaded, scoring, result, args.dtype)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+        print(f"kvtrain perplexity: wrote {path}", flush=True)
+    else:
+        print(f"kvtrain perplexity: result not saved ({args.source} is in no kvtrain run "
+              "folder: --out FILE)", flush=True)
+    if run_dir is not None and not args.no_wandb:
+        numbers = {task: {m: v for m, v in metrics.items() if v is not None}
+                   for task, metrics in record["tasks"].items()}
+        note = log_to_wandb(loaded.config, run_dir, loaded.iteration, numbers)
+        print(f"kvtrain perplexity: {note}", flush=True)
 
 
 def _print_positions(by: dict) -> None:
@@ -110,28 +133,14 @@ def run(args: argparse.Namespace) -> int:
     from kvtrain.commands.generate import check_out, load_on_every_rank
 
     scoring = _scoring(args)
-    args.name_used = scoring.name
     check_out(args.out)
     import torch
 
-    from data_tools.fileio import atomic_write_text
-    from kvtrain.inference.perplexity import result_record, score
+    from kvtrain.inference.perplexity import score
 
     loaded = load_on_every_rank(args.source, args.backend, args.dtype)
     result = score(loaded, scoring)
     if torch.distributed.get_rank() == 0:
-        print(f"kvtrain perplexity: {loaded.checkpoint} (iteration {loaded.iteration}, "
-              f"{loaded.config.model.attention}, backend {loaded.backend}, {args.dtype}): "
-              f"{scoring.name} loss {result['loss']:.4f} ppl {result['ppl']:.2f} over "
-              f"{result['sequences']} sequences of {result['seq_length']} tokens "
-              f"({result['tokens']} scored)", flush=True)
-        if "by_position" in result:
-            _print_positions(result["by_position"])
-        path = _where(args, loaded.checkpoint, result, loaded)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            record = result_record(loaded, scoring, result, args.dtype)
-            atomic_write_text(path, json.dumps(record, indent=1) + "\n")
-            print(f"kvtrain perplexity: wrote {path}", flush=True)
+        _report(args, loaded, scoring, result)
     sys.stdout.flush()
     return 0

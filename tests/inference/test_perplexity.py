@@ -58,6 +58,7 @@ def test_a_checkpoint_scores_what_its_run_validated(mp1, trained, capsys):
     assert record["iteration"] == 4 and record["config"]["limit"] == 16
     assert f"held loss {got['loss']:.4f} ppl {got['ppl']:.2f} over 16 sequences of 32 " \
            f"tokens (512 scored)" in out and f"wrote {path}" in out
+    assert "kvtrain perplexity: wandb: disabled in the run's config, not logged" in out
     # other batches, the same sequences: the same loss
     assert main(["perplexity", str(run), "--data", b, "--name", "held", "--batch-size", "4",
                  "--out", str(run / "b4.json")]) == 0
@@ -170,11 +171,25 @@ def test_the_loss_by_position_is_each_tokens_own(mp1, trained):
     assert result["loss"] == pytest.approx(sum(sums) / sum(counts), rel=1e-6)
 
 
-def test_by_position_on_the_command_line(mp1, trained, capsys):
+def test_by_position_on_the_command_line(mp1, trained, capsys, monkeypatch):
+    import kvtrain.evaluate.report as report
+
+    logged = []
+    monkeypatch.setattr(report, "log_to_wandb",
+                        lambda cfg, run_dir, it, tasks: logged.append((run_dir, it, tasks)) or
+                        "wandb: logged to run x (offline)")
     run = trained["run"]
     assert main(["perplexity", str(run), "--data", trained["b"], "--name", "pos",
                  "--by-position", "--out", str(run / "pos.json")]) == 0
     out = capsys.readouterr().out
+    # the run's wandb run gets the numbers (the ICL score, None here, left out)
+    ((run_dir, iteration, tasks),) = logged
+    assert run_dir == run and iteration == 4 and list(tasks) == ["perplexity/pos"]
+    assert set(tasks["perplexity/pos"]) == {"loss", "ppl", "tokens"}
+    assert "kvtrain perplexity: wandb: logged to run x (offline)" in out
+    assert main(["perplexity", str(run), "--data", trained["b"], "--no-wandb",
+                 "--out", str(run / "quiet.json")]) == 0
+    assert len(logged) == 1 and "wandb" not in capsys.readouterr().out
     record = json.loads((run / "pos.json").read_text())
     by = record["by_position"]
     assert len(by["loss"]) == len(by["tokens"]) == 32 and by["icl_score"] is None
@@ -285,3 +300,14 @@ def test_compare_plots_the_loss_by_position_of_each_run(tmp_path):
     from kvtrain.analysis.runs import read_run
 
     assert _latest_positions(read_run(b))["perplexity/web"]["iteration"] == 100
+
+
+def test_a_checkpoint_of_no_run_folder_writes_only_out(mp1, trained, tmp_path, capsys):
+    import shutil
+
+    alone = tmp_path / "iter_0000004"
+    shutil.copytree(trained["run"] / "checkpoints" / "iter_0000004", alone)
+    assert main(["perplexity", str(alone), "--data", trained["b"]]) == 0
+    out = capsys.readouterr().out
+    assert f"result not saved ({alone} is in no kvtrain run folder: --out FILE)" in out
+    assert "wandb" not in out and sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004"]
