@@ -23,7 +23,7 @@ from kvtrain.tasks.accuracy import AccuracyForwardStep, reduce_accuracies
 from kvtrain.model.context_parallel import context_parallel_share
 from kvtrain.model.kv_shift import collect_shift_coefficients
 
-from .step import ForwardStep, global_mean_loss, schedule_shape
+from .step import ForwardStep, check_token_ids, global_mean_loss, schedule_shape
 
 
 class Validator:
@@ -62,6 +62,20 @@ class Validator:
         if self.accuracy_masks:
             record.update(reduce_accuracies(losses, self.accuracy_masks))  # collective
         return record
+
+    def check_token_ids(self) -> None:
+        """The token ids of this rank's share of every validation batch, below the
+        vocabulary, read before training: a shard of another tokenizer is one line at
+        the start, not at the first evaluation, after train.eval_interval steps that
+        no checkpoint may have kept yet. (The toy tasks make their own ids.)"""
+        vocab = getattr(self.forward_step, "vocab_size", None)
+        if self.iters == 0 or self.accuracy_masks or not vocab:
+            return
+        batches = fixed_batches(self.dataset, self.iters * self.gbs, self.mbs,
+                                parallel_state.get_data_parallel_rank(),
+                                parallel_state.get_data_parallel_world_size())
+        for batch in batches:
+            check_token_ids(batch["tokens"], vocab, self.forward_step.source)
 
     def forward(self) -> list:
         """The forward-only passes over the batches: what ``forward_step``'s loss

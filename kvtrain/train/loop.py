@@ -374,6 +374,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
             say(f"kvtrain: nothing to do: iteration {state.iteration} >= {run.total_steps} steps")
             code = EXIT_OK
         else:
+            for validator in validators:  # a bad id in them: one line now, not mid-run
+                validator.check_token_ids()
             with loader_deaths_named(cfg.data.num_workers):
                 code = training_loop(run, state, ckpt, metrics, validators, stop, hooks,
                                      profiler)

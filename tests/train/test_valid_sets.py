@@ -205,6 +205,8 @@ def test_the_trainer_scores_every_set_at_every_evaluation(tmp_path, cache_dir):
     assert lines[-1].startswith("kvtrain: config error: data.valid_sets.big: a batch holds "
                                 f"token id 4"), lines[-3:]
     assert "Traceback" not in (tmp_path / "resumed.log").read_text()
+    # found before training on: no step of the resume was lost to it
+    assert not [line for line in lines if line.startswith("iter ")], lines[-5:]
 
 
 def test_a_sets_curves_go_to_wandb_under_its_name():
