@@ -66,6 +66,25 @@ class Plan:
         return self.steps * self.step_seconds
 
     @property
+    def evaluations(self) -> int:
+        """Validations the run takes: every train.eval_interval steps, and one at its
+        end where no interval falls on the last step (the trainer's wrap-up)."""
+        interval = self.cfg.train.eval_interval
+        if not interval:
+            return 0
+        return self.steps // interval + (1 if self.steps % interval else 0)
+
+    @property
+    def eval_seconds(self) -> float:
+        """Seconds of the validations' forward-only passes at the run's MFU: each reads
+        train.eval_iters global batches of the run's validation and of every named
+        set (data.valid_sets)."""
+        t = self.cfg.train
+        batches = self.evaluations * t.eval_iters * (1 + len(self.cfg.data.valid_sets))
+        forward = self.flops.sequences * self.flops.per_sequence.forward  # one global batch
+        return batches * forward / (self.world * self.peak[0] * 1e12 * self.mfu)
+
+    @property
     def total_tokens(self) -> int:
         return self.steps * self.tokens_per_step
 

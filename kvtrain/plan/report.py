@@ -154,10 +154,22 @@ def render(plan: Plan, source: str = "") -> str:
         f"{human_duration(plan.total_seconds)} for {plan.steps:,} steps "
         f"({plan.total_seconds / 86400:.2f} days, {plan.total_seconds * plan.world / 3600:,.0f} "
         "GPU hours)",
+        _evaluation(plan),
     ]
     for w in plan.warnings:
         lines.append(f"warning      {w}")
     return "\n".join(lines)
+
+
+def _evaluation(plan: Plan) -> str:
+    """The validations' share of the time (forward-only passes, at the same MFU)."""
+    t, sets = plan.cfg.train, len(plan.cfg.data.valid_sets)
+    if not plan.evaluations:
+        return "evaluation   none (train.eval_interval null)"
+    named = f" x (1 + {sets} data.valid_sets)" if sets else ""
+    return (f"evaluation   {plan.evaluations:,} validations x {t.eval_iters} batches{named}: "
+            f"{human_duration(plan.eval_seconds)} more "
+            f"({plan.eval_seconds / plan.total_seconds:.1%} of the training time)")
 
 
 def as_dict(plan: Plan) -> dict[str, Any]:
@@ -192,5 +204,7 @@ def as_dict(plan: Plan) -> dict[str, Any]:
         "peak_tflops": plan.peak[0],
         "step_seconds": plan.step_seconds,
         "days": plan.total_seconds / 86400,
+        "evaluations": plan.evaluations,
+        "eval_seconds": plan.eval_seconds,
         "warnings": plan.warnings,
     }

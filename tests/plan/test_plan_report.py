@@ -152,3 +152,24 @@ def test_a_b200_plans_at_its_own_peak_and_memory(capsys):
                           sets=NO_DISTOPT + ["parallel.recompute=none"])
     assert code == 1 and out == ""
     assert "GiB of each B200-180G; " in err, err
+
+
+def test_the_validations_time_is_counted_with_each_named_set(capsys):
+    """Every train.eval_interval steps and once at the end where no interval falls,
+    train.eval_iters forward-only global batches of the validation and of each
+    data.valid_sets entry: a third of a training step's FLOPs each."""
+    path = PAPER / "1.5b_kv_shift.yaml"
+    sets = ["train.max_steps=2500", "train.eval_interval=1000", "train.eval_iters=20"]
+    base = make_plan(load_config(path, sets))
+    assert base.evaluations == 3  # 1000, 2000 and the end (2500)
+    assert base.eval_seconds == pytest.approx(3 * 20 * base.step_seconds / 3, rel=1e-12)
+    more = make_plan(load_config(path, sets + ["data.valid_sets.code=[c]",
+                                               "data.valid_sets.web=[w]"]))
+    assert more.eval_seconds == pytest.approx(3 * base.eval_seconds, rel=1e-12)
+    code, out, _ = plan(capsys, path, sets=sets + ["data.valid_sets.code=[c]"])
+    share = 2 * base.eval_seconds / base.total_seconds
+    assert code == 0 and ("evaluation   3 validations x 20 batches x (1 + 1 data.valid_sets): "
+                          in out) and f"({share:.1%} of the training time)" in out
+    assert make_plan(load_config(path, sets[:1] + ["train.eval_interval=null"])).eval_seconds == 0
+    code, out, _ = plan(capsys, path, sets=sets[:1] + ["train.eval_interval=null"])
+    assert "evaluation   none (train.eval_interval null)" in out
