@@ -112,8 +112,8 @@ def _report(args: argparse.Namespace, loaded, scoring, result: dict) -> None:
 
 
 def _print_positions(by: dict) -> None:
-    from kvtrain.inference.perplexity import fmt
     from kvtrain.analysis.positions import binned
+    from kvtrain.inference.perplexity import fmt
 
     bins = "  ".join(f"{a}-{b} {fmt(m)}" if a != b else f"{a} {fmt(m)}"
                      for a, b, m in binned(by["loss"], by["tokens"]))

@@ -93,12 +93,11 @@ def score(loaded: LoadedModel, scoring: Scoring) -> dict:
     on every rank; collective)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from kvtrain.analysis.positions import icl_score
     from kvtrain.data import build_scored_set, load_tokenizer
     from kvtrain.model.documents import Documents
     from kvtrain.train.evaluation import Validator
     from kvtrain.train.step import global_mean_loss
-
-    from kvtrain.analysis.positions import icl_score
 
     from .positions import PositionForwardStep, reduce_by_position
 

@@ -6,9 +6,9 @@ row) and a hop count ``k``. One hop from position ``i`` is the induction head's
 step: find the latest earlier occurrence of ``x[i]`` and move to the position
 after it, ``hop(i) = max{j < i : x[j] = x[i]} + 1`` (none: the position does not
 exist). ``hop_k(x)[i]`` is the symbol at ``hop^k(i)`` (``k = 0``: ``x[i]``
-itself), or "no such position" once a hop finds none. A transformer of depth L
-solves it for k up to about 2^L (Sanford et al.); the paper finds KV shifting
-still accurate at 16 hops where vanilla fails past 8 (L = 5).
+itself), or "no such position" once a hop finds none. Sanford et al. prove that a
+transformer needs (and can do with) depth of order log k; the paper finds KV
+shifting still accurate at 16 hops where vanilla degrades past 8 (L = 5).
 
 A sample of length s (the model's sequence length), as Sanford et al.'s code lays
 it out: the input is the token of k, then ``x[0 .. s-2]``; the label at input
