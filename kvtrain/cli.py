@@ -34,6 +34,7 @@ SUBCOMMANDS = {
     "generate": "kvtrain.commands.generate",
     "perplexity": "kvtrain.commands.perplexity",
     "compare": "kvtrain.commands.compare",
+    "sweep": "kvtrain.commands.sweep",
 }
 
 

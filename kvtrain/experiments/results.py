@@ -31,9 +31,10 @@ THRESHOLD = 0.95
 def curve_from_metrics(path: str | Path, arm: str, task: str,
                        starts: Sequence[float] = ()) -> list[dict]:
     """The curve rows of one arm from its run's ``metrics.jsonl``: one per
-    ``valid`` record, with the latest ``train`` record's loss and lr;
-    ``elapsed_s`` is ``training_time`` given the ``starts`` of the arm's attempts."""
-    first, every = MASKS[task]
+    ``valid`` record of the run's own validation (not a named set's), with the latest
+    ``train`` record's loss and lr; ``elapsed_s`` is ``training_time`` given the
+    ``starts`` of the arm's attempts. Text data (a sweep's cells) has no accuracy: NaN."""
+    first, every = MASKS.get(task, ("", ""))
     records = read_records(Path(path))[0]
     times = [float(r["time"]) if isinstance(r.get("time"), (int, float)) else math.nan
              for r in records]
@@ -43,7 +44,7 @@ def curve_from_metrics(path: str | Path, arm: str, task: str,
             loss = rec.get("lm_loss")
             train_loss = float(loss) if isinstance(loss, (int, float)) else math.nan
             lr = float(rec["lr"]) if isinstance(rec.get("lr"), (int, float)) else math.nan
-        elif rec.get("kind") == "valid":
+        elif rec.get("kind") == "valid" and not rec.get("set"):
             rows.append({
                 "arm": arm, "step": int(rec["iteration"]),
                 "accuracy": float(rec.get(f"val_acc_{first}", math.nan)),

@@ -142,7 +142,7 @@ def arm_jobs(configs: list[tuple[Arm, RunConfig]], run_dir: Path,
                        if p.parent.name not in known)
     if strangers:
         raise ConfigError(f"{run_dir} holds arm(s) {', '.join(strangers)}, not arms of this "
-                          f"preset ({', '.join(sorted(known))}); choose another --run-dir")
+                          f"preset or grid ({', '.join(sorted(known))}); choose another --run-dir")
     jobs = []
     for arm, cfg in configs:
         job = ArmJob(arm, cfg, run_dir / "arms" / arm.name)

@@ -1,0 +1,146 @@
+"""``kvtrain sweep``: a config over a grid of settings (the paper's Appendix H
+tables), each cell a ``kvtrain train`` run; its grid, cells, refusals, tables, and a
+real two-cell sweep continued and extended."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from kvtrain.cli import main
+from kvtrain.config import ConfigError, load_config, to_dict
+from kvtrain.experiments.sweep import Axis, cell_name, parse_grid, sweep_cells, tables
+from tests.launch.conftest import REPO
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def test_the_grid_and_the_cells_names():
+    axes = parse_grid(["optimizer.lr=1e-4,2e-4", "data.paths=[a,b],[c]"], ["train.seed=3"])
+    assert axes == [Axis("optimizer.lr", ("1e-4", "2e-4")), Axis("data.paths", ("[a,b]", "[c]"))]
+    assert cell_name(axes, ("1e-4", "[a,b]")) == "lr=1e-4,paths=a_b"
+    same = [Axis("model.kv_shift.window", ("1",)), Axis("train.window", ("2",))]
+    assert cell_name(same, ("1", "2")) == "model.kv_shift.window=1,train.window=2"
+
+
+@pytest.mark.parametrize("grids, sets, error", [
+    ([], [], "kvtrain sweep needs at least one --grid KEY=V1,V2,..."),
+    (["optimizer.lr"], [], "--grid 'optimizer.lr': expected KEY=V1,V2,..."),
+    (["optimizer.lr=1e-4,"], [], "--grid 'optimizer.lr=1e-4,': expected KEY=V1,V2,..."),
+    (["optimizer.lr=1e-4", "optimizer.lr=2e-4"], [], "--grid optimizer.lr: given twice"),
+    (["optimizer.lr=1e-4"], ["optimizer.lr=3e-4"], "--grid optimizer.lr: also in --set"),
+    (["optimizer.lr=1e-4,1e-4"], [], "--grid optimizer.lr: a value is listed twice"),
+])
+def test_a_grid_that_cannot_hold_is_one_line(grids, sets, error):
+    with pytest.raises(ConfigError) as e:
+        parse_grid(grids, sets)
+    assert str(e.value).startswith(error), str(e.value)
+
+
+def test_every_combination_is_a_validated_cell_the_first_key_slowest():
+    axes = parse_grid(["optimizer.lr=1e-3,3e-3", "train.seq_length=32,64"], [])
+    cells = sweep_cells(TINY, ["train.max_steps=4"], axes)
+    assert [c.name for c in cells] == ["lr=1e-3,seq_length=32", "lr=1e-3,seq_length=64",
+                                       "lr=3e-3,seq_length=32", "lr=3e-3,seq_length=64"]
+    for cell in cells:
+        assert (cell.cfg.optimizer.lr, cell.cfg.train.seq_length) == \
+            (cell.settings["optimizer.lr"], cell.settings["train.seq_length"])
+        assert cell.cfg.train.max_steps == 4 and cell.cfg.name == f"tiny-{cell.name}"
+    base = to_dict(load_config(TINY, ["train.max_steps=4"]))
+    other = to_dict(cells[1].cfg)  # lr 1e-3, length 64: both unlike the file (3e-3, 32)
+    differ = {f"{s}.{k}" for s in base if isinstance(base[s], dict)
+              for k in base[s] if base[s][k] != other[s][k]}
+    assert differ == {"optimizer.lr", "train.seq_length"}  # the grid's keys only
+
+
+@pytest.mark.parametrize("grids, sets, error", [
+    (["optimizer.lr=1e-3,fast"], [], "cell lr=fast: --grid: optimizer.lr: expected float"),
+    (["train.seq_lenth=32"], [], "cell seq_lenth=32: --grid: unknown key 'train.seq_lenth' "
+                                 "(did you mean 'train.seq_length'?)"),
+    (["optimizer.lr=1e-3"], ["train.max_step=3"], "--set: unknown key 'train.max_step'"),
+    (["optimizer.lr=1e-3"], ["checkpoint.dir=/tmp/one"], "checkpoint.dir /tmp/one is one folder "
+                                                         "for every cell of the sweep"),
+    (["optimizer.lr=1e-3"], ["train.eval_interval=null"], "train.eval_interval null: the "
+                                                          "sweep's table"),
+])
+def test_cells_that_cannot_hold_are_one_line(grids, sets, error):
+    with pytest.raises(ConfigError) as e:
+        sweep_cells(TINY, sets, parse_grid(grids, sets))
+    assert str(e.value).startswith(error), str(e.value)
+
+
+def test_the_tables_follow_the_last_two_keys_for_each_setting_of_the_others():
+    axes = [Axis("model.attention", ("vanilla", "kv_shift")), Axis("optimizer.lr", ("1", "2")),
+            Axis("train.seq_length", ("8", "16"))]
+    losses = {("vanilla", "1", "8"): 3.0, ("vanilla", "1", "16"): 2.5,
+              ("vanilla", "2", "8"): None, ("vanilla", "2", "16"): 2.75,
+              ("kv_shift", "1", "8"): 2.0, ("kv_shift", "1", "16"): 2.25,
+              ("kv_shift", "2", "8"): 1.5, ("kv_shift", "2", "16"): float("nan")}
+    entries = [{"texts": list(t), "val_loss": v} for t, v in losses.items()]
+    text = "\n".join(tables(axes, entries))
+    assert "**model.attention = vanilla**" in text and "**model.attention = kv_shift**" in text
+    assert "| optimizer.lr \\ train.seq_length | 8 | 16 |" in text
+    vanilla, shifted = text.split("**model.attention = kv_shift**")
+    assert "| 1 | 3.0000 | **2.5000** |" in vanilla and "| 2 | - | 2.7500 |" in vanilla
+    assert "| 1 | 2.0000 | 2.2500 |" in shifted and "| 2 | **1.5000** | - |" in shifted
+    one = tables([Axis("optimizer.lr", ("1", "2"))], [{"texts": ["1"], "val_loss": 2.0},
+                                                      {"texts": ["2"], "val_loss": 1.0}])
+    assert one[0] == "| optimizer.lr \\  | val loss |" and one[-1] == "| 2 | **1.0000** |"
+
+
+def test_the_runner_reads_the_runs_own_validation_of_text_data(tmp_path):
+    from kvtrain.experiments.results import curve_from_metrics
+
+    records = [{"kind": "train", "iteration": 2, "lm_loss": 4.0, "lr": 1e-3},
+               {"kind": "valid", "iteration": 2, "val_loss": 3.0},
+               {"kind": "valid", "set": "code", "iteration": 2, "val_loss": 9.0}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (row,) = curve_from_metrics(tmp_path / "m.jsonl", "cell", "gpt")
+    assert (row["loss"], row["train_loss"], row["step"]) == (3.0, 4.0, 2)
+    assert row["accuracy"] != row["accuracy"]  # NaN: text data has no accuracy
+
+
+@pytest.mark.slow
+def test_a_sweep_trains_its_cells_continues_and_extends(tmp_path, capsys):
+    run_dir = tmp_path / "sweep"
+    common = [TINY, "--set", "train.max_steps=3", "--no-wandb", "--run-dir", str(run_dir),
+              "--workers", "2", "--threads", "1"]
+    assert main(["sweep", *common, "--grid", "optimizer.lr=1e-3,3e-3"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((run_dir / "sweep.json").read_text())
+    for cell in summary["cells"]:
+        metrics = run_dir / "arms" / cell["cell"] / "run" / "metrics.jsonl"
+        valid = [json.loads(x) for x in metrics.read_text().splitlines()
+                 if json.loads(x)["kind"] == "valid"]
+        assert cell["val_loss"] == valid[-1]["val_loss"] and cell["step"] == 3
+        assert f"| {cell['texts'][0]} | " in out
+    assert (run_dir / "sweep.md").read_text().startswith("# kvtrain sweep")
+    # again: both cells finished, kept; a grid extended trains only the new cell
+    assert main(["sweep", *common, "--grid", "optimizer.lr=1e-3,3e-3,1e-2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("finished earlier: kept") == 2 and "[lr=1e-2] done" in out
+    assert len(json.loads((run_dir / "sweep.json").read_text())["cells"]) == 3
+    # another --set for the same cells: refused, nothing trained; so is a grid without a
+    # cell the folder holds (its table would mix in a cell of another sweep)
+    assert main(["sweep", *common, "--set", "train.seed=7",
+                 "--grid", "optimizer.lr=1e-3,3e-3,1e-2"]) == 2
+    assert "differs from this command's config of arm lr=1e-3" in capsys.readouterr().err
+    assert main(["sweep", *common, "--grid", "optimizer.lr=1e-3,3e-3"]) == 2
+    assert "holds arm(s) lr=1e-2, not arms of this preset or grid" in capsys.readouterr().err
+
+
+def test_a_dry_run_prints_each_cells_command_and_writes_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "sweep"
+    assert main(["sweep", TINY, "--grid", "optimizer.lr=1e-3,3e-3", "--set",
+                 "train.max_steps=3", "--run-dir", str(run_dir), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"kvtrain sweep: 2 cells (2) -> {run_dir}" and not run_dir.exists()
+    # each line is a kvtrain train command giving the cell's config
+    argv = shlex.split(lines[2])
+    assert argv[:3] == ["kvtrain", "train", TINY]
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    cfg = load_config(TINY, sets)
+    assert (cfg.optimizer.lr, cfg.train.max_steps, cfg.name) == (3e-3, 3, "tiny-lr=3e-3")
+    assert argv[-1] == str(run_dir / "arms" / "lr=3e-3" / "run")
