@@ -11,7 +11,9 @@ Trains ``CONFIG`` at every combination of the grid's values, each cell a
 
 A rerun continues the cells that did not finish and keeps the others; a grid
 extended by values trains only the new cells. ``--dry-run`` prints each cell's
-``kvtrain train`` command and writes nothing (for a cluster: one job a line).
+``kvtrain train`` command and writes nothing (for a cluster: one job a line); once
+they have run, the same command without it writes the tables (every cell's run is
+finished, so its trainer has nothing to do).
 See ``kvtrain.experiments.sweep``.
 """
 

@@ -144,3 +144,29 @@ def test_a_dry_run_prints_each_cells_command_and_writes_nothing(tmp_path, capsys
     cfg = load_config(TINY, sets)
     assert (cfg.optimizer.lr, cfg.train.max_steps, cfg.name) == (3e-3, 3, "tiny-lr=3e-3")
     assert argv[-1] == str(run_dir / "arms" / "lr=3e-3" / "run")
+
+
+@pytest.mark.slow
+def test_cells_trained_from_the_dry_runs_commands_are_tabulated_not_retrained(tmp_path, capsys):
+    """A cluster's way: each --dry-run line run as its own job; the sweep's command
+    afterwards finds each cell's run finished (the trainer has nothing to do) and
+    writes the table from their records."""
+    from tests.train.conftest import run
+
+    run_dir = tmp_path / "sweep"
+    args = [TINY, "--grid", "optimizer.lr=1e-3,3e-3", "--set", "train.max_steps=3", "--set",
+            "wandb.enabled=false", "--run-dir", str(run_dir)]
+    assert main(["sweep", *args, "--dry-run"]) == 0
+    commands = capsys.readouterr().out.strip().splitlines()[1:]
+    for line in commands:
+        result = run(shlex.split(line)[1:])  # `kvtrain` itself: python -m kvtrain.cli
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert main(["sweep", *args]) == 0
+    capsys.readouterr()
+    for cell in json.loads((run_dir / "sweep.json").read_text())["cells"]:
+        log = (run_dir / "arms" / cell["cell"] / "train.log").read_text()
+        assert "nothing to do: iteration 3 >= 3 steps" in log and cell["step"] == 3
+        metrics = run_dir / "arms" / cell["cell"] / "run" / "metrics.jsonl"
+        valid = [r for r in map(json.loads, metrics.read_text().splitlines())
+                 if r["kind"] == "valid"]
+        assert cell["val_loss"] == valid[-1]["val_loss"]
