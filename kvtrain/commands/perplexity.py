@@ -1,6 +1,7 @@
 """``kvtrain perplexity RUN_DIR|CHECKPOINT --data SHARD [SHARD ...] [--name NAME]
 [--sequences N] [--batch-size B] [--seq-length L] [--tokenizer MODEL] [--backend B]
-[--by-position] [--dtype fp32|bf16] [--out FILE] [--no-wandb]``.
+[--by-position] [--checkpoints latest|all] [--dtype fp32|bf16] [--out FILE]
+[--no-wandb]``.
 
 A checkpoint's loss and perplexity on any shards after training: both arms of a
 comparison scored on a corpus neither validated on, or at a longer context than
@@ -45,6 +46,10 @@ def register(sub) -> None:
     p.add_argument("--by-position", action="store_true",
                    help="also the loss at each position in the context (in the document where "
                         "the run separated documents) and the in-context learning score")
+    p.add_argument("--checkpoints", default="latest", choices=["latest", "all"],
+                   help="latest (default): the run's latest complete checkpoint; all: every "
+                        "complete checkpoint the run folder holds, oldest first (a held-out "
+                        "curve along the training)")
     p.add_argument("--backend", default="auto", choices=["auto", "te", "torch", "local"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--out", default=None, metavar="FILE",
@@ -131,16 +136,24 @@ def run(args: argparse.Namespace) -> int:
     quiet_imports()  # megatron's import-time lines about GPU libraries a CPU lacks
     # What a user can get wrong in the flags is checked before torch/megatron are imported.
     from kvtrain.commands.generate import check_out, load_on_every_rank
+    from kvtrain.config import ConfigError
 
     scoring = _scoring(args)
+    if args.out and args.checkpoints == "all":
+        raise ConfigError("--out names one file: with --checkpoints all each checkpoint's "
+                          "record goes to RUN_DIR/eval/ (its iteration in its name)")
     check_out(args.out)
     import torch
 
     from kvtrain.inference.perplexity import score
 
-    loaded = load_on_every_rank(args.source, args.backend, args.dtype)
-    result = score(loaded, scoring)
-    if torch.distributed.get_rank() == 0:
-        _report(args, loaded, scoring, result)
+    from kvtrain.inference.loading import every_checkpoint
+
+    sources = [args.source] if args.checkpoints == "latest" else every_checkpoint(args.source)
+    for source in sources:
+        loaded = load_on_every_rank(str(source), args.backend, args.dtype)
+        result = score(loaded, scoring)
+        if torch.distributed.get_rank() == 0:
+            _report(args, loaded, scoring, result)
     sys.stdout.flush()
     return 0

@@ -91,6 +91,33 @@ def find_checkpoint(source: str | Path) -> Path:
     raise ConfigError(f"{source} holds no complete kvtrain checkpoint")
 
 
+def every_checkpoint(source: str | Path) -> list[Path]:
+    """The complete checkpoints of the run folder ``source`` (its checkpoint.dir or
+    ``checkpoints/``), oldest first, a damaged one passed over with a warning; a
+    checkpoint itself: [it]. ConfigError (one line) when there is none."""
+    from kvtrain.train.checkpoint import is_complete
+    from kvtrain.train.integrity import MARKER, check_checkpoint, checkpoint_folders, warn
+
+    source = Path(source).expanduser()
+    if (source / MARKER).exists():
+        return [find_checkpoint(source)]
+    if not source.exists():
+        raise ConfigError(f"{source}: no such run folder or checkpoint")
+    for root in _checkpoint_roots(source):
+        found = [p for p in reversed(checkpoint_folders(root)) if is_complete(p)]
+        good = []
+        for path in found:
+            problem = check_checkpoint(path, "sizes").problem
+            if problem is None:
+                good.append(path)
+            elif os.environ.get("RANK", "0") == "0":
+                print(warn(f"checkpoint {path} is damaged ({problem}); passed over"),
+                      file=sys.stderr, flush=True)
+        if good:
+            return good
+    raise ConfigError(f"{source} holds no complete kvtrain checkpoint")
+
+
 def saved_config(checkpoint: str | Path) -> tuple[RunConfig, int]:
     """(the run config ``checkpoint`` was saved with, its iteration)."""
     from megatron.core import dist_checkpointing
@@ -214,4 +241,5 @@ def _load(path: Path, backend: str, dtype: torch.dtype) -> LoadedModel:
                        backend=name)
 
 
-__all__ = ["LoadedModel", "find_checkpoint", "inference_process", "load_model", "saved_config"]
+__all__ = ["LoadedModel", "every_checkpoint", "find_checkpoint", "inference_process",
+           "load_model", "saved_config"]

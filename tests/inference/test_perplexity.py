@@ -311,3 +311,37 @@ def test_a_checkpoint_of_no_run_folder_writes_only_out(mp1, trained, tmp_path, c
     out = capsys.readouterr().out
     assert f"result not saved ({alone} is in no kvtrain run folder: --out FILE)" in out
     assert "wandb" not in out and sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004"]
+
+
+def test_every_checkpoint_scored_oldest_first_a_damaged_one_passed_over(mp1, trained, tmp_path,
+                                                                        capsys):
+    """--checkpoints all: a held-out curve along the training, one record per
+    checkpoint (its iteration in its name); a damaged checkpoint is a warning."""
+    cfg = tiny_config(None, tmp_path / "cache", train={"max_steps": 6, "eval_interval": 6,
+                                                       "eval_iters": 1},
+                      checkpoint={"save_interval": 2})
+    cfg["data"] = {"type": "gpt", "paths": [trained["a"]], "split": "100",
+                   "valid_paths": [trained["b"]], "eod_id": EOD, "num_workers": 0,
+                   "cache_dir": str(tmp_path / "cache")}
+    run_dir = tmp_path / "run"
+    result = run_driver([{"config": str(write_config(tmp_path / "c.yaml", cfg)),
+                          "run_dir": str(run_dir)}], tmp_path / "plan.json")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    damaged = run_dir / "checkpoints" / "iter_0000004"
+    victim = max((p for p in damaged.rglob("*") if p.is_file() and p.name != "common.pt"),
+                 key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:-8])  # a torn file: its size is not the listed one
+    assert main(["perplexity", str(run_dir), "--data", trained["b"], "--name", "held",
+                 "--checkpoints", "all"]) == 0
+    out, err = capsys.readouterr()
+    assert f"checkpoint {damaged} is damaged" in err and "passed over" in err
+    names = sorted(p.name for p in (run_dir / "eval").glob("perplexity-*.json"))
+    assert names == ["perplexity-held-iter_0000002-n8.json", "perplexity-held-iter_0000006-n8.json"]
+    assert out.index("(iteration 2,") < out.index("(iteration 6,")
+    last = json.loads((run_dir / "eval" / names[-1]).read_text())["tasks"]["perplexity/held"]
+    assert last["loss"] == pytest.approx(metrics(run_dir, "valid")[-1]["val_loss"], rel=1e-6)
+    assert main(["perplexity", str(run_dir), "--data", trained["b"], "--checkpoints", "all",
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--out names one file: with --checkpoints all each checkpoint's record goes to "
+        "RUN_DIR/eval/ (its iteration in its name)")
