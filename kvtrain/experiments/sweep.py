@@ -152,12 +152,15 @@ def _fmt(value) -> str:
 def entries(cells: list[Cell], results: list) -> list[dict]:
     """What ``sweep.json`` holds of each cell: its settings and its run's last
     validation (``results``: the runner's ``ArmResult`` of each cell)."""
+    from kvtrain.config.layout import total_steps
+
     out = []
     for cell, result in zip(cells, results):
         last = result.rows[-1] if result.rows else {}
         loss = last.get("loss")
+        finished = result.exit_code == 0 and (last.get("step") or 0) >= total_steps(cell.cfg)[0]
         out.append({"cell": cell.name, "texts": list(cell.texts), "settings": cell.settings,
-                    "step": last.get("step"),
+                    "step": last.get("step"), "finished": finished,
                     "val_loss": loss if isinstance(loss, float) and math.isfinite(loss) else None,
                     "train_loss": last.get("train_loss"), "exit_code": result.exit_code,
                     "wall_s": round(result.wall_s, 1)})
@@ -197,6 +200,8 @@ def tables(axes: list[Axis], entries: list[dict]) -> list[str]:
                 entry = by_texts.get(outer + ((r, c) if cols_axis else (r,)))
                 loss = entry["val_loss"] if entry else None
                 text = _fmt(loss)
+                if entry and loss is not None and not entry.get("finished", True):
+                    text += f" (step {entry['step']}, unfinished)"
                 values.append(f"**{text}**" if loss is not None and loss == best else text)
             lines.append(f"| {r} | " + " | ".join(values) + " |")
     return lines

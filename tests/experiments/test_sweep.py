@@ -88,6 +88,9 @@ def test_the_tables_follow_the_last_two_keys_for_each_setting_of_the_others():
     one = tables([Axis("optimizer.lr", ("1", "2"))], [{"texts": ["1"], "val_loss": 2.0},
                                                       {"texts": ["2"], "val_loss": 1.0}])
     assert one[0] == "| optimizer.lr \\  | val loss |" and one[-1] == "| 2 | **1.0000** |"
+    stopped = tables([Axis("optimizer.lr", ("1",))], [{"texts": ["1"], "val_loss": 2.0,
+                                                       "finished": False, "step": 7}])
+    assert stopped[-1] == "| 1 | **2.0000 (step 7, unfinished)** |"
 
 
 def test_the_runner_reads_the_runs_own_validation_of_text_data(tmp_path):
@@ -115,7 +118,7 @@ def test_a_sweep_trains_its_cells_continues_and_extends(tmp_path, capsys):
         valid = [json.loads(x) for x in metrics.read_text().splitlines()
                  if json.loads(x)["kind"] == "valid"]
         assert cell["val_loss"] == valid[-1]["val_loss"] and cell["step"] == 3
-        assert f"| {cell['texts'][0]} | " in out
+        assert cell["finished"] and f"| {cell['texts'][0]} | " in out
     assert (run_dir / "sweep.md").read_text().startswith("# kvtrain sweep")
     # again: both cells finished, kept; a grid extended trains only the new cell
     assert main(["sweep", *common, "--grid", "optimizer.lr=1e-3,3e-3,1e-2"]) == 0
