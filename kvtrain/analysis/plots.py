@@ -105,25 +105,36 @@ def plot_differences(plt, runs: Sequence[RunData], path: Path) -> None:
     plt.close(fig)
 
 
+def _panels(plt, count: int):
+    """A figure of ``count`` panels, up to 3 a row; the panels in order, the grid's
+    empty cells hidden."""
+    cols = min(count, 3)
+    rows = -(-count // cols)
+    fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(4.6 * cols, 3.4 * rows))
+    cells = [ax for row in axes for ax in row]
+    for ax in cells[count:]:
+        ax.axis("off")
+    return fig, cells[:count]
+
+
+def _close_panel(ax, title: str, xlabel: str) -> None:
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    _legend(ax, fontsize=8)
+
+
 def plot_valid_sets(plt, runs: Sequence[RunData], names: list[str], path: Path) -> None:
     """One panel per named validation set: each run's curve on it against tokens."""
-    cols = min(len(names), 3)
-    rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(4.6 * cols, 3.4 * rows))
-    for i, name in enumerate(names):
-        ax = axes[i // cols][i % cols]
+    fig, panels = _panels(plt, len(names))
+    for ax, name in zip(panels, names):
         for n, run in enumerate(runs):
             curve = run.valid_sets.get(name)
             if curve:
                 ax.plot(curve.tokens, curve.loss, "-o", color=f"C{n}", ms=3.5, lw=1.4,
                         label=run.label)
-        ax.set_title(f"validation set {name}", fontsize=9)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        _legend(ax, fontsize=8)
-    for j in range(len(names), rows * cols):  # the grid's empty cells
-        axes[j // cols][j % cols].axis("off")
+        _close_panel(ax, f"validation set {name}", "tokens")
     _save(fig, path)
     plt.close(fig)
 
@@ -149,26 +160,19 @@ def plot_positions(plt, runs: Sequence[RunData], path: Path) -> bool:
     tasks = sorted({task for held in latest for task in held})
     if not tasks:
         return False
-    cols = min(len(tasks), 3)
-    rows = -(-len(tasks) // cols)
-    fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(4.6 * cols, 3.4 * rows))
-    for i, task in enumerate(tasks):
-        ax = axes[i // cols][i % cols]
+    fig, panels = _panels(plt, len(tasks))
+    for ax, task in zip(panels, tasks):
+        context = "sequence"
         for n, (run, held) in enumerate(zip(runs, latest)):
             if task not in held:
                 continue
             by = held[task]["by_position"]
+            context = by.get("context", context)
             points = [(a, m) for a, _, m in binned(by["loss"], by["tokens"]) if m is not None]
             ax.plot([a for a, _ in points], [m for _, m in points], "-o", color=f"C{n}",
                     ms=3.5, lw=1.4, label=f"{run.label} (iter {held[task]['iteration']})")
         ax.set_xscale("log", base=2)
-        ax.set_title(task, fontsize=9)
-        ax.set_xlabel(f"tokens of context (in the {by.get('context', 'sequence')})")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        _legend(ax, fontsize=8)
-    for j in range(len(tasks), rows * cols):
-        axes[j // cols][j % cols].axis("off")
+        _close_panel(ax, task, f"tokens of context (in the {context})")
     _save(fig, path)
     plt.close(fig)
     return True

@@ -152,7 +152,7 @@ def _check_valid_paths(cfg: RunConfig, split: list[float]) -> None:
 
 
 # a name is one part of a wandb key (valid/NAME/val_loss) and of a record: no '/', no spaces
-_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def _check_valid_sets(cfg: RunConfig) -> None:
@@ -160,7 +160,7 @@ def _check_valid_sets(cfg: RunConfig) -> None:
     d = cfg.data
     for name, paths in d.valid_sets.items():
         key = f"data.valid_sets.{name}"
-        if not _SET_NAME.fullmatch(name):
+        if not SET_NAME.fullmatch(name):
             raise ConfigError(f"{key}: a set's name is letters, digits, '_', '-' and '.', "
                               f"starting with a letter or digit (it names its wandb curve, "
                               f"valid/NAME/val_loss)")

@@ -17,6 +17,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -53,35 +54,57 @@ def _checkpoint_roots(source: Path) -> list[Path]:
     return roots + [source / CHECKPOINTS, source]
 
 
+def _checked(candidates: list[Path]):
+    """``(path, problem)`` of each complete checkpoint among ``candidates``, in their
+    order (problem None: its files are whole)."""
+    from kvtrain.train.checkpoint import is_complete
+    from kvtrain.train.integrity import check_checkpoint
+
+    for path in candidates:
+        if is_complete(path):
+            yield path, check_checkpoint(path, "sizes").problem
+
+
+def _say_damaged(path: Path, why: str, then: str) -> None:
+    from kvtrain.train.integrity import warn
+
+    if os.environ.get("RANK", "0") == "0":  # every rank looks it up: one says it
+        print(warn(f"checkpoint {path} is damaged ({why}); {then}"), file=sys.stderr,
+              flush=True)
+
+
+def _checkpoint_itself(source: Path) -> Optional[Path]:
+    """``source`` when it is one checkpoint (refused when damaged), else None; a
+    missing ``source`` is refused."""
+    from kvtrain.train.integrity import MARKER, check_checkpoint
+
+    if not source.exists():
+        raise ConfigError(f"{source}: no such run folder or checkpoint")
+    if not (source / MARKER).exists():
+        return None
+    problem = check_checkpoint(source, "sizes").problem
+    if problem:
+        raise ConfigError(f"checkpoint {source} is damaged: {problem}")
+    return source
+
+
 def find_checkpoint(source: str | Path) -> Path:
     """The complete checkpoint ``source`` names: itself when it is one; else
     the one ``latest`` names, else the newest complete checkpoint folder.
     ConfigError (one line) when there is none."""
-    from kvtrain.train.checkpoint import is_complete
-    from kvtrain.train.integrity import (
-        MARKER, check_checkpoint, checkpoint_folders, read_tracker, warn,
-    )
+    from kvtrain.train.integrity import checkpoint_folders, read_tracker
 
     source = Path(source).expanduser()
-    if not source.exists():
-        raise ConfigError(f"{source}: no such run folder or checkpoint")
-    if (source / MARKER).exists():
-        problem = check_checkpoint(source, "sizes").problem
-        if problem:
-            raise ConfigError(f"checkpoint {source} is damaged: {problem}")
-        return source
+    itself = _checkpoint_itself(source)
+    if itself is not None:
+        return itself
     skipped = []  # damaged complete checkpoints passed over: said, not silent
     for root in _checkpoint_roots(source):
         hint, _ = read_tracker(root)
-        for candidate in ([hint] if hint else []) + checkpoint_folders(root):
-            if not is_complete(candidate):
-                continue
-            problem = check_checkpoint(candidate, "sizes").problem
+        for candidate, problem in _checked(([hint] if hint else []) + checkpoint_folders(root)):
             if not problem:
-                if os.environ.get("RANK", "0") == "0":  # every rank looks it up: one says it
-                    for path, why in skipped:
-                        print(warn(f"checkpoint {path} is damaged ({why}); using {candidate}"),
-                              file=sys.stderr, flush=True)
+                for path, why in skipped:
+                    _say_damaged(path, why, f"using {candidate}")
                 return candidate
             if (candidate, problem) not in skipped:
                 skipped.append((candidate, problem))
@@ -95,24 +118,19 @@ def every_checkpoint(source: str | Path) -> list[Path]:
     """The complete checkpoints of the run folder ``source`` (its checkpoint.dir or
     ``checkpoints/``), oldest first, a damaged one passed over with a warning; a
     checkpoint itself: [it]. ConfigError (one line) when there is none."""
-    from kvtrain.train.checkpoint import is_complete
-    from kvtrain.train.integrity import MARKER, check_checkpoint, checkpoint_folders, warn
+    from kvtrain.train.integrity import checkpoint_folders
 
     source = Path(source).expanduser()
-    if (source / MARKER).exists():
-        return [find_checkpoint(source)]
-    if not source.exists():
-        raise ConfigError(f"{source}: no such run folder or checkpoint")
+    itself = _checkpoint_itself(source)
+    if itself is not None:
+        return [itself]
     for root in _checkpoint_roots(source):
-        found = [p for p in reversed(checkpoint_folders(root)) if is_complete(p)]
         good = []
-        for path in found:
-            problem = check_checkpoint(path, "sizes").problem
-            if problem is None:
+        for path, problem in _checked(list(reversed(checkpoint_folders(root)))):
+            if problem:
+                _say_damaged(path, problem, "passed over")
+            else:
                 good.append(path)
-            elif os.environ.get("RANK", "0") == "0":
-                print(warn(f"checkpoint {path} is damaged ({problem}); passed over"),
-                      file=sys.stderr, flush=True)
         if good:
             return good
     raise ConfigError(f"{source} holds no complete kvtrain checkpoint")

@@ -24,11 +24,9 @@ from pathlib import Path
 from typing import Optional
 
 from kvtrain.config import ConfigError, RunConfig
+from kvtrain.config.checks import SET_NAME  # data.valid_sets' rule: a file name's part
 
 from .loading import LoadedModel
-
-# a set's name: one part of a file name and of a compare row (data.valid_sets' rule)
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 @dataclass
@@ -50,7 +48,7 @@ class Scoring:
         """Refuses what cannot be scored before anything is loaded (one line each)."""
         if not self.paths:
             raise ConfigError("--data: name at least one shard (the forms of data.paths)")
-        if not NAME.fullmatch(self.name):
+        if not SET_NAME.fullmatch(self.name):
             raise ConfigError(f"--name {self.name!r}: letters, digits, '_', '-' and '.', "
                               f"starting with a letter or digit")
         for flag, value in (("--sequences", self.sequences), ("--batch-size", self.batch_size),
