@@ -35,6 +35,7 @@ SUBCOMMANDS = {
     "perplexity": "kvtrain.commands.perplexity",
     "compare": "kvtrain.commands.compare",
     "sweep": "kvtrain.commands.sweep",
+    "scaling": "kvtrain.commands.scaling",
 }
 
 

@@ -42,6 +42,13 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="OMP_NUM_THREADS of each cell's process (0: inherited)")
     p.add_argument("--nproc", type=int, default=1, help="processes per cell (torchrun)")
+    p.add_argument("--arms", default=None, metavar="KEY",
+                   help="the grid key whose values are the arms compared pair by pair "
+                        "(default: model.attention, where in the grid); the first value is "
+                        "the reference")
+    p.add_argument("--replicates", default=None, metavar="KEY",
+                   help="the grid key whose values are replicates, averaged in the arms' "
+                        "table (default: train.seed, where in the grid)")
     p.add_argument("--dry-run", action="store_true",
                    help="print each cell's kvtrain train command; train and write nothing")
     p.add_argument("--no-wandb", action="store_true",
@@ -65,6 +72,9 @@ def run(args) -> int:
 
     overrides = list(args.overrides) + (["wandb.enabled=false"] if args.no_wandb else [])
     axes = parse_grid(args.grid, overrides)
+    from kvtrain.experiments.paired import roles
+
+    roles(axes, args.arms, args.replicates)  # a key not in the grid: refused before training
     cells = sweep_cells(args.config, overrides, axes, world_size=args.nproc)
     name = (read_yaml(args.config).get("name") or "run") if args.config else "run"
     run_dir = args.run_dir or os.path.join("runs", f"sweep-{name}")
@@ -76,6 +86,43 @@ def run(args) -> int:
         return 0
     make_folder(run_dir, "--run-dir")
     return _train_and_tabulate(args, axes, cells, run_dir)
+
+
+def analyse(args, axes, done: list[dict], run_dirs: dict, run_dir) -> tuple[list[str], dict]:
+    """What sweep.md adds below its tables, and sweep.json beside its cells: the arms
+    pair by pair (the grid has ``--arms``' key), their curves, and the loss against
+    model size where the cells' sizes differ (``scaling.md``)."""
+    from kvtrain.analysis.runs import read_run
+    from kvtrain.analysis.scaling import summarize as scaling_summary
+    from kvtrain.analysis.scaling import report_lines as scaling_lines, write_scaling
+    from kvtrain.config import ConfigError
+    from kvtrain.experiments.paired import paired, paired_lines, plot_curves, roles
+
+    arm, rep = roles(axes, args.arms, args.replicates)
+    lines, out, files = [], {}, []
+    if arm is not None:
+        out["paired"] = paired(axes, done, arm, rep)
+        lines += paired_lines(out["paired"]) + [""]
+    if plot_curves(axes, done, run_dirs, arm, rep, run_dir / "sweep_curves.png"):
+        files.append("sweep_curves.png")
+        lines += ["![curves](sweep_curves.png)", ""]
+    if len({e["params"] for e in done}) > 1:
+        runs = []
+        for e in done:
+            try:
+                runs.append(read_run(run_dirs[e["cell"]], e["cell"]))
+            except ConfigError:
+                continue  # a cell without records yet
+        if len(runs) > 1:
+            summary = scaling_summary(runs)
+            write_scaling(summary, run_dir, title="kvtrain sweep: scaling")
+            out["scaling"] = summary
+            files += ["scaling.md", "scaling.png"]
+            lines += ["## Loss against model size ([scaling.md](scaling.md))", "",
+                      *scaling_lines(summary), "", "![scaling](scaling.png)", ""]
+    if files:
+        out["files"] = files
+    return lines, out
 
 
 def _train_and_tabulate(args, axes, cells, run_dir: str) -> int:
@@ -93,12 +140,16 @@ def _train_and_tabulate(args, axes, cells, run_dir: str) -> int:
                                           args.workers, args.threads, args.nproc)}
     results = [j.earlier or trained[j.arm.name] for j in jobs]
     done = entries(cells, results)
-    atomic_write_text(Path(run_dir) / "sweep.md", report(args.config, args.overrides, axes, done))
+    extra, analyses = analyse(args, axes, done, {j.arm.name: j.run_dir for j in jobs},
+                              Path(run_dir))
+    atomic_write_text(Path(run_dir) / "sweep.md",
+                      report(args.config, args.overrides, axes, done, extra))
     atomic_write_text(Path(run_dir) / "sweep.json", json.dumps(
         {"config": args.config, "grid": {a.key: list(a.texts) for a in axes},
-         "overrides": args.overrides, "cells": done}, indent=1, default=str) + "\n")
-    print("\n".join(tables(axes, done)))
-    print(f"wrote {run_dir}/sweep.md, {run_dir}/sweep.json")
+         "overrides": args.overrides, "cells": done, **analyses}, indent=1, default=str) + "\n")
+    print("\n".join(tables(axes, done) + [""] + extra))
+    print(f"wrote {run_dir}/sweep.md, {run_dir}/sweep.json"
+          + "".join(f", {run_dir}/{f}" for f in analyses.get("files", [])))
     failed = [e["cell"] for e in done if e["exit_code"] != 0]
     if failed:
         print(f"kvtrain: cell(s) {', '.join(failed)} failed or did not finish; see "

@@ -18,11 +18,15 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from kvtrain.config import ConfigError, RunConfig, load_config, to_dict
 
 from .presets import Arm
+
+# kvtrain.train.loop.EXIT_NONFINITE (not imported: it imports torch): a cell stopped by
+# train.max_consecutive_nonfinite steps in a row, a diverged run (Figure 4c's vanilla)
+NONFINITE_EXIT = 3
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,15 @@ def _fmt(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+def _size(cfg: RunConfig) -> int:
+    """The cell's non-embedding parameters, without the KV shift's coefficients (the
+    two attentions of one architecture are one size, as ``kvtrain scaling`` counts)."""
+    from kvtrain.plan.params import count_params
+
+    counts = count_params(cfg.model)
+    return int(counts.non_embedding - counts.kv_shift)
+
+
 def entries(cells: list[Cell], results: list) -> list[dict]:
     """What ``sweep.json`` holds of each cell: its settings and its run's last
     validation (``results``: the runner's ``ArmResult`` of each cell)."""
@@ -160,6 +173,7 @@ def entries(cells: list[Cell], results: list) -> list[dict]:
         loss = last.get("loss")
         finished = result.exit_code == 0 and (last.get("step") or 0) >= total_steps(cell.cfg)[0]
         out.append({"cell": cell.name, "texts": list(cell.texts), "settings": cell.settings,
+                    "params": _size(cell.cfg),
                     "step": last.get("step"), "finished": finished,
                     "val_loss": loss if isinstance(loss, float) and math.isfinite(loss) else None,
                     "train_loss": last.get("train_loss"), "exit_code": result.exit_code,
@@ -167,12 +181,13 @@ def entries(cells: list[Cell], results: list) -> list[dict]:
     return out
 
 
-def report(config: str, sets: list[str], axes: list[Axis], cells: list[dict]) -> str:
-    """``sweep.md``."""
+def report(config: str, sets: list[str], axes: list[Axis], cells: list[dict],
+           extra: Sequence[str] = ()) -> str:
+    """``sweep.md``: the tables, then ``extra`` (the arms pair by pair, the scaling)."""
     fixed = f"; every cell with {', '.join(sets)}" if sets else ""
     return "\n".join(["# kvtrain sweep", "", f"`{config}`: the final validation loss of each "
                       f"cell (the lowest of each table in bold){fixed}.", ""]
-                     + tables(axes, cells)) + "\n"
+                     + tables(axes, cells) + ([""] + list(extra) if extra else [])) + "\n"
 
 
 def tables(axes: list[Axis], entries: list[dict]) -> list[str]:
@@ -200,7 +215,9 @@ def tables(axes: list[Axis], entries: list[dict]) -> list[str]:
                 entry = by_texts.get(outer + ((r, c) if cols_axis else (r,)))
                 loss = entry["val_loss"] if entry else None
                 text = _fmt(loss)
-                if entry and loss is not None and not entry.get("finished", True):
+                if entry and entry.get("exit_code") == NONFINITE_EXIT:
+                    text += f" (stopped at step {entry['step']}: non-finite losses)"
+                elif entry and loss is not None and not entry.get("finished", True):
                     text += f" (step {entry['step']}, unfinished)"
                 values.append(f"**{text}**" if loss is not None and loss == best else text)
             lines.append(f"| {r} | " + " | ".join(values) + " |")

@@ -1,0 +1,367 @@
+"""``kvtrain scaling``: validation loss against model size, per attention (Figure 6a).
+
+The paper's scaling law (Figure 6a, after Kaplan et al. 2020) is each attention's
+final validation loss against the model's non-embedding parameters ``N``, over
+models trained alike (10B tokens each), with a power law fitted to each:
+``L(N) = (N_c / N) ** alpha``, a straight line in log-log, fitted here by least
+squares on ``(log N, log L)``. From two fitted arms follows the figure's claim in
+one number per size: the parameters the reference arm (vanilla) needs to reach
+the other's loss, as a multiple of the other's (``N_A(L_B(N)) / N``; > 1: the
+other arm gets more from a parameter).
+
+Runs are grouped into arms by their attention (``model.attention``; a KV-shift
+run's non-default ``model.kv_shift`` choices name another arm: ``kv_shift
+(shift=[k])``); runs of one arm and size (seeds) give one point, their mean. A run
+whose settings differ from the first run's in more than its size and attention
+(tokens, data, learning rate, batch) is noted, since its loss then measures more
+than the size. Reads only run folders (no torch), like ``kvtrain compare``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from kvtrain.config import ConfigError
+from kvtrain.config.loader import from_dict, to_dict
+from kvtrain.config.model import KVShiftConfig
+from kvtrain.config.schema import ModelConfig
+
+from .runs import RunData, read_run, unique_labels
+
+# The keys of a model's size: what a scaling study varies beside the attention.
+SIZE_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads",
+             "model.num_query_groups", "model.ffn_hidden_size", "model.kv_channels",
+             "model.mla", "model.max_position_embeddings")
+SHIFT_CHOICES = ("shift", "window", "mode", "weight_decay", "heads")  # what makes another arm
+REFERENCE = "vanilla"  # the arm the others are measured against, where present
+
+
+@dataclass
+class Point:
+    """One run: its arm, size and final validation loss."""
+
+    label: str
+    arm: str
+    non_embedding: int
+    total: int
+    loss: Optional[float]
+    tokens: Optional[float]
+
+
+@dataclass
+class Fit:
+    """``log L = intercept + slope * log N`` over ``points`` sizes (``alpha`` = -slope)."""
+
+    slope: float
+    intercept: float
+    points: int
+    n_min: int
+    n_max: int
+    r2: Optional[float] = None  # in log space, from three sizes on
+
+    @property
+    def alpha(self) -> float:
+        return -self.slope
+
+    @property
+    def n_c(self) -> Optional[float]:
+        """Kaplan's ``N_c``: ``L = (N_c / N) ** alpha`` (None unless alpha > 0)."""
+        return math.exp(self.intercept / self.alpha) if self.alpha > 0 else None
+
+    def loss(self, n: float) -> float:
+        return math.exp(self.intercept + self.slope * math.log(n))
+
+    def size_for(self, loss: float) -> Optional[float]:
+        """The N at which the fit reaches ``loss`` (None for a flat or rising fit)."""
+        if self.slope >= 0 or loss <= 0:
+            return None
+        return math.exp((math.log(loss) - self.intercept) / self.slope)
+
+
+def arm_name(config: dict) -> str:
+    """``vanilla``, ``kv_shift``, or ``kv_shift (shift=['k'])`` for non-default choices."""
+    model = config.get("model") or {}
+    attention = str(model.get("attention", "vanilla"))
+    if attention != "kv_shift":
+        return attention
+    default = to_dict(KVShiftConfig())
+    shift = model.get("kv_shift") or {}
+    choices = [f"{k}={shift[k]}" for k in SHIFT_CHOICES if k in shift and shift[k] != default[k]]
+    return f"kv_shift ({', '.join(choices)})" if choices else "kv_shift"
+
+
+def model_params(config: dict, where: str) -> tuple[int, int]:
+    """(non-embedding, total) parameters of a run's ``model`` section (unpadded
+    for TP: the model's own size, whatever layout trained it), both without the KV
+    shift's coefficients (4 per KV head and layer, < 0.001 % of a layer's weights:
+    the two attentions of one architecture are one size)."""
+    from kvtrain.plan.params import count_params
+
+    try:
+        model = from_dict(ModelConfig, dict(config.get("model") or {}), "model", where)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{where}: its model section cannot be counted ({e})") from None
+    counts = count_params(model)
+    return int(counts.non_embedding - counts.kv_shift), int(counts.total - counts.kv_shift)
+
+
+def point(run: RunData, valid_set: Optional[str] = None) -> Point:
+    """The run's size and final validation loss (of ``valid_set``, a
+    ``data.valid_sets`` name, where given)."""
+    if not run.config:
+        raise ConfigError(f"{run.path} has no config.yaml: its model size is unknown")
+    n, total = model_params(run.config, str(run.path / "config.yaml"))
+    curve = run.valid if valid_set is None else run.valid_sets.get(valid_set)
+    if valid_set is not None and curve is None:
+        raise ConfigError(f"{run.path}: no validation set {valid_set!r} in its records "
+                          f"(it has: {', '.join(sorted(run.valid_sets)) or 'none'})")
+    loss = curve.final if curve else None
+    finite = loss is not None and math.isfinite(loss)
+    return Point(run.label, arm_name(run.config), n, total, loss if finite else None,
+                 curve.tokens[-1] if curve else None)
+
+
+def fit_power_law(points: Sequence[tuple[float, float]]) -> Optional[Fit]:
+    """Least squares of log L on log N over (N, L) pairs; None below two sizes."""
+    pairs = [(math.log(n), math.log(loss)) for n, loss in points if n > 0 and loss and loss > 0]
+    if len({x for x, _ in pairs}) < 2:
+        return None
+    mx = sum(x for x, _ in pairs) / len(pairs)
+    my = sum(y for _, y in pairs) / len(pairs)
+    sxx = sum((x - mx) ** 2 for x, _ in pairs)
+    slope = sum((x - mx) * (y - my) for x, y in pairs) / sxx
+    intercept = my - slope * mx
+    r2 = None
+    if len({x for x, _ in pairs}) >= 3:
+        total = sum((y - my) ** 2 for _, y in pairs)
+        residual = sum((y - intercept - slope * x) ** 2 for x, y in pairs)
+        r2 = 1.0 - residual / total if total > 0 else 1.0
+    sizes = [math.exp(x) for x, _ in pairs]
+    return Fit(slope, intercept, len({x for x, _ in pairs}), round(min(sizes)),
+               round(max(sizes)), r2)
+
+
+@dataclass
+class Arm:
+    """One attention's points (mean over runs of one size) and its fit."""
+
+    name: str
+    sizes: dict[int, list[float]] = field(default_factory=dict)  # N -> the runs' losses
+    fit: Optional[Fit] = None
+
+    def mean(self, n: int) -> Optional[float]:
+        losses = self.sizes.get(n) or []
+        return sum(losses) / len(losses) if losses else None
+
+
+def arms_of(points: Sequence[Point]) -> list[Arm]:
+    """The arms in the order first seen, the reference (vanilla) first; each fitted."""
+    arms: dict[str, Arm] = {}
+    for p in points:
+        arm = arms.setdefault(p.arm, Arm(p.arm))
+        if p.loss is not None:
+            arm.sizes.setdefault(p.non_embedding, []).append(p.loss)
+    for arm in arms.values():
+        arm.fit = fit_power_law([(n, arm.mean(n)) for n in arm.sizes])
+    ordered = sorted(arms.values(), key=lambda a: a.name != REFERENCE)
+    return ordered
+
+
+def size_multiple(reference: Arm, arm: Arm, n: int) -> Optional[dict]:
+    """The parameters ``reference`` needs (by its fit) for ``arm``'s loss at size
+    ``n``, as a multiple of ``n``; ``extrapolated`` where outside its sizes."""
+    loss = arm.mean(n)
+    if reference.fit is None or loss is None:
+        return None
+    needed = reference.fit.size_for(loss)
+    if needed is None:
+        return None
+    return {"multiple": needed / n, "needed": needed,
+            "extrapolated": not reference.fit.n_min <= needed <= reference.fit.n_max}
+
+
+def setting_notes(runs: Sequence[RunData]) -> list[str]:
+    """A line per run whose settings differ from the first run's beyond its size and
+    attention (compare's settings, without the size keys)."""
+    from .compare import _settings
+
+    def settings(run: RunData) -> dict:
+        return {k: v for k, v in _settings(run.config, False).items()
+                if not k.startswith(SIZE_KEYS) and not k.startswith("model.kv_shift")}
+
+    first, notes = settings(runs[0]), []
+    for run in runs[1:]:
+        mine = settings(run)
+        diffs = [f"{k}: {first.get(k)} -> {mine.get(k)}" for k in sorted(set(first) | set(mine))
+                 if first.get(k) != mine.get(k)]
+        if diffs:
+            notes.append(f"{run.label} differs from {runs[0].label} beyond its size and "
+                         f"attention: {'; '.join(diffs[:4])}"
+                         + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""))
+    return notes
+
+
+def summarize(runs: Sequence[RunData], valid_set: Optional[str] = None) -> dict:
+    """Everything ``scaling.md`` says, as JSON-able data."""
+    points = [point(r, valid_set) for r in runs]
+    arms = arms_of(points)
+    notes = setting_notes(runs) + [f"{r.label}: {n}" for r in runs for n in r.notes]
+    notes += [f"{p.label}: no finite validation loss (left out)" for p in points if p.loss is None]
+    reference = arms[0]
+    out_arms = []
+    for arm in arms:
+        fit = arm.fit
+        entry = {"arm": arm.name, "sizes": {str(n): {"loss": arm.mean(n), "runs": len(v)}
+                                            for n, v in sorted(arm.sizes.items())},
+                 "fit": None if fit is None else {
+                     "alpha": fit.alpha, "n_c": fit.n_c, "r2": fit.r2, "sizes": fit.points,
+                     "slope": fit.slope, "intercept": fit.intercept}}
+        if arm is not reference:
+            entry["vs_reference"] = {str(n): size_multiple(reference, arm, n)
+                                     for n in sorted(arm.sizes)}
+        out_arms.append(entry)
+    return {"valid_set": valid_set, "reference": reference.name,
+            "runs": [vars(p) for p in points], "arms": out_arms, "notes": notes}
+
+
+def _loss(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _multiple(entry: Optional[dict]) -> str:
+    if not entry:
+        return "-"
+    return f"{entry['multiple']:.2f}x" + (" (extrapolated)" if entry["extrapolated"] else "")
+
+
+def report_lines(summary: dict) -> list[str]:
+    """Markdown: the loss at each size per arm, B - A, the reference's size multiple,
+    and each arm's fitted law."""
+    from kvtrain.plan.params import human
+
+    arms, ref = summary["arms"], summary["arms"][0]
+    sizes = sorted({int(n) for a in arms for n in a["sizes"]})
+    others = arms[1:]
+    head = ["non-embedding params", *(a["arm"] for a in arms)]
+    for a in others:
+        head += [f"{a['arm']} - {ref['arm']}", f"{ref['arm']} params for {a['arm']}'s loss"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for n in sizes:
+        row = [human(n)]
+        row += [_loss((a["sizes"].get(str(n)) or {}).get("loss")) for a in arms]
+        for a in others:
+            mine = (a["sizes"].get(str(n)) or {}).get("loss")
+            theirs = (ref["sizes"].get(str(n)) or {}).get("loss")
+            row += ["-" if mine is None or theirs is None else f"{mine - theirs:+.4f}",
+                    _multiple(a["vs_reference"].get(str(n)))]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Fitted `L(N) = (N_c / N) ** alpha` (least squares in log-log):", ""]
+    for a in arms:
+        fit = a["fit"]
+        if fit is None:
+            lines.append(f"- {a['arm']}: fewer than two sizes, no fit")
+            continue
+        n_c = "-" if fit["n_c"] is None else f"{fit['n_c']:.3g}"
+        r2 = "" if fit["r2"] is None else f", R^2 {fit['r2']:.4f}"
+        lines.append(f"- {a['arm']}: alpha {fit['alpha']:.4f}, N_c {n_c} "
+                     f"({fit['sizes']} sizes{r2})")
+    return lines
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Loss against non-embedding parameters (log-log): each arm's points and fit."""
+    from .plots import _legend, _pyplot, _save
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for i, a in enumerate(summary["arms"]):
+        points = [(int(n), s["loss"]) for n, s in a["sizes"].items() if s["loss"] is not None]
+        ax.plot([n for n, _ in points], [v for _, v in points], "o", color=f"C{i}",
+                label=a["arm"])
+        fit = a["fit"]
+        if fit is not None:
+            lo, hi = min(n for n, _ in points), max(n for n, _ in points)
+            xs = [lo * (hi / lo) ** (k / 40) for k in range(41)]
+            ax.plot(xs, [math.exp(fit["intercept"] + fit["slope"] * math.log(x)) for x in xs],
+                    "-", color=f"C{i}", lw=1.2, alpha=0.8,
+                    label=f"{a['arm']} fit: alpha {fit['alpha']:.3f}")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.yaxis,):  # losses as numbers, not powers of ten
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+        axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    ax.set_xlabel("non-embedding parameters")
+    ax.set_ylabel("validation loss" + (f" ({summary['valid_set']})" if summary["valid_set"]
+                                       else ""))
+    ax.set_title("scaling: loss against model size")
+    ax.grid(alpha=0.3, which="both")
+    _legend(ax, fontsize=8)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def report_markdown(summary: dict, title: str = "kvtrain scaling") -> str:
+    what = f"validation set `{summary['valid_set']}`" if summary["valid_set"] else "validation"
+    lines = [f"# {title}", "", f"Final {what} loss of each run against its non-embedding "
+             "parameters (runs of one arm and size: their mean), as the paper's Figure 6a.", ""]
+    lines += report_lines(summary)
+    if summary["notes"]:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in summary["notes"]]
+    return "\n".join(lines + ["", "![scaling](scaling.png)", ""])
+
+
+def write_scaling(summary: dict, out: Path, title: str = "kvtrain scaling") -> None:
+    """Writes ``scaling.md``, ``scaling.json`` and ``scaling.png`` into ``out``."""
+    from data_tools.fileio import atomic_write_text
+
+    plot(summary, out / "scaling.png")
+    atomic_write_text(out / "scaling.md", report_markdown(summary, title))
+    atomic_write_text(out / "scaling.json", json.dumps(summary, indent=1) + "\n")
+
+
+def run_folders(paths: Sequence[str | Path]) -> list[Path]:
+    """The run folders given: a folder of ``kvtrain sweep`` or ``kvtrain experiment``
+    (``arms/*/run``) stands for its cells' runs."""
+    out: list[Path] = []
+    for given in paths:
+        path = Path(given).expanduser()
+        cells = sorted(path.glob("arms/*/run")) if path.is_dir() else []
+        out += [c for c in cells if (c / "metrics.jsonl").is_file()] if cells else [path]
+    return out
+
+
+def scaling(paths: Sequence[str | Path], out: Optional[str | Path] = None,
+            valid_set: Optional[str] = None) -> tuple[dict, str]:
+    """Reads the runs and writes the report into ``out`` (default: ``scaling/`` in
+    the runs' common parent folder); returns (summary, printed text)."""
+    from .compare import _common_parent
+
+    folders = run_folders(paths)
+    if len(folders) < 2:
+        raise ConfigError("kvtrain scaling needs at least two runs (models of different sizes)")
+    runs = [read_run(p, label) for p, label in zip(folders, unique_labels(folders))]
+    summary = summarize(runs, valid_set)
+    if all(a["fit"] is None for a in summary["arms"]):
+        sizes = sorted({p["non_embedding"] for p in summary["runs"]})
+        raise ConfigError(f"kvtrain scaling: no arm has runs of two model sizes with a "
+                          f"validation loss (sizes: {', '.join(map(str, sizes))} non-embedding "
+                          "parameters): a fit needs two")
+    target = Path(out) if out else _common_parent(folders) / "scaling"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {target}: cannot create it ({e.strerror})") from None
+    write_scaling(summary, target)
+    text = "\n".join(report_lines(summary) + [f"- note: {n}" for n in summary["notes"]]
+                     + [f"wrote {target}/scaling.md, scaling.json, scaling.png"])
+    return summary, text
+
+
+__all__ = ["Fit", "Point", "arm_name", "fit_power_law", "model_params", "run_folders",
+           "scaling", "size_multiple", "summarize", "write_scaling"]

@@ -1,0 +1,151 @@
+"""``kvtrain scaling``: loss against model size per attention (Figure 6a), on run
+folders with the trainer's record shapes whose losses follow known power laws."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtrain.analysis.scaling import arm_name, fit_power_law, model_params, scaling
+from kvtrain.cli import main
+from kvtrain.config import ConfigError, load_config, to_dict
+from kvtrain.plan.params import count_params
+
+PNG = b"\x89PNG\r\n\x1a\n"
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+ALPHA, N_C = 0.08, 1.0e13  # the law the synthetic vanilla runs follow
+
+
+def _config(layers: int, attention: str = "vanilla", sets=()) -> dict:
+    return to_dict(load_config(TINY, [f"model.num_layers={layers}",
+                                      f"model.attention={attention}", *sets]))
+
+
+def _size(layers: int) -> int:
+    """Non-embedding parameters of the vanilla model (configs/tiny.yaml's is KV shift)."""
+    counts = count_params(load_config(TINY, [f"model.num_layers={layers}",
+                                             "model.attention=vanilla"]).model)
+    return counts.non_embedding
+
+
+def _write_run(folder: Path, config: dict, val_loss: float, sets: dict | None = None) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    diverged = math.isnan(val_loss)  # written as the trainer does: "nan"
+    records = [{"kind": "train", "iteration": it, "consumed_tokens": 256 * it,
+                "lm_loss": 9.0 if diverged else val_loss + 1.0, "lr": 1e-3} for it in (10, 20)]
+    records += [{"kind": "valid", "iteration": it, "val_loss": "nan" if diverged else loss}
+                for it, loss in ((10, val_loss + 0.5), (20, val_loss))]
+    records += [{"kind": "valid", "set": name, "iteration": 20, "val_loss": loss}
+                for name, loss in (sets or {}).items()]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def _law(n: float, gain: float = 1.0) -> float:
+    """Vanilla's loss at ``n`` parameters (``gain``: the loss vanilla has at gain x n)."""
+    return (N_C / (n * gain)) ** ALPHA
+
+
+def test_the_fit_recovers_the_law_and_the_parameters_vanilla_needs(tmp_path, capsys):
+    """Vanilla on L(N) = (N_c/N)^alpha exactly; KV shift at each size with the loss of a
+    vanilla model 1.5x its size: alpha, N_c, R^2 = 1 and the multiple 1.5 come back."""
+    runs = []
+    for layers in (1, 2, 4):
+        n = _size(layers)
+        runs.append(_write_run(tmp_path / f"v{layers}", _config(layers), _law(n)))
+        runs.append(_write_run(tmp_path / f"k{layers}", _config(layers, "kv_shift"),
+                               _law(n, 1.5)))
+    assert main(["scaling", *map(str, runs), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "scaling.json").read_text())
+    vanilla, shifted = summary["arms"]
+    assert (summary["reference"], vanilla["arm"], shifted["arm"]) == \
+        ("vanilla", "vanilla", "kv_shift")
+    for arm in (vanilla, shifted):  # the same law, shifted in N: the same exponent
+        assert arm["fit"]["alpha"] == pytest.approx(ALPHA, rel=1e-9)
+        assert arm["fit"]["r2"] == pytest.approx(1.0) and arm["fit"]["sizes"] == 3
+    assert vanilla["fit"]["n_c"] == pytest.approx(N_C, rel=1e-6)
+    assert shifted["fit"]["n_c"] == pytest.approx(N_C / 1.5, rel=1e-6)
+    multiples = shifted["vs_reference"]
+    assert [m["multiple"] for m in multiples.values()] == pytest.approx([1.5] * 3)
+    # 1.5x the largest size is past the sizes vanilla was measured at
+    assert [m["extrapolated"] for m in multiples.values()] == [False, False, True]
+    assert summary["notes"] == []  # the runs differ in size and attention only
+    report = (tmp_path / "out" / "scaling.md").read_text()
+    assert "| 1.50x |" in report and "1.50x (extrapolated)" in printed
+    assert (tmp_path / "out" / "scaling.png").read_bytes()[:8] == PNG
+
+
+def test_the_size_is_the_models_without_embeddings_or_shift_coefficients():
+    vanilla, shifted = _config(2), _config(2, "kv_shift")
+    n, total = model_params(vanilla, "x")
+    assert (n, total) == model_params(shifted, "x")  # one architecture, one size
+    counts = count_params(load_config(TINY, ["model.attention=kv_shift"]).model)
+    # 2 layers x 2 KV heads x (alpha1, alpha2, beta1, beta2)
+    assert counts.non_embedding - n == counts.kv_shift == 2 * 2 * 4
+    assert total - n == counts.embedding
+    with pytest.raises(ConfigError, match="x: its model section cannot be counted"):
+        model_params({"model": {"hidden_sise": 64}}, "x")
+
+
+def test_arms_seeds_and_named_sets(tmp_path):
+    """Seeds of one size are one point (their mean); K-only shifting is its own arm;
+    --valid-set fits a named set's loss; a run without a finite loss is left out, said."""
+    runs = [
+        _write_run(tmp_path / "v1a", _config(1), 4.0, {"web": 5.0}),
+        _write_run(tmp_path / "v1b", _config(1, sets=["train.seed=2"]), 4.2, {"web": 5.2}),
+        _write_run(tmp_path / "v2", _config(2), 3.9, {"web": 4.9}),
+        _write_run(tmp_path / "k1", _config(1, "kv_shift", ["model.kv_shift.shift=[k]"]), 4.0,
+                   {"web": 5.0}),
+        _write_run(tmp_path / "k2", _config(2, "kv_shift", ["model.kv_shift.shift=[k]"]),
+                   math.nan, {"web": 4.8}),
+    ]
+    summary, _ = scaling(runs, tmp_path / "out")
+    vanilla, k_only = summary["arms"]
+    assert k_only["arm"] == "kv_shift (shift=['k'])"
+    assert vanilla["sizes"][str(_size(1))] == {"loss": pytest.approx(4.1), "runs": 2}
+    assert k_only["fit"] is None  # its 2-layer run has no finite loss: one size left
+    assert any("train.seed: 1234 -> 2" in n for n in summary["notes"])
+    assert any(n.startswith("k2: no finite validation loss") for n in summary["notes"])
+    web, _ = scaling(runs, tmp_path / "web", valid_set="web")
+    assert web["arms"][1]["fit"] is not None and web["valid_set"] == "web"
+    assert web["arms"][0]["sizes"][str(_size(2))]["loss"] == pytest.approx(4.9)
+    with pytest.raises(ConfigError, match="no validation set 'code' in its records"):
+        scaling(runs, tmp_path / "code", valid_set="code")
+
+
+def test_a_sweep_folder_stands_for_its_cells(tmp_path):
+    for i, layers in enumerate((1, 2)):
+        _write_run(tmp_path / "sweep" / "arms" / f"layers={layers}" / "run", _config(layers),
+                   4.0 - i / 10)
+    summary, _ = scaling([tmp_path / "sweep"], tmp_path / "out")
+    assert [r["label"] for r in summary["runs"]] == ["layers=1/run", "layers=2/run"]
+
+
+def test_what_cannot_be_fitted_is_one_line_and_writes_nothing(tmp_path, capsys):
+    one = _write_run(tmp_path / "a", _config(2), 4.0)
+    other = _write_run(tmp_path / "b", _config(2, "kv_shift"), 3.9)
+    assert main(["scaling", str(one), str(other), "--out", str(tmp_path / "out")]) == 2
+    assert "no arm has runs of two model sizes" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert main(["scaling", str(one)]) == 2
+    assert "needs at least two runs" in capsys.readouterr().err
+    assert main(["scaling", str(one), str(tmp_path / "nothing")]) == 2
+    assert "no such run folder" in capsys.readouterr().err
+
+
+def test_the_fit_itself():
+    assert fit_power_law([(10.0, 2.0)]) is None  # one size
+    fit = fit_power_law([(1e6, 4.0), (1e7, 3.0), (1e8, 2.5)])
+    assert fit.r2 < 1.0 and fit.alpha > 0 and fit.points == 3
+    assert fit.size_for(fit.loss(5e6)) == pytest.approx(5e6)
+    assert fit_power_law([(1e6, 3.0), (1e7, 3.5)]).size_for(3.2) is None  # a rising loss
+    assert arm_name({"model": {"attention": "kv_shift", "kv_shift": {"window": 2}}}) == \
+        "kv_shift (window=2)"
+    assert arm_name({"model": {"attention": "kv_shift", "kv_shift": {"kernel": "torch"}}}) == \
+        "kv_shift"  # how the shift ran is not another arm

@@ -1,0 +1,126 @@
+"""A sweep's arms pair by pair over settings and seeds (Figure 4), its curves, its
+scaling section, and a diverged cell in its table."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvtrain.cli import main
+from kvtrain.config import ConfigError
+from kvtrain.experiments.paired import paired, paired_lines, roles, sign_test
+from kvtrain.experiments.sweep import NONFINITE_EXIT, Axis, tables
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.yaml")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+LR = Axis("optimizer.lr", ("1e-3", "1e-2"))
+SEED = Axis("train.seed", ("1", "2", "3"))
+ATTENTION = Axis("model.attention", ("vanilla", "kv_shift"))
+
+
+def _entries(losses: dict[tuple[str, str, str], float]) -> list[dict]:
+    return [{"cell": "-".join(t), "texts": list(t), "val_loss": v, "finished": True,
+             "exit_code": 0, "step": 10} for t, v in losses.items()]
+
+
+def test_the_roles_of_the_grids_keys():
+    assert roles([LR, SEED, ATTENTION], None, None) == (ATTENTION, SEED)
+    assert roles([LR, ATTENTION], None, None) == (ATTENTION, None)
+    assert roles([LR, SEED], "optimizer.lr", None) == (LR, SEED)
+    assert roles([LR, Axis("model.attention", ("kv_shift",))], None, None) == (None, None)
+    with pytest.raises(ConfigError, match=r"--arms model.kv_shift.shift: not a --grid key"):
+        roles([LR, SEED], "model.kv_shift.shift", None)
+    with pytest.raises(ConfigError, match="--replicates data.seed: not a --grid key"):
+        roles([LR, SEED], None, "data.seed")
+    with pytest.raises(ConfigError, match="are one key"):
+        roles([LR, SEED], "train.seed", "train.seed")
+
+
+def test_the_arms_are_paired_seed_by_seed():
+    """kv_shift's loss is vanilla's minus a per-seed amount; one cell diverged (NaN):
+    its seed drops out of that setting's pairs, not the other arm's mean."""
+    delta = {"1": 0.01, "2": 0.03, "3": -0.02}
+    base = {("1e-3", s): 3.0 + int(s) / 10 for s in SEED.texts}
+    base.update({("1e-2", s): 3.5 + int(s) / 10 for s in SEED.texts})
+    losses = {}
+    for (lr, seed), v in base.items():
+        losses[(lr, seed, "vanilla")] = v
+        losses[(lr, seed, "kv_shift")] = v - delta[seed]
+    losses[("1e-2", "3", "vanilla")] = math.nan
+    summary = paired([LR, SEED, ATTENTION], _entries(losses), ATTENTION, SEED)
+    first, second = summary["rows"]
+    assert first["setting"] == {"optimizer.lr": "1e-3"}
+    assert first["arms"]["vanilla"]["mean"] == pytest.approx(3.2)
+    assert first["arms"]["vanilla"]["sd"] == pytest.approx(0.1)
+    d = first["diffs"]["kv_shift"]
+    assert d["mean"] == pytest.approx(-sum(delta.values()) / 3) and (d["n"], d["lower"]) == (3, 2)
+    assert d["sd"] == pytest.approx(math.sqrt(sum((-x - d["mean"]) ** 2
+                                                  for x in delta.values()) / 2))
+    assert second["arms"]["vanilla"]["n"] == 2 and second["arms"]["kv_shift"]["n"] == 3
+    assert (second["diffs"]["kv_shift"]["n"], second["diffs"]["kv_shift"]["lower"]) == (2, 2)
+    overall = summary["overall"]["kv_shift"]
+    assert (overall["lower"], overall["pairs"]) == (4, 5)
+    assert overall["sign_test_p"] == pytest.approx(sign_test(4, 5))
+    text = "\n".join(paired_lines(summary))
+    assert "## vanilla vs kv_shift (model.attention), over train.seed" in text
+    assert "| 1e-3 | 3.2000 ± 0.1000 (3) |" in text and "| 2/3 |" in text
+    assert "kv_shift is lower than vanilla in 4 of 5 pairs (sign test, two-sided: p = 0.375)" \
+        in text
+
+
+def test_the_sign_test():
+    assert sign_test(5, 5) == pytest.approx(2 / 32)  # Figure 4a: 5 seeds, 5 lower
+    assert sign_test(0, 5) == pytest.approx(2 / 32)
+    assert sign_test(3, 6) == 1.0 and sign_test(0, 0) is None
+    assert sign_test(9, 10) == pytest.approx(2 * 11 / 1024)
+
+
+def test_a_cell_stopped_on_non_finite_losses_is_named_in_the_table():
+    from kvtrain.train.loop import EXIT_NONFINITE
+
+    assert NONFINITE_EXIT == EXIT_NONFINITE
+    entries = _entries({("1e-3", "vanilla"): 3.0, ("1e-3", "kv_shift"): 2.9,
+                        ("1e-2", "vanilla"): 7.5, ("1e-2", "kv_shift"): 3.1})
+    entries[2].update(exit_code=NONFINITE_EXIT, finished=False, step=40)
+    text = "\n".join(tables([LR, ATTENTION], entries))
+    assert "| 1e-2 | 7.5000 (stopped at step 40: non-finite losses) | 3.1000 |" in text
+
+
+@pytest.mark.slow
+def test_a_sweep_of_seeds_sizes_and_arms(tmp_path, capsys):
+    """8 tiny cells through kvtrain train: the arms' table from the cells' own records,
+    the curves, and the scaling section over the two sizes (the fit's points are the
+    seeds' means)."""
+    run_dir = tmp_path / "sweep"
+    assert main(["sweep", TINY, "--set", "train.max_steps=4", "--set", "train.eval_interval=2",
+                 "--no-wandb", "--run-dir", str(run_dir), "--workers", "2", "--threads", "1",
+                 "--grid", "model.num_layers=1,2", "--grid", "train.seed=1,2",
+                 "--grid", "model.attention=vanilla,kv_shift"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((run_dir / "sweep.json").read_text())
+    loss = {tuple(c["texts"]): c["val_loss"] for c in summary["cells"]}
+    for cell in summary["cells"]:
+        metrics = run_dir / "arms" / cell["cell"] / "run" / "metrics.jsonl"
+        records = [json.loads(x) for x in metrics.read_text().splitlines()]
+        assert cell["val_loss"] == [r for r in records if r["kind"] == "valid"][-1]["val_loss"]
+    for row in summary["paired"]["rows"]:
+        layers = row["setting"]["model.num_layers"]
+        diffs = [loss[(layers, s, "kv_shift")] - loss[(layers, s, "vanilla")] for s in "12"]
+        assert row["diffs"]["kv_shift"]["mean"] == pytest.approx(sum(diffs) / 2)
+        assert row["diffs"]["kv_shift"]["lower"] == sum(d < 0 for d in diffs)
+    scaled = summary["scaling"]["arms"][0]
+    assert [s["runs"] for s in scaled["sizes"].values()] == [2, 2]
+    assert [s["loss"] for s in scaled["sizes"].values()] == pytest.approx(
+        [(loss[(n, "1", "vanilla")] + loss[(n, "2", "vanilla")]) / 2 for n in "12"])
+    for png in ("sweep_curves.png", "scaling.png"):
+        assert (run_dir / png).read_bytes()[:8] == PNG
+    report = (run_dir / "sweep.md").read_text()
+    assert "## vanilla vs kv_shift (model.attention), over train.seed" in report
+    assert "![curves](sweep_curves.png)" in report and "[scaling.md](scaling.md)" in report
+    assert "kv_shift is lower than vanilla in" in out
+    assert (run_dir / "scaling.md").read_text().startswith("# kvtrain sweep: scaling")
