@@ -7,7 +7,8 @@ models trained alike (10B tokens each), with a power law fitted to each:
 squares on ``(log N, log L)``. From two fitted arms follows the figure's claim in
 one number per size: the parameters the reference arm (vanilla) needs to reach
 the other's loss, as a multiple of the other's (``N_A(L_B(N)) / N``; > 1: the
-other arm gets more from a parameter).
+other arm gets more from a parameter), read between the reference's measured sizes
+(log-log lines) and by its fit beyond them.
 
 Runs are grouped into arms by their attention (``model.attention``; a KV-shift
 run's non-default ``model.kv_shift`` choices name another arm: ``kv_shift
@@ -36,6 +37,7 @@ from .runs import RunData, read_run, unique_labels
 SIZE_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads",
              "model.num_query_groups", "model.ffn_hidden_size", "model.kv_channels",
              "model.mla", "model.max_position_embeddings")
+REPLICATE_KEYS = ("train.seed", "data.seed")  # seeds: replicates of a point, not a confound
 SHIFT_CHOICES = ("shift", "window", "mode", "weight_decay", "heads")  # what makes another arm
 REFERENCE = "vanilla"  # the arm the others are measured against, where present
 
@@ -99,12 +101,17 @@ def model_params(config: dict, where: str) -> tuple[int, int]:
     for TP: the model's own size, whatever layout trained it), both without the KV
     shift's coefficients (4 per KV head and layer, < 0.001 % of a layer's weights:
     the two attentions of one architecture are one size)."""
-    from kvtrain.plan.params import count_params
-
     try:
         model = from_dict(ModelConfig, dict(config.get("model") or {}), "model", where)
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"{where}: its model section cannot be counted ({e})") from None
+    return size_of(model)
+
+
+def size_of(model: ModelConfig) -> tuple[int, int]:
+    """(non-embedding, total) parameters of ``model`` without its shift coefficients."""
+    from kvtrain.plan.params import count_params
+
     counts = count_params(model)
     return int(counts.non_embedding - counts.kv_shift), int(counts.total - counts.kv_shift)
 
@@ -171,27 +178,43 @@ def arms_of(points: Sequence[Point]) -> list[Arm]:
     return ordered
 
 
+def _measured_size(reference: Arm, loss: float) -> Optional[float]:
+    """Where ``reference``'s measured points (straight lines between them in log-log)
+    first reach ``loss``; None when no segment spans it."""
+    points = [(n, reference.mean(n)) for n in sorted(reference.sizes)]
+    for (n0, l0), (n1, l1) in zip(points, points[1:]):
+        if min(l0, l1) <= loss <= max(l0, l1):
+            if l0 == l1:
+                return float(n0)
+            t = (math.log(loss) - math.log(l0)) / (math.log(l1) - math.log(l0))
+            return math.exp(math.log(n0) + t * (math.log(n1) - math.log(n0)))
+    return None
+
+
 def size_multiple(reference: Arm, arm: Arm, n: int) -> Optional[dict]:
-    """The parameters ``reference`` needs (by its fit) for ``arm``'s loss at size
-    ``n``, as a multiple of ``n``; ``extrapolated`` where outside its sizes."""
+    """The parameters ``reference`` needs for ``arm``'s loss at size ``n``, as a
+    multiple of ``n``: read on its measured points within their losses (as ``kvtrain
+    compare`` reads tokens on a curve), by its fit beyond them (``extrapolated``)."""
     loss = arm.mean(n)
-    if reference.fit is None or loss is None:
+    if loss is None or reference.fit is None:
         return None
-    needed = reference.fit.size_for(loss)
-    if needed is None:
-        return None
-    return {"multiple": needed / n, "needed": needed,
-            "extrapolated": not reference.fit.n_min <= needed <= reference.fit.n_max}
+    needed = _measured_size(reference, loss)
+    extrapolated = needed is None
+    if extrapolated:
+        needed = reference.fit.size_for(loss)
+        if needed is None:
+            return None
+    return {"multiple": needed / n, "needed": needed, "extrapolated": extrapolated}
 
 
 def setting_notes(runs: Sequence[RunData]) -> list[str]:
-    """A line per run whose settings differ from the first run's beyond its size and
-    attention (compare's settings, without the size keys)."""
+    """A line per run whose settings differ from the first run's beyond its size,
+    attention and seeds (compare's settings, without those keys)."""
     from .compare import _settings
 
     def settings(run: RunData) -> dict:
         return {k: v for k, v in _settings(run.config, False).items()
-                if not k.startswith(SIZE_KEYS) and not k.startswith("model.kv_shift")}
+                if not k.startswith(SIZE_KEYS + REPLICATE_KEYS + ("model.kv_shift",))}
 
     first, notes = settings(runs[0]), []
     for run in runs[1:]:
@@ -211,6 +234,10 @@ def summarize(runs: Sequence[RunData], valid_set: Optional[str] = None) -> dict:
     arms = arms_of(points)
     notes = setting_notes(runs) + [f"{r.label}: {n}" for r in runs for n in r.notes]
     notes += [f"{p.label}: no finite validation loss (left out)" for p in points if p.loss is None]
+    notes += [f"{a.name}: the loss does not fall with size (alpha {a.fit.alpha:.4f}): these runs "
+              "are limited by their tokens or steps, not their parameters (the law holds "
+              "where the tokens far exceed the parameters), so no size multiple is given"
+              for a in arms if a.fit is not None and a.fit.alpha <= 0]
     reference = arms[0]
     out_arms = []
     for arm in arms:
@@ -363,5 +390,5 @@ def scaling(paths: Sequence[str | Path], out: Optional[str | Path] = None,
     return summary, text
 
 
-__all__ = ["Fit", "Point", "arm_name", "fit_power_law", "model_params", "run_folders",
+__all__ = ["Fit", "Point", "arm_name", "fit_power_law", "model_params", "run_folders", "size_of",
            "scaling", "size_multiple", "summarize", "write_scaling"]

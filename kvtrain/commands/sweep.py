@@ -88,47 +88,11 @@ def run(args) -> int:
     return _train_and_tabulate(args, axes, cells, run_dir)
 
 
-def analyse(args, axes, done: list[dict], run_dirs: dict, run_dir) -> tuple[list[str], dict]:
-    """What sweep.md adds below its tables, and sweep.json beside its cells: the arms
-    pair by pair (the grid has ``--arms``' key), their curves, and the loss against
-    model size where the cells' sizes differ (``scaling.md``)."""
-    from kvtrain.analysis.runs import read_run
-    from kvtrain.analysis.scaling import summarize as scaling_summary
-    from kvtrain.analysis.scaling import report_lines as scaling_lines, write_scaling
-    from kvtrain.config import ConfigError
-    from kvtrain.experiments.paired import paired, paired_lines, plot_curves, roles
-
-    arm, rep = roles(axes, args.arms, args.replicates)
-    lines, out, files = [], {}, []
-    if arm is not None:
-        out["paired"] = paired(axes, done, arm, rep)
-        lines += paired_lines(out["paired"]) + [""]
-    if plot_curves(axes, done, run_dirs, arm, rep, run_dir / "sweep_curves.png"):
-        files.append("sweep_curves.png")
-        lines += ["![curves](sweep_curves.png)", ""]
-    if len({e["params"] for e in done}) > 1:
-        runs = []
-        for e in done:
-            try:
-                runs.append(read_run(run_dirs[e["cell"]], e["cell"]))
-            except ConfigError:
-                continue  # a cell without records yet
-        if len(runs) > 1:
-            summary = scaling_summary(runs)
-            write_scaling(summary, run_dir, title="kvtrain sweep: scaling")
-            out["scaling"] = summary
-            files += ["scaling.md", "scaling.png"]
-            lines += ["## Loss against model size ([scaling.md](scaling.md))", "",
-                      *scaling_lines(summary), "", "![scaling](scaling.png)", ""]
-    if files:
-        out["files"] = files
-    return lines, out
-
-
 def _train_and_tabulate(args, axes, cells, run_dir: str) -> int:
     from pathlib import Path
 
     from data_tools.fileio import atomic_write_text
+    from kvtrain.experiments.paired import analyse
     from kvtrain.experiments.runner import arm_jobs, run_arms
     from kvtrain.experiments.sweep import as_arms, entries, report, tables
 
@@ -140,8 +104,8 @@ def _train_and_tabulate(args, axes, cells, run_dir: str) -> int:
                                           args.workers, args.threads, args.nproc)}
     results = [j.earlier or trained[j.arm.name] for j in jobs]
     done = entries(cells, results)
-    extra, analyses = analyse(args, axes, done, {j.arm.name: j.run_dir for j in jobs},
-                              Path(run_dir))
+    extra, analyses = analyse(axes, done, {j.arm.name: j.run_dir for j in jobs}, Path(run_dir),
+                              args.arms, args.replicates)
     atomic_write_text(Path(run_dir) / "sweep.md",
                       report(args.config, args.overrides, axes, done, extra))
     atomic_write_text(Path(run_dir) / "sweep.json", json.dumps(

@@ -9,6 +9,8 @@ the seeds), the difference to the reference arm (the key's first value) paired
 seed by seed, and in how many pairs the arm is lower, with the sign test's
 two-sided p-value over all pairs (no assumption on the losses' distribution).
 ``sweep_curves.png`` draws the runs' curves, a panel per setting, an arm a color.
+``analyse`` adds these to a sweep's report, and ``kvtrain scaling``'s where the
+cells' model sizes differ.
 """
 
 from __future__ import annotations
@@ -179,4 +181,43 @@ def plot_curves(axes: list[Axis], entries: list[dict], run_dirs: dict[str, Path]
     return True
 
 
-__all__ = ["ARMS", "REPLICATES", "paired", "paired_lines", "plot_curves", "roles", "sign_test"]
+def analyse(axes: list[Axis], done: list[dict], run_dirs: dict[str, Path], run_dir: Path,
+            arms: Optional[str] = None, replicates: Optional[str] = None
+            ) -> tuple[list[str], dict]:
+    """What sweep.md adds below its tables, and sweep.json beside its cells: the arms
+    pair by pair (the grid has the arms' key), their curves, and the loss against
+    model size where the cells' sizes differ (``scaling.md``); ``done``: the cells'
+    ``sweep.entries``, ``run_dirs``: each cell's run folder."""
+    from kvtrain.analysis.runs import read_run
+    from kvtrain.analysis.scaling import summarize as scaling_summary
+    from kvtrain.analysis.scaling import report_lines as scaling_lines, write_scaling
+
+    arm, rep = roles(axes, arms, replicates)
+    lines, out, files = [], {}, []
+    if arm is not None:
+        out["paired"] = paired(axes, done, arm, rep)
+        lines += paired_lines(out["paired"]) + [""]
+    if plot_curves(axes, done, run_dirs, arm, rep, run_dir / "sweep_curves.png"):
+        files.append("sweep_curves.png")
+        lines += ["![curves](sweep_curves.png)", ""]
+    if len({e["params"] for e in done}) > 1:
+        runs = []
+        for e in done:
+            try:
+                runs.append(read_run(run_dirs[e["cell"]], e["cell"]))
+            except ConfigError:
+                continue  # a cell without records yet
+        if len(runs) > 1:
+            summary = scaling_summary(runs)
+            write_scaling(summary, run_dir, title="kvtrain sweep: scaling")
+            out["scaling"] = summary
+            files += ["scaling.md", "scaling.png"]
+            lines += ["## Loss against model size ([scaling.md](scaling.md))", "",
+                      *scaling_lines(summary), *(f"- note: {n}" for n in summary["notes"]),
+                      "", "![scaling](scaling.png)", ""]
+    if files:
+        out["files"] = files
+    return lines, out
+
+
+__all__ = ["ARMS", "analyse", "REPLICATES", "paired", "paired_lines", "plot_curves", "roles", "sign_test"]

@@ -153,18 +153,10 @@ def _fmt(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
-def _size(cfg: RunConfig) -> int:
-    """The cell's non-embedding parameters, without the KV shift's coefficients (the
-    two attentions of one architecture are one size, as ``kvtrain scaling`` counts)."""
-    from kvtrain.plan.params import count_params
-
-    counts = count_params(cfg.model)
-    return int(counts.non_embedding - counts.kv_shift)
-
-
 def entries(cells: list[Cell], results: list) -> list[dict]:
     """What ``sweep.json`` holds of each cell: its settings and its run's last
     validation (``results``: the runner's ``ArmResult`` of each cell)."""
+    from kvtrain.analysis.scaling import size_of
     from kvtrain.config.layout import total_steps
 
     out = []
@@ -173,7 +165,7 @@ def entries(cells: list[Cell], results: list) -> list[dict]:
         loss = last.get("loss")
         finished = result.exit_code == 0 and (last.get("step") or 0) >= total_steps(cell.cfg)[0]
         out.append({"cell": cell.name, "texts": list(cell.texts), "settings": cell.settings,
-                    "params": _size(cell.cfg),
+                    "params": size_of(cell.cfg.model)[0],  # as kvtrain scaling counts
                     "step": last.get("step"), "finished": finished,
                     "val_loss": loss if isinstance(loss, float) and math.isfinite(loss) else None,
                     "train_loss": last.get("train_loss"), "exit_code": result.exit_code,

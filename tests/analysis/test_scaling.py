@@ -94,12 +94,13 @@ def test_the_size_is_the_models_without_embeddings_or_shift_coefficients():
 
 
 def test_arms_seeds_and_named_sets(tmp_path):
-    """Seeds of one size are one point (their mean); K-only shifting is its own arm;
-    --valid-set fits a named set's loss; a run without a finite loss is left out, said."""
+    """Seeds of one size are one point (their mean), another learning rate is noted;
+    K-only shifting is its own arm; --valid-set fits a named set's loss; a run without a
+    finite loss is left out, said."""
     runs = [
         _write_run(tmp_path / "v1a", _config(1), 4.0, {"web": 5.0}),
         _write_run(tmp_path / "v1b", _config(1, sets=["train.seed=2"]), 4.2, {"web": 5.2}),
-        _write_run(tmp_path / "v2", _config(2), 3.9, {"web": 4.9}),
+        _write_run(tmp_path / "v2", _config(2, sets=["optimizer.lr=1e-2"]), 3.9, {"web": 4.9}),
         _write_run(tmp_path / "k1", _config(1, "kv_shift", ["model.kv_shift.shift=[k]"]), 4.0,
                    {"web": 5.0}),
         _write_run(tmp_path / "k2", _config(2, "kv_shift", ["model.kv_shift.shift=[k]"]),
@@ -110,7 +111,9 @@ def test_arms_seeds_and_named_sets(tmp_path):
     assert k_only["arm"] == "kv_shift (shift=['k'])"
     assert vanilla["sizes"][str(_size(1))] == {"loss": pytest.approx(4.1), "runs": 2}
     assert k_only["fit"] is None  # its 2-layer run has no finite loss: one size left
-    assert any("train.seed: 1234 -> 2" in n for n in summary["notes"])
+    assert any(n.startswith("v2 differs from v1a beyond its size and attention: "
+                            "optimizer.lr: 0.003 -> 0.01") for n in summary["notes"])
+    assert not any("train.seed" in n for n in summary["notes"])  # seeds are replicates
     assert any(n.startswith("k2: no finite validation loss") for n in summary["notes"])
     web, _ = scaling(runs, tmp_path / "web", valid_set="web")
     assert web["arms"][1]["fit"] is not None and web["valid_set"] == "web"
@@ -137,6 +140,30 @@ def test_what_cannot_be_fitted_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert "needs at least two runs" in capsys.readouterr().err
     assert main(["scaling", str(one), str(tmp_path / "nothing")]) == 2
     assert "no such run folder" in capsys.readouterr().err
+
+
+def test_the_multiple_is_read_between_the_measured_sizes_not_on_the_fit(tmp_path):
+    """Vanilla's points off a power law: KV shift's loss at the smallest size lies
+    between vanilla's two smallest, so the multiple is read on that segment (log-log)."""
+    losses = {1: 5.0, 2: 4.7, 4: 4.6}
+    runs = [_write_run(tmp_path / f"v{n}", _config(n), loss) for n, loss in losses.items()]
+    runs += [_write_run(tmp_path / f"k{n}", _config(n, "kv_shift"), loss - 0.15)
+             for n, loss in losses.items()]
+    summary, _ = scaling(runs, tmp_path / "out")
+    t = (math.log(4.85) - math.log(5.0)) / (math.log(4.7) - math.log(5.0))
+    needed = math.exp(math.log(_size(1)) + t * (math.log(_size(2)) - math.log(_size(1))))
+    first = summary["arms"][1]["vs_reference"][str(_size(1))]
+    assert first["needed"] == pytest.approx(needed) and not first["extrapolated"]
+    assert summary["arms"][1]["vs_reference"][str(_size(4))]["extrapolated"]  # below 4.6
+
+
+def test_a_loss_that_does_not_fall_with_size_is_said(tmp_path):
+    runs = [_write_run(tmp_path / f"{a}{n}", _config(n, a), 4.0 + n / 100 - (a == "kv_shift") / 10)
+            for n in (1, 2) for a in ("vanilla", "kv_shift")]
+    summary, text = scaling(runs, tmp_path / "out")
+    assert summary["arms"][1]["vs_reference"][str(_size(1))] is None
+    assert "vanilla: the loss does not fall with size (alpha -0.0" in text
+    assert "limited by their tokens or steps" in (tmp_path / "out" / "scaling.md").read_text()
 
 
 def test_the_fit_itself():
