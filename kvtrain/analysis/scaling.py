@@ -320,9 +320,9 @@ def plot(summary: dict, path: Path) -> None:
 
     ax.set_xscale("log")
     ax.set_yscale("log")
-    for axis in (ax.yaxis,):  # losses as numbers, not powers of ten
-        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
-        axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    as_number = FuncFormatter(lambda v, _: f"{v:.3g}")  # losses, not powers of ten
+    ax.yaxis.set_major_formatter(as_number)
+    ax.yaxis.set_minor_formatter(as_number)
     ax.set_xlabel("non-embedding parameters")
     ax.set_ylabel("validation loss" + (f" ({summary['valid_set']})" if summary["valid_set"]
                                        else ""))

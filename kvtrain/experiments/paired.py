@@ -133,29 +133,45 @@ def paired_lines(summary: dict) -> list[str]:
     return lines
 
 
-def plot_curves(axes: list[Axis], entries: list[dict], run_dirs: dict[str, Path],
-                arm: Optional[Axis], rep: Optional[Axis], path: Path) -> bool:
-    """``sweep_curves.png``: a panel per setting of the axes but the arms' and the
-    replicates', each run's train loss (thin, smoothed) and validation (markers)
-    against tokens, one color per arm (per value of the last axis without arms).
-    False (nothing drawn) when no cell has records, or beyond 12 panels."""
-    from kvtrain.analysis.plots import _close_panel, _panels, _pyplot, _save, _window, smooth
+MAX_PANELS = 12  # sweep_curves.png: settings beyond this are not drawn (said in sweep.md)
+
+
+def _panel_axes(axes: list[Axis], arm: Optional[Axis], rep: Optional[Axis]
+                ) -> tuple[Axis, list[Axis]]:
+    """The axis of the curves' colors (the arms', else the last) and those of the panels."""
+    color_axis = arm or axes[-1]
+    return color_axis, [a for a in axes
+                        if a.key not in (color_axis.key, rep.key if rep else None)]
+
+
+def cell_runs(entries: list[dict], run_dirs: dict[str, Path]) -> dict:
+    """{cell: RunData} of the cells whose runs have train records (read once, for the
+    curves and the scaling)."""
     from kvtrain.analysis.runs import read_run
 
-    color_axis = arm or axes[-1]
-    panel_axes = [a for a in axes if a.key not in (color_axis.key, rep.key if rep else None)]
-    settings = list(itertools.product(*(a.texts for a in panel_axes)))
-    index = {a.key: i for i, a in enumerate(axes)}
     runs = {}
     for e in entries:
         folder = run_dirs.get(e["cell"])
         if folder is not None and (folder / "metrics.jsonl").is_file():
             try:
-                runs[e["cell"]] = (e, read_run(folder, e["cell"]))
+                runs[e["cell"]] = read_run(folder, e["cell"])
             except ConfigError:
                 continue  # no train records yet
-    if not runs or len(settings) > 12:
-        return False
+    return runs
+
+
+def plot_curves(axes: list[Axis], entries: list[dict], runs: dict, arm: Optional[Axis],
+                rep: Optional[Axis], path: Path) -> None:
+    """``sweep_curves.png``: a panel per setting of the axes but the arms' and the
+    replicates', each run's train loss (thin, smoothed) and validation (markers)
+    against tokens, one color per arm (per value of the last axis without arms);
+    ``runs``: ``cell_runs``."""
+    from kvtrain.analysis.plots import _close_panel, _panels, _pyplot, _save, _window, smooth
+
+    color_axis, panel_axes = _panel_axes(axes, arm, rep)
+    settings = list(itertools.product(*(a.texts for a in panel_axes)))
+    index = {a.key: i for i, a in enumerate(axes)}
+    runs = {e["cell"]: (e, runs[e["cell"]]) for e in entries if e["cell"] in runs}
     plt = _pyplot()
     fig, panels = _panels(plt, len(settings))
     for ax, setting in zip(panels, settings):
@@ -178,7 +194,6 @@ def plot_curves(axes: list[Axis], entries: list[dict], run_dirs: dict[str, Path]
         _close_panel(ax, title, "tokens")
     _save(fig, path)
     plt.close(fig)
-    return True
 
 
 def analyse(axes: list[Axis], done: list[dict], run_dirs: dict[str, Path], run_dir: Path,
@@ -188,36 +203,36 @@ def analyse(axes: list[Axis], done: list[dict], run_dirs: dict[str, Path], run_d
     pair by pair (the grid has the arms' key), their curves, and the loss against
     model size where the cells' sizes differ (``scaling.md``); ``done``: the cells'
     ``sweep.entries``, ``run_dirs``: each cell's run folder."""
-    from kvtrain.analysis.runs import read_run
+    from kvtrain.analysis.scaling import report_lines as scaling_lines
     from kvtrain.analysis.scaling import summarize as scaling_summary
-    from kvtrain.analysis.scaling import report_lines as scaling_lines, write_scaling
+    from kvtrain.analysis.scaling import write_scaling
 
     arm, rep = roles(axes, arms, replicates)
     lines, out, files = [], {}, []
     if arm is not None:
         out["paired"] = paired(axes, done, arm, rep)
         lines += paired_lines(out["paired"]) + [""]
-    if plot_curves(axes, done, run_dirs, arm, rep, run_dir / "sweep_curves.png"):
+    runs = cell_runs(done, run_dirs)
+    panels = math.prod(len(a.texts) for a in _panel_axes(axes, arm, rep)[1])
+    if runs and panels > MAX_PANELS:
+        lines += [f"(sweep_curves.png not drawn: {panels} settings, more than {MAX_PANELS} "
+                  "panels; `kvtrain compare` draws any cells' curves)", ""]
+    elif runs:
+        plot_curves(axes, done, runs, arm, rep, run_dir / "sweep_curves.png")
         files.append("sweep_curves.png")
         lines += ["![curves](sweep_curves.png)", ""]
-    if len({e["params"] for e in done}) > 1:
-        runs = []
-        for e in done:
-            try:
-                runs.append(read_run(run_dirs[e["cell"]], e["cell"]))
-            except ConfigError:
-                continue  # a cell without records yet
-        if len(runs) > 1:
-            summary = scaling_summary(runs)
-            write_scaling(summary, run_dir, title="kvtrain sweep: scaling")
-            out["scaling"] = summary
-            files += ["scaling.md", "scaling.png"]
-            lines += ["## Loss against model size ([scaling.md](scaling.md))", "",
-                      *scaling_lines(summary), *(f"- note: {n}" for n in summary["notes"]),
-                      "", "![scaling](scaling.png)", ""]
+    if len({e["params"] for e in done}) > 1 and len(runs) > 1:
+        summary = scaling_summary(list(runs.values()))
+        write_scaling(summary, run_dir, title="kvtrain sweep: scaling")
+        out["scaling"] = summary
+        files += ["scaling.md", "scaling.png"]
+        lines += ["## Loss against model size ([scaling.md](scaling.md))", "",
+                  *scaling_lines(summary), *(f"- note: {n}" for n in summary["notes"]),
+                  "", "![scaling](scaling.png)", ""]
     if files:
         out["files"] = files
     return lines, out
 
 
-__all__ = ["ARMS", "analyse", "REPLICATES", "paired", "paired_lines", "plot_curves", "roles", "sign_test"]
+__all__ = ["ARMS", "MAX_PANELS", "REPLICATES", "analyse", "cell_runs", "paired", "paired_lines",
+           "plot_curves", "roles", "sign_test"]

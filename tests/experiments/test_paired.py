@@ -124,3 +124,25 @@ def test_a_sweep_of_seeds_sizes_and_arms(tmp_path, capsys):
     assert "![curves](sweep_curves.png)" in report and "[scaling.md](scaling.md)" in report
     assert "kv_shift is lower than vanilla in" in out
     assert (run_dir / "scaling.md").read_text().startswith("# kvtrain sweep: scaling")
+
+
+def test_curves_beyond_the_panels_a_figure_holds_are_said_not_drawn(tmp_path):
+    from kvtrain.experiments.paired import MAX_PANELS, analyse
+
+    lr = Axis("optimizer.lr", tuple(f"{i}e-4" for i in range(1, MAX_PANELS + 2)))
+    entries = _entries({(t, a): 3.0 for t in lr.texts for a in ATTENTION.texts})
+    run_dirs = {}
+    for e in entries:
+        folder = run_dirs[e["cell"]] = tmp_path / e["cell"]
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text(json.dumps(
+            {"kind": "train", "iteration": 1, "consumed_tokens": 64, "lm_loss": 4.0}) + "\n")
+        e["params"] = 1000
+    lines, out = analyse([lr, ATTENTION], entries, run_dirs, tmp_path)
+    assert f"(sweep_curves.png not drawn: {MAX_PANELS + 1} settings, more than {MAX_PANELS} " \
+        "panels; `kvtrain compare` draws any cells' curves)" in lines
+    assert not (tmp_path / "sweep_curves.png").exists() and "files" not in out
+    lines, out = analyse([Axis("optimizer.lr", lr.texts[:2]), ATTENTION], entries[:4],
+                         run_dirs, tmp_path)
+    assert out["files"] == ["sweep_curves.png"] and "![curves](sweep_curves.png)" in lines
+    assert (tmp_path / "sweep_curves.png").read_bytes()[:8] == PNG
