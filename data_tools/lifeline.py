@@ -28,22 +28,44 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 PR_SET_PDEATHSIG = 1
 
 
-def _request_kill_on_parent_death() -> bool:
-    """Asks the kernel for SIGKILL when the parent exits; False where unsupported."""
+def _prctl() -> Optional[Callable[..., int]]:
+    """libc's ``prctl``, or None where there is none (not Linux)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+def _request_kill_on_parent_death() -> bool:
+    """Asks the kernel for SIGKILL when the parent exits; False where unsupported."""
+    prctl = _prctl()
+    return prctl is not None and prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+
+
+def signal_on_parent_death(sig: int) -> Callable[[], None]:
+    """A ``preexec_fn`` for ``subprocess.Popen`` (called in the parent's main thread):
+    the child asks the kernel for ``sig`` when this process dies (the setting
+    survives the ``exec``), and exits if it died already. ``prctl`` is looked up
+    here, in the parent: between fork and exec a child of a threaded parent must
+    not import (the import lock may be held by a thread the fork left behind)."""
+    prctl, parent = _prctl(), os.getpid()
+
+    def ask() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return ask
 
 
 def die_with_parent(parent_pid: Optional[int], poll: bool = False) -> None:
@@ -131,5 +153,5 @@ def signals_held() -> Iterator[None]:
             raise stop
 
 
-__all__ = ["Terminated", "die_with_parent", "ended_by", "killed_by", "signals_held",
-           "stops_raise"]
+__all__ = ["Terminated", "die_with_parent", "ended_by", "killed_by", "signal_on_parent_death",
+           "signals_held", "stops_raise"]

@@ -18,6 +18,7 @@ from kvtrain.train.processes import record_launcher
 # launcher killed meanwhile must not be mistaken for the rank's new parent.
 record_launcher()
 
+from data_tools.lifeline import Terminated  # noqa: E402
 from kvtrain.config import ConfigError  # noqa: E402
 
 # name -> module with register(subparsers)
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Terminated:  # a runner's stop (kvtrain.experiments.children): its runs were stopped
+        return 143
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ class DistEnv:
     backend: str
 
 
+PORT_ATTEMPTS = 5  # ports a one-process group tries for its store (free_port races)
+
+
 def free_port() -> int:
     """A free TCP port on the loopback interface."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -56,19 +59,26 @@ def init_process_group(timeout_minutes: float = 10.0, device: str = "auto") -> D
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if "MASTER_ADDR" not in os.environ:
+        own_port = "MASTER_ADDR" not in os.environ
+        if own_port:
             if world != 1:
                 raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is not set (use torchrun)")
             os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(free_port())
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        for attempt in range(PORT_ATTEMPTS if own_port else 1):
+            if own_port:
+                os.environ["MASTER_PORT"] = str(free_port())
+            try:
+                dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                        timeout=timeout)
+                break
+            except dist.DistNetworkError as e:
+                # the free port was taken between its pick and the store's bind (another
+                # process starting beside this one): a one-process group takes another
+                if not own_port or "EADDRINUSE" not in str(e) or attempt == PORT_ATTEMPTS - 1:
+                    raise
     return DistEnv(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

@@ -179,32 +179,44 @@ def _pump(arm: str, stream, lock: threading.Lock) -> None:
 
 
 def train_arms(commands: dict[str, list[str]], workers: int, threads: int) -> dict[str, int]:
-    """Runs the arms' commands, ``workers`` at a time; their exit codes. If this
-    process is interrupted, the running arms are stopped with it."""
+    """Runs the arms' commands, ``workers`` at a time; their exit codes. Stopped
+    (Ctrl-C, SIGTERM), it stops the running arms at a step with a checkpoint and
+    raises the stop; killed, its arms stop by themselves (``children``)."""
+    from data_tools.lifeline import signals_held, stops_raise
+    from kvtrain.experiments.children import STOPS, start_run, stop_runs, stopped_by
+
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")  # lines as they come
-    pending, running, codes = list(commands), {}, {}
+    pending, running, pumps, codes = list(commands), {}, {}, {}
     lock = threading.Lock()
     try:
-        while pending or running:
-            while pending and len(running) < workers:
-                arm = pending.pop(0)
-                print("+ " + shlex.join(commands[arm]), flush=True)  # to rerun by hand
-                proc = subprocess.Popen(commands[arm], env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, errors="replace")
-                pump = threading.Thread(target=_pump, args=(arm, proc.stdout, lock), daemon=True)
-                pump.start()
-                running[arm] = (proc, pump)
-            for arm, (proc, pump) in list(running.items()):
-                if proc.poll() is not None:
-                    pump.join()
-                    codes[arm] = proc.returncode
-                    del running[arm]
-            time.sleep(0.2)
-    finally:
-        for proc, _ in running.values():
-            proc.terminate()
-            proc.wait()
+        with stops_raise():
+            while pending or running:
+                while pending and len(running) < workers:
+                    arm = pending.pop(0)
+                    print("+ " + shlex.join(commands[arm]), flush=True)  # to rerun by hand
+                    with signals_held():  # its output read from the start: a full pipe stalls it
+                        proc = start_run(commands[arm], env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, errors="replace")
+                        running[arm] = proc
+                        pumps[arm] = threading.Thread(target=_pump, daemon=True,
+                                                      args=(arm, proc.stdout, lock))
+                        pumps[arm].start()
+                for arm, proc in list(running.items()):
+                    if proc.poll() is not None:
+                        pumps.pop(arm).join()  # its last lines first
+                        codes[arm] = proc.returncode
+                        del running[arm]
+                time.sleep(0.2)
+    except BaseException as e:  # a stop, or this process's own error: no orphan trains on
+        stopping = isinstance(e, STOPS)
+        stopped = stop_runs(running, stopped_by(e) if stopping else None)
+        for pump in pumps.values():
+            pump.join(timeout=10)  # their last lines (a stop's checkpoint) first
+        if stopped and stopping:
+            print("kvtrain demo: stopped; kvtrain demo continues the arms from their "
+                  "checkpoints", flush=True)
+        raise
     return codes
 
 

@@ -121,7 +121,9 @@ def run_induction(args) -> int:
     hops = f"{run_dir}/hop_errors.png, " if args.preset == "fig8" else ""
     print(f"wrote {run_dir}/results.csv, {run_dir}/accuracy.png, {run_dir}/loss.png, {hops}"
           f"{run_dir}/summary.json")
-    failed = [arm for arm, a in summary["arms"].items() if a["exit_code"] != 0]
+    # an arm trained short of its steps (a stop request) failed too: it has no result yet
+    failed = [arm for arm, a in summary["arms"].items() if a["exit_code"] != 0
+              or (arm in selected and not a["final_step"] >= steps)]
     if failed:
         print(f"kvtrain: arm(s) {', '.join(failed)} failed or did not finish; see "
               f"{run_dir}/arms/<arm>/train.log (the same command continues them)", flush=True)

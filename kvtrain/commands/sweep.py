@@ -114,7 +114,7 @@ def _train_and_tabulate(args, axes, cells, run_dir: str) -> int:
     print("\n".join(tables(axes, done) + [""] + extra))
     print(f"wrote {run_dir}/sweep.md, {run_dir}/sweep.json"
           + "".join(f", {run_dir}/{f}" for f in analyses.get("files", [])))
-    failed = [e["cell"] for e in done if e["exit_code"] != 0]
+    failed = [e["cell"] for e in done if e["exit_code"] != 0 or not e["finished"]]
     if failed:
         print(f"kvtrain: cell(s) {', '.join(failed)} failed or did not finish; see "
               f"{run_dir}/arms/<cell>/train.log (the same command continues them)", flush=True)

@@ -28,13 +28,16 @@ from pathlib import Path
 from typing import Optional
 
 from data_tools.fileio import atomic_write_text
-from data_tools.lifeline import ended_by
+from data_tools.lifeline import ended_by, signals_held, stops_raise
 
-from kvtrain.config import ConfigError, RunConfig, dump_yaml, load_config, to_dict
+from kvtrain.config import (ConfigError, RunConfig, checkpoint_folder, dump_yaml, load_config,
+                            to_dict)
 from kvtrain.config.compat import config_changes
 from kvtrain.config.layout import total_steps
 from kvtrain.plan.params import count_params
+from kvtrain.train.integrity import iteration_of, read_tracker
 
+from .children import STOPS, start_run, stop_runs, stopped_by
 from .presets import Arm
 from .results import (ArmResult, curve_from_metrics, hop_errors_from_metrics, plot_curves,
                       plot_hop_errors, summarize, summary_json, write_results)
@@ -188,7 +191,7 @@ def _start(job: ArmJob, threads: int, nproc: int) -> tuple[subprocess.Popen, flo
         log.write(f"{ATTEMPT}{attempt}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: "
                   f"{' '.join(command)} =====\n")
         log.flush()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = start_run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, started
 
 
@@ -213,10 +216,25 @@ def _finish(job: ArmJob, code: int, started: float) -> ArmResult:
     rows = _curve(job, starts)
     write_results(rows, job.folder / "curve.csv")
     _write_record(job, code, total, starts)
-    status = "done" if code == 0 else f"FAILED ({ended_by(code)}; see {job.folder / 'train.log'})"
+    result = ArmResult(job.arm.name, rows, total, code, _params(job.cfg),
+                       hop_errors_from_metrics(job.run_dir / "metrics.jsonl"))
+    if code != 0:
+        status = f"FAILED ({ended_by(code)}; see {job.folder / 'train.log'})"
+    elif _finished(result, job.cfg):
+        status = "done"
+    else:  # stopped on request (a signal, train.exit_duration_minutes): it saved a checkpoint
+        done, steps = _checkpointed(job), total_steps(job.cfg)[0]
+        status = (f"stopped short of step {steps}; it continues from its checkpoint of step "
+                  f"{done}" if done is not None else
+                  f"stopped short of step {steps}, with no checkpoint: it starts over")
     print(f"[{job.arm.name}] {status} in {wall:.0f} s", flush=True)
-    return ArmResult(job.arm.name, rows, total, code, _params(job.cfg),
-                     hop_errors_from_metrics(job.run_dir / "metrics.jsonl"))
+    return result
+
+
+def _checkpointed(job: ArmJob) -> Optional[int]:
+    """The iteration of the arm's latest checkpoint (None: none)."""
+    latest, _ = read_tracker(checkpoint_folder(job.cfg.checkpoint.dir, job.run_dir))
+    return iteration_of(latest) if latest is not None else None
 
 
 def _params(cfg: RunConfig) -> dict:
@@ -226,31 +244,36 @@ def _params(cfg: RunConfig) -> dict:
 
 def run_arms(jobs: list[ArmJob], workers: int = 1, threads: int = 0,
              nproc: int = 1) -> list[ArmResult]:
-    """Trains every job, ``workers`` at a time; results in the jobs' order.
-    If this process is interrupted, the running arms are stopped with it."""
+    """Trains every job, ``workers`` at a time; results in the jobs' order. Stopped
+    (Ctrl-C, SIGTERM), it stops the running arms at a step with a checkpoint, records
+    them and raises the stop (``children``); killed, its arms stop by themselves."""
     pending = list(jobs)
-    running: dict[int, tuple[ArmJob, subprocess.Popen, float]] = {}
+    running: dict[str, tuple[ArmJob, subprocess.Popen, float]] = {}
     done: dict[str, ArmResult] = {}
     try:
-        while pending or running:
-            while pending and len(running) < max(1, workers):
-                job = pending.pop(0)
-                print(f"[{job.arm.name}] kvtrain train {job.folder / 'arm.yaml'} "
-                      f"--run-dir {job.run_dir}", flush=True)
-                proc, started = _start(job, threads, nproc)
-                running[proc.pid] = (job, proc, started)
-            for pid, (job, proc, started) in list(running.items()):
-                if proc.poll() is not None:
-                    del running[pid]
-                    done[job.arm.name] = _finish(job, proc.returncode, started)
-            time.sleep(0.2)
-    finally:
-        for job, proc, _ in running.values():  # interrupted: no orphan keeps training
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        with stops_raise():
+            while pending or running:
+                while pending and len(running) < max(1, workers):
+                    job = pending.pop(0)
+                    print(f"[{job.arm.name}] kvtrain train {job.folder / 'arm.yaml'} "
+                          f"--run-dir {job.run_dir}", flush=True)
+                    with signals_held():
+                        running[job.arm.name] = (job, *_start(job, threads, nproc))
+                for name, (job, proc, started) in list(running.items()):
+                    if proc.poll() is not None:
+                        del running[name]
+                        done[name] = _finish(job, proc.returncode, started)
+                time.sleep(0.2)
+    except BaseException as e:  # a stop, or this process's own error: no orphan trains on
+        stopping = isinstance(e, STOPS)
+        stopped = stop_runs({n: p for n, (_, p, _) in running.items()},
+                            stopped_by(e) if stopping else None)
+        for job, proc, started in running.values():
+            _finish(job, proc.returncode, started)
+        if stopping and stopped:
+            print(f"kvtrain: {', '.join(stopped)} stopped: the same command continues them",
+                  flush=True)
+        raise
     return [done[j.arm.name] for j in jobs]
 
 

@@ -355,3 +355,17 @@ def test_a_run_folder_that_cannot_be_made_is_one_line(tmp_path, capsys):
         assert main(["experiment", "induction", "--preset", "fig1b", "--no-wandb",
                      "--run-dir", str(run_dir)]) == 2
         assert capsys.readouterr().err == f"kvtrain: config error: {message}\n"
+
+
+def test_an_arm_stopped_before_its_last_step_fails_the_experiment(tmp_path, capsys):
+    """An arm that exits 0 short of its steps (train.exit_duration_minutes, a stop
+    request) has a checkpoint, not a result: the command says so and exits 1."""
+    run_dir = tmp_path / "fig1a"
+    sets = [x for kv in [*TINY, "train.exit_duration_minutes=1e-6"] for x in ("--set", kv)]
+    rc = main(["experiment", "induction", "--preset", "fig1a", "--run-dir", str(run_dir),
+               "--arms", "vanilla-1L", "--threads", "1", "--no-wandb", *sets])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    # the toy tasks save no checkpoint (checkpoint.save_on_exit: false)
+    assert "[vanilla-1L] stopped short of step 4, with no checkpoint: it starts over in " in out
+    assert "kvtrain: arm(s) vanilla-1L failed or did not finish; see " in out, out

@@ -173,3 +173,17 @@ def test_cells_trained_from_the_dry_runs_commands_are_tabulated_not_retrained(tm
         valid = [r for r in map(json.loads, metrics.read_text().splitlines())
                  if r["kind"] == "valid"]
         assert cell["val_loss"] == valid[-1]["val_loss"]
+
+
+def test_a_cell_stopped_before_its_last_step_is_named_and_the_sweep_fails(tmp_path, capsys):
+    """A cell that exits 0 short of its steps (train.exit_duration_minutes, a stop
+    request) has a checkpoint, not a result: the sweep says so and exits 1."""
+    run_dir = tmp_path / "sweep"
+    assert main(["sweep", TINY, "--grid", "train.seed=1", "--set", "train.max_steps=20",
+                 "--set", "train.exit_duration_minutes=1e-6", "--no-wandb", "--run-dir",
+                 str(run_dir), "--threads", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "[seed=1] stopped short of step 20; it continues from its checkpoint of step 1 in " \
+        in out, out
+    assert "kvtrain: cell(s) seed=1 failed or did not finish; see " in out, out
+    assert not json.loads((run_dir / "sweep.json").read_text())["cells"][0]["finished"]

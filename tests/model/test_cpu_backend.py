@@ -200,3 +200,24 @@ def test_megatron_groups_time_out_after_the_configured_minutes():
     too (they were made with megatron's default, 30 minutes)."""
     waited, _ = run_distributed(hung_peer_worker, 2, timeout=300)
     assert waited is not None and waited < 10
+
+
+def test_a_one_process_group_takes_another_port_when_its_port_is_taken_meanwhile():
+    """A run of one process picks a free port for its store, then binds it: another
+    process (a sweep's cell, the demo's other arm) may bind it in between. The
+    group takes another port instead of failing the run with EADDRINUSE."""
+    code = """
+import os, socket
+import kvtrain.backend.distributed as d
+busy = socket.socket(); busy.bind(("127.0.0.1", 0)); busy.listen()
+ports = [busy.getsockname()[1]]  # the first port picked is taken before the bind
+real = d.free_port
+d.free_port = lambda: ports.pop() if ports else real()
+for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+    os.environ.pop(k, None)
+env = d.init_process_group(0.5)
+print("world", env.world_size, os.environ["MASTER_PORT"] != str(busy.getsockname()[1]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split()[-3:] == ["world", "1", "True"], \
+        out.stdout + out.stderr[-2000:]

@@ -1,0 +1,119 @@
+"""The training runs a runner starts (a sweep's cells, an experiment's arms, the
+demo's two arms) stop with it, each at a step with a checkpoint.
+
+A runner used to stop its runs only on Ctrl-C, with ``terminate`` in a
+``finally``, and a terminal's Ctrl-C reached the runs too: they died mid-step,
+without a checkpoint. ``kill`` of the runner (SIGTERM: ``scancel``, ``timeout``,
+a script) or its death (SIGKILL, the out-of-memory killer) left them training
+as orphans, holding their folders' locks against the command that would
+continue them. Now:
+
+* each run is a process group of its own, so the signals of the runner's
+  terminal reach the runner alone, and the runner passes a stop on as SIGUSR1 to
+  the trainers (the run itself, or torchrun's children), the trainer's stop
+  request (``kvtrain.train.signals``): it stops after its step in flight, saves
+  a checkpoint and exits 0. Not to torchrun, which, signalled, tears its ranks
+  down and exits 1 with a traceback (as ``launch/torchrun.sh`` does). A run
+  starts with SIGUSR1 ignored, so that one sent before the trainer has set its
+  handler (its imports take seconds) is lost, not fatal: it is repeated every
+  few seconds until the run ends;
+* the runner waits for them (``stop_runs``); a second stop kills them, which
+  leaves each its last complete checkpoint (a checkpoint is written aside and
+  renamed whole);
+* each run asks the kernel for SIGTERM at the runner's death (``start_run``:
+  ``PR_SET_PDEATHSIG``), so that the runs of a runner killed outright still save
+  and stop: a trainer takes SIGTERM as its stop request, and torchrun passes it
+  on to its ranks and gives them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds to
+  save (600 here, as in ``launch/torchrun.sh``; torch's default is 30).
+
+Under torchrun the ranks die with it however it ends (``kvtrain.train.processes``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from typing import Optional
+
+from data_tools.lifeline import Terminated, signal_on_parent_death, stops_raise
+from kvtrain.train.writer_watch import children
+
+STOPS = (KeyboardInterrupt, Terminated)  # what data_tools.lifeline.stops_raise raises
+REPEAT_S = 5.0  # a stop request is sent again after this long, until the run ends
+
+
+def start_run(command: list[str], env: Optional[dict] = None, **popen) -> subprocess.Popen:
+    """``subprocess.Popen(command, env=env, **popen)`` of a run that stops with this
+    process. Call it from the main thread (the kernel's request follows the thread
+    that forks) within ``signals_held``, so that a stop cannot fall between the
+    fork and the caller's record of the run."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
+    ask = signal_on_parent_death(signal.SIGTERM)
+
+    def prepare() -> None:  # in the child, before exec
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until the trainer sets its handler
+        ask()
+
+    return subprocess.Popen(command, env=env, process_group=0, preexec_fn=prepare, **popen)
+
+
+def _trainers(proc: subprocess.Popen) -> list[int]:
+    """The trainer processes of a run: torchrun's children, or the run itself."""
+    if "torch.distributed.run" in proc.args:
+        return children(proc.pid)
+    return [proc.pid]
+
+
+def _ask_to_stop(runs: list[subprocess.Popen]) -> None:
+    for proc in runs:
+        for pid in _trainers(proc) if proc.poll() is None else ():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+
+
+def stopped_by(stop: BaseException) -> str:
+    """The stop ``stops_raise`` raised, in words."""
+    return "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
+
+
+def exit_code(stop: BaseException) -> int:
+    """The runner's exit code after ``stop``: 128 + the signal, as a shell reports it."""
+    return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
+
+
+def stop_runs(runs: dict[str, subprocess.Popen], why: Optional[str]) -> list[str]:
+    """Asks every run still going to stop (SIGUSR1 to its trainers, every
+    ``REPEAT_S`` seconds) and waits for them; a second stop (Ctrl-C, SIGTERM)
+    kills them. ``why``: the stop, in words, for the line
+    said first (None: said nothing, as for a runner's own error). The names of
+    the runs it stopped."""
+    going = {name: p for name, p in runs.items() if p.poll() is None}
+    if not going:
+        return []
+    if why is not None:
+        print(f"kvtrain: {why}: stopping {', '.join(going)} at their next step (a second "
+              f"Ctrl-C or SIGTERM kills them)", flush=True)
+    try:
+        with stops_raise():
+            while any(proc.poll() is None for proc in going.values()):
+                _ask_to_stop(list(going.values()))
+                until = time.monotonic() + REPEAT_S
+                for proc in going.values():
+                    try:
+                        proc.wait(timeout=max(0.0, until - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        pass
+    except STOPS:
+        for proc in going.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in going.values():
+            proc.wait()
+        print(f"kvtrain: killed {', '.join(going)}: each keeps its last complete checkpoint",
+              flush=True)
+    return list(going)

@@ -1,0 +1,122 @@
+"""A runner of training runs (``kvtrain sweep``, ``kvtrain experiment``, ``kvtrain
+demo``) stopped or killed takes its runs with it, each stopping at a step with a
+checkpoint: none goes on training as an orphan in a folder the next command
+continues (it found the folder locked by the orphan)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtrain.train.checkpoint import is_complete
+from kvtrain.train.integrity import checkpoint_folders
+from tests.launch.conftest import REPO
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+LONG = ["--set", "train.max_steps=100000", "--set", "train.log_interval=1",
+        "--set", "checkpoint.save_interval=100000"]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _trainer_pid(run: Path) -> int | None:
+    """The pid of the trainer holding ``run`` once it has logged a step, else None."""
+    lock, metrics = run / ".kvtrain.lock", run / "metrics.jsonl"
+    if not (lock.exists() and metrics.exists() and '"train"' in metrics.read_text()):
+        return None
+    return json.loads(lock.read_text() or "{}").get("pid")
+
+
+def _wait(what, seconds: float, proc: subprocess.Popen | None = None, out: Path | None = None):
+    """``what()`` once it is truthy, within ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        value = what()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the runner ended early ({proc.returncode}): {out.read_text()}")
+        time.sleep(0.2)
+    pytest.fail(f"not within {seconds} s")
+
+
+def _stop_runner(command: list[str], runs: list[Path], stop: str, log: Path) -> tuple[int, str]:
+    """Starts the runner ``command``, stops it with ``stop`` once every run of ``runs``
+    has trained a step, and waits for the runs to end; (its exit code, its output)."""
+    with open(log, "w") as out:  # its own session: a terminal's Ctrl-C goes to the job's group
+        proc = subprocess.Popen([sys.executable, "-m", "kvtrain.cli", *command], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    try:
+        pids = [_wait(lambda r=r: _trainer_pid(r), 120, proc, log) for r in runs]
+        if stop == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # the runner and, as before, every child
+        else:
+            proc.send_signal(getattr(signal, stop))
+        code = proc.wait(timeout=120)
+        _wait(lambda: not any(map(_alive, pids)), 120)  # after a SIGKILL: on their own
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for r in runs:
+            pid = _trainer_pid(r)
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    return code, log.read_text()
+
+
+def _checkpoints(run: Path) -> list[Path]:
+    """The complete checkpoints of ``run``."""
+    return [p for p in checkpoint_folders(run / "checkpoints") if is_complete(p)]
+
+
+@pytest.mark.parametrize("stop, nproc", [("SIGTERM", 1), ("ctrl-c", 1), ("SIGKILL", 1),
+                                         ("SIGTERM", 2), ("SIGKILL", 2)])
+def test_a_stopped_or_killed_sweep_stops_its_cells_at_a_step_with_a_checkpoint(tmp_path, stop,
+                                                                              nproc):
+    """Two cells side by side (one process each), or one under torchrun (two ranks:
+    the stop goes to the ranks, not to torchrun, which would exit 1)."""
+    run_dir = tmp_path / "sweep"
+    seeds = (1, 2) if nproc == 1 else (1,)
+    runs = [run_dir / "arms" / f"seed={s}" / "run" for s in seeds]
+    code, out = _stop_runner(["sweep", TINY, "--grid", f"train.seed={','.join(map(str, seeds))}",
+                              *LONG, "--no-wandb", "--run-dir", str(run_dir), "--workers", "2",
+                              "--threads", "1", "--nproc", str(nproc)],
+                             runs, stop, tmp_path / "out.txt")
+    assert code == {"SIGTERM": 143, "ctrl-c": 130, "SIGKILL": -9}[stop], out
+    names = ", ".join(f"seed={s}" for s in seeds)
+    for r in runs:  # each stopped at a step of its own, with a checkpoint of it
+        assert _checkpoints(r), (r, out)
+    if stop != "SIGKILL":  # the runner waited for them and says how to go on
+        assert f"stopping {names} at their next step" in out, out
+        assert f"{names} stopped: the same command continues them" in out, out
+        for cell in names.split(", "):
+            record = json.loads((run_dir / "arms" / cell / "result.json").read_text())
+            assert record["exit_code"] == 0, record
+            assert f"[{cell}] stopped short of step 100000; it continues from its checkpoint " \
+                f"of step " in out, out
+
+
+def test_a_stopped_demo_stops_both_arms_at_a_step_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "demo"
+    runs = [run_dir / arm for arm in ("vanilla", "kv_shift")]
+    code, out = _stop_runner(["demo", "--run-dir", str(run_dir), *LONG, "--set",
+                              "wandb.enabled=false"], runs, "SIGTERM", tmp_path / "out.txt")
+    assert code == 143, out
+    assert all(_checkpoints(r) for r in runs), out
+    assert "stopping vanilla, kv_shift at their next step" in out, out
+    assert out.rstrip().endswith("kvtrain demo: stopped; kvtrain demo continues the arms from "
+                                 "their checkpoints"), out
