@@ -140,6 +140,15 @@ def test_what_cannot_be_fitted_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert "needs at least two runs" in capsys.readouterr().err
     assert main(["scaling", str(one), str(tmp_path / "nothing")]) == 2
     assert "no such run folder" in capsys.readouterr().err
+    bare = _write_run(tmp_path / "bare", _config(1), 4.2)
+    (bare / "config.yaml").unlink()  # its records only: its size is unknown
+    assert main(["scaling", str(one), str(bare)]) == 2
+    assert f"{bare} has no config.yaml: its model size is unknown" in capsys.readouterr().err
+    runs = [str(one), str(_write_run(tmp_path / "c", _config(1), 4.1))]
+    (tmp_path / "file").write_text("")
+    assert main(["scaling", *runs, "--out", str(tmp_path / "file" / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"kvtrain: config error: --out "
+                                              f"{tmp_path / 'file' / 'out'}: cannot create it")
 
 
 def test_the_multiple_is_read_between_the_measured_sizes_not_on_the_fit(tmp_path):

@@ -248,6 +248,30 @@ def test_checkpoint_outside_any_run_saves_only_to_out(evaluated, tmp_path):
     assert run_folder_of(evaluated["run"], evaluated["checkpoint"]) == evaluated["run"]
 
 
+def test_a_checkpoint_outside_any_run_is_exported_aside_and_scored(evaluated, tmp_path,
+                                                                   monkeypatch):
+    """Its export goes to a temporary folder, removed afterwards; the results to --out
+    only, the same as the run's own; nothing is written beside the checkpoint."""
+    import shutil
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    alone = tmp_path / "ckpts"
+    shutil.copytree(evaluated["checkpoint"], alone / "iter_0000000")
+    out = tmp_path / "results.json"
+    assert main(["eval", str(alone / "iter_0000000"), "--tasks", "kvt_mc,kvt_ll",
+                 "--include-path", str(evaluated["tasks"]), "--batch-size", "2",
+                 "--device", "cpu", "--out", str(out), "--no-wandb"]) == 0
+    assert [p.name for p in alone.iterdir()] == ["iter_0000000"]
+    assert list(scratch.iterdir()) == []  # the export removed
+    ours = json.loads(out.read_text())
+    runs = json.loads((evaluated["run"] / "eval" / "kvt_mc+kvt_ll-iter_0000000.json").read_text())
+    assert ours["tasks"] == runs["tasks"] and ours["checkpoint"] == str(alone / "iter_0000000")
+    assert ours["hf_dir"].startswith(str(scratch / "kvtrain-eval-"))  # exported there
+
+
 def test_bf16_results_keep_apart_from_fp32(evaluated, capsys):
     """``--dtype bf16`` writes its own results file (and export): the fp32 results of
     the same tasks and iteration stay; the default's name has no dtype (older names)."""

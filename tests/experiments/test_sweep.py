@@ -187,3 +187,13 @@ def test_a_cell_stopped_before_its_last_step_is_named_and_the_sweep_fails(tmp_pa
         in out, out
     assert "kvtrain: cell(s) seed=1 failed or did not finish; see " in out, out
     assert not json.loads((run_dir / "sweep.json").read_text())["cells"][0]["finished"]
+
+
+@pytest.mark.parametrize("option", [["--workers", "0"], ["--nproc", "0"], ["--threads", "-1"]])
+def test_runner_options_out_of_range_are_one_line(tmp_path, capsys, option):
+    run_dir = tmp_path / "sweep"
+    assert main(["sweep", TINY, "--grid", "train.seed=1,2", "--run-dir", str(run_dir),
+                 *option]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "kvtrain: config error: --workers and --nproc must be >= 1, --threads >= 0"
+    assert not run_dir.exists()

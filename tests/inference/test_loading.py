@@ -106,3 +106,22 @@ def test_a_checkpoint_not_saved_by_kvtrain_is_one_line(run_dir):
     with pytest.raises(ConfigError, match=f"^checkpoint {ckpt} has no kvtrain config "
                                           "\\(not saved by kvtrain\\)$"):
         saved_config(ckpt)
+
+
+def test_every_checkpoint_of_a_checkpoint_is_itself_and_of_nothing_one_line(run_dir, tmp_path,
+                                                                           capsys):
+    """``perplexity --checkpoints all``'s list: a checkpoint named itself is the
+    list; a folder with none, or with only damaged ones, is one line."""
+    from kvtrain.inference.loading import every_checkpoint
+
+    ckpt = run_dir / "checkpoints" / "iter_0000000"
+    assert every_checkpoint(ckpt) == [ckpt] == every_checkpoint(run_dir)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=f"^{tmp_path / 'empty'} holds no complete kvtrain "
+                                          f"checkpoint$"):
+        every_checkpoint(tmp_path / "empty")
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-7])  # the only checkpoint, damaged: passed over
+    with pytest.raises(ConfigError, match="holds no complete kvtrain checkpoint"):
+        every_checkpoint(run_dir)
+    assert f"checkpoint {ckpt} is damaged" in capsys.readouterr().err

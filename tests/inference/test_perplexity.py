@@ -86,23 +86,32 @@ def test_another_length_or_count_is_another_record(mp1, trained, capsys):
     assert f"train loss {trained_on['loss']:.4f}" in capsys.readouterr().out
 
 
-def _tp_score(rank, world, run_dir, shard):
+def _tp_score(rank, world, run_dir, shard, empty):
     from kvtrain.backend import init_model_parallel
+    from kvtrain.config import ConfigError
     from kvtrain.inference.loading import load_model
     from kvtrain.inference.perplexity import Scoring, score
 
     init_model_parallel(tensor=world)
+    try:  # rank 0 looks the checkpoint up; its refusal is every rank's
+        load_model(empty)
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
     result = score(load_model(run_dir), Scoring(paths=[shard], name="held", by_position=True))
-    return result["loss"], result["by_position"]
+    return result["loss"], result["by_position"], refused
 
 
-def test_tp2_scores_as_tp1(mp1, trained):
+def test_tp2_scores_as_tp1(mp1, trained, tmp_path):
     from kvtrain.inference.loading import load_model
     from kvtrain.inference.perplexity import Scoring, score
 
-    ranks = run_distributed(_tp_score, 2, str(trained["run"]), trained["b"])
+    (tmp_path / "empty").mkdir()
+    ranks = run_distributed(_tp_score, 2, str(trained["run"]), trained["b"],
+                            str(tmp_path / "empty"))
     assert ranks[0] == ranks[1]
-    loss, by = ranks[0]
+    loss, by, refused = ranks[0]
+    assert refused == f"{tmp_path / 'empty'} holds no complete kvtrain checkpoint"
     assert loss == pytest.approx(trained["records"]["held"]["val_loss"], rel=1e-5)
     one = score(load_model(trained["run"]), Scoring(paths=[trained["b"]], name="held",
                                                     by_position=True))["by_position"]
