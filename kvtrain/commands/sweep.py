@@ -68,7 +68,7 @@ def run(args) -> int:
 
     if args.workers < 1 or args.nproc < 1 or args.threads < 0:
         raise ConfigError("--workers and --nproc must be >= 1, --threads >= 0")
-    from kvtrain.experiments.sweep import parse_grid, sweep_cells
+    from kvtrain.experiments.sweep import check_shards, parse_grid, sweep_cells
 
     overrides = list(args.overrides) + (["wandb.enabled=false"] if args.no_wandb else [])
     axes = parse_grid(args.grid, overrides)
@@ -84,6 +84,7 @@ def run(args) -> int:
         for cell in cells:
             print(_command(args, cell, run_dir))
         return 0
+    check_shards(cells)
     make_folder(run_dir, "--run-dir")
     return _train_and_tabulate(args, axes, cells, run_dir)
 

@@ -197,3 +197,20 @@ def test_runner_options_out_of_range_are_one_line(tmp_path, capsys, option):
     assert capsys.readouterr().err.strip() == \
         "kvtrain: config error: --workers and --nproc must be >= 1, --threads >= 0"
     assert not run_dir.exists()
+
+
+def test_a_shard_no_cell_can_read_is_one_line_before_any_cell_trains(tmp_path, capsys,
+                                                                     monkeypatch):
+    """configs/demo.yaml run from another folder: its relative data.paths name no
+    shard there. Each cell found it only once started (seconds each, a line each)."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "sweep"
+    assert main(["sweep", str(REPO / "configs" / "demo.yaml"), "--grid", "train.seed=1,2",
+                 "--run-dir", str(run_dir), "--no-wandb"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("kvtrain: config error: cell seed=1: data.paths: shard "
+                   "runs/demo/data/shards/demo_text_document.idx does not exist"), err
+    assert not run_dir.exists()
+    # a dry run's commands may run where the shards are mounted: printed, not refused
+    assert main(["sweep", str(REPO / "configs" / "demo.yaml"), "--grid", "train.seed=1,2",
+                 "--run-dir", str(run_dir), "--dry-run"]) == 0
