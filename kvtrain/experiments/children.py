@@ -57,6 +57,9 @@ def start_run(command: list[str], env: Optional[dict] = None, **popen) -> subpro
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until the trainer sets its handler
         ask()
 
+    # stdin: a process group not in the terminal's foreground that reads it (a login
+    # prompt) would be stopped by SIGTTIN, and the runner wait for it forever
+    popen.setdefault("stdin", subprocess.DEVNULL)
     return subprocess.Popen(command, env=env, process_group=0, preexec_fn=prepare, **popen)
 
 

@@ -13,7 +13,9 @@ per arm ``arm.yaml``, ``curve.csv``, ``train.log`` (the output of every
 attempt, each after a line ``===== attempt N, <time>: <command> =====``),
 ``result.json`` (exit code, wall time of all attempts, their start times) and
 the run folder ``run/`` (config.yaml, metrics.jsonl, wandb/ with one wandb run
-per arm). A rerun into the folder continues the experiment (``arm_jobs``).
+per arm). A rerun into the folder continues the experiment (``arm_jobs``). Stopped
+(Ctrl-C, SIGTERM) or killed, the runner's arms stop at a step with a checkpoint
+(``children``).
 """
 
 from __future__ import annotations
