@@ -214,7 +214,7 @@ def train_arms(commands: dict[str, list[str]], workers: int, threads: int) -> di
         for pump in pumps.values():
             pump.join(timeout=10)  # their last lines (a stop's checkpoint) first
         if stopped and stopping:
-            print("kvtrain demo: stopped; kvtrain demo continues the arms from their "
+            print("kvtrain demo: stopped; the same command continues the arms from their "
                   "checkpoints", flush=True)
         raise
     return codes

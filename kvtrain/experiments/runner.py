@@ -263,8 +263,9 @@ def run_arms(jobs: list[ArmJob], workers: int = 1, threads: int = 0,
                         running[job.arm.name] = (job, *_start(job, threads, nproc))
                 for name, (job, proc, started) in list(running.items()):
                     if proc.poll() is not None:
-                        del running[name]
-                        done[name] = _finish(job, proc.returncode, started)
+                        with signals_held():  # its records written whole
+                            del running[name]
+                            done[name] = _finish(job, proc.returncode, started)
                 time.sleep(0.2)
     except BaseException as e:  # a stop, or this process's own error: no orphan trains on
         stopping = isinstance(e, STOPS)

@@ -118,5 +118,5 @@ def test_a_stopped_demo_stops_both_arms_at_a_step_with_a_checkpoint(tmp_path):
     assert code == 143, out
     assert all(_checkpoints(r) for r in runs), out
     assert "stopping vanilla, kv_shift at their next step" in out, out
-    assert out.rstrip().endswith("kvtrain demo: stopped; kvtrain demo continues the arms from "
-                                 "their checkpoints"), out
+    assert out.rstrip().endswith("kvtrain demo: stopped; the same command continues the arms "
+                                 "from their checkpoints"), out
