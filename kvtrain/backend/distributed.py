@@ -59,7 +59,10 @@ def init_process_group(timeout_minutes: float = 10.0, device: str = "auto") -> D
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        own_port = "MASTER_ADDR" not in os.environ
+        # a group of its own on this host: no launcher's address, or one left over
+        # without a port (a cluster job's shell exports MASTER_ADDR) and no WORLD_SIZE
+        own_port = "MASTER_ADDR" not in os.environ or (
+            "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ)
         if own_port:
             if world != 1:
                 raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is not set (use torchrun)")

@@ -185,7 +185,7 @@ def train_arms(commands: dict[str, list[str]], workers: int, threads: int) -> di
     from data_tools.lifeline import signals_held, stops_raise
     from kvtrain.experiments.children import STOPS, start_run, stop_runs, stopped_by
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env = dict(os.environ)  # less an enclosing launcher's variables (start_run)
     env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")  # lines as they come
     pending, running, pumps, codes = list(commands), {}, {}, {}
     lock = threading.Lock()

@@ -40,16 +40,21 @@ from typing import Optional
 from data_tools.lifeline import Terminated, signal_on_parent_death, stops_raise
 from kvtrain.train.writer_watch import children
 
+# Launcher variables of an enclosing torchrun/SLURM job: a run is a job of its own.
+LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 STOPS = (KeyboardInterrupt, Terminated)  # what data_tools.lifeline.stops_raise raises
 REPEAT_S = 5.0  # a stop request is sent again after this long, until the run ends
 
 
 def start_run(command: list[str], env: Optional[dict] = None, **popen) -> subprocess.Popen:
     """``subprocess.Popen(command, env=env, **popen)`` of a run that stops with this
-    process. Call it from the main thread (the kernel's request follows the thread
-    that forks) within ``signals_held``, so that a stop cannot fall between the
-    fork and the caller's record of the run."""
-    env = dict(os.environ if env is None else env)
+    process, without an enclosing launcher's variables (``LAUNCHER_ENV``). Call it
+    from the main thread (the kernel's request follows the thread that forks)
+    within ``signals_held``, so that a stop cannot fall between the fork and the
+    caller's record of the run."""
+    env = {k: v for k, v in (os.environ if env is None else env).items()
+           if k not in LAUNCHER_ENV}
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
     ask = signal_on_parent_death(signal.SIGTERM)
 

@@ -44,11 +44,6 @@ from .presets import Arm
 from .results import (ArmResult, curve_from_metrics, hop_errors_from_metrics, plot_curves,
                       plot_hop_errors, summarize, summary_json, write_results)
 
-# Launcher variables of an enclosing torchrun/SLURM job: an arm is its own job.
-_LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                 "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
-
-
 RESULT = "result.json"  # per arm: the runner's record of its process (exit code, wall time)
 ATTEMPT = "===== attempt "  # starts the line that opens each attempt's output in train.log
 
@@ -177,7 +172,7 @@ def _start(job: ArmJob, threads: int, nproc: int) -> tuple[subprocess.Popen, flo
     job.folder.mkdir(parents=True, exist_ok=True)
     cfg_path = job.folder / "arm.yaml"
     cfg_path.write_text(dump_yaml(job.cfg))
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     command = arm_command(cfg_path, job.run_dir, nproc)

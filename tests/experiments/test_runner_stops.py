@@ -54,12 +54,14 @@ def _wait(what, seconds: float, proc: subprocess.Popen | None = None, out: Path 
     pytest.fail(f"not within {seconds} s")
 
 
-def _stop_runner(command: list[str], runs: list[Path], stop: str, log: Path) -> tuple[int, str]:
+def _stop_runner(command: list[str], runs: list[Path], stop: str, log: Path,
+                 env: dict | None = None) -> tuple[int, str]:
     """Starts the runner ``command``, stops it with ``stop`` once every run of ``runs``
     has trained a step, and waits for the runs to end; (its exit code, its output)."""
     with open(log, "w") as out:  # its own session: a terminal's Ctrl-C goes to the job's group
         proc = subprocess.Popen([sys.executable, "-m", "kvtrain.cli", *command], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                                env={**os.environ, **(env or {})})
     try:
         pids = [_wait(lambda r=r: _trainer_pid(r), 120, proc, log) for r in runs]
         if stop == "ctrl-c":
@@ -113,8 +115,11 @@ def test_a_stopped_or_killed_sweep_stops_its_cells_at_a_step_with_a_checkpoint(t
 def test_a_stopped_demo_stops_both_arms_at_a_step_with_a_checkpoint(tmp_path):
     run_dir = tmp_path / "demo"
     runs = [run_dir / arm for arm in ("vanilla", "kv_shift")]
+    # started in a shell of an enclosing job (a SLURM script's exports): the arms are
+    # runs of their own (with these, each would wait for a rank 1 that never comes)
+    job = {"MASTER_ADDR": "localhost", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "0"}
     code, out = _stop_runner(["demo", "--run-dir", str(run_dir), *LONG, "--set",
-                              "wandb.enabled=false"], runs, "SIGTERM", tmp_path / "out.txt")
+                              "wandb.enabled=false"], runs, "SIGTERM", tmp_path / "out.txt", job)
     assert code == 143, out
     assert all(_checkpoints(r) for r in runs), out
     assert "stopping vanilla, kv_shift at their next step" in out, out

@@ -221,3 +221,22 @@ print("world", env.world_size, os.environ["MASTER_PORT"] != str(busy.getsockname
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split()[-3:] == ["world", "1", "True"], \
         out.stdout + out.stderr[-2000:]
+
+
+def test_a_leftover_master_addr_without_a_port_is_a_one_process_group():
+    """A shell of a cluster job exports MASTER_ADDR (its sbatch script did) and a run
+    of one process starts in it (kvtrain train, the demo's or a sweep's runs): with
+    no WORLD_SIZE and no MASTER_PORT it is a group of its own on this host, not
+    torch's `environment variable MASTER_PORT expected` traceback."""
+    code = """
+import os
+import kvtrain.backend.distributed as d
+for k in ("MASTER_PORT", "WORLD_SIZE", "RANK"):
+    os.environ.pop(k, None)
+os.environ["MASTER_ADDR"] = "node-of-another-job"
+env = d.init_process_group(0.5)
+print("world", env.world_size, os.environ["MASTER_ADDR"])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split()[-3:] == ["world", "1", "127.0.0.1"], \
+        out.stdout + out.stderr[-2000:]
