@@ -125,3 +125,31 @@ def test_a_stopped_demo_stops_both_arms_at_a_step_with_a_checkpoint(tmp_path):
     assert "stopping vanilla, kv_shift at their next step" in out, out
     assert out.rstrip().endswith("kvtrain demo: stopped; the same command continues the arms "
                                  "from their checkpoints"), out
+
+
+def _child(code: str) -> list[str]:
+    return [sys.executable, "-c", "import signal, sys, time\n" + code]
+
+
+def test_a_second_stop_kills_runs_that_do_not_stop_and_an_error_stops_them_silently(capsys):
+    """``stop_runs`` as a runner calls it: a run that does not act on the stop request
+    (its trainer still importing, say) is killed by a second Ctrl-C; a runner's own
+    error (``why`` None) stops its runs without a line."""
+    import threading
+
+    from kvtrain.experiments.children import start_run, stop_runs
+
+    stuck = start_run(_child("time.sleep(120)"))  # SIGUSR1 ignored: as before a handler is set
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # the second stop
+    started = time.monotonic()
+    assert stop_runs({"stuck": stuck}, "Ctrl-C") == ["stuck"]
+    assert stuck.returncode == -signal.SIGKILL and time.monotonic() - started < 30
+    out = capsys.readouterr().out
+    assert "kvtrain: Ctrl-C: stopping stuck at their next step" in out
+    assert "kvtrain: killed stuck: each keeps its last complete checkpoint" in out
+    obeys = start_run(_child("signal.signal(signal.SIGUSR1, lambda *a: sys.exit(0))\n"
+                             "print('ready', flush=True)\ntime.sleep(120)"),
+                      stdout=subprocess.PIPE, text=True)
+    assert obeys.stdout.readline() == "ready\n"  # its handler is set
+    assert stop_runs({"obeys": obeys}, None) == ["obeys"] and obeys.returncode == 0
+    assert capsys.readouterr().out == ""
