@@ -182,41 +182,29 @@ def train_arms(commands: dict[str, list[str]], workers: int, threads: int) -> di
     """Runs the arms' commands, ``workers`` at a time; their exit codes. Stopped
     (Ctrl-C, SIGTERM), it stops the running arms at a step with a checkpoint and
     raises the stop; killed, its arms stop by themselves (``children``)."""
-    from data_tools.lifeline import signals_held, stops_raise
-    from kvtrain.experiments.children import STOPS, start_run, stop_runs, stopped_by
+    from kvtrain.experiments.children import run_all, start_run
 
     env = dict(os.environ)  # less an enclosing launcher's variables (start_run)
     env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")  # lines as they come
-    pending, running, pumps, codes = list(commands), {}, {}, {}
+    pumps, codes = {}, {}
     lock = threading.Lock()
-    try:
-        with stops_raise():
-            while pending or running:
-                while pending and len(running) < workers:
-                    arm = pending.pop(0)
-                    print("+ " + shlex.join(commands[arm]), flush=True)  # to rerun by hand
-                    with signals_held():  # its output read from the start: a full pipe stalls it
-                        proc = start_run(commands[arm], env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True, errors="replace")
-                        running[arm] = proc
-                        pumps[arm] = threading.Thread(target=_pump, daemon=True,
-                                                      args=(arm, proc.stdout, lock))
-                        pumps[arm].start()
-                for arm, proc in list(running.items()):
-                    if proc.poll() is not None:
-                        pumps.pop(arm).join()  # its last lines first
-                        codes[arm] = proc.returncode
-                        del running[arm]
-                time.sleep(0.2)
-    except BaseException as e:  # a stop, or this process's own error: no orphan trains on
-        stopping = isinstance(e, STOPS)
-        stopped = stop_runs(running, stopped_by(e) if stopping else None)
-        for pump in pumps.values():
-            pump.join(timeout=10)  # their last lines (a stop's checkpoint) first
-        if stopped and stopping:
-            print("kvtrain demo: stopped; the same command continues the arms from their "
-                  "checkpoints", flush=True)
-        raise
+
+    def start(arm: str) -> subprocess.Popen:
+        print("+ " + shlex.join(commands[arm]), flush=True)  # to rerun by hand
+        proc = start_run(commands[arm], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, errors="replace")
+        # its output read from the start: a full pipe would stall it
+        pumps[arm] = threading.Thread(target=_pump, args=(arm, proc.stdout, lock), daemon=True)
+        pumps[arm].start()
+        return proc
+
+    def finish(arm: str, proc: subprocess.Popen) -> None:
+        pumps.pop(arm).join()  # its last lines first
+        codes[arm] = proc.returncode
+
+    run_all(list(commands), start, finish, workers,
+            lambda _: "kvtrain demo: stopped; the same command continues the arms from their "
+                      "checkpoints")
     return codes
 
 

@@ -35,9 +35,9 @@ import os
 import signal
 import subprocess
 import time
-from typing import Optional
+from typing import Callable, Optional
 
-from data_tools.lifeline import Terminated, signal_on_parent_death, stops_raise
+from data_tools.lifeline import Terminated, signal_on_parent_death, signals_held, stops_raise
 from kvtrain.train.writer_watch import children
 
 # Launcher variables of an enclosing torchrun/SLURM job: a run is a job of its own.
@@ -89,17 +89,11 @@ def stopped_by(stop: BaseException) -> str:
     return "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
 
 
-def exit_code(stop: BaseException) -> int:
-    """The runner's exit code after ``stop``: 128 + the signal, as a shell reports it."""
-    return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
-
-
 def stop_runs(runs: dict[str, subprocess.Popen], why: Optional[str]) -> list[str]:
     """Asks every run still going to stop (SIGUSR1 to its trainers, every
     ``REPEAT_S`` seconds) and waits for them; a second stop (Ctrl-C, SIGTERM)
-    kills them. ``why``: the stop, in words, for the line
-    said first (None: said nothing, as for a runner's own error). The names of
-    the runs it stopped."""
+    kills them. ``why``: the stop, in words, for the line said first (None: said
+    nothing, as for a runner's own error). The names of the runs it stopped."""
     going = {name: p for name, p in runs.items() if p.poll() is None}
     if not going:
         return []
@@ -125,3 +119,35 @@ def stop_runs(runs: dict[str, subprocess.Popen], why: Optional[str]) -> list[str
         print(f"kvtrain: killed {', '.join(going)}: each keeps its last complete checkpoint",
               flush=True)
     return list(going)
+
+
+def run_all(names: list[str], start: Callable[[str], subprocess.Popen],
+            finish: Callable[[str, subprocess.Popen], None], workers: int,
+            stopped_line: Callable[[list[str]], str]) -> None:
+    """Runs ``start(name)`` (a ``start_run``) for each of ``names``, ``workers`` at a
+    time, and ``finish(name, proc)`` as each ends, both whole (a stop waits for
+    them). Stopped (Ctrl-C, SIGTERM), it stops the runs still going (``stop_runs``),
+    finishes them, says ``stopped_line(their names)`` and raises the stop; on its
+    own error it stops them too, silently."""
+    pending, running = list(names), {}
+    try:
+        with stops_raise():
+            while pending or running:
+                while pending and len(running) < max(1, workers):
+                    name = pending.pop(0)
+                    with signals_held():
+                        running[name] = start(name)
+                for name, proc in list(running.items()):
+                    if proc.poll() is not None:
+                        with signals_held():
+                            del running[name]
+                            finish(name, proc)
+                time.sleep(0.2)
+    except BaseException as e:  # a stop, or this process's own error: no orphan trains on
+        stopping = isinstance(e, STOPS)
+        stopped = stop_runs(running, stopped_by(e) if stopping else None)
+        for name, proc in running.items():
+            finish(name, proc)
+        if stopping and stopped:
+            print(stopped_line(stopped), flush=True)
+        raise

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_tools.fileio import atomic_write_text
-from data_tools.lifeline import ended_by, signals_held, stops_raise
+from data_tools.lifeline import ended_by
 
 from kvtrain.config import (ConfigError, RunConfig, checkpoint_folder, dump_yaml, load_config,
                             to_dict)
@@ -39,7 +39,7 @@ from kvtrain.config.layout import total_steps
 from kvtrain.plan.params import count_params
 from kvtrain.train.integrity import iteration_of, read_tracker
 
-from .children import STOPS, start_run, stop_runs, stopped_by
+from .children import run_all, start_run
 from .presets import Arm
 from .results import (ArmResult, curve_from_metrics, hop_errors_from_metrics, plot_curves,
                       plot_hop_errors, summarize, summary_json, write_results)
@@ -244,34 +244,22 @@ def run_arms(jobs: list[ArmJob], workers: int = 1, threads: int = 0,
     """Trains every job, ``workers`` at a time; results in the jobs' order. Stopped
     (Ctrl-C, SIGTERM), it stops the running arms at a step with a checkpoint, records
     them and raises the stop (``children``); killed, its arms stop by themselves."""
-    pending = list(jobs)
-    running: dict[str, tuple[ArmJob, subprocess.Popen, float]] = {}
+    by_name = {j.arm.name: j for j in jobs}
+    started: dict[str, float] = {}
     done: dict[str, ArmResult] = {}
-    try:
-        with stops_raise():
-            while pending or running:
-                while pending and len(running) < max(1, workers):
-                    job = pending.pop(0)
-                    print(f"[{job.arm.name}] kvtrain train {job.folder / 'arm.yaml'} "
-                          f"--run-dir {job.run_dir}", flush=True)
-                    with signals_held():
-                        running[job.arm.name] = (job, *_start(job, threads, nproc))
-                for name, (job, proc, started) in list(running.items()):
-                    if proc.poll() is not None:
-                        with signals_held():  # its records written whole
-                            del running[name]
-                            done[name] = _finish(job, proc.returncode, started)
-                time.sleep(0.2)
-    except BaseException as e:  # a stop, or this process's own error: no orphan trains on
-        stopping = isinstance(e, STOPS)
-        stopped = stop_runs({n: p for n, (_, p, _) in running.items()},
-                            stopped_by(e) if stopping else None)
-        for job, proc, started in running.values():
-            _finish(job, proc.returncode, started)
-        if stopping and stopped:
-            print(f"kvtrain: {', '.join(stopped)} stopped: the same command continues them",
-                  flush=True)
-        raise
+
+    def start(name: str) -> subprocess.Popen:
+        job = by_name[name]
+        print(f"[{name}] kvtrain train {job.folder / 'arm.yaml'} --run-dir {job.run_dir}",
+              flush=True)
+        proc, started[name] = _start(job, threads, nproc)
+        return proc
+
+    def finish(name: str, proc: subprocess.Popen) -> None:
+        done[name] = _finish(by_name[name], proc.returncode, started[name])
+
+    run_all(list(by_name), start, finish, workers,
+            lambda names: f"kvtrain: {', '.join(names)} stopped: the same command continues them")
     return [done[j.arm.name] for j in jobs]
 
 
