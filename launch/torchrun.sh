@@ -35,9 +35,11 @@
 # send SIGUSR1 to the trainer processes - torchrun's children, not torchrun and
 # not the trainer's own helper processes - which save a checkpoint at the next
 # step boundary and exit 0; `checkpoint.resume: auto` continues from there.
-# torchrun runs with SIGUSR1 (and, where torch reads TORCHELASTIC_SIGNALS_TO_HANDLE,
-# SIGTERM) ignored so that a signal to the whole process tree - SLURM's
-# `scancel --signal` without --batch, a time limit - does not kill it first.
+# Ctrl-C (SIGINT) does the same, and a second Ctrl-C quits at once, without
+# that checkpoint. torchrun runs with SIGUSR1, SIGINT and SIGTERM ignored so
+# that a signal to the whole process tree - SLURM's `scancel --signal` without
+# --batch, a time limit, a terminal's Ctrl-C - does not make it tear the
+# workers down first.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -179,10 +181,10 @@ fi
 # ---------------------------------------------------------------- launch
 mkdir -p "$LOG_DIR"
 LOG=$LOG_DIR/node$NODE_RANK.log
-# Everything from here on is also appended to the node log. tee ignores SIGUSR1
-# and SIGTERM: it must outlive a stop request, or the workers' next print would
-# hit a broken pipe while they save.
-exec > >(trap '' USR1 TERM; exec tee -a "$LOG") 2>&1
+# Everything from here on is also appended to the node log. tee ignores SIGUSR1,
+# SIGTERM and SIGINT: it must outlive a stop request, or the workers' next print
+# would hit a broken pipe while they save.
+exec > >(trap '' USR1 TERM INT; exec tee -a "$LOG") 2>&1
 TEE_PID=$!
 echo "=== $(date '+%F %T') $(hostname): node $NODE_RANK of $NNODES, $NPROC_PER_NODE process(es)," \
      "restart ${SLURM_RESTART_COUNT:-0}"
@@ -247,15 +249,37 @@ on_signal() {
     fi
     return 0
 }
+# Ctrl-C: the terminal's SIGINT reaches this script, tee and torchrun (which ignore
+# it), not the workers (torchrun starts them in sessions of their own): they get
+# it from here, and SIGUSR1 every 30 s for a start-up not yet listening (they
+# inherit torchrun's ignored SIGINT until the trainer installs its handler). The
+# trainer says the line; a second Ctrl-C quits them at once.
+# shellcheck disable=SC2317  # called from the signal trap
+on_interrupt() {
+    STOPPING=1
+    if [[ $FORWARD_SIGNALS == 1 && -n $TORCHRUN_PID ]]; then
+        local pids
+        pids=$(children_of "$TORCHRUN_PID")
+        # shellcheck disable=SC2086  # one pid per word
+        [[ -z $pids ]] || kill -s INT $pids 2> /dev/null || true
+        FORWARD=1
+        tell_workers
+    fi
+    return 0
+}
 trap 'on_signal USR1' USR1
 trap 'on_signal TERM' TERM
+trap 'on_interrupt' INT
 
-# torchrun ignores SIGUSR1 and (where torch reads TORCHELASTIC_SIGNALS_TO_HANDLE)
-# SIGTERM; the trainer installs its own handlers for both. The workers inherit
-# the ignored SIGUSR1 until then, so a stop asked for during their start-up is
-# not lost but repeated (every 30 s) until they act on it.
-export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}
-( trap '' USR1 TERM; exec "${CMD[@]}" ) &
+# torchrun ignores SIGUSR1, SIGINT and SIGTERM; the trainer installs its own
+# handlers for them. The workers inherit the ignored signals until then, so a
+# stop asked for during their start-up is not lost but repeated (every 30 s)
+# until they act on it. torchrun's own handlers are set by --signals-to-handle
+# (default SIGTERM,SIGINT,SIGHUP,SIGQUIT, or PET_SIGNALS_TO_HANDLE) in recent
+# torch (2.13 here), by TORCHELASTIC_SIGNALS_TO_HANDLE in older: both are set.
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGHUP,SIGQUIT}
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-$TORCHELASTIC_SIGNALS_TO_HANDLE}
+( trap '' USR1 TERM INT; exec "${CMD[@]}" ) &
 TORCHRUN_PID=$!
 
 while kill -0 "$TORCHRUN_PID" 2> /dev/null; do

@@ -56,9 +56,11 @@ class PretrainingBatchSampler:
 
 def _worker_init(_worker_id: int) -> None:
     # SIGTERM/SIGUSR1 ask the *trainer* to stop at a step boundary (SLURM sends
-    # them to every process of the job): a loader worker that died of it would
-    # make the trainer fail instead of saving. Workers end with their parent.
+    # them to every process of the job), as does Ctrl-C (SIGINT, to the terminal's
+    # whole process group): a loader worker that died of it would make the trainer
+    # fail instead of saving. Workers end with their parent.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "SIGUSR1"):
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     torch.set_num_threads(1)

@@ -33,6 +33,7 @@ import functools
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -112,8 +113,14 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".kv_shift-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
+        # its own session: a terminal's Ctrl-C asks the trainer to stop after a step
+        # (train.signals), it must not kill the compiler and leave the run on torch ops
+        # (an exception here, Ctrl-C's KeyboardInterrupt included, kills it)
         done = subprocess.run(compile_command(compiler, source, tmp), capture_output=True,
-                              text=True, timeout=900)
+                              text=True, timeout=900, start_new_session=True)
+        if done.returncode < 0:
+            raise NativeUnavailable(f"{compiler} was killed by "
+                                    f"{signal.Signals(-done.returncode).name} on {source.name}")
         if done.returncode != 0:
             errors = [line for line in (done.stderr or done.stdout).splitlines()
                       if "error" in line] or (done.stderr or done.stdout).splitlines()

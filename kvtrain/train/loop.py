@@ -10,7 +10,9 @@ the same step, go straight to the save.
 from __future__ import annotations
 
 import math
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -28,7 +30,7 @@ from kvtrain.tasks.config import accuracy_masks
 from .checkpoint import Checkpointer, TrainState
 from .evaluation import Validator, gather_shift_coefficients, shift_statistics
 from .hooks import RunHooks
-from .integrity import plan_resume
+from .integrity import iteration_of, plan_resume, read_tracker
 from .metrics import MetricsLogger, peak_memory_gib, say
 from .optimizer import current_lr
 from .processes import bind_to_launcher
@@ -74,7 +76,7 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
         state.consumed_tokens += t.global_batch_size * t.seq_length
         window.add(result, time.perf_counter() - started)
         _count_skips(state, result, metrics)
-        stopped = _stop_reason(state, result, t)
+        stopped = _stop_reason(state, result, t, stop.received)
 
         # a last step logs its partial window before its save: a window kept in the
         # checkpoint is one no record holds yet (a resume logs it once)
@@ -117,17 +119,20 @@ def training_loop(run: Run, state: TrainState, ckpt: Checkpointer, metrics: Metr
 
 
 # ----------------------------------------------------------------------------- helpers of the loop
-def _stop_reason(state: TrainState, result: StepResult,
-                 t: TrainConfig) -> Optional[tuple[int, str]]:
-    """The exit code and the reason to stop after this step (None: go on)."""
+def _stop_reason(state: TrainState, result: StepResult, t: TrainConfig,
+                 received: Optional[str]) -> Optional[tuple[int, str]]:
+    """The exit code and the reason to stop after this step (None: go on);
+    ``received``: the stop signal this rank got, if any (another rank's is unnamed)."""
     if state.nonfinite_in_row >= t.max_consecutive_nonfinite:
         return EXIT_NONFINITE, (
             f"{state.nonfinite_in_row} steps in a row had a non-finite loss or gradient norm "
             f"(train.max_consecutive_nonfinite); their updates were skipped, so the weights "
             f"are those of the last good step")
     if result.stop_signal or result.time_up:
-        return EXIT_OK, ("a stop signal (SIGTERM/SIGUSR1)" if result.stop_signal
-                         else f"train.exit_duration_minutes ({t.exit_duration_minutes})")
+        if not result.stop_signal:
+            return EXIT_OK, f"train.exit_duration_minutes ({t.exit_duration_minutes})"
+        return EXIT_OK, ("Ctrl-C (SIGINT)" if received == "SIGINT" else
+                         f"a stop signal ({received or 'SIGTERM/SIGUSR1/SIGINT'})")
     return None
 
 
@@ -329,7 +334,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
     # a requeued job's wait for its own earlier lock: within the collectives' timeout
     wait = min(SAME_JOB_WAIT, cfg.train.dist_timeout_minutes * 30)
     lock = hold_run_folder(Path(run_dir), wait=wait)  # one writer per run folder (collective)
-    stop = StopRequests(cfg.train.exit_duration_minutes).install()
+    stop = StopRequests(cfg.train.exit_duration_minutes,
+                        announce=os.environ.get("LOCAL_RANK", "0") == "0").install()
     with removed_on_bad_input(Path(run_dir), lock):  # refused: no new folder left
         # also where checkpoint.dir lies outside the run folder (or in another's)
         shared = hold_run_folder(checkpoint_folder(cfg.checkpoint.dir, run_dir),
@@ -376,7 +382,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
         else:
             for validator in validators:  # a bad id in them: one line now, not mid-run
                 validator.check_token_ids()
-            with loader_deaths_named(cfg.data.num_workers):
+            with loader_deaths_named(cfg.data.num_workers), \
+                    _interrupted_said(run, ckpt, state, metrics):
                 code = training_loop(run, state, ckpt, metrics, validators, stop, hooks,
                                      profiler)
         if status_file is not None and rank0:
@@ -389,6 +396,25 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
         if lock is not None:
             lock.release()
     return code
+
+
+@contextmanager
+def _interrupted_said(run: Run, ckpt: Checkpointer, state: TrainState,
+                      metrics: MetricsLogger):
+    """A second Ctrl-C (``signals.StopRequests``) quits without saving: one line
+    says where the run continues from, then the CLI exits 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        latest, _ = read_tracker(ckpt.root)
+        where = (f"it continues from its checkpoint of iteration {iteration_of(latest)} "
+                 f"({latest})" if latest else "with no checkpoint, it starts over")
+        message = (f"interrupted at iteration {state.iteration}/{run.total_steps} with no "
+                   f"checkpoint of it; {where}")
+        metrics.write({"kind": "event", "iteration": state.iteration, "message": message},
+                      echo=False)
+        say(f"kvtrain: {message}")
+        raise
 
 
 def _announce(run: Run) -> str:

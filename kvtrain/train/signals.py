@@ -7,32 +7,48 @@ sums the flags of all ranks in an all-reduce it already does (see
 ranks at slightly different times, still makes every rank stop after the
 same step, save one consistent checkpoint and exit 0. ``exit_duration_minutes``
 is folded into the same all-reduce (clocks of ranks may disagree by a step).
+
+Ctrl-C (SIGINT) is a stop request too, said in one line: a researcher who
+stops an interactive run loses nothing. A second Ctrl-C quits at once, without
+that checkpoint (``KeyboardInterrupt``). One press may arrive twice (the
+terminal's SIGINT to its process group and a launcher's relay of it): a second
+SIGINT within ``SAME_PRESS_S`` of the first is that same press. torchrun starts
+its workers in sessions of their own, out of the terminal's reach: its relay
+(``launch/torchrun.sh``'s) is what they get.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Optional
 
 STOP_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None))
                      if s is not None)
+SAME_PRESS_S = 1.0  # a second SIGINT sooner than this is the first one, relayed
+INTERRUPT_LINE = ("kvtrain: Ctrl-C: stopping after this step with a checkpoint; Ctrl-C "
+                  "again quits at once, without one\n")
 
 
 class StopRequests:
     """Flags set by signal handlers and by the wall-clock limit (local to a rank)."""
 
     def __init__(self, exit_duration_minutes: Optional[float] = None,
-                 start_time: Optional[float] = None):
+                 start_time: Optional[float] = None, announce: bool = True):
         self.start_time = time.monotonic() if start_time is None else start_time
         self.limit_s = exit_duration_minutes * 60.0 if exit_duration_minutes else None
         self.received: Optional[str] = None
+        self.announce = announce  # say the Ctrl-C line (one rank of a node says it)
+        self._interrupted_at: Optional[float] = None
         self._previous: dict[int, object] = {}
 
     def install(self) -> "StopRequests":
-        for sig in STOP_SIGNALS:
+        handlers = {sig: self._handle for sig in STOP_SIGNALS}
+        handlers[signal.SIGINT] = self._interrupt
+        for sig, handler in handlers.items():
             try:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                self._previous[sig] = signal.signal(sig, handler)
             except ValueError:  # not the main thread (e.g. some test harnesses)
                 pass
         return self
@@ -44,7 +60,17 @@ class StopRequests:
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 (signal API)
         # Only a flag: the step in flight finishes, then all ranks stop together.
-        self.received = signal.Signals(signum).name
+        self.received = self.received or signal.Signals(signum).name
+
+    def _interrupt(self, signum, frame) -> None:  # noqa: ARG002 (signal API)
+        now = time.monotonic()
+        if self._interrupted_at is None:
+            self._interrupted_at = now
+            self._handle(signum, frame)
+            if self.announce:  # os.write: print() may be mid-write in this thread
+                os.write(2, INTERRUPT_LINE.encode())
+        elif now - self._interrupted_at >= SAME_PRESS_S:
+            raise KeyboardInterrupt
 
     @property
     def signal_flag(self) -> float:

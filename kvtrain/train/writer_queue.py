@@ -20,7 +20,7 @@ need a cross-process queue: the manager is then started with ``__main__``
 hidden (so the child imports nothing of ours), asks the kernel for SIGKILL
 when its parent dies (``data_tools.lifeline``: Linux ``PR_SET_PDEATHSIG``, a
 polling thread elsewhere),
-ignores the stop signals (SIGTERM, SIGUSR1: the trainer's, see ``signals``)
+ignores the stop signals (SIGTERM, SIGUSR1, SIGINT: the trainer's, see ``signals``)
 and imports torch's checkpoint classes in the background right away.
 
 Only the standard library is imported at module level: this module is what
@@ -44,9 +44,10 @@ def _init_manager(parent_pid: int) -> None:
     from data_tools.lifeline import die_with_parent  # standard library only
 
     die_with_parent(parent_pid, poll=True)
-    # SLURM sends SIGTERM/SIGUSR1 to every process of the job; they ask the trainer
-    # to save and stop, and that save's results come through this process.
-    for name in ("SIGTERM", "SIGUSR1"):
+    # SLURM sends SIGTERM/SIGUSR1 to every process of the job, a terminal's Ctrl-C
+    # SIGINT to its process group; they ask the trainer to save and stop, and that
+    # save's results come through this process.
+    for name in ("SIGTERM", "SIGUSR1", "SIGINT"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
 

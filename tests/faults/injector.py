@@ -18,6 +18,9 @@
     {"kill_loader_workers_at": 3}  SIGKILL to this rank's data loader workers (every
                                child process: a run with synchronous saves has no other)
                                at the start of step 3, as the OOM killer does
+    {"ctrl_c_twice_at": 5}     at the start of step 5, SIGINT to this process, then
+                               another once the first no longer counts as the same
+                               press (``signals.SAME_PRESS_S``): a user's second Ctrl-C
     {"read_only_after_save": [2, "/ck"]}  rank 0 mounts /ck over itself read-only
                                right after the checkpoint of 2 is complete (root only;
                                a bind mount: the lock file open in /ck keeps a remount busy)
@@ -73,7 +76,8 @@ class Faults(RunHooks):
                  fail_in_save: Optional[tuple[int, int]] = None,
                  read_only_after_save: Optional[tuple[int, str]] = None,
                  kill_writer_in_save: Optional[tuple[int, int, str]] = None,
-                 kill_loader_workers_at: Optional[int] = None):
+                 kill_loader_workers_at: Optional[int] = None,
+                 ctrl_c_twice_at: Optional[int] = None):
         self.kill_in_save = kill_in_save
         self.kill_after_save = kill_after_save
         self.nonfinite_steps = frozenset(nonfinite_steps)
@@ -84,6 +88,7 @@ class Faults(RunHooks):
         self.read_only_after_save = tuple(read_only_after_save or (None, None))
         self.kill_writer_in_save = tuple(kill_writer_in_save or (None, None, None))
         self.kill_loader_workers_at = kill_loader_workers_at
+        self.ctrl_c_twice_at = ctrl_c_twice_at
 
     def loss(self, iteration, loss_sum):
         if iteration in self.nonfinite_steps:
@@ -113,6 +118,14 @@ class Faults(RunHooks):
             for worker in workers:
                 worker.kill()
             time.sleep(1.0)  # torch learns of it from SIGCHLD, in the step that follows
+        if iteration == self.ctrl_c_twice_at:
+            import time
+
+            from kvtrain.train.signals import SAME_PRESS_S
+
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(SAME_PRESS_S + 0.2)
+            os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt here
         at, rank, which = self.kill_writer_in_save
         if at is not None and iteration in (at, at + 1):
             import torch.distributed as dist

@@ -162,34 +162,49 @@ def test_two_simulated_nodes_reproduce_the_single_node_run(tmp_path, train_args,
 
 
 @pytest.mark.slow
-def test_signal_to_torchrun_sh_stops_at_a_step_with_a_checkpoint(tmp_path, train_args):
-    """SIGTERM to torchrun.sh (what a scheduler sends it): the script passes it to the
-    workers only (as SIGUSR1), they stop at a step boundary, save, and all exit 0.
-    (Resuming from that checkpoint is the SLURM test's second half.)"""
+@pytest.mark.parametrize("to,sig", [("script", signal.SIGTERM), ("group", signal.SIGTERM),
+                                    ("group", signal.SIGINT)])
+def test_signal_to_torchrun_sh_stops_at_a_step_with_a_checkpoint(tmp_path, train_args, to,
+                                                                 sig):
+    """SIGTERM to torchrun.sh (what a scheduler sends it), SIGTERM to its whole
+    process group (a time limit such as `timeout`'s) or Ctrl-C (a terminal's
+    SIGINT to the group): the workers alone get the stop (torchrun ignores the
+    three), they stop at a step boundary, save, and all exit 0; Ctrl-C's line is
+    said once. The group's SIGTERM made torchrun (torch 2.13 reads its handled
+    signals from --signals-to-handle, not TORCHELASTIC_SIGNALS_TO_HANDLE) tear the
+    workers down and exit 1 with a traceback; Ctrl-C killed the run mid-step,
+    saving nothing. (Resuming from that checkpoint is the SLURM test's second half.)"""
     run_dir = tmp_path / "run"
     steps = 200
     cmd = ["bash", str(TORCHRUN_SH), *train_args, *short_overrides(steps, save_interval=1000),
            "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=launch_env(NPROC_PER_NODE="2"))
+                            text=True, env=launch_env(NPROC_PER_NODE="2"),
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
             if (run_dir / "metrics.jsonl").exists() and len(train_records(run_dir)) >= 2:
                 break
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        if to == "script":
+            proc.send_signal(sig)
+        else:
+            os.killpg(proc.pid, sig)
         output = proc.communicate(timeout=300)[0]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its session's leftovers, if any
     assert proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     its = [r["iteration"] for r in train_records(run_dir)]
     stopped = its[-1]
     assert its == list(range(1, stopped + 1)) and stopped < steps
     assert "stopped on request, torchrun exit code 0" in output
     latest = (run_dir / "checkpoints" / "latest").read_text()
     assert f"{stopped:07d}" in latest, latest
+    ctrl_c = "kvtrain: Ctrl-C: stopping after this step with a checkpoint"
+    assert output.count(ctrl_c) == (1 if sig == signal.SIGINT else 0), output[-3000:]
 
 
 @pytest.mark.parametrize("time,message", [

@@ -60,6 +60,46 @@ def test_missing_or_failing_compiler_gives_one_line_and_leaves_nothing(tmp_path)
     assert [p.name for p in (tmp_path / "b").iterdir()] == [".build.lock"]
 
 
+def test_a_ctrl_c_does_not_kill_the_compiler(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group; the trainer takes it as a
+    stop after the step (train.signals), so the compile it waits on must live on:
+    it was killed ("failed on kv_shift.cpp: no output") and the run went on with
+    the torch ops. A compiler killed all the same is named as such."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY)
+    log = tmp_path / "calls"
+    slow = fake_compiler(tmp_path, f"echo call >> {log}; sleep 2; " + output_of())
+    script = ("import signal, sys\n"
+              "signal.signal(signal.SIGINT, lambda *a: None)  # the trainer's: a flag\n"
+              "from pathlib import Path\nfrom kvtrain.model import native_shift\n"
+              f"print(native_shift.build(Path({str(source)!r}), Path({str(tmp_path / 'c')!r}), "
+              f"compiler={slow!r}))\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not log.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(child.pid, signal.SIGINT)  # what the terminal does
+        out = child.communicate(timeout=60)[0]
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0, out
+    assert Path(out.strip().splitlines()[-1]).read_text() == "lib\n"
+
+    killed = fake_compiler(tmp_path, "kill -TERM $$")
+    with pytest.raises(native_shift.NativeUnavailable,
+                       match="fake-cxx was killed by SIGTERM on tiny.cpp$"):
+        native_shift.build(source, tmp_path / "d", compiler=killed)
+
+
 def test_unwritable_cache_is_named(tmp_path):
     """A cache folder that cannot be made (here a file stands in its way) is named."""
     source = tmp_path / "tiny.cpp"

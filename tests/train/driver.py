@@ -23,7 +23,7 @@ every job's child exited as expected (its ``expect`` code, 0 by default; -9
 for a SIGKILLed one), 1 otherwise; each job's code is printed as ``driver: job
 <run_dir> exit <code>``. A job with ``"log": PATH`` writes its stdout and stderr
 to PATH only, and a config or checkpoint error ends it as ``kvtrain train``
-does: one line, exit code 2.
+does: one line, exit code 2 (a KeyboardInterrupt: exit code 130).
 """
 
 from __future__ import annotations
@@ -118,6 +118,8 @@ def run_plan(plan_path: str) -> int:
             except ConfigError as e:  # as the CLI reports it
                 print(error_line(e), file=sys.stderr)
                 code = 2
+            except KeyboardInterrupt:  # as the CLI exits on it
+                code = 130
             except BaseException:  # noqa: BLE001 - report and exit the child
                 traceback.print_exc()
             finally:

@@ -276,6 +276,30 @@ def test_stop_signals_only_set_a_flag():
     assert StopRequests(exit_duration_minutes=1e-9).time_flag == 1.0
 
 
+def test_ctrl_c_is_a_stop_request_and_a_second_one_quits(capfd, monkeypatch):
+    """The first SIGINT sets the flag and says one line; one relayed within
+    SAME_PRESS_S is the same press; a later one raises KeyboardInterrupt. A rank
+    that does not announce (not a node's first) says nothing."""
+    from kvtrain.train import signals
+    from kvtrain.train.signals import StopRequests
+
+    before = signal.getsignal(signal.SIGINT)
+    with StopRequests() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # relayed: the same press
+        assert stop.signal_flag == 1.0 and stop.received == "SIGINT"
+        assert capfd.readouterr().err == signals.INTERRUPT_LINE
+        monkeypatch.setattr(signals, "SAME_PRESS_S", 0.0)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before  # restored
+    with StopRequests(announce=False) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == "SIGUSR1"  # the first request names the stop
+    assert capfd.readouterr().err == ""
+
+
 # ----------------------------------------------------------------------------- wandb
 def test_wandb_mode_resolution(monkeypatch, tmp_path):
     from kvtrain.config import WandbConfig
