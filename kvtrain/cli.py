@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from kvtrain.train.processes import record_launcher
@@ -57,13 +58,22 @@ def error_line(e: ConfigError) -> str:
     return f"kvtrain: {getattr(e, 'kind', 'config error')}: {e}"
 
 
+def report(e: ConfigError) -> None:
+    """Prints ``e``'s line to stderr; one that every rank raises alike
+    (``same_on_every_rank``) only from a node's first rank, so that a refusal
+    under torchrun is one line a node, not one a rank."""
+    if e.same_on_every_rank and os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    print(error_line(e), file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        print(error_line(e), file=sys.stderr)
+        report(e)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -56,19 +56,22 @@ class _NoCudaRuntimeLine(logging.Filter):
 
 
 def run(args) -> int:
-    from kvtrain.config import launched_world_size, load_config
+    from kvtrain.config import ConfigError, launched_world_size, load_config, on_every_rank
 
     world = launched_world_size()
-    # Checked here in full (with the world size) so that a bad config fails in
-    # one line before torch/megatron are imported.
-    cfg = load_config(args.config, args.overrides, world_size=world)
-    quiet_imports()
-    from kvtrain.train import resolve_run_dir, train
-    from kvtrain.train.processes import freeze_imports
+    try:  # every rank of a node reads the same files and arguments: one line a node
+        # Checked here in full (with the world size) so that a bad config fails in
+        # one line before torch/megatron are imported.
+        cfg = load_config(args.config, args.overrides, world_size=world)
+        quiet_imports()
+        from kvtrain.train import resolve_run_dir, train
+        from kvtrain.train.processes import freeze_imports
 
-    run_dir = resolve_run_dir(cfg, args.run_dir)
-    check_output_folders(cfg, run_dir, "--run-dir" if args.run_dir else "run_dir")
-    status = check_status_file(args.status_file)
+        run_dir = resolve_run_dir(cfg, args.run_dir)
+        check_output_folders(cfg, run_dir, "--run-dir" if args.run_dir else "run_dir")
+        status = check_status_file(args.status_file)
+    except ConfigError as e:
+        raise on_every_rank(e) from None
     freeze_imports()  # the imports above stay alive: no collection need walk them
     return train(cfg, run_dir, status_file=status)
 

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from .loader import (
-    ConfigError, apply_override, dump_yaml, first_line, from_dict, read_yaml, to_dict,
+    ConfigError, apply_override, dump_yaml, first_line, from_dict, on_every_rank, read_yaml,
+    to_dict,
 )
 from .schema import (
     CheckpointConfig,
@@ -118,6 +119,7 @@ __all__ = [
     "checkpoint_folder",
     "dump_yaml",
     "first_line",
+    "on_every_rank",
     "launched_world_size",
     "load_config",
     "one_process_only",

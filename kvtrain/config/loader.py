@@ -29,7 +29,19 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A config problem, reported as one line without a traceback by the CLI."""
+    """A config problem, reported as one line without a traceback by the CLI.
+
+    ``same_on_every_rank``: every rank of a launch raises it with this message
+    (a collective decided it, or each read the same config): the CLI says it
+    once per node, not once per rank (``kvtrain.cli.report``)."""
+
+    same_on_every_rank = False
+
+
+def on_every_rank(error: ConfigError) -> ConfigError:
+    """``error``, marked as raised alike by every rank (``same_on_every_rank``)."""
+    error.same_on_every_rank = True
+    return error
 
 
 class _Unusable(ConfigError):

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from kvtrain.config import (
-    ConfigError, RunConfig, checkpoint_folder, first_line, from_dict, read_yaml,
+    ConfigError, RunConfig, checkpoint_folder, first_line, from_dict, on_every_rank, read_yaml,
 )
 
 CHECKPOINTS = "checkpoints"  # the default checkpoint.dir inside a run folder
@@ -199,7 +199,7 @@ def _found_by_rank0(source: str | Path) -> Path:
     dist.broadcast_object_list(answer, src=0)
     kind, value = answer[0]
     if kind == "refused":
-        raise ConfigError(value)
+        raise on_every_rank(ConfigError(value))
     return Path(value)
 
 

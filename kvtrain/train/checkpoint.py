@@ -85,7 +85,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
 from data_tools.fileio import atomic_write_text, fsync_dir
-from kvtrain.config import ConfigError
+from kvtrain.config import ConfigError, on_every_rank
 from kvtrain.config.compat import check_resume_config
 
 from .checkpoint_readers import remove_unless_read
@@ -252,7 +252,8 @@ class Checkpointer:
         try:  # on every rank: none waits for a rank 0 that failed (a read-only filesystem)
             on_rank0_or_fail(lambda: self.root.mkdir(parents=True, exist_ok=True), self.root)
         except SaveFailed as e:
-            raise CheckpointError(f"cannot make the checkpoint folder {self.root}: {e}") from None
+            raise on_every_rank(CheckpointError(
+                f"cannot make the checkpoint folder {self.root}: {e}")) from None
         ensure_writer_queue(async_save)
 
     # -- state dicts --------------------------------------------------------------
@@ -357,7 +358,10 @@ class Checkpointer:
             work, iteration = self._pending
             reason = save_failure_reason(e, self.root)  # before the removal frees space
             shutil.rmtree(work, ignore_errors=True)
-            raise CheckpointError(self._failed(work, iteration, reason)) from e
+            error = CheckpointError(self._failed(work, iteration, reason))
+            if isinstance(e, SaveFailed):  # the ranks agreed on it (save_agreement)
+                on_every_rank(error)
+            raise error from e
 
     def _failed(self, work: Path, iteration: int, reason: str, removed: bool = True) -> str:
         """The line of a failed save (without its ``kvtrain: checkpoint error:``)."""

@@ -20,7 +20,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-from kvtrain.config import ConfigError
+from kvtrain.config import ConfigError, on_every_rank
 
 
 def _listed(keys: list[str]) -> str:
@@ -113,8 +113,9 @@ def check_same_shapes(path: Path, sharded: dict, changes: Iterable, model: dict,
            if allowed else "")
     hint = _vocab_hint(found, model, tensor) or "; a checkpoint loads only into a model of its " \
         "own shapes"
-    raise ConfigError(f"checkpoint {path} does not fit the model: {why}{key} is {saved} in the "
-                      f"checkpoint and {here} in this model{more}{hint}")
+    raise on_every_rank(ConfigError(
+        f"checkpoint {path} does not fit the model: {why}{key} is {saved} in the checkpoint "
+        f"and {here} in this model{more}{hint}"))
 
 
 __all__ = ["check_same_parameters", "check_same_shapes", "model_shapes", "shape_differences"]

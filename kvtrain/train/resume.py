@@ -17,7 +17,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kvtrain.config import ConfigError, first_line
+from kvtrain.config import ConfigError, first_line, on_every_rank
 
 from .checkpoint import Checkpointer, TrainState
 from .integrity import (
@@ -65,8 +65,8 @@ def resume(ckpt: Checkpointer, plan: ResumePlan, verify: str = "full",
             state, problem = _try_load(ckpt, path, load_optimizer, load_rng,
                                        own=not plan.explicit)
         if problem is not None:
-            if plan.explicit:
-                raise CheckpointError(f"checkpoint.resume: {problem}")
+            if plan.explicit:  # the ranks agreed on it (_verify, _try_load)
+                raise on_every_rank(CheckpointError(f"checkpoint.resume: {problem}"))
             rejected.append(problem.replace(f"{path.parent}{os.sep}", ""))
             resumed.add(warn(f"skipping checkpoint {path.name}: {problem}"))
             continue
@@ -81,9 +81,9 @@ def resume(ckpt: Checkpointer, plan: ResumePlan, verify: str = "full",
         _set_aside_after(ckpt, path, state.iteration, resumed)
         return resumed
     if rejected:
-        raise CheckpointError(
+        raise on_every_rank(CheckpointError(
             f"no usable checkpoint in {plan.root}: {'; '.join(rejected)}; nothing was deleted: "
-            "repair or remove them, or start in another run folder or checkpoint.dir")
+            "repair or remove them, or start in another run folder or checkpoint.dir"))
     return resumed
 
 

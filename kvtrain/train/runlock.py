@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from kvtrain.config import ConfigError
+from kvtrain.config import ConfigError, on_every_rank
 
 LOCK_FILE = ".kvtrain.lock"
 # how long a requeued job waits for its own earlier start's lock: NFSv4's
@@ -173,7 +173,7 @@ def hold_run_folder(run_dir: Path, what: str = "run folder",
     if distributed:
         dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
-        raise ConfigError(verdict[0])
+        raise on_every_rank(ConfigError(verdict[0]))
     return lock
 
 

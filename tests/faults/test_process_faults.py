@@ -120,6 +120,31 @@ def test_run_lock_names_its_holder_and_a_dead_holders_lock_is_taken_over(tmp_pat
     lock.release()
 
 
+def test_a_refusal_under_torchrun_is_one_line_a_node(tmp_path, cache_dir):
+    """Bare torchrun, 2 ranks: a config error (each rank reads the same file) and a
+    run folder in use (rank 0 finds it, a collective tells the others) are said
+    once, by the node's first rank; every rank printed them."""
+    config = write_config(tmp_path / "c.yaml", tiny_config(None, cache_dir))
+    run_dir = tmp_path / "run"
+    bad = run(["train", str(config), "--run-dir", str(run_dir), "--set", "train.max_step=3"],
+              nproc=2, timeout=300)
+    assert bad.returncode != 0
+    lines = [line for line in bad.stderr.splitlines() if line.startswith("kvtrain: ")]
+    assert lines == ["kvtrain: config error: --set: unknown key 'train.max_step' (did you "
+                     "mean 'train.max_steps'?)"], bad.stderr[-3000:]
+    holder = _hold_lock(run_dir)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        busy = run(["train", str(config), "--run-dir", str(run_dir)], nproc=2, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert busy.returncode != 0
+    lines = [line for line in busy.stderr.splitlines() if line.startswith("kvtrain: ")]
+    assert len(lines) == 1 and f"is in use by kvtrain pid {holder.pid}" in lines[0], \
+        busy.stderr[-3000:]
+
+
 def test_a_requeued_job_waits_for_its_own_earlier_starts_lock(tmp_path, monkeypatch, capsys):
     """On NFS the server keeps a dead node's lock until its lease ends (90 s): the
     requeued job (same SLURM job id, restart count + 1) found its own earlier

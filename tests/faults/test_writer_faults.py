@@ -53,7 +53,7 @@ def test_an_async_writer_that_dies_fails_the_save_on_every_rank(tmp_path, cache_
     ck = tmp_path / "bucket" / CK
     bucket = _failed(r"a checkpoint writer process \(pid \d+, forked by the writer \d+\)",
                      ck / "latest")
-    assert len(errors) == 2 and all(bucket.match(e) for e in errors), out[-4000:]
+    assert len(errors) == 1 and all(bucket.match(e) for e in errors), out[-4000:]  # once
     assert (ck / "latest").read_text().strip() == _it(2)
     assert not list(ck.glob("*.incomplete")) and not (ck / _it(4)).exists()
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.faults
 
-from kvtrain.cli import error_line  # noqa: E402 (light: no torch)
+from kvtrain.cli import report  # noqa: E402 (light: no torch)
 from kvtrain.config import ConfigError  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def run_plan(plan_path: str) -> int:
                 _redirect(job.get("log"))
                 code = _child(job, port)
             except ConfigError as e:  # as the CLI reports it
-                print(error_line(e), file=sys.stderr)
+                report(e)
                 code = 2
             except KeyboardInterrupt:  # as the CLI exits on it
                 code = 130
