@@ -122,7 +122,8 @@ def run(args) -> int:
                                spec.dtype)
             target = src.run_dir / EVAL_DIR / name
         out = run_harness(src.hf_dir, spec, loaded)
-        record = make_record(args.source, src.checkpoint, src.iteration, src.hf_dir, spec, out)
+        record = make_record(args.source, src.checkpoint, src.iteration,
+                             None if src.temporary else src.hf_dir, spec, out)
         print(render_table(out.tasks, out.n_samples))
         if target is not None:
             try:

@@ -26,10 +26,12 @@ from .source import EVAL_DIR
 
 
 def make_record(source: str, checkpoint: Optional[Path], iteration: Optional[int],
-                hf_dir: Path, spec: EvalSpec, out: EvalOutput) -> dict[str, Any]:
-    """The JSON record of one ``kvtrain eval``."""
+                hf_dir: Optional[Path], spec: EvalSpec, out: EvalOutput) -> dict[str, Any]:
+    """The JSON record of one ``kvtrain eval`` (``hf_dir`` None: the model was a
+    temporary export, removed since)."""
     return {"source": str(source), "checkpoint": str(checkpoint) if checkpoint else None,
-            "iteration": iteration, "hf_dir": str(hf_dir), "tasks": out.tasks,
+            "iteration": iteration, "hf_dir": str(hf_dir) if hf_dir else None,
+            "tasks": out.tasks,
             "n_samples": out.n_samples, "n_shot": out.n_shot, "versions": out.versions,
             "config": spec.as_record(), "lm_eval_version": out.lm_eval_version,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

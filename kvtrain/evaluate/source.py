@@ -40,6 +40,7 @@ class Source:
     checkpoint: Optional[Path] = None
     iteration: Optional[int] = None
     config: Optional[RunConfig] = None  # the run config the checkpoint was saved with
+    temporary: bool = False  # hf_dir is removed afterwards: no record names it
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -170,7 +171,7 @@ def prepared(source: str | Path, dtype: str) -> Iterator[Source]:
         return
     with tempfile.TemporaryDirectory(prefix="kvtrain-eval-") as tmp:
         hf_dir = _export(checkpoint, Path(tmp) / "hf", dtype)
-        yield Source(hf_dir, None, checkpoint, iteration, cfg)
+        yield Source(hf_dir, None, checkpoint, iteration, cfg, temporary=True)
 
 
 __all__ = ["EVAL_DIR", "STAMP", "Source", "cached_export", "check_tokenizer", "is_hf_folder",
