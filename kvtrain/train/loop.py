@@ -407,10 +407,11 @@ def _interrupted_said(run: Run, ckpt: Checkpointer, state: TrainState,
         yield
     except KeyboardInterrupt:
         latest, _ = read_tracker(ckpt.root)
-        where = (f"it continues from its checkpoint of iteration {iteration_of(latest)} "
-                 f"({latest})" if latest else "with no checkpoint, it starts over")
-        message = (f"interrupted at iteration {state.iteration}/{run.total_steps} with no "
-                   f"checkpoint of it; {where}")
+        saved = iteration_of(latest) if latest else None
+        where = (f"it continues from its checkpoint of iteration {saved} ({latest})"
+                 if latest else "with no checkpoint, it starts over")
+        unsaved = "" if saved == state.iteration else " with no checkpoint of it"
+        message = f"interrupted at iteration {state.iteration}/{run.total_steps}{unsaved}; {where}"
         metrics.write({"kind": "event", "iteration": state.iteration, "message": message},
                       echo=False)
         say(f"kvtrain: {message}")
