@@ -12,6 +12,8 @@ import argparse
 import importlib
 import os
 import sys
+import time
+from typing import Optional
 
 from kvtrain.train.processes import record_launcher
 
@@ -58,13 +60,22 @@ def error_line(e: ConfigError) -> str:
     return f"kvtrain: {getattr(e, 'kind', 'config error')}: {e}"
 
 
-def report(e: ConfigError) -> None:
-    """Prints ``e``'s line to stderr; one that every rank raises alike
-    (``same_on_every_rank``) only from a node's first rank, so that a refusal
-    under torchrun is one line a node, not one a rank."""
+QUIET_WAIT_S = 20.0  # how long a node's other ranks leave the line to its first
+
+
+def report(e: ConfigError, others_wait: Optional[float] = QUIET_WAIT_S) -> None:
+    """Prints ``e``'s line to stderr. One that every rank raises alike
+    (``same_on_every_rank``) is a node's first rank's to say: the others wait
+    ``others_wait`` seconds, and torchrun, once that rank has exited, ends them
+    unheard; so a refusal under torchrun is one line a node, not one a rank. A
+    rank still there after the wait (no torchrun, or its first rank went on)
+    says it too; ``others_wait`` None: the others say nothing (a caller whose
+    ranks all run to their end, such as the tests' driver)."""
     if e.same_on_every_rank and os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    print(error_line(e), file=sys.stderr)
+        if others_wait is None:
+            return
+        time.sleep(others_wait)  # exiting first, it would make torchrun end the one to say it
+    print(error_line(e), file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -145,6 +145,20 @@ def test_a_refusal_under_torchrun_is_one_line_a_node(tmp_path, cache_dir):
         busy.stderr[-3000:]
 
 
+def test_a_nodes_other_rank_says_an_agreed_refusal_when_left_alone(monkeypatch, capsys):
+    """Without a torchrun that ends it (or a first rank that says it), a node's other
+    rank says the line itself after its wait; the line of a refusal not marked as
+    every rank's is said at once by every rank."""
+    from kvtrain.cli import report
+    from kvtrain.config import ConfigError, on_every_rank
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    report(on_every_rank(ConfigError("agreed")), others_wait=0.01)
+    report(on_every_rank(ConfigError("unsaid")), others_wait=None)
+    report(ConfigError("own"))
+    assert capsys.readouterr().err == "kvtrain: config error: agreed\nkvtrain: config error: own\n"
+
+
 def test_a_requeued_job_waits_for_its_own_earlier_starts_lock(tmp_path, monkeypatch, capsys):
     """On NFS the server keeps a dead node's lock until its lease ends (90 s): the
     requeued job (same SLURM job id, restart count + 1) found its own earlier

@@ -115,8 +115,8 @@ def run_plan(plan_path: str) -> int:
             try:
                 _redirect(job.get("log"))
                 code = _child(job, port)
-            except ConfigError as e:  # as the CLI reports it
-                report(e)
+            except ConfigError as e:  # as the CLI reports it (every rank's job ends)
+                report(e, others_wait=None)
                 code = 2
             except KeyboardInterrupt:  # as the CLI exits on it
                 code = 130
