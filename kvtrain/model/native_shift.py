@@ -119,8 +119,11 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
         done = subprocess.run(compile_command(compiler, source, tmp), capture_output=True,
                               text=True, timeout=900, start_new_session=True)
         if done.returncode < 0:
-            raise NativeUnavailable(f"{compiler} was killed by "
-                                    f"{signal.Signals(-done.returncode).name} on {source.name}")
+            try:
+                name = signal.Signals(-done.returncode).name
+            except ValueError:  # a signal without a name (a real-time one)
+                name = f"signal {-done.returncode}"
+            raise NativeUnavailable(f"{compiler} was killed by {name} on {source.name}")
         if done.returncode != 0:
             errors = [line for line in (done.stderr or done.stdout).splitlines()
                       if "error" in line] or (done.stderr or done.stdout).splitlines()
