@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from data_tools.fileio import atomic_write_text
 from kvtrain.backend import init_process_group
-from kvtrain.config import RunConfig, TrainConfig, checkpoint_folder
+from kvtrain.config import ConfigError, RunConfig, TrainConfig, checkpoint_folder, on_every_rank
 from kvtrain.data.loader import loader_deaths_named
 from kvtrain.data.order import order_changed, order_fingerprint
 from kvtrain.tasks.config import accuracy_masks
@@ -321,6 +321,23 @@ class Window:
 
 
 # ----------------------------------------------------------------------------- the entry point
+@contextmanager
+def _refused_alike(stop: StopRequests):
+    """A start refused for bad input found as the run is built (a missing shard, a
+    tokenizer that does not fit, a checkpoint that does not) is refused alike by
+    every rank: each reads the same config and files. So it is one line a node
+    (``kvtrain.cli.report``), not one a rank; and a start that fails gives the
+    signals back, so that the launcher's SIGTERM ends the ranks that wait to say it
+    (no step will read the flag)."""
+    try:
+        yield
+    except BaseException as e:
+        stop.restore()
+        if isinstance(e, ConfigError):
+            on_every_rank(e)
+        raise
+
+
 def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
           status_file: Optional[Path] = None) -> int:
     """Runs (or resumes) the run of ``cfg`` in ``run_dir`` on this rank; returns the
@@ -336,7 +353,7 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
     lock = hold_run_folder(Path(run_dir), wait=wait)  # one writer per run folder (collective)
     stop = StopRequests(cfg.train.exit_duration_minutes,
                         announce=os.environ.get("LOCAL_RANK", "0") == "0").install()
-    with removed_on_bad_input(Path(run_dir), lock):  # refused: no new folder left
+    with removed_on_bad_input(Path(run_dir), lock), _refused_alike(stop):  # no new folder left
         # also where checkpoint.dir lies outside the run folder (or in another's)
         shared = hold_run_folder(checkpoint_folder(cfg.checkpoint.dir, run_dir),
                                  "checkpoint folder", wait)

@@ -121,9 +121,10 @@ def test_run_lock_names_its_holder_and_a_dead_holders_lock_is_taken_over(tmp_pat
 
 
 def test_a_refusal_under_torchrun_is_one_line_a_node(tmp_path, cache_dir):
-    """Bare torchrun, 2 ranks: a config error (each rank reads the same file) and a
-    run folder in use (rank 0 finds it, a collective tells the others) are said
-    once, by the node's first rank; every rank printed them."""
+    """Bare torchrun, 2 ranks: a config error (each rank reads the same file), a
+    missing shard (each rank finds it as the run is built) and a run folder in use
+    (rank 0 finds it, a collective tells the others) are said once, by the node's
+    first rank; every rank printed them."""
     config = write_config(tmp_path / "c.yaml", tiny_config(None, cache_dir))
     run_dir = tmp_path / "run"
     bad = run(["train", str(config), "--run-dir", str(run_dir), "--set", "train.max_step=3"],
@@ -132,6 +133,17 @@ def test_a_refusal_under_torchrun_is_one_line_a_node(tmp_path, cache_dir):
     lines = [line for line in bad.stderr.splitlines() if line.startswith("kvtrain: ")]
     assert lines == ["kvtrain: config error: --set: unknown key 'train.max_step' (did you "
                      "mean 'train.max_steps'?)"], bad.stderr[-3000:]
+    missing = tmp_path / "shards" / "gone_text_document"  # found as the run is built
+    data = {"type": "gpt", "paths": [str(missing)], "tokenizer": str(tmp_path / "t.model"),
+            "num_workers": 0, "cache_dir": str(cache_dir)}
+    shardless = write_config(tmp_path / "d.yaml", tiny_config(None, cache_dir, data=data))
+    gone = run(["train", str(shardless), "--run-dir", str(run_dir)], nproc=2, timeout=300)
+    assert gone.returncode != 0
+    lines = [line for line in gone.stderr.splitlines() if line.startswith("kvtrain: ")
+             and "error" in line]
+    assert lines == [f"kvtrain: config error: data.paths: shard {missing}.idx does not "
+                     "exist"], gone.stderr[-3000:]
+    assert not run_dir.exists()  # refused: no new folder left
     holder = _hold_lock(run_dir)
     try:
         assert holder.stdout.readline().strip() == "locked"
