@@ -22,6 +22,13 @@ the processes a save forked:
   ``SyncSaveWatch`` (a thread, during the save) prints the line and ends the
   process (exit 2); the launcher stops the other ranks. The previous
   checkpoint stays ``latest``; the next start removes the incomplete folder.
+
+A bucket that dies before its parent has started the next one leaves no
+zombie: multiprocessing waits for the children that ended at every start, so
+its exit status is gone. The wait is still told by what is left: the bucket
+processes megatron has forked all ended, one at least not waited for
+(megatron waits for them only once every part is done), for ``LEFT_WAITING_S``
+(``LeftWaiting``).
 """
 
 from __future__ import annotations
@@ -30,11 +37,18 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Iterable, Optional
 
 from data_tools.lifeline import killed_by
 
 POLL_SECONDS = 0.5
+# how long every bucket of a save may have ended, none waited for, before the
+# save is taken for one waiting for a part that will never come: a healthy parent
+# waits for them within milliseconds of the last one's end
+LEFT_WAITING_S = 5.0
+LOST = ("ended before writing its part, its exit status already taken (the kernel's "
+        "out-of-memory killer is the likely cause: see dmesg)")
 
 
 def children(pid: int) -> list[int]:
@@ -114,6 +128,28 @@ def dead_writer(writers: Iterable, forked_by: Optional[int] = None,
     return None
 
 
+class LeftWaiting:
+    """Tells a save whose bucket died unseen: every process the saving process
+    forked for it has ended, one at least still a zombie (not waited for), for
+    ``after_s``. megatron waits for the buckets' processes only once each has
+    marked its part done, so such a save waits for a part no process writes."""
+
+    def __init__(self, after_s: float = LEFT_WAITING_S):
+        self.after_s = after_s
+        self._since: dict[int, float] = {}  # saving process -> when all its buckets had ended
+
+    def check(self, parent: int, kids: Iterable[int]) -> bool:
+        kids = list(kids)
+        if not kids or any(ended(kid) is None for kid in kids):
+            self._since.pop(parent, None)
+            return False
+        first = self._since.setdefault(parent, time.monotonic())
+        return time.monotonic() - first >= self.after_s
+
+
+_ASYNC_WAITS = LeftWaiting()  # the asynchronous writers', over the checks of a run
+
+
 class SyncSaveWatch:
     """During a synchronous save: a thread that ends this process with one line
     when a writer process it forked dies (the save would wait for it forever)."""
@@ -136,8 +172,11 @@ class SyncSaveWatch:
         self._thread.join()
 
     def _watch(self, before: frozenset) -> None:
+        waits = LeftWaiting()
         while not self._done.wait(POLL_SECONDS):
             reason = dead_writer((), forked_by=os.getpid(), since=before)
+            if reason is None and waits.check(os.getpid(), set(children(os.getpid())) - before):
+                reason = f"a checkpoint writer process {LOST}"
             if reason and not self._done.is_set():
                 for kid in set(children(os.getpid())) - before:
                     try:
@@ -158,7 +197,9 @@ def check_async_writers(async_queue) -> None:
 
     calls = list(async_queue.async_calls)
     writers = [p for c in calls if (p := getattr(c.async_caller, "process", None)) is not None]
-    reason = dead_writer(writers)
+    reason = dead_writer(writers) or next(
+        (f"a checkpoint writer process (forked by the writer {w.pid}) {LOST}"
+         for w in writers if _ASYNC_WAITS.check(w.pid, children(w.pid))), None)
     reasons = [None] * dist.get_world_size()
     dist.all_gather_object(reasons, reason and f"rank {dist.get_rank()}: {reason}")
     failed = [r for r in reasons if r]
@@ -176,4 +217,5 @@ def check_async_writers(async_queue) -> None:
     raise SaveFailed("; ".join(failed))
 
 
-__all__ = ["SyncSaveWatch", "check_async_writers", "children", "dead_writer", "ended", "how"]
+__all__ = ["LEFT_WAITING_S", "LeftWaiting", "SyncSaveWatch", "check_async_writers", "children",
+           "dead_writer", "ended", "how"]

@@ -12,8 +12,10 @@
                                written, as a rank whose disk fails while it reads them back
     {"kill_writer_in_save": [4, 0, "bucket"]}  on rank 0, the save of 4 has a process
                                that writes its shards SIGKILLed as it starts, as the OOM
-                               killer does: "bucket" (a write bucket's process, forked
-                               by the process that saves) or "writer" (megatron's
+                               killer does: "bucket" (the last write bucket's process,
+                               forked by the process that saves), "first_bucket" (the
+                               first one's, waited for before the next one starts: its
+                               exit status is gone) or "writer" (megatron's
                                asynchronous writer itself)
     {"kill_loader_workers_at": 3}  SIGKILL to this rank's data loader workers (every
                                child process: a run with synchronous saves has no other)
@@ -31,6 +33,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -42,31 +45,70 @@ def _die() -> None:
 
 
 _ORIGINAL_WRITERS: dict = {}
+_DYING_BUCKET = [None]  # the index of the bucket that dies: set by the writer, read after the fork
 
 
 def _writers_die(which: str, on: bool) -> None:
     """Makes the processes megatron forks to write a checkpoint (from now on: ``on``)
-    SIGKILL themselves as they start: the first write bucket's, or the asynchronous
-    writer. Both are megatron's static methods, looked up after the fork."""
+    SIGKILL themselves as they start: the asynchronous writer ("writer"), the last
+    write bucket's ("bucket": its parent starts no other after it, so it stays a
+    zombie until waited for) or the first bucket's, its parent starting the next
+    one only once it has waited for it ("first_bucket": multiprocessing waits for
+    the ended ones as it starts another, so its exit status is gone). Both are
+    megatron's static methods, looked up after the fork."""
     from functools import wraps
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync as Writer,
     )
 
-    name = {"bucket": "write_preloaded_data", "writer": "write_preloaded_data_multiproc"}[which]
-    original = _ORIGINAL_WRITERS.setdefault(name, getattr(Writer, name))
-    if not on:
+    for name in ("write_preloaded_data", "write_preloaded_data_multiproc"):
+        original = _ORIGINAL_WRITERS.setdefault(name, getattr(Writer, name))
         setattr(Writer, name, staticmethod(original))
+    if not on:
         return
+    multiproc = _ORIGINAL_WRITERS["write_preloaded_data_multiproc"]
+    bucket = _ORIGINAL_WRITERS["write_preloaded_data"]
 
-    @wraps(original)
-    def dies(*args, **kwargs):
-        if which == "writer" or kwargs.get("local_proc_idx") == 0:
+    @wraps(multiproc)
+    def writer(*args):  # (transform_list, use_msc, rank, write_buckets, results_queue)
+        if which == "writer":
             _die()
-        return original(*args, **kwargs)
+        assert len(args[3]) > 1 or which == "bucket", "one write bucket: no other to start"
+        _DYING_BUCKET[0] = 0 if which == "first_bucket" else len(args[3]) - 1
+        with _reaped_before_the_next_start(which == "first_bucket"):
+            return multiproc(*args)
 
-    setattr(Writer, name, staticmethod(dies))
+    @wraps(bucket)
+    def dies(*args, **kwargs):
+        if kwargs.get("local_proc_idx") == _DYING_BUCKET[0]:
+            _die()
+        return bucket(*args, **kwargs)
+
+    setattr(Writer, "write_preloaded_data_multiproc", staticmethod(writer))
+    setattr(Writer, "write_preloaded_data", staticmethod(dies))
+
+
+@contextmanager
+def _reaped_before_the_next_start(on: bool):
+    """Inside: a forked process starts only once the first one started has ended
+    and been waited for (``join``), as a slow start after a quick death would."""
+    from multiprocessing.context import ForkProcess
+
+    original, started = ForkProcess.start, []
+
+    def start(self):
+        if started:
+            started[0].join()
+        original(self)
+        started.append(self)
+
+    if on:
+        ForkProcess.start = start
+    try:
+        yield
+    finally:
+        ForkProcess.start = original
 
 
 class Faults(RunHooks):

@@ -30,10 +30,15 @@ def _errors(out: str) -> list[str]:
                       r"is unchanged", out)
 
 
-def _failed(reason: str, latest: Path, removed: bool = True) -> re.Pattern:
+KILLED = (r" was killed by SIGKILL \(what the kernel's out-of-memory killer sends: "
+          r"see dmesg\)")
+LOST = (r" ended before writing its part, its exit status already taken \(the kernel's "
+        r"out-of-memory killer is the likely cause: see dmesg\)")
+
+
+def _failed(reason: str, latest: Path, removed: bool = True, how: str = KILLED) -> re.Pattern:
     return re.compile(r"saving the checkpoint of iteration 4 \(iter_0000004.incomplete\) "
-                      rf"failed: rank 0: {reason} was killed by SIGKILL \(what the kernel's "
-                      r"out-of-memory killer sends: see dmesg\); "
+                      rf"failed: rank 0: {reason}{how}; "
                       + ("the incomplete folder was removed and " if removed else "")
                       + re.escape(str(latest)) + "$")
 
@@ -85,9 +90,39 @@ def test_a_dead_writer_in_one_process_async_or_sync_is_one_line(tmp_path, cache_
         assert not list(ck.glob("*.incomplete"))
 
 
+def test_a_writer_whose_exit_status_is_gone_fails_the_save_not_hangs(tmp_path, cache_dir):
+    """The first write bucket dies as it starts, and its parent waits for it as it
+    starts the next one (multiprocessing does, at every start): no zombie is left
+    to say how it ended, and megatron waits for its part forever. Its siblings
+    ended and were not waited for: the save fails in one line, asynchronous (the
+    writer's buckets) and synchronous (the trainer's own); the resume goes on."""
+    writer, sync = tmp_path / "writer", tmp_path / "sync"
+    fault = {"kill_writer_in_save": [4, 0, "first_bucket"]}
+    jobs = [{"config": _config(tmp_path, cache_dir, "async", True), "run_dir": str(writer),
+             "expect": 2, "faults": fault},
+            {"config": _config(tmp_path, cache_dir, "sync", False), "run_dir": str(sync),
+             "expect": 2, "faults": fault},
+            {"config": _config(tmp_path, cache_dir, "sync", False), "run_dir": str(sync)}]
+    result = run_driver(jobs, tmp_path / "plan.json", timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    errors = _errors(out)
+    assert len(errors) == 2, out[-4000:]
+    assert _failed(r"a checkpoint writer process \(forked by the writer \d+\)",
+                   writer / CK / "latest", how=LOST).match(errors[0]), errors[0]
+    assert _failed("a checkpoint writer process", sync / CK / "latest", removed=False,
+                   how=LOST).match(errors[1]), errors[1]
+    assert (writer / CK / "latest").read_text().strip() == _it(2)
+    assert (sync / CK / "latest").read_text().strip() == _it(4)  # the resume's
+    for ck in (writer / CK, sync / CK):
+        assert not list(ck.glob("*.incomplete"))
+
+
 def test_dead_children_are_found_with_their_wait_status():
     """``/proc``: the children of a process (by ``task/*/children`` or by a scan),
-    and the wait status of one that died and was not waited for."""
+    the wait status of one that died and was not waited for, and a parent left
+    waiting by children that all ended."""
     import os
     import subprocess
     import time
@@ -108,6 +143,14 @@ def test_dead_children_are_found_with_their_wait_status():
         assert w.how(w.ended(clean.pid)) is None  # a clean exit is no failure
         reason = w.dead_writer((), forked_by=os.getpid(), since=frozenset({killed.pid}))
         assert reason == f"a checkpoint writer process (pid {failed.pid}) exited with status 3"
+        # a save is left waiting once every process it forked has ended, unwaited for
+        waits, me = w.LeftWaiting(after_s=0.3), os.getpid()
+        assert not waits.check(me, [clean.pid, alive.pid])  # one still writes
+        assert not waits.check(me, [clean.pid])  # all ended: the clock starts
+        time.sleep(0.35)
+        assert waits.check(me, [clean.pid, failed.pid])
+        assert not waits.check(me, [])  # none forked (before the buckets, after their wait)
+        assert not waits.check(me, [clean.pid])  # the clock starts again
     finally:
         alive.kill()
         for p in (alive, killed, failed, clean):
