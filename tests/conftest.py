@@ -20,6 +20,14 @@ import torch  # noqa: E402
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# Ctrl-C as in a terminal: `make test &` or `nohup make test > log &` starts the
+# suite with SIGINT ignored (POSIX, for a non-interactive shell's background jobs),
+# and every process it starts inherits that; kvtrain's runners keep an inherited
+# ignore (a background job's Ctrl-C is not theirs), so the tests of their Ctrl-C
+# would have tested an ignored one, and failed.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def pytest_configure(config):
     """Under xdist (make test), the controller sends the files to the workers in the
