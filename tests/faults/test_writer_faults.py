@@ -63,16 +63,16 @@ def test_an_async_writer_that_dies_fails_the_save_on_every_rank(tmp_path, cache_
     assert not list(ck.glob("*.incomplete")) and not (ck / _it(4)).exists()
 
 
-def test_a_dead_writer_in_one_process_async_or_sync_is_one_line(tmp_path, cache_dir):
-    """One rank. Asynchronous: megatron's writer itself dies (megatron said
-    "CheckpointException ranks:dict_keys([0])"). Synchronous: the trainer itself
-    waits for the write buckets, so the watch ends the process (exit 2) with the
-    line; the resume goes on from the checkpoint of 2 to the end."""
+def _one_process_saves(tmp_path, cache_dir, async_fault: str, sync_fault: str):
+    """One rank: an asynchronous run whose save of 4 loses ``async_fault``'s process,
+    a synchronous one that loses ``sync_fault``'s, then that one's resume to the end.
+    The two lines; each run keeps ``latest`` at its last good save, no incomplete
+    folder left."""
     writer, sync = tmp_path / "writer", tmp_path / "sync"
     jobs = [{"config": _config(tmp_path, cache_dir, "async", True), "run_dir": str(writer),
-             "expect": 2, "faults": {"kill_writer_in_save": [4, 0, "writer"]}},
+             "expect": 2, "faults": {"kill_writer_in_save": [4, 0, async_fault]}},
             {"config": _config(tmp_path, cache_dir, "sync", False), "run_dir": str(sync),
-             "expect": 2, "faults": {"kill_writer_in_save": [4, 0, "bucket"]}},
+             "expect": 2, "faults": {"kill_writer_in_save": [4, 0, sync_fault]}},
             {"config": _config(tmp_path, cache_dir, "sync", False), "run_dir": str(sync)}]
     result = run_driver(jobs, tmp_path / "plan.json", timeout=300)
     out = result.stdout + result.stderr
@@ -80,14 +80,23 @@ def test_a_dead_writer_in_one_process_async_or_sync_is_one_line(tmp_path, cache_
     assert "Traceback" not in out, out[-4000:]
     errors = _errors(out)
     assert len(errors) == 2, out[-4000:]
-    assert _failed(r"the checkpoint writer process \(pid \d+\)", writer / CK / "latest"
-                   ).match(errors[0]), errors[0]
-    assert _failed(r"a checkpoint writer process \(pid \d+\)", sync / CK / "latest",
-                   removed=False).match(errors[1]), errors[1]
     assert (writer / CK / "latest").read_text().strip() == _it(2)
     assert (sync / CK / "latest").read_text().strip() == _it(4)  # the resume's
     for ck in (writer / CK, sync / CK):
         assert not list(ck.glob("*.incomplete"))
+    return errors, writer / CK / "latest", sync / CK / "latest"
+
+
+def test_a_dead_writer_in_one_process_async_or_sync_is_one_line(tmp_path, cache_dir):
+    """One rank. Asynchronous: megatron's writer itself dies (megatron said
+    "CheckpointException ranks:dict_keys([0])"). Synchronous: the trainer itself
+    waits for the write buckets, so the watch ends the process (exit 2) with the
+    line; the resume goes on from the checkpoint of 2 to the end."""
+    errors, writer, sync = _one_process_saves(tmp_path, cache_dir, "writer", "bucket")
+    assert _failed(r"the checkpoint writer process \(pid \d+\)", writer).match(errors[0]), \
+        errors[0]
+    assert _failed(r"a checkpoint writer process \(pid \d+\)", sync, removed=False
+                   ).match(errors[1]), errors[1]
 
 
 def test_a_writer_whose_exit_status_is_gone_fails_the_save_not_hangs(tmp_path, cache_dir):
@@ -96,27 +105,12 @@ def test_a_writer_whose_exit_status_is_gone_fails_the_save_not_hangs(tmp_path, c
     to say how it ended, and megatron waits for its part forever. Its siblings
     ended and were not waited for: the save fails in one line, asynchronous (the
     writer's buckets) and synchronous (the trainer's own); the resume goes on."""
-    writer, sync = tmp_path / "writer", tmp_path / "sync"
-    fault = {"kill_writer_in_save": [4, 0, "first_bucket"]}
-    jobs = [{"config": _config(tmp_path, cache_dir, "async", True), "run_dir": str(writer),
-             "expect": 2, "faults": fault},
-            {"config": _config(tmp_path, cache_dir, "sync", False), "run_dir": str(sync),
-             "expect": 2, "faults": fault},
-            {"config": _config(tmp_path, cache_dir, "sync", False), "run_dir": str(sync)}]
-    result = run_driver(jobs, tmp_path / "plan.json", timeout=300)
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-4000:]
-    assert "Traceback" not in out, out[-4000:]
-    errors = _errors(out)
-    assert len(errors) == 2, out[-4000:]
-    assert _failed(r"a checkpoint writer process \(forked by the writer \d+\)",
-                   writer / CK / "latest", how=LOST).match(errors[0]), errors[0]
-    assert _failed("a checkpoint writer process", sync / CK / "latest", removed=False,
-                   how=LOST).match(errors[1]), errors[1]
-    assert (writer / CK / "latest").read_text().strip() == _it(2)
-    assert (sync / CK / "latest").read_text().strip() == _it(4)  # the resume's
-    for ck in (writer / CK, sync / CK):
-        assert not list(ck.glob("*.incomplete"))
+    errors, writer, sync = _one_process_saves(tmp_path, cache_dir, "first_bucket",
+                                              "first_bucket")
+    assert _failed(r"a checkpoint writer process \(forked by the writer \d+\)", writer,
+                   how=LOST).match(errors[0]), errors[0]
+    assert _failed("a checkpoint writer process", sync, removed=False, how=LOST
+                   ).match(errors[1]), errors[1]
 
 
 def test_dead_children_are_found_with_their_wait_status():
