@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
+from kvtrain.config import ConfigError, on_every_rank
 from kvtrain.data import fixed_batches
 from kvtrain.tasks.accuracy import AccuracyForwardStep, reduce_accuracies
 from kvtrain.model.context_parallel import context_parallel_share
@@ -67,15 +68,28 @@ class Validator:
         """The token ids of this rank's share of every validation batch, below the
         vocabulary, read before training: a shard of another tokenizer is one line at
         the start, not at the first evaluation, after train.eval_interval steps that
-        no checkpoint may have kept yet. (The toy tasks make their own ids.)"""
+        no checkpoint may have kept yet (collective: every rank raises the first
+        rank's finding). (The toy tasks make their own ids.)"""
         vocab = getattr(self.forward_step, "vocab_size", None)
         if self.iters == 0 or self.accuracy_masks or not vocab:
             return
         batches = fixed_batches(self.dataset, self.iters * self.gbs, self.mbs,
                                 parallel_state.get_data_parallel_rank(),
                                 parallel_state.get_data_parallel_world_size())
-        for batch in batches:
-            check_token_ids(batch["tokens"], vocab, self.forward_step.source)
+        found = None
+        try:
+            for batch in batches:
+                check_token_ids(batch["tokens"], vocab, self.forward_step.source)
+        except ConfigError as e:
+            found = str(e)
+        # each rank reads its own share: the first rank's finding is every rank's
+        # line, said once a node (not one a rank, each naming other ids)
+        findings = [found]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            findings = [None] * dist.get_world_size()
+            dist.all_gather_object(findings, found)
+        if first := next((f for f in findings if f), None):
+            raise on_every_rank(ConfigError(first))
 
     def forward(self) -> list:
         """The forward-only passes over the batches: what ``forward_step``'s loss

@@ -301,14 +301,23 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path, corpus, cache_di
     prefix = _copy_shard(corpus.prefix, tmp_path / "data")  # .bin and .idx: no .meta.json
     cfg = tiny_config(corpus, cache_dir, model={"vocab_size": 64})
     cfg["data"].update(paths=[prefix], tokenizer=None, eod_id=None)
-    result = run(["train", str(write_config(tmp_path / "c.yaml", cfg)),
-                  "--run-dir", str(tmp_path / "run")], timeout=120)
+    config = str(write_config(tmp_path / "c.yaml", cfg))
+    result = run(["train", config, "--run-dir", str(tmp_path / "run")], timeout=120)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(
         "kvtrain: config error: data.paths: a batch holds token id "), lines
     assert "outside model.vocab_size (64)" in lines[0]
+    # two ranks, each reading its share of the validation batches before training
+    # (each found other ids): one line, the ranks' first finding, once for the node
+    cfg["data"]["split"] = "50,50,0"  # validation batches enough for both ranks
+    cfg["train"].update(eval_interval=3, eval_iters=1)
+    config = str(write_config(tmp_path / "c2.yaml", cfg))
+    both = run(["train", config, "--run-dir", str(tmp_path / "run2")], timeout=120, nproc=2)
+    assert both.returncode != 0
+    said = [line for line in both.stderr.splitlines() if line.startswith("kvtrain: ")]
+    assert len(said) == 1 and "outside model.vocab_size (64)" in said[0], both.stderr[-3000:]
 
 
 def test_a_loader_worker_killed_mid_run_is_one_line(tmp_path, corpus, cache_dir):
