@@ -138,13 +138,19 @@ class LeftWaiting:
         self.after_s = after_s
         self._since: dict[int, float] = {}  # saving process -> when all its buckets had ended
 
-    def check(self, parent: int, kids: Iterable[int]) -> bool:
-        kids = list(kids)
-        if not kids or any(ended(kid) is None for kid in kids):
-            self._since.pop(parent, None)
-            return False
-        first = self._since.setdefault(parent, time.monotonic())
-        return time.monotonic() - first >= self.after_s
+    def check(self, buckets: dict[int, Iterable[int]]) -> Optional[int]:
+        """The first of the saving processes (``buckets``: each one's bucket
+        processes) left waiting; None: none is. Only these are remembered: a pid
+        that ended its save may come back as another's."""
+        now, stuck = time.monotonic(), None
+        self._since = {pid: t for pid, t in self._since.items() if pid in buckets}
+        for parent, kids in buckets.items():
+            kids = list(kids)
+            if not kids or any(ended(kid) is None for kid in kids):
+                self._since.pop(parent, None)
+            elif now - self._since.setdefault(parent, now) >= self.after_s and stuck is None:
+                stuck = parent
+        return stuck
 
 
 _ASYNC_WAITS = LeftWaiting()  # the asynchronous writers', over the checks of a run
@@ -175,7 +181,8 @@ class SyncSaveWatch:
         waits = LeftWaiting()
         while not self._done.wait(POLL_SECONDS):
             reason = dead_writer((), forked_by=os.getpid(), since=before)
-            if reason is None and waits.check(os.getpid(), set(children(os.getpid())) - before):
+            forked = set(children(os.getpid())) - before
+            if reason is None and waits.check({os.getpid(): forked}) is not None:
                 reason = f"a checkpoint writer process {LOST}"
             if reason and not self._done.is_set():
                 for kid in set(children(os.getpid())) - before:
@@ -197,9 +204,10 @@ def check_async_writers(async_queue) -> None:
 
     calls = list(async_queue.async_calls)
     writers = [p for c in calls if (p := getattr(c.async_caller, "process", None)) is not None]
-    reason = dead_writer(writers) or next(
-        (f"a checkpoint writer process (forked by the writer {w.pid}) {LOST}"
-         for w in writers if _ASYNC_WAITS.check(w.pid, children(w.pid))), None)
+    reason = dead_writer(writers)
+    stuck = _ASYNC_WAITS.check({w.pid: children(w.pid) for w in writers})
+    if reason is None and stuck is not None:
+        reason = f"a checkpoint writer process (forked by the writer {stuck}) {LOST}"
     reasons = [None] * dist.get_world_size()
     dist.all_gather_object(reasons, reason and f"rank {dist.get_rank()}: {reason}")
     failed = [r for r in reasons if r]

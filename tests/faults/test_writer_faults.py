@@ -139,12 +139,15 @@ def test_dead_children_are_found_with_their_wait_status():
         assert reason == f"a checkpoint writer process (pid {failed.pid}) exited with status 3"
         # a save is left waiting once every process it forked has ended, unwaited for
         waits, me = w.LeftWaiting(after_s=0.3), os.getpid()
-        assert not waits.check(me, [clean.pid, alive.pid])  # one still writes
-        assert not waits.check(me, [clean.pid])  # all ended: the clock starts
+        assert waits.check({me: [clean.pid, alive.pid]}) is None  # one still writes
+        assert waits.check({me: [clean.pid]}) is None  # all ended: the clock starts
         time.sleep(0.35)
-        assert waits.check(me, [clean.pid, failed.pid])
-        assert not waits.check(me, [])  # none forked (before the buckets, after their wait)
-        assert not waits.check(me, [clean.pid])  # the clock starts again
+        assert waits.check({me: [clean.pid, failed.pid], 1: [alive.pid]}) == me
+        assert waits.check({me: []}) is None  # none forked (before the buckets, after their wait)
+        assert waits.check({me: [clean.pid]}) is None  # the clock starts again
+        time.sleep(0.35)
+        assert waits.check({}) is None  # its save ended: forgotten, as its pid may come back
+        assert waits.check({me: [clean.pid]}) is None
     finally:
         alive.kill()
         for p in (alive, killed, failed, clean):
