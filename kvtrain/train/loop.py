@@ -374,6 +374,10 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
             resumed.add(f"kvtrain: {budget}")
         build_data(run, resumed.state)  # for what this start draws (the end may have moved)
         check_profile_start(cfg.profile, run.device, run.total_steps, run.run_dir, run.rank)
+        validators = _validators(run)
+        if resumed.state.iteration < run.total_steps:
+            for validator in validators:  # a bad id in them: one line now, not mid-run
+                validator.check_token_ids()
         if rank0:  # once the start is taken: a refused one leaves the config of the records
             write_run_config(text, run.run_dir)  # the text printed above
     state = resumed.state
@@ -388,7 +392,6 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
     for note in resumed.notes + ([order] if order else []):
         metrics.write({"kind": "event", "iteration": state.iteration, "message": note}, echo=False)
     _record_config_changes(state, metrics)
-    validators = _validators(run)
     profiler = StepProfiler.for_start(cfg.profile, run.run_dir, run.rank, run.device,
                                       state.iteration + 1, run.total_steps, metrics)
     code = 1
@@ -397,8 +400,6 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
             say(f"kvtrain: nothing to do: iteration {state.iteration} >= {run.total_steps} steps")
             code = EXIT_OK
         else:
-            for validator in validators:  # a bad id in them: one line now, not mid-run
-                validator.check_token_ids()
             with loader_deaths_named(cfg.data.num_workers), \
                     _interrupted_said(run, ckpt, state, metrics):
                 code = training_loop(run, state, ckpt, metrics, validators, stop, hooks,

@@ -318,6 +318,7 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path, corpus, cache_di
     assert both.returncode != 0
     said = [line for line in both.stderr.splitlines() if line.startswith("kvtrain: ")]
     assert len(said) == 1 and "outside model.vocab_size (64)" in said[0], both.stderr[-3000:]
+    assert not (tmp_path / "run2").exists()  # refused at the start: no new folder left
 
 
 def test_a_loader_worker_killed_mid_run_is_one_line(tmp_path, corpus, cache_dir):
