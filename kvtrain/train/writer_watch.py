@@ -185,7 +185,7 @@ class SyncSaveWatch:
             if reason is None and waits.check({os.getpid(): forked}) is not None:
                 reason = f"a checkpoint writer process {LOST}"
             if reason and not self._done.is_set():
-                for kid in set(children(os.getpid())) - before:
+                for kid in forked:
                     try:
                         os.kill(kid, signal.SIGKILL)  # the other writers: they wait on it too
                     except ProcessLookupError:
