@@ -92,8 +92,8 @@ def run(args) -> int:
 def _train_and_tabulate(args, axes, cells, run_dir: str) -> int:
     from pathlib import Path
 
-    from data_tools.fileio import atomic_write_text
     from kvtrain.experiments.paired import analyse
+    from kvtrain.experiments.results import written_whole
     from kvtrain.experiments.runner import arm_jobs, run_arms
     from kvtrain.experiments.sweep import as_arms, entries, report, tables
 
@@ -107,11 +107,12 @@ def _train_and_tabulate(args, axes, cells, run_dir: str) -> int:
     done = entries(cells, results)
     extra, analyses = analyse(axes, done, {j.arm.name: j.run_dir for j in jobs}, Path(run_dir),
                               args.arms, args.replicates)
-    atomic_write_text(Path(run_dir) / "sweep.md",
-                      report(args.config, args.overrides, axes, done, extra))
-    atomic_write_text(Path(run_dir) / "sweep.json", json.dumps(
-        {"config": args.config, "grid": {a.key: list(a.texts) for a in axes},
-         "overrides": args.overrides, "cells": done, **analyses}, indent=1, default=str) + "\n")
+    with written_whole(Path(run_dir) / "sweep.md") as f:
+        f.write(report(args.config, args.overrides, axes, done, extra))
+    with written_whole(Path(run_dir) / "sweep.json") as f:
+        f.write(json.dumps({"config": args.config, "grid": {a.key: list(a.texts) for a in axes},
+                            "overrides": args.overrides, "cells": done, **analyses},
+                           indent=1, default=str) + "\n")
     print("\n".join(tables(axes, done) + [""] + extra))
     print(f"wrote {run_dir}/sweep.md, {run_dir}/sweep.json"
           + "".join(f", {run_dir}/{f}" for f in analyses.get("files", [])))

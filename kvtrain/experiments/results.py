@@ -16,11 +16,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import IO, Iterator, Optional, Sequence
 
+from data_tools.fileio import atomic_open
 from kvtrain.analysis.runs import read_records
+from kvtrain.config import ConfigError
 from kvtrain.tasks.config import MASKS
 
 CURVE_FIELDS = ["arm", "step", "accuracy", "accuracy_all", "loss", "train_loss", "lr",
@@ -92,8 +95,29 @@ def steps_to_threshold(steps: list[int], accuracies: list[float],
     return None
 
 
+class RecordsError(ConfigError):
+    """A record of a runner's folder could not be written (a full disk, a quota)."""
+
+    kind = "output error"
+
+
+@contextmanager
+def written_whole(path: str | Path, mode: str = "w", **kwargs) -> Iterator[IO]:
+    """A file to write ``path`` through, renamed over it whole once written: a full
+    disk leaves the folder's earlier record, which a rerun reads (spec.json, an
+    arm's arm.yaml), not a cut one; and says so in one line."""
+    if "b" not in mode:
+        kwargs.setdefault("encoding", "utf-8")
+    try:
+        with atomic_open(path, mode, **kwargs) as f:
+            yield f
+    except OSError as e:
+        raise RecordsError(f"writing {path} failed: {e.strerror or e}; the folder keeps its "
+                           "earlier records") from None
+
+
 def write_results(rows: list[dict], path: str | Path) -> None:
-    with open(path, "w", newline="") as f:
+    with written_whole(path, newline="") as f:
         w = csv.DictWriter(f, CURVE_FIELDS)
         w.writeheader()
         w.writerows(rows)
@@ -207,8 +231,11 @@ def _finish(plt, fig, ax, path: str | Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with written_whole(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def summary_json(summary: dict) -> str:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from data_tools.fileio import atomic_write_text
 from data_tools.lifeline import ended_by
 
 from kvtrain.config import (ConfigError, RunConfig, checkpoint_folder, dump_yaml, load_config,
@@ -42,7 +41,7 @@ from kvtrain.train.integrity import iteration_of, read_tracker
 from .children import run_all, start_run
 from .presets import Arm
 from .results import (ArmResult, curve_from_metrics, hop_errors_from_metrics, plot_curves,
-                      plot_hop_errors, summarize, summary_json, write_results)
+                      plot_hop_errors, summarize, summary_json, write_results, written_whole)
 
 RESULT = "result.json"  # per arm: the runner's record of its process (exit code, wall time)
 ATTEMPT = "===== attempt "  # starts the line that opens each attempt's output in train.log
@@ -171,7 +170,8 @@ def arm_command(cfg_path: Path, run_dir: Path, nproc: int = 1) -> list[str]:
 def _start(job: ArmJob, threads: int, nproc: int) -> tuple[subprocess.Popen, float]:
     job.folder.mkdir(parents=True, exist_ok=True)
     cfg_path = job.folder / "arm.yaml"
-    cfg_path.write_text(dump_yaml(job.cfg))
+    with written_whole(cfg_path) as f:
+        f.write(dump_yaml(job.cfg))
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -200,9 +200,8 @@ def _attempts_logged(log_path: Path) -> int:
 
 
 def _write_record(job: ArmJob, code: Optional[int], wall: float, starts: list[float]) -> None:
-    atomic_write_text(job.folder / RESULT, json.dumps({"exit_code": code,
-                                                       "wall_s": round(wall, 1),
-                                                       "starts": starts}))
+    with written_whole(job.folder / RESULT) as f:
+        f.write(json.dumps({"exit_code": code, "wall_s": round(wall, 1), "starts": starts}))
 
 
 def _finish(job: ArmJob, code: int, started: float) -> ArmResult:
@@ -276,7 +275,8 @@ def run_experiment(configs: list[tuple[Arm, RunConfig]], run_dir: str | Path,
     spec = {**spec, "arms": [j.arm.name for j in jobs], "workers": workers, "threads": threads,
             "nproc": nproc, "commands": [" ".join(arm_command(j.folder / "arm.yaml", j.run_dir,
                                                                 nproc)) for j in jobs]}
-    (run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
+    with written_whole(run_dir / "spec.json") as f:
+        f.write(json.dumps(spec, indent=2))
     t0 = time.time()
     for job in jobs:
         if job.earlier is not None:
@@ -298,5 +298,6 @@ def run_experiment(configs: list[tuple[Arm, RunConfig]], run_dir: str | Path,
     for key in ("preset", "scale", "overrides"):
         if key in spec:
             summary[key] = spec[key]
-    (run_dir / "summary.json").write_text(summary_json(summary))
+    with written_whole(run_dir / "summary.json") as f:
+        f.write(summary_json(summary))
     return summary

@@ -17,6 +17,7 @@ from kvtrain.config import ConfigError, dump_yaml, to_dict
 from kvtrain.experiments.presets import arm_configs, preset_arms
 from kvtrain.experiments.results import curve_from_metrics
 from kvtrain.experiments.runner import arm_jobs, earlier_group
+from tests.hf.test_hf_refusals import small_files
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY = ["train.max_steps=4", "train.eval_interval=2", "train.log_interval=2",
@@ -193,6 +194,16 @@ def test_tiny_grid_through_kvtrain_train(tmp_path, capsys):
     out = capsys.readouterr().out
     assert all(f"[{arm}] finished earlier" in out for arm in arms), out
     check_outputs(run_dir, arms)
+    # a full disk as it rewrites them again: one line, and every record is whole
+    # (before: spec.json cut to nothing, an OSError traceback)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    with small_files(64):
+        rc = main(["experiment", "induction", "--preset", "fig1a", "--run-dir", str(run_dir),
+                   "--arms", ",".join(arms), "--no-wandb", *sets])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"kvtrain: output error: writing {run_dir / 'spec.json'} failed: "
+                               "File too large; the folder keeps its earlier records"], err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
 
 
 def test_a_grid_on_other_data_is_refused_before_training():
