@@ -51,6 +51,8 @@ from kvtrain.config import ConfigError
 from kvtrain.config.schema import RunConfig
 from kvtrain.tasks.config import TASK_TYPES
 
+from .index_cache import built_whole
+
 SPLIT_NAMES = ("training", "validation", "test")  # the parts of data.split, in order
 
 
@@ -375,8 +377,16 @@ def _build_valid_set(cfg: RunConfig, cache_dir: Optional[str], tokenizer: Any, s
     # its own shards' stamps: a set added keeps the training's index caches
     ds_config.shard_files = {p: stamps[p] for p in set_blend[0]}
     sizes = [0, samples, 0] if set_blend[1] is not None else [None, samples, None]
-    return BlendedMegatronDatasetBuilder(_stamped_gpt_dataset(), sizes, lambda: True,
-                                         ds_config).build()[1]
+    with built_whole(cache_dir, _writes_caches()):
+        return BlendedMegatronDatasetBuilder(_stamped_gpt_dataset(), sizes, lambda: True,
+                                             ds_config).build()[1]
+
+
+def _writes_caches() -> bool:
+    """Whether this rank writes the index caches: megatron's builder has rank 0 do it."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def build_scored_set(cfg: RunConfig, paths: list, key: str, samples: int,
@@ -449,9 +459,10 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
         # otherwise, and shares each part's size out by weight): 0 for a part not built
         part_sizes = [0 if n is None else n for n in part_sizes]
     cls = _stamped_gpt_dataset() if d.type == "gpt" else MockGPTDataset
-    train, valid, test = BlendedMegatronDatasetBuilder(
-        cls, part_sizes, lambda: True, ds_config
-    ).build()
+    with built_whole(cache_dir, _writes_caches()):
+        train, valid, test = BlendedMegatronDatasetBuilder(
+            cls, part_sizes, lambda: True, ds_config
+        ).build()
     if train is None or len(train) < train_samples:
         raise ConfigError(
             f"the training data gives {0 if train is None else len(train)} sequences of "

@@ -363,3 +363,72 @@ def test_only_torchs_loader_worker_errors_become_the_data_line():
     with pytest.raises(RuntimeError, match="^CUDA out of memory$"):
         with loader_deaths_named(4):
             raise RuntimeError("CUDA out of memory")
+
+
+def test_a_full_disk_as_the_index_cache_is_written_is_one_line_leaving_no_torn_file(
+        tmp_path, corpus, mp1):
+    """megatron writes a dataset's indices in place: a full disk (a quota) cut a file
+    short, the build failed with pages of megatron's tracebacks, and what it had
+    written stayed in the cache. Now one line, the build's files removed; with room
+    again, the same build goes through."""
+    from kvtrain.data import build_datasets
+    from kvtrain.data.index_cache import LOCK
+    from tests.hf.test_hf_refusals import small_files
+
+    cache = tmp_path / "cache"
+    cfg = load_config(write_config(tmp_path / "c.yaml", tiny_config(corpus, cache)), [])
+    with small_files(256):  # the set's description (its config, ~1 KB) is cut first
+        with pytest.raises(ConfigError, match=r"^data.cache_dir: writing the dataset indices "
+                                              rf"in {cache} failed: File too large; what the "
+                                              r"build had written there is removed"):
+            build_datasets(cfg, str(cache), 64, 16)
+    assert [p.name for p in cache.iterdir()] == [LOCK]
+    assert len(build_datasets(cfg, str(cache), 64, 16).train) >= 64
+
+
+def test_an_index_cache_cut_short_is_built_again(tmp_path, corpus, mp1, capsys):
+    """A set of index files whose .npy was cut short (a kill, a full disk before the
+    fix above): megatron took the set for a cache hit and every start failed to map
+    the short file. It is dropped, said in one line, and built again: the same
+    samples as before."""
+    from kvtrain.data import build_datasets
+
+    cache = tmp_path / "cache"
+    cfg = load_config(write_config(tmp_path / "c.yaml", tiny_config(corpus, cache)), [])
+    first = build_datasets(cfg, str(cache), 64, 16)
+    expected = [first.train[i]["tokens"].tolist() for i in (0, 5, 63)]
+    short = sorted(cache.glob("*-train-shuffle_index.npy"))[0]
+    _truncate(str(short), short.stat().st_size - 8)
+    capsys.readouterr()
+    again = build_datasets(cfg, str(cache), 64, 16)
+    assert [again.train[i]["tokens"].tolist() for i in (0, 5, 63)] == expected
+    out = capsys.readouterr().out
+    base = short.name[:-len("-shuffle_index.npy")]
+    size = short.stat().st_size  # written again, whole
+    assert f"kvtrain: data: dropped the damaged index cache {base} in {cache} ({short.name}: " \
+           f"{size - 8} bytes, its header asks for {size}: a write cut short); it is built " \
+           "again" in out, out
+
+
+def test_a_read_only_index_cache_is_read(tmp_path, corpus, mp1):
+    """A cache built once and shared read-only (a team's): read as it is, though no
+    lock file can be made there (root only: a read-only bind mount)."""
+    import subprocess
+
+    from kvtrain.data import build_datasets
+
+    built, shared = tmp_path / "built", tmp_path / "shared"
+    cfg = load_config(write_config(tmp_path / "c.yaml", tiny_config(corpus, built)), [])
+    first = build_datasets(cfg, str(built), 64, 16)
+    (built / ".kvtrain-index.lock").unlink()
+    shared.mkdir()
+    mount = subprocess.run(["mount", "--bind", str(built), str(shared)], capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {mount.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(shared)], check=True)
+        again = build_datasets(cfg, str(shared), 64, 16)
+        assert again.train[7]["tokens"].tolist() == first.train[7]["tokens"].tolist()
+        assert not (shared / ".kvtrain-index.lock").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(shared)], capture_output=True)
