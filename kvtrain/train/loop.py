@@ -322,19 +322,15 @@ class Window:
 
 # ----------------------------------------------------------------------------- the entry point
 @contextmanager
-def _refused_alike(stop: StopRequests):
+def _refused_alike():
     """A start refused for bad input found as the run is built (a missing shard, a
     tokenizer that does not fit, a checkpoint that does not) is refused alike by
     every rank: each reads the same config and files. So it is one line a node
-    (``kvtrain.cli.report``), not one a rank; and a start that fails gives the
-    signals back, so that the launcher's SIGTERM ends the ranks that wait to say it
-    (no step will read the flag)."""
+    (``kvtrain.cli.report``), not one a rank."""
     try:
         yield
-    except BaseException as e:
-        stop.restore()
-        if isinstance(e, ConfigError):
-            on_every_rank(e)
+    except ConfigError as e:
+        on_every_rank(e)
         raise
 
 
@@ -353,13 +349,25 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
     lock = hold_run_folder(Path(run_dir), wait=wait)  # one writer per run folder (collective)
     stop = StopRequests(cfg.train.exit_duration_minutes,
                         announce=os.environ.get("LOCAL_RANK", "0") == "0").install()
-    with removed_on_bad_input(Path(run_dir), lock), _refused_alike(stop):  # no new folder left
+    try:  # however it ends, the signals are given back before the CLI says why: the
+        # launcher's SIGTERM ends the ranks that wait to leave a refusal to the first
+        return _train(cfg, Path(run_dir), hooks, status_file, lock, stop, wait)
+    finally:
+        stop.restore()
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: RunConfig, run_dir: Path, hooks: RunHooks, status_file: Optional[Path],
+           lock, stop: StopRequests, wait: float) -> int:
+    """``train`` once this rank holds the run folder and its stop requests."""
+    with removed_on_bad_input(run_dir, lock), _refused_alike():  # no new folder left
         # also where checkpoint.dir lies outside the run folder (or in another's)
         shared = hold_run_folder(checkpoint_folder(cfg.checkpoint.dir, run_dir),
                                  "checkpoint folder", wait)
         if lock is not None:
             lock.hold_too(shared)
-        run = build_run(cfg, Path(run_dir), data=False)  # the data once the start is known
+        run = build_run(cfg, run_dir, data=False)  # the data once the start is known
         rank0 = run.rank == 0
         text = _announce(run) if rank0 else None
         ckpt = Checkpointer(run.checkpoint_dir, run.model, run.optimizer, run.scheduler,
@@ -410,9 +418,6 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
         profiler.close()  # a stop inside its window: what was traced
         metrics.close()
         wandb.finish(exit_code=code)
-        stop.restore()
-        if lock is not None:
-            lock.release()
     return code
 
 

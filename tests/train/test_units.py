@@ -631,3 +631,30 @@ def test_a_resume_says_how_many_damaged_metrics_lines_it_dropped(tmp_path, capsy
     assert f"metrics: dropped 1 damaged lines of {path}" in out
     assert f"the file before is kept as {copy.name}" in out
     assert path.read_text() == '{"iteration": 1}\n{"iteration": 2}\n'
+
+
+def test_a_start_that_fails_gives_the_signals_and_the_folder_back(monkeypatch, tmp_path):
+    """However ``train`` ends, before the CLI says why (it may wait for the launcher
+    to end this rank: ``kvtrain.cli.report``): the stop handlers are the process's
+    again, so the launcher's SIGTERM ends it, and the run folder's lock is let go."""
+    from kvtrain.train import loop
+    from tests.train.conftest import REPO
+
+    released = []
+
+    class Lock:
+        def release(self):
+            released.append(True)
+
+    def fails(*args):
+        assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL  # the trainer's, inside
+        raise RuntimeError("a start that fails")
+
+    monkeypatch.setattr(loop, "bind_to_launcher", lambda: None)
+    monkeypatch.setattr(loop, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(loop, "hold_run_folder", lambda *a, **k: Lock())
+    monkeypatch.setattr(loop, "_train", fails)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RuntimeError, match="a start that fails"):
+        loop.train(load_config(REPO / "configs" / "tiny.yaml", []), tmp_path / "run")
+    assert signal.getsignal(signal.SIGTERM) is before and released == [True]
