@@ -355,8 +355,7 @@ def printed_summary(summary: dict, out: Path, plots: dict[str, str]) -> str:
 def compare(paths: Sequence[str | Path], out: Optional[str | Path] = None) -> tuple[dict, str]:
     """Reads the runs, writes the report into ``out`` (default: ``compare/`` in
     the runs' common parent folder); returns (summary, printed text)."""
-    from data_tools.fileio import atomic_write_text
-
+    from .output import write_whole
     from .plots import write_plots
 
     if len(paths) < 2:
@@ -373,8 +372,8 @@ def compare(paths: Sequence[str | Path], out: Optional[str | Path] = None) -> tu
                           "another with --out") from None
     summary = summarize(runs)
     plots = write_plots(runs, out)
-    atomic_write_text(out / "report.md", report_markdown(summary, plots))
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    write_whole(out / "report.md", report_markdown(summary, plots))
+    write_whole(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     return summary, printed_summary(summary, out, plots)
 
 

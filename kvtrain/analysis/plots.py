@@ -29,10 +29,10 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> None:
-    from data_tools.fileio import atomic_open
+    from .output import written_whole
 
     fig.tight_layout()
-    with atomic_open(path, "wb") as f:
+    with written_whole(path, "wb") as f:
         fig.savefig(f, format="png", dpi=110)
 
 

@@ -345,11 +345,11 @@ def report_markdown(summary: dict, title: str = "kvtrain scaling") -> str:
 
 def write_scaling(summary: dict, out: Path, title: str = "kvtrain scaling") -> None:
     """Writes ``scaling.md``, ``scaling.json`` and ``scaling.png`` into ``out``."""
-    from data_tools.fileio import atomic_write_text
+    from .output import write_whole
 
     plot(summary, out / "scaling.png")
-    atomic_write_text(out / "scaling.md", report_markdown(summary, title))
-    atomic_write_text(out / "scaling.json", json.dumps(summary, indent=1) + "\n")
+    write_whole(out / "scaling.md", report_markdown(summary, title))
+    write_whole(out / "scaling.json", json.dumps(summary, indent=1) + "\n")
 
 
 def run_folders(paths: Sequence[str | Path]) -> list[Path]:

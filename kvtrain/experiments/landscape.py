@@ -114,7 +114,7 @@ def draw(rests: Sequence[float], path: Path, points: int = 201) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from data_tools.fileio import atomic_open
+    from kvtrain.analysis.output import written_whole
 
     fig, axes = plt.subplots(1, len(rests), figsize=(4.2 * len(rests), 4), squeeze=False)
     for ax, rest in zip(axes[0], rests):
@@ -138,18 +138,18 @@ def draw(rests: Sequence[float], path: Path, points: int = 201) -> None:
 
     # a few colours drawn: a palette PNG is a fifth of the size, the same picture
     image = Image.open(buffer).convert("RGB").quantize(colors=64)
-    with atomic_open(path, "wb") as f:
+    with written_whole(path, "wb") as f:
         image.save(f, format="png", optimize=True)
 
 
 def write_landscape(out: Path, rests: Sequence[float]) -> list[Panel]:
     """``out/landscape.png`` and ``out/landscape.json``; the panels."""
-    from data_tools.fileio import atomic_write_text
+    from kvtrain.analysis.output import write_whole
 
     panels = [panel(rest) for rest in rests]
     draw(rests, out / "landscape.png")
-    atomic_write_text(out / "landscape.json",
-                      json.dumps({"panels": [asdict(p) for p in panels]}, indent=1) + "\n")
+    write_whole(out / "landscape.json",
+                json.dumps({"panels": [asdict(p) for p in panels]}, indent=1) + "\n")
     return panels
 
 

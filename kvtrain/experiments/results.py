@@ -16,14 +16,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
-from data_tools.fileio import atomic_open
+from kvtrain.analysis.output import written_whole
 from kvtrain.analysis.runs import read_records
-from kvtrain.config import ConfigError
 from kvtrain.tasks.config import MASKS
 
 CURVE_FIELDS = ["arm", "step", "accuracy", "accuracy_all", "loss", "train_loss", "lr",
@@ -93,27 +91,6 @@ def steps_to_threshold(steps: list[int], accuracies: list[float],
         if acc == acc and acc >= threshold:
             return step
     return None
-
-
-class RecordsError(ConfigError):
-    """A record of a runner's folder could not be written (a full disk, a quota)."""
-
-    kind = "output error"
-
-
-@contextmanager
-def written_whole(path: str | Path, mode: str = "w", **kwargs) -> Iterator[IO]:
-    """A file to write ``path`` through, renamed over it whole once written: a full
-    disk leaves the folder's earlier record, which a rerun reads (spec.json, an
-    arm's arm.yaml), not a cut one; and says so in one line."""
-    if "b" not in mode:
-        kwargs.setdefault("encoding", "utf-8")
-    try:
-        with atomic_open(path, mode, **kwargs) as f:
-            yield f
-    except OSError as e:
-        raise RecordsError(f"writing {path} failed: {e.strerror or e}; the folder keeps its "
-                           "earlier records") from None
 
 
 def write_results(rows: list[dict], path: str | Path) -> None:

@@ -31,6 +31,7 @@ from typing import Optional
 
 from data_tools.lifeline import ended_by
 
+from kvtrain.analysis.output import written_whole
 from kvtrain.config import (ConfigError, RunConfig, checkpoint_folder, dump_yaml, load_config,
                             to_dict)
 from kvtrain.config.compat import config_changes
@@ -41,7 +42,7 @@ from kvtrain.train.integrity import iteration_of, read_tracker
 from .children import run_all, start_run
 from .presets import Arm
 from .results import (ArmResult, curve_from_metrics, hop_errors_from_metrics, plot_curves,
-                      plot_hop_errors, summarize, summary_json, write_results, written_whole)
+                      plot_hop_errors, summarize, summary_json, write_results)
 
 RESULT = "result.json"  # per arm: the runner's record of its process (exit code, wall time)
 ATTEMPT = "===== attempt "  # starts the line that opens each attempt's output in train.log

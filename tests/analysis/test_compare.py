@@ -345,3 +345,21 @@ def test_a_run_that_differs_beyond_the_attention_says_how(tmp_path, capsys):
             "than the attention)")
     assert printed.count("differs from A") == 1 and note in printed, printed
     assert note[len("note: "):] in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_full_disk_is_one_line_keeping_an_earlier_report(tmp_path, capsys):
+    """kvtrain compare onto a full disk (a quota): one line naming the file; the
+    report already in --out is left whole (each file is renamed in whole)."""
+    from tests.hf.test_hf_refusals import small_files
+
+    runs = [str(_write_run(tmp_path / name, [(100, 2.0), (200, 1.5)])) for name in ("a", "b")]
+    out = tmp_path / "out"
+    assert main(["compare", *runs, "--out", str(out)]) == 0
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with small_files(64):
+        assert main(["compare", *runs, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kvtrain: output error: writing {out}/") \
+        and err[0].endswith(" failed: File too large; what was there before is kept"), err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

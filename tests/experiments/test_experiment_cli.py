@@ -202,7 +202,7 @@ def test_tiny_grid_through_kvtrain_train(tmp_path, capsys):
                    "--arms", ",".join(arms), "--no-wandb", *sets])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == [f"kvtrain: output error: writing {run_dir / 'spec.json'} failed: "
-                               "File too large; the folder keeps its earlier records"], err
+                               "File too large; what was there before is kept"], err
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
 
 
