@@ -27,8 +27,9 @@ class OutputError(ConfigError):
 @contextmanager
 def written_whole(path: str | Path, mode: str = "w", **kwargs) -> Iterator[IO]:
     """A file to write ``path`` through, renamed over it once written (text: UTF-8)."""
-    if "b" not in mode:
+    if "b" not in mode:  # as data_tools.fileio.atomic_write_text writes text
         kwargs.setdefault("encoding", "utf-8")
+        kwargs.setdefault("newline", "\n")
     try:
         with atomic_open(path, mode, **kwargs) as f:
             yield f

@@ -34,6 +34,8 @@ _SET = re.compile(r"^(?P<base>[0-9a-f]{32}-\w+-(?:train|valid|test))-\w+\.(?:npy
 
 
 class IndexCacheError(ConfigError):
+    """The index caches could not be written (a full disk, a quota)."""
+
     kind = "data error"
 
 

@@ -432,3 +432,31 @@ def test_a_read_only_index_cache_is_read(tmp_path, corpus, mp1):
         assert not (shared / ".kvtrain-index.lock").exists()
     finally:
         subprocess.run(["umount", "-l", str(shared)], capture_output=True)
+
+
+def test_a_build_waits_for_another_runs_build_in_a_shared_cache(tmp_path, corpus, mp1, capsys):
+    """Two runs sharing data.cache_dir take turns: one whose lock is held says it
+    waits, then builds once the other lets go."""
+    import subprocess
+    import sys
+
+    from kvtrain.data import build_datasets
+    from kvtrain.data.index_cache import LOCK
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cfg = load_config(write_config(tmp_path / "c.yaml", tiny_config(corpus, cache)), [])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(cache / LOCK)!r}, os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(1.5)\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        assert len(build_datasets(cfg, str(cache), 64, 16).train) >= 64
+        assert holder.poll() is not None  # built only once the holder had let go
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"kvtrain: data: waiting for another run's index build in {cache}" in \
+        capsys.readouterr().out
