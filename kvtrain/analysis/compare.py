@@ -355,7 +355,7 @@ def printed_summary(summary: dict, out: Path, plots: dict[str, str]) -> str:
 def compare(paths: Sequence[str | Path], out: Optional[str | Path] = None) -> tuple[dict, str]:
     """Reads the runs, writes the report into ``out`` (default: ``compare/`` in
     the runs' common parent folder); returns (summary, printed text)."""
-    from .output import write_whole
+    from kvtrain.output import write_whole
     from .plots import write_plots
 
     if len(paths) < 2:

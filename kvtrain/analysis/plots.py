@@ -29,7 +29,7 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> None:
-    from .output import written_whole
+    from kvtrain.output import written_whole
 
     fig.tight_layout()
     with written_whole(path, "wb") as f:

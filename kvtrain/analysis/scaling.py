@@ -345,7 +345,7 @@ def report_markdown(summary: dict, title: str = "kvtrain scaling") -> str:
 
 def write_scaling(summary: dict, out: Path, title: str = "kvtrain scaling") -> None:
     """Writes ``scaling.md``, ``scaling.json`` and ``scaling.png`` into ``out``."""
-    from .output import write_whole
+    from kvtrain.output import write_whole
 
     plot(summary, out / "scaling.png")
     write_whole(out / "scaling.md", report_markdown(summary, title))

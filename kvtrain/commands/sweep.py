@@ -92,7 +92,7 @@ def run(args) -> int:
 def _train_and_tabulate(args, axes, cells, run_dir: str) -> int:
     from pathlib import Path
 
-    from kvtrain.analysis.output import written_whole
+    from kvtrain.output import written_whole
     from kvtrain.experiments.paired import analyse
     from kvtrain.experiments.runner import arm_jobs, run_arms
     from kvtrain.experiments.sweep import as_arms, entries, report, tables

@@ -114,7 +114,7 @@ def draw(rests: Sequence[float], path: Path, points: int = 201) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvtrain.analysis.output import written_whole
+    from kvtrain.output import written_whole
 
     fig, axes = plt.subplots(1, len(rests), figsize=(4.2 * len(rests), 4), squeeze=False)
     for ax, rest in zip(axes[0], rests):
@@ -144,7 +144,7 @@ def draw(rests: Sequence[float], path: Path, points: int = 201) -> None:
 
 def write_landscape(out: Path, rests: Sequence[float]) -> list[Panel]:
     """``out/landscape.png`` and ``out/landscape.json``; the panels."""
-    from kvtrain.analysis.output import write_whole
+    from kvtrain.output import write_whole
 
     panels = [panel(rest) for rest in rests]
     draw(rests, out / "landscape.png")

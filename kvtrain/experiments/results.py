@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvtrain.analysis.output import written_whole
+from kvtrain.output import written_whole
 from kvtrain.analysis.runs import read_records
 from kvtrain.tasks.config import MASKS
 

@@ -31,7 +31,7 @@ from typing import Optional
 
 from data_tools.lifeline import ended_by
 
-from kvtrain.analysis.output import written_whole
+from kvtrain.output import written_whole
 from kvtrain.config import (ConfigError, RunConfig, checkpoint_folder, dump_yaml, load_config,
                             to_dict)
 from kvtrain.config.compat import config_changes

@@ -14,16 +14,21 @@ resume passed over something (a damaged checkpoint, a history set aside), or
 when a start found no checkpoint in a folder with records (checkpoints deleted,
 ``checkpoint.dir`` changed), the dropped records may be a history of their own:
 the file is first copied to ``metrics.jsonl.before-<iteration>-<UTC time>``.
+
+A full disk (or a quota) does not end the run: the records it refuses are held
+and written once there is room (``MetricsLogger``); the file keeps whole lines.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import shutil
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +36,7 @@ import torch
 
 from data_tools.fileio import atomic_write_text
 from data_tools.units import human
+from kvtrain.output import OutputError
 from kvtrain.config import ConfigError
 
 from .wandb_logger import WandbLogger
@@ -97,29 +103,49 @@ def _fmt(value) -> str:
 
 
 class MetricsLogger:
-    """Rank 0's sink for records; other ranks hold an inactive one."""
+    """Rank 0's sink for records; other ranks hold an inactive one.
+
+    A record is appended whole or not at all: an append the disk refuses (full,
+    a quota) is cut back to the file's size before it, so the file keeps whole
+    lines. The run goes on (a checkpoint on another disk still saves; one on the
+    same disk stops the run with its own line): the records the disk refused are
+    held, in order, and written with the next record that finds room; those
+    still held at the end are named in one line (stdout has their numbers)."""
+
+    HELD_AT_MOST = 100_000  # records; about 50 MB, days of training at one a step
 
     def __init__(self, run_dir: Path, wandb: WandbLogger, active: bool):
         self.active = active
         self.path = Path(run_dir) / METRICS_FILE
         self.wandb = wandb
-        self._file = None
+        self._fd: Optional[int] = None
+        self._held: deque[tuple[int, bytes]] = deque()  # (iteration, line) the disk refused
+        self._not_held = 0  # refused past HELD_AT_MOST: lost
+        self._refused: Optional[str] = None  # why the last append failed
         if active:
             if self.path.is_dir():  # an IsADirectoryError traceback at the start
                 raise ConfigError(f"{self.path} is a folder, not the run's metrics file: "
                                   "move it away")
-            self._file = open(self.path, "a", buffering=1)  # line-buffered
+            self._open()
+
+    def _open(self) -> None:
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def resume_at(self, iteration: int, keep_copy: bool = False) -> None:
         """Forget records a crashed run wrote after the checkpoint we resume from
         (``keep_copy``: in a copy of the file, kept)."""
         if not self.active:
             return
-        self._file.close()
+        self.close()
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         backup = self.path.with_name(f"{self.path.name}.before-{iteration}-{stamp}")
-        dropped, damaged, copy = truncate_after(self.path, iteration,
-                                                backup if keep_copy else None)
+        try:
+            dropped, damaged, copy = truncate_after(self.path, iteration,
+                                                    backup if keep_copy else None)
+        except OSError as e:  # a full disk: the file is rewritten beside itself
+            raise OutputError(f"metrics: dropping the records after iteration {iteration} "
+                              f"from {self.path} failed: {e.strerror or e}; the file is as it "
+                              "was (make room and start again)") from None
         kept = f"; the file before is kept as {copy.name}" if copy is not None else ""
         if dropped:
             why = ("no checkpoint continues them" if iteration == 0 else
@@ -129,7 +155,7 @@ class MetricsLogger:
         if damaged:
             print(f"metrics: dropped {damaged} damaged lines of {self.path} (not records: "
                   f"torn by a kill, or not the trainer's){'' if dropped else kept}", flush=True)
-        self._file = open(self.path, "a", buffering=1)
+        self._open()
 
     def write(self, record: dict, echo: bool = True) -> None:
         if not self.active:
@@ -138,10 +164,45 @@ class MetricsLogger:
         clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in record.items()}
         clean.setdefault("time", round(time.time(), 3))
-        self._file.write(json.dumps(clean) + "\n")
+        self._append(record["iteration"], (json.dumps(clean) + "\n").encode("utf-8"))
         self.wandb.log(self._wandb_view(record))
         if echo:
             print(self._line(record), flush=True)
+
+    def _append(self, iteration: int, line: bytes) -> None:
+        """Appends one record after those held, or holds it too."""
+        if self._held:
+            self._write_held()  # the disk may have room again
+        if not self._held:
+            try:
+                _append_whole(self._fd, line)
+                return
+            except OSError as e:
+                if self._refused is None:
+                    print(f"kvtrain: warning: metrics: writing to {self.path} failed: "
+                          f"{e.strerror or e}; the run goes on, its records are held and "
+                          "written once there is room", flush=True)
+                self._refused = e.strerror or str(e)
+        if len(self._held) < self.HELD_AT_MOST:
+            self._held.append((iteration, line))
+        else:
+            self._not_held += 1
+
+    def _write_held(self) -> None:
+        """Appends the held records, oldest first, until the disk refuses one."""
+        count, since = len(self._held), self._held[0][0]
+        while self._held:
+            try:
+                _append_whole(self._fd, self._held[0][1])
+            except OSError as e:
+                self._refused = e.strerror or str(e)
+                return
+            self._held.popleft()
+        lost = (f" ({self._not_held} more, past the {self.HELD_AT_MOST} held, are not in it)"
+                if self._not_held else "")
+        print(f"metrics: wrote the {count} records held since iteration {since} to "
+              f"{self.path}{lost}", flush=True)
+        self._refused, self._not_held = None, 0
 
     @staticmethod
     def _wandb_view(record: dict) -> dict:
@@ -178,9 +239,34 @@ class MetricsLogger:
         return f"iter {record['iteration']:>7d} | {record.get('message', kind)}"
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is None:
+            return
+        if self._held:  # a last try: the disk may have room now
+            self._write_held()
+        if self._held:
+            first, last = self._held[0][0], self._held[-1][0]
+            many = len(self._held) + self._not_held
+            which = (f"{many} records (iterations {first}-{last})" if many > 1 else
+                     f"the record of iteration {first}")
+            print(f"kvtrain: warning: metrics: {which} could not be written to {self.path}: "
+                  f"{self._refused}", flush=True)
+            self._held.clear()
+            self._not_held = 0
+        os.close(self._fd)
+        self._fd = None
+
+
+def _append_whole(fd: int, data: bytes) -> None:
+    """Appends ``data`` to ``fd`` (O_APPEND) whole, or cuts the file back and raises."""
+    size = os.fstat(fd).st_size
+    done = 0
+    try:
+        while done < len(data):  # a short write on a nearly full disk: the next one fails
+            done += os.write(fd, data[done:])
+    except OSError:
+        if done:
+            os.ftruncate(fd, size)  # no torn line (freeing space never needs space)
+        raise
 
 
 def say(message: str) -> None:

@@ -188,23 +188,32 @@ def removed_on_bad_input(run_dir: Path, lock: Optional[RunLock]) -> Iterator[Non
     tokenizer, a checkpoint that does not fit) leaves no new folder behind: when
     this process made ``run_dir`` (``lock.fresh``), the lock holder removes what
     the start wrote there (``START_FILES``, ``START_FOLDERS``), then the folder if
-    that emptied it, and only then lets the lock go. Anything else in it, and
+    that emptied it, and only then lets the lock go; so does a checkpoint folder
+    outside it that the start made (its lock file). Anything else in them, and
     every folder that existed before, stays."""
     try:
         yield
     except ConfigError:
-        if lock is not None and lock.fresh:
-            for name in START_FOLDERS:
-                shutil.rmtree(run_dir / name, ignore_errors=True)
-            for name in START_FILES:
-                (run_dir / name).unlink(missing_ok=True)
-            try:
-                run_dir.rmdir()
-            except OSError:  # not empty: something else is there, and it stays
-                pass
         if lock is not None:
+            if lock.fresh:
+                _remove_emptied(run_dir, START_FILES, START_FOLDERS)
+            for other in lock.others:  # checkpoint.dir elsewhere (scratch storage)
+                if other.fresh:
+                    _remove_emptied(other.path.parent, (LOCK_FILE,), ())
             lock.release()
         raise
+
+
+def _remove_emptied(folder: Path, files: tuple, folders: tuple) -> None:
+    """Removes ``files`` and ``folders`` from ``folder``, then ``folder`` if that emptied it."""
+    for name in folders:
+        shutil.rmtree(folder / name, ignore_errors=True)
+    for name in files:
+        (folder / name).unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # not empty: something else is there, and it stays
+        pass
 
 
 __all__ = ["LOCK_FILE", "SAME_JOB_WAIT", "RunLock", "hold_run_folder", "lock_or_wait_for_own_job",

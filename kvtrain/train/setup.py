@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from data_tools.fileio import atomic_write_text
+from kvtrain.output import write_whole
 from kvtrain.config import ConfigError, RunConfig, checkpoint_folder, run_folder, to_dict
 from kvtrain.config.backend import BackendChoice
 from kvtrain.config.layout import Layout, derive_layout
@@ -373,9 +373,10 @@ def run_config_text(cfg: RunConfig, resolved: Optional[dict] = None) -> str:
 
 
 def write_run_config(text: str, run_dir: Path) -> None:
-    """Saves ``text`` (:func:`run_config_text`) as ``<run_dir>/config.yaml``."""
+    """Saves ``text`` (:func:`run_config_text`) as ``<run_dir>/config.yaml``, whole
+    (a full disk: one line, ``OutputError``, and the file of an earlier start kept)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", text)
+    write_whole(run_dir / "config.yaml", text)
 
 
 __all__ = ["Run", "backend_event", "build_data", "build_run", "fit_token_budget",

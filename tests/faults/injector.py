@@ -26,6 +26,8 @@
     {"read_only_after_save": [2, "/ck"]}  rank 0 mounts /ck over itself read-only
                                right after the checkpoint of 2 is complete (root only;
                                a bind mount: the lock file open in /ck keeps a remount busy)
+    {"room_at": [5, "/run/filler"]}  at the start of step 5 the file filling a disk is
+                               deleted: the disk has room again
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class Faults(RunHooks):
                  read_only_after_save: Optional[tuple[int, str]] = None,
                  kill_writer_in_save: Optional[tuple[int, int, str]] = None,
                  kill_loader_workers_at: Optional[int] = None,
-                 ctrl_c_twice_at: Optional[int] = None):
+                 ctrl_c_twice_at: Optional[int] = None,
+                 room_at: Optional[tuple[int, str]] = None):
         self.kill_in_save = kill_in_save
         self.kill_after_save = kill_after_save
         self.nonfinite_steps = frozenset(nonfinite_steps)
@@ -131,6 +134,7 @@ class Faults(RunHooks):
         self.kill_writer_in_save = tuple(kill_writer_in_save or (None, None, None))
         self.kill_loader_workers_at = kill_loader_workers_at
         self.ctrl_c_twice_at = ctrl_c_twice_at
+        self.room_at = tuple(room_at or (None, None))  # (step, a file filling a disk)
 
     def loss(self, iteration, loss_sum):
         if iteration in self.nonfinite_steps:
@@ -168,6 +172,8 @@ class Faults(RunHooks):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(SAME_PRESS_S + 0.2)
             os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt here
+        if iteration == self.room_at[0]:
+            os.unlink(self.room_at[1])  # the disk has room again, from this step on
         at, rank, which = self.kill_writer_in_save
         if at is not None and iteration in (at, at + 1):
             import torch.distributed as dist

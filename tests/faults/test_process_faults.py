@@ -253,6 +253,29 @@ def test_a_refused_start_removes_only_what_it_wrote_into_a_folder_it_made(tmp_pa
     assert {p.name for p in (tmp_path / "old").iterdir()} >= {"config.yaml", "data_cache"}
 
 
+def test_a_refused_start_removes_a_checkpoint_folder_it_made_elsewhere(tmp_path):
+    """checkpoint.dir outside the run folder, made by this start: a refused start
+    left it behind, empty but for its lock file; now it goes like the run folder
+    (one that existed, or holds anything else, stays)."""
+    import pytest
+
+    from kvtrain.config import ConfigError
+    from kvtrain.train.runlock import removed_on_bad_input, try_lock
+
+    def refused(run_dir, ck):
+        lock, _ = try_lock(run_dir)
+        lock.hold_too(try_lock(ck)[0])
+        with pytest.raises(ConfigError):
+            with removed_on_bad_input(run_dir, lock):
+                raise ConfigError("no room for config.yaml")
+
+    refused(tmp_path / "run", tmp_path / "scratch" / "ck")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "scratch" / "ck").exists()
+    (tmp_path / "old-ck").mkdir()
+    refused(tmp_path / "run", tmp_path / "old-ck")
+    assert (tmp_path / "old-ck" / ".kvtrain.lock").exists()
+
+
 def test_a_checkpoint_folder_in_use_by_another_run_is_refused(tmp_path, cache_dir):
     """checkpoint.dir outside the run folder (scratch storage) is locked too: a run
     in another run folder on a checkpoint folder in use (held here by a plain

@@ -658,3 +658,106 @@ def test_a_start_that_fails_gives_the_signals_and_the_folder_back(monkeypatch, t
     with pytest.raises(RuntimeError, match="a start that fails"):
         loop.train(load_config(REPO / "configs" / "tiny.yaml", []), tmp_path / "run")
     assert signal.getsignal(signal.SIGTERM) is before and released == [True]
+
+
+# ----------------------------------------------------------------------------- a full run folder
+class _Rows:
+    """wandb's stand-in: the rows it was given."""
+
+    def __init__(self):
+        self.rows = []
+
+    def log(self, row):
+        self.rows.append(row)
+
+
+def _records(n: int, first: int = 1) -> list[dict]:
+    return [{"kind": "train", "iteration": i, "lm_loss": 2.0 + i / 100} for i in
+            range(first, first + n)]
+
+
+def _iterations(path) -> list[int]:
+    return [json.loads(line)["iteration"] for line in path.read_text().splitlines()]
+
+
+def test_a_full_disk_holds_the_records_until_there_is_room(tmp_path, capsys):
+    """metrics.jsonl on a full disk (a quota) mid-run: the append failed with an
+    OSError traceback that ended the run (its last line torn); now the run goes on
+    with one warning, the file keeps whole lines only, and the records held are
+    written, in order, once there is room again."""
+    from kvtrain.train.metrics import MetricsLogger
+    from tests.hf.test_hf_refusals import small_files
+
+    logger = MetricsLogger(tmp_path, wandb=_Rows(), active=True)
+    for record in _records(3):
+        logger.write(record, echo=False)
+    path = tmp_path / "metrics.jsonl"
+    whole = path.read_bytes()
+    with small_files(len(whole) + 20):  # room for a piece of the next line, not all of it
+        for record in _records(4, first=4):
+            logger.write(record, echo=False)
+        assert path.read_bytes() == whole  # no torn line
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"kvtrain: warning: metrics: writing to {path} "
+                                               "failed: File too large;"), out
+    assert "records are held" in out[0], out
+    logger.write(_records(1, first=8)[0], echo=False)
+    assert _iterations(path) == list(range(1, 9))
+    assert capsys.readouterr().out.strip() == \
+        f"metrics: wrote the 4 records held since iteration 4 to {path}"
+    logger.close()
+
+
+def test_records_the_disk_never_took_are_named_at_the_end(tmp_path, capsys):
+    from kvtrain.train.metrics import MetricsLogger
+    from tests.hf.test_hf_refusals import small_files
+
+    logger = MetricsLogger(tmp_path, wandb=_Rows(), active=True)
+    logger.write(_records(1)[0], echo=False)
+    path = tmp_path / "metrics.jsonl"
+    with small_files(path.stat().st_size):
+        for record in _records(3, first=2):
+            logger.write(record, echo=False)
+        logger.close()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == (f"kvtrain: warning: metrics: 3 records (iterations 2-4) could not be "
+                       f"written to {path}: File too large"), out
+    assert _iterations(path) == [1]
+
+
+def test_a_resume_on_a_full_disk_is_one_line_and_keeps_the_records(tmp_path):
+    """Dropping the records past the checkpoint needs room for the file rewritten:
+    on a full disk it was an OSError traceback; now one line, the file as it was."""
+    from kvtrain.output import OutputError
+    from kvtrain.train.metrics import MetricsLogger
+    from tests.hf.test_hf_refusals import small_files
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _records(6)))
+    before = path.read_bytes()
+    logger = MetricsLogger(tmp_path, wandb=_Rows(), active=True)
+    with small_files(10), pytest.raises(OutputError) as e:
+        logger.resume_at(3)
+    assert str(e.value).startswith(f"metrics: dropping the records after iteration 3 from "
+                                   f"{path} failed: File too large;"), e.value
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
+def test_records_past_those_held_are_counted_as_lost(tmp_path, capsys):
+    """The records held are bounded (a run on a full disk for days): those past
+    the bound are counted, and said when the held ones are written."""
+    from kvtrain.train.metrics import MetricsLogger
+    from tests.hf.test_hf_refusals import small_files
+
+    logger = MetricsLogger(tmp_path, wandb=_Rows(), active=True)
+    logger.HELD_AT_MOST = 2
+    with small_files(0):
+        for record in _records(4):
+            logger.write(record, echo=False)
+    logger.write(_records(1, first=5)[0], echo=False)
+    path = tmp_path / "metrics.jsonl"
+    assert _iterations(path) == [1, 2, 5]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"metrics: wrote the 2 records held since iteration 1 to {path} (2 more, past the "
+        "2 held, are not in it)")
+    logger.close()

@@ -1,8 +1,8 @@
 """Reports and records written whole, and a full disk said in one line.
 
 What the analysis and the runners write (a comparison's report, a runner's
-``spec.json`` that its next run reads, the plots) goes to a file beside its
-place and is renamed over it once whole (``data_tools.fileio.atomic_open``):
+``spec.json`` that its next run reads, the plots), and a run's ``config.yaml``,
+goes to a file beside its place and is renamed over it once whole (``data_tools.fileio.atomic_open``):
 a full disk or a quota leaves the file that was there, not a cut one, and is
 reported as ``kvtrain: output error: writing PATH failed: REASON; ...``, not as
 an ``OSError`` traceback.
