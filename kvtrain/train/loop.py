@@ -31,7 +31,7 @@ from .checkpoint import Checkpointer, TrainState
 from .evaluation import Validator, gather_shift_coefficients, shift_statistics
 from .hooks import RunHooks
 from .integrity import iteration_of, plan_resume, read_tracker
-from .metrics import MetricsLogger, peak_memory_gib, say
+from .metrics import MetricsLogger, log_kept_writing, peak_memory_gib, say
 from .optimizer import current_lr
 from .processes import bind_to_launcher
 from .profiling import StepProfiler, check_profile_start
@@ -351,7 +351,8 @@ def train(cfg: RunConfig, run_dir: Path, hooks: Optional[RunHooks] = None,
                         announce=os.environ.get("LOCAL_RANK", "0") == "0").install()
     try:  # however it ends, the signals are given back before the CLI says why: the
         # launcher's SIGTERM ends the ranks that wait to leave a refusal to the first
-        return _train(cfg, Path(run_dir), hooks, status_file, lock, stop, wait)
+        with log_kept_writing():  # a log on a full disk: lines missing, not the run
+            return _train(cfg, Path(run_dir), hooks, status_file, lock, stop, wait)
     finally:
         stop.restore()
         if lock is not None:

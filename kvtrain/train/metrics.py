@@ -29,8 +29,9 @@ import shutil
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -267,6 +268,56 @@ def _append_whole(fd: int, data: bytes) -> None:
         if done:
             os.ftruncate(fd, size)  # no torn line (freeing space never needs space)
         raise
+
+
+class LogStream:
+    """A run's stdout or stderr that a full disk (a quota) does not end the run
+    through: SLURM's log is in the run folder under ``kvtrain submit``, and a
+    print that fails there raised ``OSError`` out of the training loop. A write
+    or flush that fails is dropped (what the stream kept buffered is written
+    later), and the first write that works again says that lines may be
+    missing."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.failed: Optional[str] = None  # why the last write failed; None: it did not
+
+    def write(self, text: str) -> int:
+        try:
+            if self.failed is not None:
+                self.stream.write(f"kvtrain: warning: lines of this log may be missing here: "
+                                  f"writing it failed ({self.failed})\n")
+                self.failed = None
+            return self.stream.write(text)
+        except OSError as e:
+            self.failed = e.strerror or str(e)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as e:
+            self.failed = e.strerror or str(e)
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def log_kept_writing() -> Iterator[None]:
+    """``sys.stdout`` and ``sys.stderr`` as ``LogStream`` while a run trains. They
+    stay so after it where the disk still refuses them: the interpreter's last
+    flush would fail and turn the run's exit code 0 into 1 (Python 3.11)."""
+    kept = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = LogStream(sys.stdout), LogStream(sys.stderr)
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, LogStream):
+                stream.flush()
+        if not any(isinstance(s, LogStream) and s.failed for s in (sys.stdout, sys.stderr)):
+            sys.stdout, sys.stderr = kept
 
 
 def say(message: str) -> None:

@@ -1,11 +1,13 @@
 """A run folder that fills (a full disk, a quota) under a run whose checkpoints
 are elsewhere: ``metrics.jsonl`` stopped the run with an OSError traceback and
-a torn last line. Now the run trains on with one warning, the file keeps whole
-lines, and the records the disk refused are written once there is room (or
-named at the end); a start whose ``config.yaml`` cannot be written is one line.
+a torn last line, and so did a print when the run's log is in the folder too
+(SLURM's, under ``kvtrain submit``). Now the run trains on with one warning, the
+file keeps whole lines, and the records the disk refused are written once there
+is room (or named at the end); the log says where lines may be missing; a start
+whose ``config.yaml`` cannot be written is one line.
 
 The run folders are small tmpfs mounts (root only), filled by a file that a
-fault deletes at a chosen step (``room_at``): three jobs in one driver launch.
+fault deletes at a chosen step (``room_at``): four jobs in one driver launch.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def _filled(where: Path, room_pages: int) -> bool:
 def full(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("run_folder_faults")
     # lock + config.yaml + one page of records (about 8 of them)
-    names = {"room-returns": 3, "never-room": 3, "no-room-for-the-config": 1}
+    # "logged-here": its log is in the run folder too, as `kvtrain submit` puts SLURM's
+    names = {"room-returns": 3, "never-room": 3, "no-room-for-the-config": 1, "logged-here": 4}
     mounted = [name for name, pages in names.items() if _filled(root / name, pages)]
     if len(mounted) < len(names):
         for name in mounted:
@@ -49,11 +52,16 @@ def full(tmp_path_factory, cache_dir):
              "overrides": [f"checkpoint.dir={root / 'checkpoints' / name}"], **extra}
             for name, extra in (("room-returns", {"faults": {"room_at": [10, str(
                 root / "room-returns" / "filler")]}}), ("never-room", {}),
-                ("no-room-for-the-config", {"expect": 2}))]
+                ("no-room-for-the-config", {"expect": 2}),
+                ("logged-here", {"log": str(root / "logged-here" / "logs" / "out.log"),
+                                 "faults": {"room_at": [10, str(root / "logged-here/filler")]}}))]
+    (root / "logged-here" / "logs").mkdir()
     try:
         result = run_driver(jobs, root / "plan.json")
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        yield root, {name: (root / f"{name}.log").read_text() for name in names}, {
+        logs = {name: (root / f"{name}.log") for name in names}
+        logs["logged-here"] = root / "logged-here" / "logs" / "out.log"
+        yield root, {name: path.read_text() for name, path in logs.items()}, {
             name: (root / name / "metrics.jsonl").read_bytes() for name in names
             if (root / name / "metrics.jsonl").exists()}
     finally:
@@ -112,3 +120,16 @@ def test_a_start_with_no_room_for_its_config_is_one_line(full):
                          "config.yaml failed: No space left on device; what was there before "
                          "is kept"), lines
     assert not (root / "checkpoints/no-room-for-the-config").exists()
+
+
+def test_a_log_on_the_full_disk_does_not_end_the_run(full):
+    """stdout and stderr in the run folder (SLURM's log under `kvtrain submit`): a
+    print onto the full disk ended the run (OSError, exit 1, the last save lost)."""
+    root, logs, files = full
+    log = logs["logged-here"]
+    assert "Traceback" not in log, log[-2000:]
+    assert _train_iterations(_records(files["logged-here"])) == list(range(1, STEPS + 1))
+    assert "kvtrain: warning: lines of this log may be missing here: writing it failed " \
+        "(No space left on device)" in log, log[-3000:]
+    assert f"kvtrain: finished at iteration {STEPS}/{STEPS}" in log, log[-2000:]
+    assert (root / "checkpoints/logged-here/latest").read_text().strip() == f"iter_{STEPS:07d}"

@@ -761,3 +761,44 @@ def test_records_past_those_held_are_counted_as_lost(tmp_path, capsys):
         f"metrics: wrote the 2 records held since iteration 1 to {path} (2 more, past the "
         "2 held, are not in it)")
     logger.close()
+
+
+def test_a_log_the_disk_refuses_loses_lines_not_the_run(tmp_path):
+    """``LogStream``: a print onto a full disk raised OSError out of the training
+    loop; now it is dropped, and the first write that works says lines may be
+    missing. ``log_kept_writing`` gives the streams back once they write again."""
+    import io
+    import sys
+
+    from kvtrain.train.metrics import LogStream, log_kept_writing
+    from tests.hf.test_hf_refusals import small_files
+
+    path = tmp_path / "out.log"
+    with open(path, "w", buffering=1) as raw:
+        log = LogStream(raw)
+        print("before", file=log, flush=True)
+        with small_files(path.stat().st_size):
+            print("x" * 10_000, file=log, flush=True)  # past any buffer: it fails
+            assert log.failed == "File too large"
+        print("after", file=log, flush=True)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "before" and lines[-2:] == [
+        "kvtrain: warning: lines of this log may be missing here: writing it failed "
+        "(File too large)", "after"], lines[-3:]
+
+    streams = sys.stdout, sys.stderr
+    with log_kept_writing():
+        assert isinstance(sys.stdout, LogStream) and isinstance(sys.stderr, LogStream)
+    assert (sys.stdout, sys.stderr) == streams
+
+    class Full(io.StringIO):
+        def flush(self):
+            raise OSError(28, "No space left on device")
+
+    sys.stdout = Full()
+    try:
+        with log_kept_writing():
+            print("lost")
+        assert isinstance(sys.stdout, LogStream) and sys.stdout.failed  # kept: no exit 1
+    finally:
+        sys.stdout, sys.stderr = streams
