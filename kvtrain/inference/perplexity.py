@@ -120,7 +120,7 @@ def score(loaded: LoadedModel, scoring: Scoring) -> dict:
         validator.forward_step = PositionForwardStep(
             validator.forward_step, s.seq_length, int(tokenizer.eod) if separated else None)
     losses = validator.forward()  # collective
-    loss, tokens = global_mean_loss(losses)
+    loss, tokens = global_mean_loss(losses, validator.forward_step)
     loaded.model.eval()  # the validator leaves its model in training mode
     result = {"loss": loss, "ppl": math.exp(min(loss, 80.0)), "tokens": tokens,
               "sequences": s.sequences, "batch_size": s.batch_size, "seq_length": s.seq_length}

@@ -65,6 +65,13 @@ class PositionForwardStep:
         positions = context_positions(tap.batch["tokens"], self.eod)  # [b, s]
         return output, partial(self._loss, loss, tap.batch["loss_mask"], positions)
 
+    @property
+    def bad_ids(self):  # the inner step's token ids outside the vocabulary
+        return self.inner.bad_ids
+
+    def stop_on_bad_ids(self, some_rank_found: bool) -> None:
+        self.inner.stop_on_bad_ids(some_rank_found)
+
     def _loss(self, inner: Callable, loss_mask: torch.Tensor, positions: torch.Tensor,
               output: torch.Tensor):
         loss_sum, tokens, logs = inner(output)

@@ -56,7 +56,7 @@ class Validator:
         if self.iters == 0:
             return None
         losses = self.forward()  # collective
-        loss, tokens = global_mean_loss(losses)
+        loss, tokens = global_mean_loss(losses, self.forward_step)
         record = {"kind": "valid", **({"set": self.name} if self.name else {}),
                   "iteration": iteration, "val_loss": loss,
                   "val_ppl": math.exp(min(loss, 80.0)), "val_tokens": tokens}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from kvtrain.config import ConfigError
+from kvtrain.config import ConfigError, on_every_rank
 from kvtrain.model.context_parallel import context_parallel_share
 
 from .hooks import RunHooks
@@ -65,11 +65,12 @@ class ForwardStep:
         self.documents = documents
         self.vocab_size = vocab_size  # model.vocab_size: the token ids checked below it
         self.source = source  # the key naming the shards read (a bad id's line)
+        self.bad_ids: Optional[tuple[int, int]] = None  # (lowest, highest) outside it, this step
 
     def __call__(self, data_iterator, model):
         batch = {k: v for k, v in next(data_iterator).items() if k in BATCH_KEYS}
         if self.vocab_size is not None:
-            check_token_ids(batch["tokens"], self.vocab_size, self.source)
+            batch = self._in_vocabulary(batch)
         if torch.cuda.is_available():
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
         packed = None
@@ -82,21 +83,66 @@ class ForwardStep:
         return output, partial(loss_func, batch["loss_mask"], alter)
 
 
+    def _in_vocabulary(self, batch: dict) -> dict:
+        """The micro batch with its ids clamped into the vocabulary, and those
+        outside noted in ``bad_ids``: the step's collectives still run, and its
+        all-reduce tells every rank (``stop_on_bad_ids``), before any update."""
+        bad = ids_outside(batch["tokens"], batch["labels"], vocab_size=self.vocab_size)
+        if bad is None:
+            return batch
+        if self.bad_ids is not None:
+            bad = (min(bad[0], self.bad_ids[0]), max(bad[1], self.bad_ids[1]))
+        self.bad_ids = bad
+        top = self.vocab_size - 1
+        return {**batch, "tokens": batch["tokens"].clamp(0, top),
+                "labels": batch["labels"].clamp(0, top)}
+
+    def stop_on_bad_ids(self, some_rank_found: bool, iteration: Optional[int] = None) -> None:
+        """Every rank raises the same line when one found ids outside the vocabulary
+        (collective: call it on every rank when ``some_rank_found``, a value they
+        share)."""
+        mine, self.bad_ids = self.bad_ids, None
+        if not some_rank_found:
+            return
+        low, high = mine if mine is not None else (0, 0)
+        extremes = torch.tensor([-low, high], dtype=torch.float64)  # [2]: a max gives both
+        if torch.cuda.is_available():
+            extremes = extremes.cuda()
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        low, high = -int(extremes[0].item()), int(extremes[1].item())
+        raise on_every_rank(ConfigError(token_id_refusal(
+            high if high >= self.vocab_size else low, self.vocab_size, self.source,
+            f" of step {iteration}" if iteration else "")))
+
+
+def ids_outside(*ids: torch.Tensor, vocab_size: int) -> Optional[tuple[int, int]]:
+    """(lowest, highest) id of ``ids`` (on the host: one pass over each) where one is
+    outside ``[0, vocab_size)``; None where all are in it."""
+    found = [torch.aminmax(t) for t in ids if t.numel()]
+    if not found:
+        return None
+    low, high = min(int(lo) for lo, _ in found), max(int(hi) for _, hi in found)
+    return (low, high) if low < 0 or high >= vocab_size else None
+
+
+def token_id_refusal(token: int, vocab_size: int, source: str, where: str = "") -> str:
+    """The line of a batch holding ``token`` outside ``model.vocab_size``: shards of a
+    larger vocabulary whose ``.meta.json`` does not say so (megatron's own) were an
+    IndexError traceback in the embedding at the first step on a CPU, a
+    device-side assert on a GPU (or, below the padded vocabulary, ids of no token
+    and labels that the cross-entropy masks, silently)."""
+    return (f"{source}: a batch{where} holds token id {token}, outside model.vocab_size "
+            f"({vocab_size}): the shards were made with another tokenizer (set "
+            "model.vocab_size to its size, or data.tokenizer to it, which is checked before "
+            "training)")
+
+
 def check_token_ids(tokens: torch.Tensor, vocab_size: int, source: str = "data.paths") -> None:
-    """Token ids of a micro batch [b, s] (on the host: a max over b x s ints) below
-    ``model.vocab_size``. Shards of a larger vocabulary whose ``.meta.json`` does
-    not say so (megatron's own) were an IndexError traceback in the embedding at
-    the first step on a CPU, a device-side assert on a GPU (or, below the padded
-    vocabulary, ids of no token, silently)."""
-    if not tokens.numel():
-        return
-    low, high = (int(x) for x in torch.aminmax(tokens))  # one pass over the ids
-    if low < 0 or high >= vocab_size:
-        raise ConfigError(
-            f"{source}: a batch holds token id {high if high >= vocab_size else low}, "
-            f"outside model.vocab_size ({vocab_size}): the shards were made with another "
-            "tokenizer (set model.vocab_size to its size, or data.tokenizer to it, which is "
-            "checked before training)")
+    """Token ids of a batch [b, s] below ``model.vocab_size`` (``token_id_refusal``)."""
+    bad = ids_outside(tokens, vocab_size=vocab_size)
+    if bad is not None:
+        raise ConfigError(token_id_refusal(bad[1] if bad[1] >= vocab_size else bad[0],
+                                           vocab_size, source))
 
 
 def schedule_shape(documents: Optional[Callable], seq_length: int,
@@ -172,13 +218,16 @@ def train_step(forward_backward: Callable, forward_step: ForwardStep, data_itera
         decoder_seq_length=seq_length,
         forward_only=False,
     )
-    # One all-reduce per step carries the loss and the stop requests of every
-    # rank: all ranks see the same loss (finite or not) and the same flags.
-    packed = torch.cat([reduce_losses(losses), torch.tensor(stop_flags, dtype=torch.float64)])
+    # One all-reduce per step carries the loss, the stop requests and the token ids
+    # outside the vocabulary of every rank: all ranks see the same loss (finite or
+    # not) and the same flags.
+    flags = (*stop_flags, float(forward_step.bad_ids is not None))
+    packed = torch.cat([reduce_losses(losses), torch.tensor(flags, dtype=torch.float64)])
     if torch.cuda.is_available():
         packed = packed.cuda()
     dist.all_reduce(packed)
-    loss_sum, tokens, signal_flag, time_flag = packed.cpu().tolist()
+    loss_sum, tokens, signal_flag, time_flag, bad_ids = packed.cpu().tolist()
+    forward_step.stop_on_bad_ids(bad_ids > 0, forward_step.iteration)  # before the update
     loss = loss_sum / max(tokens, 1.0)
     if forward_step.hooks is not None:
         forward_step.hooks.gradients(forward_step.iteration, model)
@@ -187,11 +236,16 @@ def train_step(forward_backward: Callable, forward_step: ForwardStep, data_itera
                       stop_signal=signal_flag > 0, time_up=time_flag > 0)
 
 
-def global_mean_loss(losses: list) -> tuple[float, int]:
-    """Mean per-token loss of a forward-only pass, reduced like ``train_step``."""
-    packed = reduce_losses(losses)
+def global_mean_loss(losses: list, forward_step=None) -> tuple[float, int]:
+    """Mean per-token loss of a forward-only pass, reduced like ``train_step``; the
+    token ids outside the vocabulary that ``forward_step`` (the same kind on every
+    rank) found stop every rank alike."""
+    found = getattr(forward_step, "bad_ids", None) is not None
+    packed = torch.cat([reduce_losses(losses), torch.tensor([float(found)], dtype=torch.float64)])
     if torch.cuda.is_available():
         packed = packed.cuda()
     dist.all_reduce(packed)
-    loss_sum, tokens = packed.cpu().tolist()
+    loss_sum, tokens, bad_ids = packed.cpu().tolist()
+    if hasattr(forward_step, "stop_on_bad_ids"):
+        forward_step.stop_on_bad_ids(bad_ids > 0)
     return loss_sum / max(tokens, 1.0), int(tokens)

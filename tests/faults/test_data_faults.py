@@ -297,7 +297,8 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path, corpus, cache_di
     """Shards of a larger vocabulary than model.vocab_size, with no .meta.json or
     tokenizer to say so (megatron's own shards): an IndexError traceback in the
     embedding at the first step (on a GPU a device-side assert). Now one line
-    naming data.paths and the id, before the batch reaches the model."""
+    naming data.paths, the step and the id: the ids are clamped for the model, and
+    the step is refused before its update."""
     prefix = _copy_shard(corpus.prefix, tmp_path / "data")  # .bin and .idx: no .meta.json
     cfg = tiny_config(corpus, cache_dir, model={"vocab_size": 64})
     cfg["data"].update(paths=[prefix], tokenizer=None, eod_id=None)
@@ -307,7 +308,7 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path, corpus, cache_di
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(
-        "kvtrain: config error: data.paths: a batch holds token id "), lines
+        "kvtrain: config error: data.paths: a batch of step 1 holds token id "), lines
     assert "outside model.vocab_size (64)" in lines[0]
     # two ranks, each reading its share of the validation batches before training
     # (each found other ids): one line, the ranks' first finding, once for the node
@@ -319,6 +320,27 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path, corpus, cache_di
     said = [line for line in both.stderr.splitlines() if line.startswith("kvtrain: ")]
     assert len(said) == 1 and "outside model.vocab_size (64)" in said[0], both.stderr[-3000:]
     assert not (tmp_path / "run2").exists()  # refused at the start: no new folder left
+
+
+def test_token_ids_beyond_the_vocabulary_in_a_training_step_are_one_line_a_node(
+        tmp_path, corpus, cache_dir):
+    """Two ranks, each finding other ids in its training micro batches: each said its
+    own line (or one died first and the other waited for it in the step's
+    collectives). Now each notes what it found, clamps the ids so the step's
+    collectives still run, and the step's all-reduce tells every rank: one line,
+    the same on every rank (the highest id found), once for the node, no update."""
+    prefix = _copy_shard(corpus.prefix, tmp_path / "data")
+    cfg = tiny_config(corpus, cache_dir, model={"vocab_size": 64})
+    cfg["data"].update(paths=[prefix], tokenizer=None, eod_id=None, split="100,0,0")
+    config = str(write_config(tmp_path / "c.yaml", cfg))
+    both = run(["train", config, "--run-dir", str(tmp_path / "run")], timeout=120, nproc=2)
+    assert both.returncode != 0, both.stderr[-3000:]
+    assert "kvtrain/train" not in both.stderr, both.stderr[-3000:]  # torchrun's own is there
+    said = [line for line in both.stderr.splitlines() if line.startswith("kvtrain: ")]
+    assert len(said) == 1 and said[0].startswith(
+        "kvtrain: config error: data.paths: a batch of step 1 holds token id "), said
+    assert "outside model.vocab_size (64)" in said[0], said
+    assert not list((tmp_path / "run" / "checkpoints").glob("iter_*"))
 
 
 def test_a_loader_worker_killed_mid_run_is_one_line(tmp_path, corpus, cache_dir):

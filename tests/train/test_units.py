@@ -617,6 +617,24 @@ def test_token_ids_are_checked_below_the_vocabulary_and_above_zero():
             check_token_ids(torch.tensor(ids), 64)
 
 
+def test_a_training_step_clamps_ids_outside_the_vocabulary_and_notes_them():
+    """``ForwardStep``: ids outside the vocabulary in the tokens or the labels (the
+    last label is the next sequence's first token: the tokens alone missed it) are
+    noted across the step's micro batches and clamped, so that the step's
+    collectives still run; ``stop_on_bad_ids`` then raises on every rank."""
+    from kvtrain.train.step import ForwardStep
+
+    step = ForwardStep(vocab_size=64)
+    good = {"tokens": torch.tensor([[1, 2]]), "labels": torch.tensor([[2, 3]])}
+    assert step._in_vocabulary(good) is good and step.bad_ids is None
+    seen = step._in_vocabulary({"tokens": torch.tensor([[1, 2]]), "labels": torch.tensor([[2, 70]])})
+    assert seen["labels"].tolist() == [[2, 63]] and step.bad_ids == (1, 70)
+    step._in_vocabulary({"tokens": torch.tensor([[-2, 2]]), "labels": torch.tensor([[2, 3]])})
+    assert step.bad_ids == (-2, 70)
+    step.stop_on_bad_ids(False)
+    assert step.bad_ids is None  # forgotten with the step
+
+
 def test_a_resume_says_how_many_damaged_metrics_lines_it_dropped(tmp_path, capsys):
     """``MetricsLogger.resume_at`` names the damaged lines and where the file before
     went (kept aside though no copy was asked for)."""
