@@ -37,8 +37,8 @@ import torch
 
 from data_tools.fileio import atomic_write_text
 from data_tools.units import human
-from kvtrain.output import OutputError
 from kvtrain.config import ConfigError
+from kvtrain.output import OutputError
 
 from .wandb_logger import WandbLogger
 
@@ -86,7 +86,11 @@ def truncate_after(path: Path, iteration: int,
     if not (dropped or damaged):
         return 0, 0, None
     if backup is not None:
-        shutil.copy2(path, backup)
+        try:
+            shutil.copy2(path, backup)
+        except OSError:  # a full disk: no copy cut short left beside the file
+            backup.unlink(missing_ok=True)
+            raise
     atomic_write_text(path, "".join(line + "\n" for line in keep))
     return dropped, len(damaged), backup
 
@@ -201,8 +205,9 @@ class MetricsLogger:
             self._held.popleft()
         lost = (f" ({self._not_held} more, past the {self.HELD_AT_MOST} held, are not in it)"
                 if self._not_held else "")
-        print(f"metrics: wrote the {count} records held since iteration {since} to "
-              f"{self.path}{lost}", flush=True)
+        which = f"the {count} records held since iteration" if count > 1 else \
+            "the record held of iteration"
+        print(f"metrics: wrote {which} {since} to {self.path}{lost}", flush=True)
         self._refused, self._not_held = None, 0
 
     @staticmethod

@@ -82,7 +82,6 @@ class ForwardStep:
         alter = partial(self.hooks.loss, self.iteration) if self.hooks is not None else None
         return output, partial(loss_func, batch["loss_mask"], alter)
 
-
     def _in_vocabulary(self, batch: dict) -> dict:
         """The micro batch with its ids clamped into the vocabulary, and those
         outside noted in ``bad_ids``: the step's collectives still run, and its

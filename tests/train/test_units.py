@@ -753,12 +753,13 @@ def test_a_resume_on_a_full_disk_is_one_line_and_keeps_the_records(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _records(6)))
     before = path.read_bytes()
-    logger = MetricsLogger(tmp_path, wandb=_Rows(), active=True)
-    with small_files(10), pytest.raises(OutputError) as e:
-        logger.resume_at(3)
-    assert str(e.value).startswith(f"metrics: dropping the records after iteration 3 from "
-                                   f"{path} failed: File too large;"), e.value
-    assert path.read_bytes() == before and os.listdir(tmp_path) == ["metrics.jsonl"]
+    for keep_copy in (False, True):  # the copy kept of a history set aside: cut short too
+        logger = MetricsLogger(tmp_path, wandb=_Rows(), active=True)
+        with small_files(10), pytest.raises(OutputError) as e:
+            logger.resume_at(3, keep_copy=keep_copy)
+        assert str(e.value).startswith(f"metrics: dropping the records after iteration 3 "
+                                       f"from {path} failed: File too large;"), e.value
+        assert path.read_bytes() == before and os.listdir(tmp_path) == ["metrics.jsonl"]
 
 
 def test_records_past_those_held_are_counted_as_lost(tmp_path, capsys):
