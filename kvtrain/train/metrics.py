@@ -16,7 +16,7 @@ when a start found no checkpoint in a folder with records (checkpoints deleted,
 the file is first copied to ``metrics.jsonl.before-<iteration>-<UTC time>``.
 
 A full disk (or a quota) does not end the run: the records it refuses are held
-and written once there is room (``MetricsLogger``); the file keeps whole lines.
+and written once the file takes them again (``MetricsLogger``); it keeps whole lines.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class MetricsLogger:
                 if self._refused is None:
                     print(f"kvtrain: warning: metrics: writing to {self.path} failed: "
                           f"{e.strerror or e}; the run goes on, its records are held and "
-                          "written once there is room", flush=True)
+                          "written once the file takes them again", flush=True)
                 self._refused = e.strerror or str(e)
         if len(self._held) < self.HELD_AT_MOST:
             self._held.append((iteration, line))
