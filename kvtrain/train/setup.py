@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from kvtrain.output import write_whole
 from kvtrain.config import ConfigError, RunConfig, checkpoint_folder, run_folder, to_dict
 from kvtrain.config.backend import BackendChoice
 from kvtrain.config.layout import Layout, derive_layout
+from kvtrain.output import write_whole
 
 from .flops import mfu_peak, training_flops_per_step
 
