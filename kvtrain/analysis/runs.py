@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Optional
 
 from kvtrain.config import ConfigError, read_yaml
+from kvtrain.records import METRICS_FILE as METRICS
+from kvtrain.records import read_records, spans_text, unrecorded
 
-METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 EVAL_DIR = "eval"
 
@@ -58,25 +59,6 @@ class RunData:
     @property
     def final_tokens(self) -> Optional[float]:
         return self.train.tokens[-1] if self.train.tokens else None
-
-
-def read_records(path: Path) -> tuple[list[dict], int]:
-    """The JSON objects of ``metrics.jsonl`` and how many lines were not one
-    (a line cut by a crash, say)."""
-    records, bad = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-        else:
-            bad += 1
-    return records, bad
 
 
 def _number(value) -> Optional[float]:
@@ -151,6 +133,16 @@ def nonfinite_notes(records: list[dict], metrics: Path) -> list[str]:
             notes.append(f"{metrics}: {key} not finite in {len(bad)} {kind} record(s), first at "
                          f"iteration {bad[0]} (skipped: the curve and final loss stop before)")
     return notes
+
+
+def gap_notes(records: list[dict], metrics: Path) -> list[str]:
+    """A note on trained iterations no train record stands for (records a full
+    disk refused to the end of a run): the curve passes straight over them."""
+    gaps = unrecorded(records, named_too=True)
+    if not gaps:
+        return []
+    return [f"{metrics}: no train records of iterations {spans_text(gaps)}, which were "
+            "trained (their records were not written): the curve passes over them"]
 
 
 # what makes two results of a task comparable: same checkpoint iteration, shots, limit, dtype
@@ -240,7 +232,7 @@ def read_run(path: str | Path, label: Optional[str] = None) -> RunData:
         raise ConfigError(f"{metrics} has no train records with a loss")
     shifts = [r for r in records if r.get("kind") == "kv_shift"]
     evals, notes = read_evals(run)
-    notes[:0] = nonfinite_notes(records, metrics)
+    notes[:0] = nonfinite_notes(records, metrics) + gap_notes(records, metrics)
     if bad:
         notes.insert(0, f"{metrics}: {bad} line(s) are not JSON records (skipped)")
     return RunData(path=run, label=label or run.name, config=config, train=train, valid=valid,
@@ -263,5 +255,5 @@ def unique_labels(paths: list[Path]) -> list[str]:
 
 
 __all__ = ["Curve", "EVAL_KEY", "RunData", "eval_key", "eval_setting", "interpolate",
-           "key_order", "read_evals", "read_records", "read_run",
+           "key_order", "read_evals", "read_run",
            "tokens_per_iteration", "unique_labels"]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from kvtrain.output import written_whole
-from kvtrain.analysis.runs import read_records
+from kvtrain.records import read_records
 from kvtrain.tasks.config import MASKS
 
 CURVE_FIELDS = ["arm", "step", "accuracy", "accuracy_all", "loss", "train_loss", "lr",

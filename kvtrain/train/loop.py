@@ -394,9 +394,11 @@ def _train(cfg: RunConfig, run_dir: Path, hooks: RunHooks, status_file: Optional
     wandb = WandbLogger(cfg.wandb, run.run_dir, cfg.name, run_record(cfg, run.resolved),
                         active=rank0, fresh=resumed.path is None)
     metrics = MetricsLogger(run.run_dir, wandb, active=rank0)
-    # a fresh start in a folder with records (checkpoints deleted, or checkpoint.dir
-    # moved) drops them all: they are another history, kept in a copy
-    metrics.resume_at(state.iteration, keep_copy=resumed.fell_back or resumed.path is None)
+    # records past the checkpoint are dropped (a fresh start in a folder with records,
+    # checkpoints deleted or checkpoint.dir moved, drops them all: another history,
+    # kept in a copy); trained iterations no record stands for are named (a full disk)
+    metrics.resume_at(state.iteration, keep_copy=resumed.fell_back or resumed.path is None,
+                      logged_through=state.iteration - (state.window or {}).get("steps", 0))
     metrics.write(backend_event(run, state.iteration), echo=False)
     for note in resumed.notes + ([order] if order else []):
         metrics.write({"kind": "event", "iteration": state.iteration, "message": note}, echo=False)

@@ -14,6 +14,9 @@ resume passed over something (a damaged checkpoint, a history set aside), or
 when a start found no checkpoint in a folder with records (checkpoints deleted,
 ``checkpoint.dir`` changed), the dropped records may be a history of their own:
 the file is first copied to ``metrics.jsonl.before-<iteration>-<UTC time>``.
+Trained iterations that no record kept stands for (a disk that stayed full to
+the end of the run before) are named once, in an event record
+(``kvtrain.records``).
 
 A full disk (or a quota) does not end the run: the records it refuses are held
 and written once the file takes them again (``MetricsLogger``); it keeps whole lines.
@@ -39,11 +42,9 @@ from data_tools.fileio import atomic_write_text
 from data_tools.units import human
 from kvtrain.config import ConfigError
 from kvtrain.output import OutputError
+from kvtrain.records import METRICS_FILE, read_records, spans_text, unrecorded
 
 from .wandb_logger import WandbLogger
-
-METRICS_FILE = "metrics.jsonl"
-
 
 def peak_memory_gib() -> tuple[float, str]:
     """Peak device memory (CUDA allocator) or, on CPU, the process's peak RSS."""
@@ -136,9 +137,12 @@ class MetricsLogger:
     def _open(self) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def resume_at(self, iteration: int, keep_copy: bool = False) -> None:
+    def resume_at(self, iteration: int, keep_copy: bool = False,
+                  logged_through: Optional[int] = None) -> None:
         """Forget records a crashed run wrote after the checkpoint we resume from
-        (``keep_copy``: in a copy of the file, kept)."""
+        (``keep_copy``: in a copy of the file, kept); then name the iterations up to
+        ``logged_through`` (the checkpoint's, less the steps of its log window not
+        yet logged) that no train record stands for."""
         if not self.active:
             return
         self.close()
@@ -161,6 +165,23 @@ class MetricsLogger:
             print(f"metrics: dropped {damaged} damaged lines of {self.path} (not records: "
                   f"torn by a kill, or not the trainer's){'' if dropped else kept}", flush=True)
         self._open()
+        if logged_through:
+            self._name_gaps(iteration, logged_through)
+
+    def _name_gaps(self, iteration: int, logged_through: int) -> None:
+        """One warning and one event record for trained iterations the file has no
+        train record of, and no earlier event names."""
+        gaps = unrecorded(read_records(self.path)[0], logged_through)
+        if not gaps:
+            return
+        text = spans_text(gaps)
+        print(f"kvtrain: warning: metrics: {self.path} has no train records of iterations "
+              f"{text}, which were trained (their run could not write them: its log says "
+              "why); an event record names them", flush=True)
+        self.write({"kind": "event", "iteration": iteration,
+                    "message": f"metrics: no train records of iterations {text} (trained, "
+                               "not written)",
+                    "missing_iterations": [list(span) for span in gaps]}, echo=False)
 
     def write(self, record: dict, echo: bool = True) -> None:
         if not self.active:

@@ -218,6 +218,22 @@ def test_a_diverged_run_says_so(tmp_path):
     assert not summary["runs"][0]["notes"][1:]  # A: only the cut line
 
 
+def test_a_run_with_records_lost_says_which(tmp_path):
+    """Train records a full disk never took (the trainer names them in a log, or in
+    an event at the next start): the curve passed straight over the gap, unremarked."""
+    a = _write_run(tmp_path / "a", [(100, 2.0)])
+    b = _write_run(tmp_path / "b", [(100, 2.0)])
+    path = b / "metrics.jsonl"
+    kept = [r for r in map(json.loads, path.read_text().splitlines()[:-1])
+            if r["iteration"] not in (40, 50, 60)]
+    path.write_text("".join(json.dumps({**r, "steps_in_window": 10}) + "\n" for r in kept))
+    summary, printed = compare([a, b], tmp_path / "out")
+    note = (f"{path}: no train records of iterations 31-60, which were trained (their "
+            "records were not written): the curve passes over them")
+    assert summary["runs"][1]["notes"] == [note] and note in printed
+    assert not summary["runs"][0]["notes"][1:]  # A (no windows written): only the cut line
+
+
 def test_the_same_run_twice_is_one_line(tmp_path, capsys):
     """A run folder named twice (as itself, or through a link to it) would be
     two identically labelled runs in the report and its plots: refused."""

@@ -133,3 +133,26 @@ def test_a_log_on_the_full_disk_does_not_end_the_run(full):
         "(No space left on device)" in log, log[-3000:]
     assert f"kvtrain: finished at iteration {STEPS}/{STEPS}" in log, log[-2000:]
     assert (root / "checkpoints/logged-here/latest").read_text().strip() == f"iter_{STEPS:07d}"
+
+
+def test_the_next_start_names_the_records_never_written(full):
+    """The records lost to a disk full to the end were named in a log on that same
+    disk, if anywhere; the next start resumed with no mark of the gap in
+    metrics.jsonl. Now it warns and writes an event record naming the iterations."""
+    root, _, files = full
+    written = _train_iterations(_records(files["never-room"]))
+    (root / "never-room" / "filler").unlink()  # room again
+    log = root / "never-room-again.log"
+    result = run_driver([{"config": str(root / "c.yaml"), "run_dir": str(root / "never-room"),
+                          "log": str(log), "overrides": [
+                              f"checkpoint.dir={root / 'checkpoints' / 'never-room'}"]}],
+                        root / "again.json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text, gap = log.read_text(), [written[-1] + 1, STEPS]
+    assert (f"kvtrain: warning: metrics: {root}/never-room/metrics.jsonl has no train records "
+            f"of iterations {gap[0]}-{gap[1]}, which were trained") in text, text[-3000:]
+    assert f"kvtrain: nothing to do: iteration {STEPS} >= {STEPS} steps" in text, text[-3000:]
+    records = _records((root / "never-room" / "metrics.jsonl").read_bytes())
+    (event,) = [r for r in records if "missing_iterations" in r]
+    assert (event["iteration"], event["missing_iterations"]) == (STEPS, [gap])
+    assert _train_iterations(records) == written

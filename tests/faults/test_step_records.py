@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from kvtrain.records import unrecorded
 from tests.train.conftest import by_iteration, metrics, run_driver, tiny_config, write_config
 
 
@@ -95,3 +96,7 @@ def test_a_stopped_run_logs_its_last_partial_window_and_ends_a_finished_run(
     assert sorted(killed) == [2, 4, 6, 8, 9, 10], killed
     assert [killed[i]["steps_in_window"] for i in (4, 9, 10)] == [2, 1, 1]
     assert killed[4]["lm_loss"] == mid[4]["lm_loss"]  # steps 3 and 4, bit-identical
+    for name in ("mid", "last", "killed"):  # no resume here passed over a step unrecorded
+        records = metrics(tmp_path / name, kind=None)
+        assert unrecorded(records, named_too=True) == [], name
+        assert not [r for r in records if "missing_iterations" in r], name

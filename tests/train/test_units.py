@@ -762,6 +762,36 @@ def test_a_resume_on_a_full_disk_is_one_line_and_keeps_the_records(tmp_path):
         assert path.read_bytes() == before and os.listdir(tmp_path) == ["metrics.jsonl"]
 
 
+def test_a_resume_names_the_trained_iterations_no_record_stands_for(tmp_path, capsys):
+    """A run whose disk stayed full to its end lost its last records (named in a
+    log on that same disk, if anywhere): the next start resumed with nothing in
+    metrics.jsonl marking the gap. Now one warning and one event record name the
+    iterations, once; a log window the checkpoint kept is not a gap."""
+    from kvtrain.train.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"kind": "event", "iteration": 0, "message": "backend"}] + [
+        {"kind": "train", "iteration": i, "steps_in_window": 2, "lm_loss": 2.0} for i in (2, 4, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    for _ in range(2):  # the second start: the gap is named already
+        logger = MetricsLogger(tmp_path, wandb=_Rows(), active=True)
+        logger.resume_at(12, logged_through=10)  # the checkpoint at 12 kept 2 steps' window
+        logger.close()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"kvtrain: warning: metrics: {path} has no train records of iterations 7-10, "
+                   "which were trained (their run could not write them: its log says why); an "
+                   "event record names them"], out
+    *_, event = map(json.loads, path.read_text().splitlines())
+    assert event == {"kind": "event", "iteration": 12, "message": "metrics: no train records of "
+                     "iterations 7-10 (trained, not written)", "missing_iterations": [[7, 10]],
+                     "time": event["time"]}
+    logger = MetricsLogger(tmp_path, wandb=_Rows(), active=True)
+    logger.resume_at(6, logged_through=6)  # from an older checkpoint: its history is whole
+    logger.close()
+    assert capsys.readouterr().out.startswith("metrics: dropped 1 records after iteration 6 ")
+    assert _iterations(path) == [0, 2, 4, 6]
+
+
 def test_records_past_those_held_are_counted_as_lost(tmp_path, capsys):
     """The records held are bounded (a run on a full disk for days): those past
     the bound are counted, and said when the held ones are written."""
