@@ -20,7 +20,8 @@ def register(sub) -> None:
                     help="a run folder (its latest complete checkpoint) or one checkpoint")
     hf.add_argument("out_dir", metavar="OUT_DIR", help="the Hugging Face folder to write")
     hf.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weight dtype")
-    hf.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    hf.add_argument("--force", action="store_true",
+                    help="replace an earlier export (a Hugging Face model folder) at OUT_DIR")
     hf.set_defaults(func=run)
 
 

@@ -149,11 +149,28 @@ def export_model(model: torch.nn.Module, cfg: RunConfig, out_dir: Path, dtype: s
     return out_dir
 
 
-def _check_out_dir(out_dir: Path, force: bool) -> None:
+def _check_out_dir(out_dir: Path, force: bool, source: Path) -> None:
+    """A non-empty ``out_dir`` is replaced whole, so ``force`` takes only a Hugging
+    Face model folder (an earlier export), never one holding the checkpoint
+    exported or the current folder: ``export hf RUN RUN --force``, or ``"$OUT"``
+    unset, deleted the run, or everything in the current folder."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise ConfigError(f"{out_dir} exists and is not empty (--force replaces it)")
+    if not (out_dir.is_dir() and any(out_dir.iterdir())):
+        return
+    if not force:
+        raise ConfigError(f"{out_dir} exists and is not empty (--force replaces an earlier "
+                          "export there)")
+    real, source = out_dir.resolve(), source.expanduser().resolve()
+    for what, inside in (("the checkpoint being exported", source),
+                         ("the current folder", Path.cwd().resolve())):
+        if inside == real or real in inside.parents:
+            raise ConfigError(f"--force would replace {out_dir}, which holds {what}: "
+                              "export to another folder")
+    if not (out_dir / "config.json").is_file():
+        raise ConfigError(f"--force replaces a Hugging Face model folder (an earlier export); "
+                          f"{out_dir} holds no config.json: export to another folder, or "
+                          "empty it first")
 
 
 def publish(work: Path, out_dir: Path) -> None:
@@ -172,7 +189,8 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str = "fp32",
     """Exports the checkpoint ``source`` names (a run folder, its checkpoints
     folder or one checkpoint) as a Hugging Face folder ``out_dir``; returns it.
 
-    ``dtype``: fp32 | bf16 weights. Refuses a non-empty ``out_dir`` unless ``force``.
+    ``dtype``: fp32 | bf16 weights. Refuses a non-empty ``out_dir`` unless ``force``
+    and it is a Hugging Face model folder (``_check_out_dir``).
     Runs in one CPU process; bad input is one ConfigError line.
     """
     require_hf()
@@ -185,7 +203,7 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str = "fp32",
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir).expanduser().absolute()
-    _check_out_dir(out_dir, force)
+    _check_out_dir(out_dir, force, Path(source))
     one_process_only("kvtrain export")  # before inference_process makes the group
     if dist.is_initialized() and dist.get_world_size() > 1:  # called inside one
         raise ConfigError("kvtrain export runs in one process (not under torchrun)")

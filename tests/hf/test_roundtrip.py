@@ -4,6 +4,7 @@ logits; the import's config rules; the one-line errors of export and import."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -277,12 +278,13 @@ def test_hf_folders_kvtrain_cannot_take_are_refused_in_one_line(kv_checkpoint, t
 
 
 def test_force_replaces_an_earlier_export_whole(kv_checkpoint, tmp_path):
-    """``--force`` over a non-empty folder: the new export takes its place whole (what
+    """``--force`` over an earlier export: the new export takes its place whole (what
     was there is gone, nothing half-written or set aside is left beside it); a file
     where the folder should be is refused in one line."""
     path, expected = kv_checkpoint
     out = tmp_path / "hf"
     out.mkdir()
+    (out / "config.json").write_text("{}")  # a Hugging Face model folder, of before
     (out / "stale.txt").write_text("from before")
     export_hf(path, out, force=True)
     assert not (out / "stale.txt").exists() and (out / "config.json").exists()
@@ -292,6 +294,39 @@ def test_force_replaces_an_earlier_export_whole(kv_checkpoint, tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=f"^{blocker} exists and is not a folder$"):
         export_hf(path, blocker, force=True)
+
+
+def test_force_replaces_no_run_checkpoint_or_current_folder(kv_checkpoint, tmp_path,
+                                                             monkeypatch):
+    """``--force`` removed whatever OUT_DIR held: ``export hf RUN RUN --force`` deleted
+    the run (exit 0), an OUT_DIR above the run deleted every run beside it, and an
+    unset ``"$OUT"`` (the current folder) everything there. Now each is one line
+    before the checkpoint is loaded, and every file is kept."""
+    from kvtrain.inference import loading
+
+    path, _ = kv_checkpoint  # tmp_path/ckpt/iter_0000001, say
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    (tmp_path / "notes.txt").write_text("mine")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    cases = {path: f"--force would replace {path}, which holds the checkpoint being exported",
+             path.parent: f"--force would replace {path.parent}, which holds the checkpoint",
+             tmp_path: f"--force would replace {tmp_path}, which holds the checkpoint"}
+    for out, line in cases.items():
+        with pytest.raises(ConfigError, match=f"^{re.escape(line)}"):
+            export_hf(path, out, force=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "data.txt").write_text("x")
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ConfigError, match=f"^--force would replace {elsewhere}, which holds the "
+                                          "current folder: export to another folder$"):
+        export_hf(path, "", force=True)
+    monkeypatch.chdir(tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match=f"^--force replaces a Hugging Face model folder \\(an "
+                                          f"earlier export\\); {elsewhere} holds no config.json"):
+        export_hf(path, elsewhere, force=True)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == \
+        sorted(before + [Path("elsewhere"), Path("elsewhere/data.txt")])
 
 
 def test_an_export_that_cannot_be_written_is_one_line_before_loading(kv_checkpoint, tmp_path,
