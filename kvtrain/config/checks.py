@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING
 
@@ -130,8 +131,13 @@ def check_blend(key: str, paths: list) -> None:
             f"{key} must be all prefixes or weight, prefix pairs "
             f"([0.7, a_text_document, 0.3, b_text_document]), got {paths}"
         )
-    if any(w <= 0 for w in weights):
-        raise ConfigError(f"{key} weights must be positive, got {weights}")
+    # nan passed `w <= 0`, and weights whose sum overflows made megatron's
+    # normalised weights nan: an assertion deep in its blend builder, or a ValueError
+    if any(isinstance(w, bool) or not math.isfinite(w) or w <= 0 for w in weights):
+        raise ConfigError(f"{key} weights must be positive finite numbers, got {weights}")
+    if not math.isfinite(sum(weights)):
+        raise ConfigError(f"{key} weights must sum to a finite number, got {weights}: scale "
+                          "them down (only their ratios count)")
 
 
 def _check_valid_paths(cfg: RunConfig, split: list[float]) -> None:

@@ -265,6 +265,9 @@ def test_bad_override_values_are_one_line_naming_the_override(tmp_path):
     (["data.type=gpt", "data.paths=[0.5, a, b]"],
      "data.paths must be all prefixes or weight, prefix pairs"),
     (["data.type=gpt", "data.paths=[0, a, 1, b]"], "data.paths weights must be positive"),
+    # a sum that overflows: a ValueError traceback as the dataset was sized
+    (["data.type=gpt", "data.paths=[1e308, a, 1e308, b]"],
+     "data.paths weights must sum to a finite number, got [1e+308, 1e+308]: scale them down"),
     (["data.split=a,b"], "data.split must be up to three non-negative training,validation,test"),
     (["data.split=0,1"], "with a positive training part"),
     # numbers float() reads but megatron's split parser (runs of digits and dots) reads

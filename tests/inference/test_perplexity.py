@@ -236,6 +236,11 @@ def test_bad_sources_and_shards_are_one_line(mp1, trained, tmp_path, capsys):
              f"--data: shard {tmp_path / 'gone'}.idx does not exist"),
             ([str(run), "--data", "0.5", trained["b"], "x"],
              "--data must be all prefixes or weight, prefix pairs"),
+            # nan and inf passed: megatron's assertion, or (one shard) exit 0
+            ([str(run), "--data", "nan", trained["b"], "0.5", trained["b"]],
+             "--data weights must be positive finite numbers, got [nan, 0.5]"),
+            ([str(run), "--data", "inf", trained["b"]],
+             "--data weights must be positive finite numbers, got [inf]"),
             ([str(run), "--data", trained["b"], "--out", str(tmp_path)],
              f"--out {tmp_path} is a folder, not a file")):
         assert main(["perplexity", *argv]) == 2

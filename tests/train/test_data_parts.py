@@ -202,7 +202,7 @@ def test_a_held_out_blend_is_weighted_by_its_tokens(single_rank, tmp_path, cache
     ({"type": "mock"}, "data.valid_paths names shards: it needs data.type gpt, not mock"),
     ({"valid_paths": [0.5, "x", "y"]}, "data.valid_paths must be all prefixes or weight, "
                                        "prefix pairs"),
-    ({"valid_paths": [-1, "x"]}, "data.valid_paths weights must be positive, got [-1.0]"),
+    ({"valid_paths": [-1, "x"]}, "data.valid_paths weights must be positive finite numbers, got [-1.0]"),
 ])
 def test_held_out_settings_that_cannot_hold_are_one_line(tmp_path, cache_dir, change, error):
     from kvtrain.config import ConfigError

@@ -61,7 +61,7 @@ def test_the_sets_load_from_a_file_and_from_set_entries(tmp_path, cache_dir):
     ({"code": []}, (), r"data.valid_sets.code is empty: name its shards"),
     ({"code": [0.5, "c", "d"]}, (), r"data.valid_sets.code must be all prefixes or weight, "
                                     r"prefix pairs"),
-    ({"code": [0, "c"]}, (), r"data.valid_sets.code weights must be positive, got \[0.0\]$"),
+    ({"code": [0, "c"]}, (), r"data.valid_sets.code weights must be positive finite numbers, got \[0.0\]$"),
 ])
 def test_sets_that_cannot_hold_are_one_line(tmp_path, cache_dir, sets, overrides, error):
     with pytest.raises(ConfigError, match=error):
