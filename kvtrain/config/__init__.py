@@ -33,6 +33,9 @@ def load_config(
 ) -> RunConfig:
     """Reads a YAML run config, applies ``--set`` overrides, builds and validates it."""
     data = read_yaml(path) if path is not None else {}
+    if path is not None and not data:  # a failed copy, a wrong path: it trained the defaults
+        raise ConfigError(f"{path} holds no settings (an empty file): a run config names at "
+                          "least its model, data and train settings (configs/demo.yaml is one)")
     for assignment in overrides:
         apply_override(data, assignment, RunConfig)
     cfg = from_dict(RunConfig, data, source=str(path) if path is not None else None)

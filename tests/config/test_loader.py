@@ -310,9 +310,13 @@ def test_a_file_that_is_not_a_readable_mapping_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path)  # a folder
     assert str(e.value) == f"cannot read config {tmp_path}: Is a directory"
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("# nothing but a comment\n")
-    assert to_dict(load_config(empty)) == to_dict(load_config(None))  # the defaults
+    # an empty file (a failed copy, /dev/null) trained the defaults: mock data, exit 0
+    for text in ("", "# nothing but a comment\n", "{}\n"):
+        empty = write(tmp_path, text)
+        with pytest.raises(ConfigError) as e:
+            load_config(empty, ["train.max_steps=2"])
+        assert str(e.value) == f"{empty} holds no settings (an empty file): a run config names " \
+            "at least its model, data and train settings (configs/demo.yaml is one)"
 
 
 @pytest.mark.parametrize("override,message", [
