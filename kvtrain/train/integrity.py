@@ -247,6 +247,10 @@ class ResumePlan:
 def plan_resume(resume: str, root: Path) -> ResumePlan:
     """The checkpoints ``checkpoint.resume`` asks to try (see the module docstring)."""
     root, value = Path(root), resume.strip()
+    tracker = root / TRACKER
+    if tracker.exists() and not tracker.is_file():  # found only at the first save, before
+        raise CheckpointError(f"{tracker} is not a file: a save names the checkpoint it "
+                              "completed there, so none could complete; move it away")
     folders = checkpoint_folders(root)
     if value.lower() == "none":
         if folders:

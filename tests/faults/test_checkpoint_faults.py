@@ -325,6 +325,13 @@ def test_resume_candidates(tmp_path):
         plan = plan_resume("auto", root)
         assert plan.candidates == newest_first and bool(plan.warnings) == warns, plan
         assert not plan.explicit
+    (root / "latest").unlink()
+    (root / "latest").mkdir()  # the run trained to its first save, then failed there
+    for resume in ("auto", "none", str(root / _it(4))):
+        with pytest.raises(ConfigError, match=f"^{root / 'latest'} is not a file: a save names "
+                                              "the checkpoint it completed there"):
+            plan_resume(resume, root)
+    (root / "latest").rmdir()
     (root / "latest").write_text(_it(2))  # a rollback: latest first, then newest first
     assert plan_resume("auto", root).candidates == [root / _it(n) for n in (2, 6, 4)]
     with pytest.raises(ConfigError, match="checkpoint.resume: none.*iter_0000006"):
