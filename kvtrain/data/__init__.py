@@ -1,7 +1,8 @@
 """Data for the trainer: megatron GPT/mock datasets, resumable micro-batch
 iterators, the tokenizer object, and a synthetic structured corpus."""
 
-from .datasets import Datasets, build_datasets, build_scored_set, parse_blend
+from .datasets import (Datasets, build_datasets, build_scored_set, parse_blend,
+                       sequences_held)
 from .loader import PretrainingBatchSampler, fixed_batches, micro_batches
 from .synthetic import synthetic_documents, write_shard, write_synthetic_corpus
 from .tokenizer import VocabOnlyTokenizer, load_tokenizer
@@ -12,6 +13,7 @@ __all__ = [
     "VocabOnlyTokenizer",
     "build_datasets",
     "build_scored_set",
+    "sequences_held",
     "fixed_batches",
     "load_tokenizer",
     "micro_batches",

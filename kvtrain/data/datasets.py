@@ -389,6 +389,21 @@ def _writes_caches() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def sequences_held(paths: list, key: str, seq_length: int) -> int:
+    """The sequences of ``seq_length`` tokens one pass over the blend ``paths`` gives
+    (megatron's: a sequence takes ``seq_length`` + 1 tokens, its last the next one's
+    first); past them it draws the shards again, another epoch: tokens scored twice."""
+    (prefixes, weights), sizes = _blend(paths, key)
+    per_pass = [max(sizes[p][1] - 1, 0) // seq_length for p in prefixes]
+    if weights is None:  # one shard
+        return per_pass[0]
+    total = sum(weights)
+    held = min(int(n * total / w) for n, w in zip(per_pass, weights))
+    while held and any(math.ceil(held * w / total) > n for n, w in zip(per_pass, weights)):
+        held -= 1  # each part's share, rounded up as megatron's blend draws it
+    return held
+
+
 def build_scored_set(cfg: RunConfig, paths: list, key: str, samples: int,
                      tokenizer: Any) -> Any:
     """The first ``samples`` sequences of the shards ``paths`` (the forms of data.paths),

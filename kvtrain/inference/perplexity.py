@@ -85,6 +85,29 @@ def _scoring_config(cfg: RunConfig, s: Scoring) -> RunConfig:
     return dataclasses.replace(cfg, train=train, data=data)
 
 
+def _within_one_pass(s: Scoring, held: int, asked: bool) -> Scoring:
+    """At most the ``held`` sequences one pass over the shards gives: past them
+    megatron reads the shards again, and a 14-token shard was scored as 3,200
+    tokens. The run's count (none asked) is lowered to them, with a line."""
+    if s.sequences <= held:
+        return s
+    fit = held - held % s.batch_size
+    what = f"--data holds {held} sequences of {s.seq_length} tokens (one pass over its shards)"
+    if fit == 0:
+        raise ConfigError(f"{what}: fewer than one batch of {s.batch_size}; lower --batch-size "
+                          "or --seq-length")
+    if asked:
+        raise ConfigError(f"--sequences {s.sequences}: {what}; more would score its tokens "
+                          f"again: ask for at most {fit} (a multiple of --batch-size "
+                          f"{s.batch_size})")
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"kvtrain perplexity: {what}: scoring {fit} of them, not the run's {s.sequences} "
+              "(train.eval_iters x train.global_batch_size)", flush=True)
+    return dataclasses.replace(s, sequences=fit)
+
+
 def score(loaded: LoadedModel, scoring: Scoring) -> dict:
     """``{"loss", "ppl", "tokens", "sequences", "batch_size", "seq_length"}`` of the
     loaded model on the scoring's shards, and ``"by_position"`` when asked (the same
@@ -92,7 +115,7 @@ def score(loaded: LoadedModel, scoring: Scoring) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from kvtrain.analysis.positions import icl_score
-    from kvtrain.data import build_scored_set, load_tokenizer
+    from kvtrain.data import build_scored_set, load_tokenizer, sequences_held
     from kvtrain.model.documents import Documents
     from kvtrain.train.evaluation import Validator
     from kvtrain.train.step import global_mean_loss
@@ -106,6 +129,8 @@ def score(loaded: LoadedModel, scoring: Scoring) -> dict:
                           f"model.max_position_embeddings ({cfg.model.max_position_embeddings})")
     key = "--tokenizer" if scoring.tokenizer else "the run's data.tokenizer (or --tokenizer)"
     tokenizer = load_tokenizer(cfg.data, cfg.model, key=key)
+    s = _within_one_pass(s, sequences_held(s.paths, "--data", s.seq_length),
+                         asked=scoring.sequences is not None)
     dataset = build_scored_set(cfg, s.paths, "--data", s.sequences, tokenizer)
     separated = cfg.data.reset_attention_mask
     documents = Documents(eod=int(tokenizer.eod), thd=loaded.backend == "te") \

@@ -258,6 +258,43 @@ def test_a_shard_beyond_the_vocabulary_is_one_line(mp1, trained, tmp_path, capsy
         "kvtrain: config error: --data: a batch holds token id 4")
 
 
+def test_a_shard_is_scored_at_most_once_over(mp1, trained, tmp_path, capsys):
+    """A 14-token shard was scored as 100 sequences of 32 tokens (3,200 tokens, its
+    own read ~230 times over: megatron draws more epochs), exit 0. Now at most one
+    pass: the run's count is lowered to it with a line, more asked for is refused."""
+    from kvtrain.data.synthetic import write_shard
+
+    small = write_shard(tmp_path / "small" / "s", [np.arange(1, 41, dtype=np.int32)] * 5)
+    tiny = write_shard(tmp_path / "tiny" / "t", [np.arange(1, 15, dtype=np.int32)])
+    run, out = str(trained["run"]), tmp_path / "r.json"
+    held = "--data holds 6 sequences of 32 tokens (one pass over its shards)"  # 199 // 32
+    assert main(["perplexity", run, "--data", small, "--sequences", "8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"kvtrain: config error: --sequences 8: {held}; more would score its tokens again: "
+        "ask for at most 6 (a multiple of --batch-size 2)")
+    assert main(["perplexity", run, "--data", small, "--no-wandb", "--out", str(out)]) == 0
+    assert f"kvtrain perplexity: {held}: scoring 6 of them, not the run's 16 " \
+        "(train.eval_iters x train.global_batch_size)" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["config"]["limit"] == 6 and record["tasks"]["perplexity/s"]["tokens"] == 192
+    assert main(["perplexity", run, "--data", tiny]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "kvtrain: config error: --data holds 0 sequences of 32 tokens (one pass over its "
+        "shards): fewer than one batch of 2; lower --batch-size or --seq-length")
+
+
+def test_one_pass_over_a_blend_ends_where_its_first_part_does(tmp_path):
+    from kvtrain.data import sequences_held
+    from kvtrain.data.synthetic import write_shard
+
+    a = write_shard(tmp_path / "a" / "a", [np.arange(1, 41, dtype=np.int32)] * 5)  # 200 tokens
+    b = write_shard(tmp_path / "b" / "b", [np.arange(1, 21, dtype=np.int32)] * 5)  # 100
+    assert sequences_held([a], "--data", 32) == 6  # 199 // 32
+    assert sequences_held([0.5, a, 0.5, b], "--data", 32) == 6  # b's 3 are half of them
+    assert sequences_held([0.9, a, 0.1, b], "--data", 32) == 6  # a's 6 are 90 %: 6.67
+    assert sequences_held([a, b], "--data", 32) == 9  # one corpus: a by its tokens
+
+
 def _cuda_score(rank, world, run_dir, shard, dtype):
     import torch
 
