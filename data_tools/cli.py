@@ -57,10 +57,7 @@ def _inputs(p: argparse.ArgumentParser) -> None:
                    help="text inputs: one document per line (default) or per file")
 
 
-def add_commands(sub) -> None:
-    """Add the data commands to an argparse subparsers object."""
-    fmt = argparse.RawDescriptionHelpFormatter
-
+def _add_train_tokenizer(sub, fmt) -> None:
     p = sub.add_parser("train-tokenizer", help=COMMANDS["train-tokenizer"][1],
                        formatter_class=fmt, description=(
                            "Train a Llama-style sentencepiece BPE model. Writes PREFIX.model,\n"
@@ -82,7 +79,16 @@ def add_commands(sub) -> None:
                    help="1 to 1024 (default: all cores, at most 1024)")
     p.add_argument("--seed", type=int, default=1234, help="sentence sampling seed")
     p.add_argument("--verbose", action="store_true", help="show sentencepiece's log")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing PREFIX.model, .vocab and .json (shards made "
+                        "with the old tokenizer no longer match it)")
     p.set_defaults(func=_runner("train-tokenizer"))
+
+
+def add_commands(sub) -> None:
+    """Add the data commands to an argparse subparsers object."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    _add_train_tokenizer(sub, fmt)
 
     p = sub.add_parser("preprocess", help=COMMANDS["preprocess"][1], formatter_class=fmt,
                        description=(
@@ -102,6 +108,8 @@ def add_commands(sub) -> None:
                    help="group the inputs into N shards (default: one per input file)")
     p.add_argument("--resume", action="store_true",
                    help="keep shards a previous run completed with the same inputs and options")
+    p.add_argument("--force", action="store_true",
+                   help="replace the shards an earlier run wrote at this prefix")
     p.add_argument("--strict", action="store_true",
                    help="stop at the first bad record (exit 1, naming file:line)")
     p.add_argument("--report-bad", type=int, default=5, metavar="N",
@@ -118,6 +126,7 @@ def add_commands(sub) -> None:
                            "glob of .idx files. Writes OUT_text_document.bin/.idx."))
     p.add_argument("inputs", nargs="+", metavar="INPUT")
     p.add_argument("--output-prefix", "-o", required=True, metavar="OUT")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT_text_document")
     p.set_defaults(func=_runner("merge"))
 
     p = sub.add_parser("inspect", help=COMMANDS["inspect"][1])
@@ -132,6 +141,7 @@ def add_commands(sub) -> None:
     p = sub.add_parser("demo-corpus", help=COMMANDS["demo-corpus"][1])
     p.add_argument("--output", "-o", required=True, metavar="FILE.jsonl")
     p.add_argument("--max-mb", type=float, default=None, help="stop after this many MB")
+    p.add_argument("--force", action="store_true", help="replace an existing FILE.jsonl")
     p.set_defaults(func=_runner("demo-corpus"))
 
 

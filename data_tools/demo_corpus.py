@@ -33,7 +33,7 @@ import re
 import sys
 import warnings
 
-from data_tools.fileio import atomic_open
+from data_tools.fileio import atomic_open, check_not_there
 
 # Never imported: side effects on import, GUI/test suites, other platforms.
 SKIP = {
@@ -243,6 +243,12 @@ def run(args) -> int:
         print("kvtrain data demo-corpus: error: --max-mb must be finite (leave it out for the "
               "whole corpus), got inf", file=sys.stderr)
         return 1
+    if not args.force:
+        try:
+            check_not_there([os.path.abspath(args.output)], "--output")
+        except ValueError as e:
+            print(f"kvtrain data demo-corpus: error: {e}", file=sys.stderr)
+            return 1
     stats = write(args.output, int(args.max_mb * 1e6) if args.max_mb else None)
     print(f"demo-corpus: wrote {args.output}: {stats['documents']} documents, "
           f"{stats['bytes'] / 1e6:.1f} MB (Python {stats['python']} standard library docstrings)",

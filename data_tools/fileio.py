@@ -112,6 +112,23 @@ def check_prefix(prefix: str, option: str, example: str) -> None:
                          f"give a name in it, e.g. {os.path.join(prefix, example)}")
 
 
+def check_not_there(paths: list[str], option: str, keep: str = "") -> None:
+    """Refuse (ValueError, one line) outputs that exist, unless the caller was given
+    ``--force``: a rerun silently replaced a tokenizer or a corpus that shards and
+    runs were made with. Names the first in full and the next two by name; a folder
+    in the way is left to the write's own error. ``keep``: another way on, first."""
+    there = [p for p in paths if os.path.lexists(p) and not os.path.isdir(p)]
+    if not there:
+        return
+    names = [there[0]] + [os.path.basename(p) for p in there[1:3]]
+    if len(there) > 3:
+        names.append(f"{len(there) - 3} more")
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    one = len(there) == 1
+    raise ValueError(f"{listed} exist{'s' if one else ''} ({keep}--force replaces "
+                     f"{'it' if one else 'them'}, or give another {option})")
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_open(path, "wb") as f:
         f.write(data)

@@ -39,18 +39,36 @@ def histogram(lengths: np.ndarray, width: int = 40) -> list[str]:
     return lines
 
 
-def _load_tokenizer(path: str | None, meta: dict | None, warn):
-    if path is None and meta and os.path.isfile(meta.get("tokenizer", "")):
-        path = meta["tokenizer"]
-    if path is None:
-        return None
+def _loading(path: str):
+    """The tokenizer at ``path``; ValueError naming it, once (the tokenizer's own
+    errors start with the path), when it cannot be loaded."""
     try:
         from data_tools.tokenizer import SentencePieceTokenizer
 
         return SentencePieceTokenizer(path)
     except (OSError, ValueError, RuntimeError) as e:
-        text = str(e)  # the tokenizer's own errors start with the path: not twice
-        warn(f"cannot load tokenizer {text if text.startswith(str(path)) else f'{path}: {text}'}")
+        text = str(e)
+        raise ValueError(text if text.startswith(str(path)) else f"{path}: {text}") from None
+
+
+def load_tokenizer_option(path: str):
+    """``--tokenizer``, given explicitly: one that cannot be loaded is an error (as
+    ``kvtrain generate --tokenizer``), not a report of raw ids."""
+    try:
+        return _loading(path)
+    except ValueError as e:
+        raise ValueError(f"--tokenizer {e}") from None
+
+
+def _recorded_tokenizer(meta: dict | None, warn):
+    """The tokenizer the meta names, if still on disk; one that no longer loads is
+    a warning: the report is the shard's, and nobody asked for this one."""
+    if not (meta and os.path.isfile(meta.get("tokenizer", ""))):
+        return None
+    try:
+        return _loading(meta["tokenizer"])
+    except ValueError as e:
+        warn(f"cannot load tokenizer {e}")
         return None
 
 
@@ -71,9 +89,13 @@ def _read_meta(path: str, warn) -> dict | None:
     return meta
 
 
-def inspect(prefix: str, tokenizer: str | None = None, docs: int = 3, max_chars: int = 400,
+def inspect(prefix: str, tokenizer=None, docs: int = 3, max_chars: int = 400,
             out=print) -> int:
-    """Print the report for one dataset; returns the exit status."""
+    """Print the report for one dataset; returns the exit status. ``tokenizer``: a
+    path (ValueError when it cannot be loaded, before any output), a loaded
+    tokenizer, or None (the one the meta names, if it loads)."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer_option(os.fspath(tokenizer))
     r = IndexedReader(prefix)
     dtype_name = np.dtype(CODE_DTYPES[r.dtype_code]).name
     out(f"dataset    {r.prefix}")
@@ -104,7 +126,8 @@ def inspect(prefix: str, tokenizer: str | None = None, docs: int = 3, max_chars:
             out(f"preprocess {n_in} input file(s), skipped: {skipped}")
         if "merged_from" in meta:
             out(f"merged     from {len(meta['merged_from'])} datasets")
-    tok = _load_tokenizer(tokenizer, meta, lambda m: out(f"warning: {m}"))
+    tok = tokenizer if tokenizer is not None else _recorded_tokenizer(
+        meta, lambda m: out(f"warning: {m}"))
     if tok is not None and r.num_tokens and not problems:
         out(f"tokenizer  {tok.model_path} (vocab {tok.vocab_size}, eod {tok.eod})")
         ends = r.sequence_pointers[r.document_indices[1:] - 1] // r.itemsize + \
@@ -138,7 +161,9 @@ def run(args) -> int:
             return 1
     try:
         prefixes = resolve_prefixes(args.prefix)
-    except FileNotFoundError as e:
+        # once, before any report: a bad one is one line, not one per shard
+        tok = load_tokenizer_option(args.tokenizer) if args.tokenizer else None
+    except (FileNotFoundError, ValueError) as e:
         print(f"kvtrain data inspect: error: {e}", file=sys.stderr)
         return 1
     status = 0
@@ -146,7 +171,7 @@ def run(args) -> int:
         if i:
             print()
         try:
-            status |= inspect(prefix, args.tokenizer, args.docs, args.max_chars)
+            status |= inspect(prefix, tok, args.docs, args.max_chars)
         except (OSError, ValueError) as e:  # an OSError as PATH: reason, not [Errno 2] ...
             print(f"kvtrain data inspect: error: "
                   f"{os_error_text(e) if isinstance(e, OSError) else e}", file=sys.stderr)

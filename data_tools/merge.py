@@ -17,6 +17,7 @@ different pieces. Shards without a meta (megatron's own) are not checked.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -24,8 +25,9 @@ import sys
 
 import numpy as np
 
-from data_tools.fileio import atomic_write_bytes, check_prefix
-from data_tools.indexed import IndexedReader, IndexedWriter, read_meta, resolve_prefixes
+from data_tools.fileio import atomic_write_bytes, check_not_there, check_prefix
+from data_tools.indexed import (IndexedReader, IndexedWriter, bin_path, idx_path, meta_path,
+                               read_meta, resolve_prefixes)
 from data_tools.progress import Counts
 
 _BLOCK = 1 << 22  # index entries or tokens per block
@@ -81,6 +83,10 @@ def merge(sources: list[str], output_prefix: str, log=None) -> dict:
                 counts_known = False
             parts.append({"prefix": os.path.abspath(r.prefix), "documents": r.num_documents,
                           "sequences": r.sequence_count, "tokens": r.num_tokens})
+        # An old meta (--force) goes first: until the new one lands, none describes
+        # these files (merge and the trainer check the tokenizer it records).
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(meta_path(out))
         bin_bytes, idx_bytes = writer.commit()
     result = {"merged_from": parts, "bin_bytes": bin_bytes, "idx_bytes": idx_bytes,
               "dtype": np.dtype(dtype).name, "documents": sum(p["documents"] for p in parts),
@@ -88,7 +94,7 @@ def merge(sources: list[str], output_prefix: str, log=None) -> dict:
     if counts_known:
         result["counts"] = counts.to_dict()
     result.update(made_with)  # so a merge of merges is checked too
-    atomic_write_bytes(out + ".meta.json", (json.dumps(result, indent=1) + "\n").encode())
+    atomic_write_bytes(meta_path(out), (json.dumps(result, indent=1) + "\n").encode())
     log(f"merge: wrote {out}.bin/.idx: {len(parts)} datasets, {result['documents']:,} "
         f"documents, {result['tokens']:,} tokens ({result['dtype']})")
     return result
@@ -132,6 +138,11 @@ def run(args) -> int:
         if not sources:  # every input a glob matching only the output
             raise ValueError(f"nothing to merge: {', '.join(args.inputs)} "
                              f"match{'es' if len(args.inputs) == 1 else ''} only the output {out}")
+        target = os.path.abspath(out)
+        if not args.force and target not in map(os.path.abspath, sources):
+            # (the output named as an input is merge's own refusal, --force or not)
+            check_not_there([bin_path(target), idx_path(target), meta_path(target)],
+                            "--output-prefix")
         merge(sources, out)
     except ValueError as e:  # an OSError (a .bin missing) is PATH: reason, in data_tools.cli
         print(f"kvtrain data merge: error: {e}", file=sys.stderr)

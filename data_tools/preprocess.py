@@ -24,9 +24,11 @@ its inputs (path, size, mtime, format, compression), tokenizer (sha256) and
 options. ``--resume`` keeps the shards whose meta matches and redoes the
 rest, so a killed run resumed gives the same bytes as an uninterrupted one.
 
-Reruns: after a successful run, the shards an earlier run into the same
-prefix wrote and this plan does not (fewer inputs, another ``--shards``) are
-removed, so ``merge PREFIX`` cannot pick them up with the new ones.
+Reruns: the CLI refuses a prefix holding shards this run would replace or
+remove, unless ``--resume`` or ``--force`` (``check_outputs_new``). After a
+successful run, the shards an earlier run into the same prefix wrote and this
+plan does not (fewer inputs, another ``--shards``) are removed, so ``merge
+PREFIX`` cannot pick them up with the new ones.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ import numpy as np
 
 from data_tools import readers
 from data_tools.encoder import Encoded, ShardEnd
-from data_tools.fileio import atomic_write_bytes, check_prefix, remove_stale_temps
-from data_tools.indexed import IndexedWriter, bin_path, idx_path, read_meta, token_dtype
+from data_tools.fileio import (atomic_write_bytes, check_not_there, check_prefix,
+                              remove_stale_temps)
+from data_tools.indexed import (IndexedWriter, bin_path, idx_path, meta_path, read_meta,
+                               token_dtype)
 from data_tools.lifeline import Terminated, signals_held, stops_raise
 from data_tools.progress import Counts, Progress, summary
 from data_tools.tokenizer import SentencePieceTokenizer
@@ -260,6 +264,19 @@ def _remove_earlier_shards(plan: list[Shard], output_prefix: str, log) -> None:
             f"not write: {', '.join(os.path.basename(p) for p in stale)}")
 
 
+def check_outputs_new(inputs: list[readers.InputFile], output_prefix: str, shards: int | None,
+                      text_mode: str) -> None:
+    """Refuse (ValueError) a run that would replace or remove shards on disk: its
+    plan's, and an earlier plan's of this prefix (removed after the run)."""
+    prefix = os.path.abspath(output_prefix)
+    plan = plan_shards(inputs, prefix, shards, text_mode)
+    shard_prefixes = [s.prefix for s in plan]
+    if os.path.isdir(os.path.dirname(prefix)):
+        shard_prefixes += _earlier_shards(plan, prefix)
+    check_not_there([f(p) for p in shard_prefixes for f in (bin_path, idx_path, meta_path)],
+                    "--output-prefix", keep="--resume keeps the complete ones, ")
+
+
 def _kept_counts(plan: list, todo: list) -> Counts:
     """The counts of the shards a resume keeps (read from their meta files)."""
     total, todo_ids = Counts(), {s.index for s in todo}
@@ -370,6 +387,8 @@ def run(args) -> int:
         check_options(args.workers, args.shards, args.report_bad)  # before reading inputs
         check_prefix(args.output_prefix, "--output-prefix", "corpus")
         inputs = readers.discover(args.input, args.format)
+        if not (args.resume or args.force):
+            check_outputs_new(inputs, args.output_prefix, args.shards, args.text_mode)
         with stops_raise():  # a stopped job cleans up and says how to go on
             result = preprocess(
                 inputs, args.tokenizer, args.output_prefix, json_key=args.json_key,

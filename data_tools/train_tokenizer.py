@@ -11,12 +11,15 @@ The documents are read with the same readers as ``preprocess`` and streamed
 to sentencepiece, one line per sentence, through its sentence iterator (no
 temporary copy of the corpus); sentencepiece keeps a random sample of
 ``--max-sentences`` lines and trains on it. Outputs are written under
-temporary names and renamed in, the sidecar last: a PREFIX.json that exists
-describes a complete tokenizer.
+temporary names and renamed in, the sidecar last (an old one removed first): a
+PREFIX.json that exists describes a complete tokenizer. The CLI refuses a PREFIX
+whose files exist unless ``--force``: shards made with a tokenizer no longer
+match it once it is trained again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -25,7 +28,8 @@ import sys
 import time
 
 from data_tools import readers
-from data_tools.fileio import atomic_write_bytes, check_prefix, file_in_the_way
+from data_tools.fileio import (atomic_write_bytes, check_not_there, check_prefix,
+                              file_in_the_way)
 from data_tools.tokenizer import SentencePieceTokenizer, sidecar_path
 
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
@@ -137,6 +141,10 @@ def train(inputs: list[readers.InputFile], output_prefix: str, vocab_size: int, 
     log(f"train-tokenizer: {stats['documents']} documents, {stats['sentences']} lines, "
         f"{stats['characters'] / 1e6:.1f}M characters, vocab {vocab_size}")
     os.makedirs(folder, exist_ok=True)  # only now: a failed training leaves no folder
+    # An old sidecar (--force) goes before its model is replaced: cut short, the
+    # write must not leave it describing the new model.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(sidecar_path(output_prefix + ".model"))
     atomic_write_bytes(output_prefix + ".model", model.getvalue())
     tok = SentencePieceTokenizer(output_prefix + ".model")
     sp = tok.processor
@@ -209,6 +217,9 @@ def run(args) -> int:
                       threads=args.threads, character_coverage=args.character_coverage,
                       max_sentences=args.max_sentences)
         check_prefix(args.output, "--output", "tokenizer")
+        if not args.force:  # before minutes of training
+            prefix = os.path.abspath(args.output)
+            check_not_there([prefix + ext for ext in (".model", ".vocab", ".json")], "--output")
         inputs = readers.discover(args.input, args.format)
         train(inputs, args.output, args.vocab_size, json_key=args.json_key,
               text_mode=args.text_mode, max_documents=args.max_documents, seed=args.seed,

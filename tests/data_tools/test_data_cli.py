@@ -330,8 +330,13 @@ def test_merge_into_one_of_its_named_inputs_is_refused_keeping_it(tmp_path, caps
         err = _refused(capsys, "merge", "-o", str(tmp_path / "d"), *inputs)
         assert err.endswith("the output is also an input"), err
         assert (tmp_path / "d_text_document.bin").read_bytes() == kept
-    # a glob over both (d matched as an earlier result) merges e alone into d
-    assert main(["merge", "-o", str(tmp_path / "d"), str(tmp_path / "*.idx")]) == 0
+    # a glob over both (d matched as an earlier result) merges e alone into d, which
+    # replaces d: refused without --force, which a rerun into its output means
+    err = _refused(capsys, "merge", "-o", str(tmp_path / "d"), str(tmp_path / "*.idx"))
+    assert err.endswith("d_text_document.idx exist (--force replaces them, or give another "
+                        "--output-prefix)"), err
+    assert (tmp_path / "d_text_document.bin").read_bytes() == kept
+    assert main(["merge", "-o", str(tmp_path / "d"), str(tmp_path / "*.idx"), "--force"]) == 0
     capsys.readouterr()
     assert (tmp_path / "d_text_document.bin").read_bytes() == \
         (tmp_path / "e_text_document.bin").read_bytes()

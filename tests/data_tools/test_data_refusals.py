@@ -73,14 +73,33 @@ def test_inspect_counts_empty_documents_as_0_tokens(tmp_path, capsys):
     assert "--- document 0: 0 tokens\n" in out
 
 
-def test_inspect_with_a_tokenizer_that_cannot_be_loaded_warns_and_shows_ids(tmp_path, capsys):
+def test_inspect_with_a_tokenizer_option_that_cannot_be_loaded_is_one_line(tmp_path, capsys):
     """``--tokenizer`` naming a file that is not a sentencepiece model (the corpus by
-    mistake): a warning naming it, and the documents shown as ids."""
+    mistake), or no file: it was a warning, the documents shown as ids, exit 0. An
+    option given explicitly fails as ``kvtrain generate --tokenizer`` does."""
     prefix = _shard(tmp_path / "s_text_document", [[5, 6, 2]])
     corpus = h.write_jsonl(tmp_path / "c.model", ["not a model"])
-    status, out, _ = _inspect(capsys, prefix, "--tokenizer", str(corpus))
+    missing = tmp_path / "nonexist.model"
+    for path, why in ((corpus, f"{corpus}: not a sentencepiece model (could not parse it)"),
+                      (missing, f"{missing}: no sentencepiece model at {missing} "
+                                f"(nor {missing}.model)")):
+        assert main(["inspect", prefix, "--tokenizer", str(path)]) == 1
+        out = capsys.readouterr()
+        assert out.err == f"kvtrain data inspect: error: --tokenizer {why}\n", out.err
+        assert out.out == ""  # refused before the report
+
+
+def test_inspect_with_a_recorded_tokenizer_that_cannot_be_loaded_warns_and_shows_ids(
+        tmp_path, capsys):
+    """The tokenizer the shard's .meta.json names, found by inspect itself, damaged
+    since: a warning naming it, and the documents shown as ids (the report is the
+    shard's, not the tokenizer's)."""
+    prefix = _shard(tmp_path / "s_text_document", [[5, 6, 2]])
+    broken = h.write_jsonl(tmp_path / "tok.model", ["not a model"])
+    (tmp_path / "s_text_document.meta.json").write_text(json.dumps({"tokenizer": str(broken)}))
+    status, out, _ = _inspect(capsys, prefix)
     assert status == 0, out
-    assert (f"warning: cannot load tokenizer {corpus}: not a sentencepiece model "
+    assert (f"warning: cannot load tokenizer {broken}: not a sentencepiece model "
             "(could not parse it)") in out, out
     assert "--- document 0: 3 tokens\n    5 6 2\n" in out
 
