@@ -84,21 +84,35 @@ class _LineLoader(_Loader):
     """The config loader that records the line of every mapping key (1-based)."""
 
 
+_MERGE = "tag:yaml.org,2002:merge"
+
+
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    # YAML merge keys (`<<: *base`): the base's entries first, then this mapping's
+    # own, which may replace them (a duplicate among its own is still refused)
+    own = sum(key.tag != _MERGE for key, _ in node.value)
+    if own < len(node.value):
+        try:
+            loader.flatten_mapping(node)
+        except yaml.MarkedYAMLError as e:  # the mapping of the `<<`, not its base's
+            mark = e.context_mark or e.problem_mark
+            raise ConfigError(f"{loader.name}:{mark.line + 1}: invalid YAML: "
+                              f"{e.problem}") from None
+    merged = len(node.value) - own
     mapping = {}
     lines = {}
-    for key_node, value_node in node.value:
+    for index, (key_node, value_node) in enumerate(node.value):
         key = loader.construct_object(key_node, deep=deep)
         if isinstance(key, (list, dict)):  # YAML's `? [a, b]`: unhashable, and no key
             raise ConfigError(f"{loader.name}:{key_node.start_mark.line + 1}: a key must be "
                               f"a name, got a {'list' if isinstance(key, list) else 'mapping'}")
-        if key in mapping:
+        if key in mapping and lines[key][1] >= merged:  # twice among its own
             raise ConfigError(
                 f"{loader.name}:{key_node.start_mark.line + 1}: duplicate key {key!r}"
             )
         mapping[key] = loader.construct_object(value_node, deep=deep)
-        lines[key] = key_node.start_mark.line + 1
-    return _LinedDict(mapping, lines)
+        lines[key] = (key_node.start_mark.line + 1, index)
+    return _LinedDict(mapping, {key: line for key, (line, _) in lines.items()})
 
 
 class _LinedDict(dict):

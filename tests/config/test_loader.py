@@ -59,6 +59,27 @@ def test_section_must_be_mapping_and_no_duplicates(tmp_path):
         load_config(write(tmp_path, "optimizer:\n  lr: 1.0\n  lr: 2.0\n"))
 
 
+def test_yaml_merge_keys_are_read_as_yaml_reads_them(tmp_path):
+    """``<<: *base`` is YAML (PyYAML's safe_load reads it): it was refused as
+    "could not determine a constructor for the tag 'tag:yaml.org,2002:merge'". The
+    base's entries come first; the mapping's own replace them; a key twice among its
+    own is still a duplicate; a base that is no mapping is one line."""
+    from kvtrain.config.loader import read_yaml
+
+    text = ("model: &m\n  hidden_size: 64\n  num_layers: 2\n"
+            "wandb:\n  project: p\n"
+            "other: {<<: *m, num_layers: 3}\n")
+    data = read_yaml(write(tmp_path, text))
+    assert data["other"] == {"hidden_size": 64, "num_layers": 3}
+    assert data["other"].lines == {"hidden_size": 2, "num_layers": 6}
+    with pytest.raises(ConfigError, match=r"c.yaml:5: duplicate key 'num_layers'"):
+        read_yaml(write(tmp_path, "a: &m {x: 1}\nb:\n  <<: *m\n  num_layers: 1\n"
+                                  "  num_layers: 2\n"))
+    with pytest.raises(ConfigError) as e:
+        read_yaml(write(tmp_path, "a: &s 3\nb:\n  <<: *s\n"))
+    assert str(e.value).startswith(f"{tmp_path / 'c.yaml'}:3: invalid YAML: expected a mapping")
+
+
 def test_a_key_that_is_a_list_or_mapping_is_one_line(tmp_path):
     """YAML allows a complex key (`? [a, b]`); no config key is one, and it was
     a TypeError traceback (unhashable type: 'list') from the loader."""
