@@ -56,10 +56,12 @@ shift
 # ---------------------------------------------------------------- arguments
 SETS=()       # --set KEY=VALUE pairs, for the trainer and the run-folder lookup
 PASS=()       # other trainer arguments
+RUN_DIR_KEY=${RUN_DIR:+RUN_DIR}  # where the run folder came from, for the pre-check's refusal
 while [[ $# -gt 0 ]]; do
     case $1 in
-        --run-dir) [[ $# -ge 2 ]] || die "--run-dir needs a value"; RUN_DIR=$2; shift 2 ;;
-        --run-dir=*) RUN_DIR=${1#--run-dir=}; shift ;;
+        --run-dir) [[ $# -ge 2 ]] || die "--run-dir needs a value"
+                   RUN_DIR=$2; RUN_DIR_KEY=--run-dir; shift 2 ;;
+        --run-dir=*) RUN_DIR=${1#--run-dir=}; RUN_DIR_KEY=--run-dir; shift ;;
         --set) [[ $# -ge 2 ]] || die "--set needs KEY=VALUE"; SETS+=(--set "$2"); shift 2 ;;
         --set=*) SETS+=(--set "${1#--set=}"); shift ;;
         [A-Za-z_]*=*) SETS+=(--set "$1"); shift ;;
@@ -116,28 +118,13 @@ WORLD_SIZE=$(( NNODES * NPROC_PER_NODE ))
 
 # ---------------------------------------------------------------- run folder
 # Resolves the run folder the trainer will use (~ expanded, as the trainer does)
-# and checks the config (with the world size: divisibility of heads, layers,
-# batch) before anything starts.
-RUN_DIR=$("$PYTHON" - "$CONFIG" "$WORLD_SIZE" "${RUN_DIR:-}" "${SETS[@]}" <<'PY'
-import os
-import sys
-from kvtrain.config import ConfigError, checkpoint_folder, load_config, run_folder
-
-config, world, run_dir, rest = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
-overrides = [rest[i + 1] for i in range(0, len(rest), 2)]
-try:
-    cfg = load_config(config, overrides, world_size=world)
-except ConfigError as e:
-    sys.exit(f"kvtrain: config error: {e}")
-run = run_folder(cfg, run_dir or None)
-taken, ours = os.environ.get("KVTRAIN_CHECKPOINT_DIR"), checkpoint_folder(cfg.checkpoint.dir, run)
-if taken and os.path.abspath(taken) != os.path.abspath(ours):
-    sys.exit(f"kvtrain: config error: checkpoint.dir: the run's checkpoint folder is {ours}, but "
-             f"slurm.sbatch took CHECKPOINT_DIR={taken} (for the resume and the container's "
-             f"mounts): set CHECKPOINT_DIR={ours} (kvtrain submit does)")
-print(run)
-PY
-) || exit 2
+# and checks, before anything starts or any folder is made, the arguments (with
+# kvtrain train's own parser), the config (with the world size: divisibility of
+# heads, layers, batch) and the run's folders (launch/precheck.sh).
+FOLDERS=$(bash "$REPO/launch/precheck.sh" "$PYTHON" "$WORLD_SIZE" "${RUN_DIR:-}" \
+          "${RUN_DIR_KEY:-}" "$CONFIG" "${SETS[@]}" "${PASS[@]}") || exit 2
+[[ -n $FOLDERS ]] || exit 0  # --help: kvtrain train's was printed
+RUN_DIR=${FOLDERS%%$'\n'*}
 LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}
 
 # ---------------------------------------------------------------- environment

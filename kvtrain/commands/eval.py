@@ -94,7 +94,7 @@ def _default_device() -> str:
 def run(args) -> int:
     from kvtrain.commands.train import quiet_imports
     from kvtrain.evaluate.harness import (
-        import_harness, load_tasks, run_harness, trusts_remote_code,
+        check_fewshot, import_harness, load_tasks, run_harness, trusts_remote_code,
     )
     from kvtrain.evaluate.report import (
         EVAL_DIR, log_to_wandb, make_record, record_name, render_table, write_record,
@@ -115,6 +115,7 @@ def run(args) -> int:
         trusts_remote_code(source, spec.trust_remote_code)
     # unknown task, missing dataset: one line, before any export or model
     loaded = load_tasks(spec.tasks, spec.include_path)
+    check_fewshot(loaded[1], spec.num_fewshot)  # more shots than examples: before the export
     with prepared(args.source, spec.dtype) as src:
         target = Path(args.out).expanduser() if args.out else None
         if target is None and src.run_dir is not None:

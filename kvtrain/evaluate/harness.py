@@ -193,6 +193,66 @@ def load_tasks(names: list[str], include_path: Optional[Path] = None) -> tuple[A
     return full, _build(full, names)
 
 
+def _shots(task, asked: Optional[int]) -> tuple[int, str]:
+    """(the shots lm-eval will give ``task``, how they were asked for): ``--num-fewshot``
+    overrides the task's own num_fewshot unless that is 0 (``simple_evaluate``'s rule)."""
+    own = task.get_config("num_fewshot")
+    if asked is not None and own != 0:
+        return asked, f"--num-fewshot {asked}"
+    return own or 0, f"num_fewshot {own} (its YAML)"
+
+
+def _fewshot_source(task) -> str:
+    """The split (or samples) lm-eval draws ``task``'s few-shot examples from, in words
+    (``ConfigurableTask.fewshot_docs``' order)."""
+    if task.fewshot_cfg.split is not None:
+        return f"its fewshot split '{task.fewshot_cfg.split}'"
+    if task.config.fewshot_config is not None and task.fewshot_cfg.samples is not None:
+        return "its fewshot_config samples list"
+    for kind in ("training", "validation", "test"):
+        split = getattr(task.config, f"{kind}_split")
+        if split is not None:
+            return f"its {kind} split '{split}' (it has no fewshot_split)"
+    return "its few-shot documents"
+
+
+def _draws_as_lm_eval(task) -> bool:
+    """Whether ``task`` draws its shots with lm-eval's own samplers (whose bounds
+    ``check_fewshot`` knows); a task's own code may draw otherwise."""
+    from lm_eval.api.samplers import ContextSampler, FirstNSampler
+    from lm_eval.api.task import ConfigurableTask
+
+    sampler = getattr(task, "sampler", None)
+    return (isinstance(task, ConfigurableTask)
+            and type(task).fewshot_context is ConfigurableTask.fewshot_context
+            and getattr(type(sampler), "sample", None) in (ContextSampler.sample,
+                                                           FirstNSampler.sample))
+
+
+def check_fewshot(loaded: list, num_fewshot: Optional[int]) -> None:
+    """ConfigError naming the first task (of ``loaded``, groups opened) whose few-shot
+    documents are fewer than its shots: lm-eval found it only while building the
+    requests, after the model had loaded, as random.sample's traceback. When the shots
+    come from the evaluated split (``fewshot_split == test_split``), lm-eval draws one
+    more and drops the evaluated document: that split must hold more than the shots."""
+    from lm_eval.api.group import Group
+
+    for task in (t for item in loaded for t in
+                 (item.get_all_tasks() if isinstance(item, Group) else [item])):
+        try:  # lm-eval's task internals (tested on 0.4.13): another version's, unread
+            shots, asked = _shots(task, num_fewshot)
+            if shots <= 0 or not _draws_as_lm_eval(task):
+                continue
+            aside = task.fewshot_cfg.split == task.config.test_split  # lm-eval's own test
+            have = max(len(task.sampler.fewshot_docs()) - int(aside), 0)
+        except AttributeError:
+            continue  # left to lm-eval
+        if shots > have:
+            besides = " besides the evaluated example" if aside else ""
+            raise ConfigError(f"task '{task.config.task}': {asked} needs {shots} few-shot "
+                              f"examples, {_fewshot_source(task)} has {have}{besides}")
+
+
 def trusts_remote_code(hf_dir: Path, allow: bool = False) -> bool:
     """Whether lm-eval may run the folder's own code (config.json's ``auto_map``).
 
@@ -319,6 +379,7 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
     trust = trusts_remote_code(hf_dir, spec.trust_remote_code)  # refused: before anything
     # the tasks before the model: a refused task costs nothing
     manager, tasks = loaded or load_tasks(spec.tasks, spec.include_path)
+    check_fewshot(tasks, spec.num_fewshot)  # lm-eval's refusal came after the model loaded
     lm = _loaded_model(hf_dir, spec, trust)
     answer = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=spec.num_fewshot, limit=spec.limit,
@@ -337,5 +398,6 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
         lm_eval_version=getattr(lm_eval, "__version__", ""))
 
 
-__all__ = ["EvalOutput", "EvalSpec", "import_harness", "language_model", "load_tasks",
-           "metrics_of", "prefix_token_of", "run_harness", "task_manager", "trusts_remote_code", "UnknownTask"]
+__all__ = ["EvalOutput", "EvalSpec", "UnknownTask", "check_fewshot", "import_harness",
+           "language_model", "load_tasks", "metrics_of", "prefix_token_of", "run_harness",
+           "task_manager", "trusts_remote_code"]

@@ -312,3 +312,76 @@ def test_results_of_a_folder_outside_any_run_without_out_are_printed_not_saved(l
     assert out.splitlines()[-1] == (f"kvtrain eval: results not saved ({local['hf']} is in no "
                                     "kvtrain run folder: --out FILE)")
     assert sorted(local["hf"].rglob("*")) == before  # nothing written into the model's folder
+
+
+FEWSHOT_EXTRA = {  # task name -> lines added to a multiple-choice YAML over two documents
+    "kvt_mc2": "",  # no fewshot_split: lm-eval draws the shots from the test split
+    "kvt_mc2_fs": "fewshot_split: test\n",  # the evaluated document is left out of them
+    "kvt_mc2_yaml": "num_fewshot: 5\n",  # the task's own shots
+}
+
+
+@pytest.fixture(scope="module")
+def fewshot_tasks(tmp_path_factory):
+    """Tasks over a two-document mc2.jsonl, for more shots than it holds."""
+    from .helpers import MC_YAML, write_jsonl
+
+    root = tmp_path_factory.mktemp("fewshot")
+    tasks = root / "tasks"
+    tasks.mkdir()
+    data = write_jsonl(root / "mc2.jsonl", MC[:2])
+    for name, extra in FEWSHOT_EXTRA.items():
+        text = MC_YAML.format(data=data, cache=root / "datasets_cache")
+        (tasks / f"{name}.yaml").write_text(text.replace("task: kvt_mc\n", f"task: {name}\n")
+                                            + extra)
+    return tasks
+
+
+@pytest.mark.parametrize("task, argv, message", [
+    ("kvt_mc2", ["--num-fewshot", "5"],
+     "task 'kvt_mc2': --num-fewshot 5 needs 5 few-shot examples, its test split 'test' "
+     "(it has no fewshot_split) has 2"),
+    ("kvt_mc2", ["--num-fewshot", "3"],
+     "task 'kvt_mc2': --num-fewshot 3 needs 3 few-shot examples, its test split 'test' "
+     "(it has no fewshot_split) has 2"),
+    # lm-eval draws one more and drops the evaluated document: 2 shots of 2 fail too
+    ("kvt_mc2_fs", ["--num-fewshot", "2"],
+     "task 'kvt_mc2_fs': --num-fewshot 2 needs 2 few-shot examples, its fewshot split 'test' "
+     "has 1 besides the evaluated example"),
+    ("kvt_mc2_yaml", [],
+     "task 'kvt_mc2_yaml': num_fewshot 5 (its YAML) needs 5 few-shot examples, its test "
+     "split 'test' (it has no fewshot_split) has 2"),
+])
+def test_more_shots_than_the_fewshot_split_holds_is_one_line(local, fewshot_tasks, capsys,
+                                                              tmp_path, task, argv, message):
+    """lm-eval's 'Sample larger than population' traceback from its sampler, after the
+    model had loaded: one line naming the task, the shots and what its split holds,
+    before the model loads; a results file already there is kept as it was."""
+    out = tmp_path / "r.json"
+    out.write_text('{"kept": true}\n')
+    code, stdout, err = kvtrain_eval([str(local["hf"]), "--tasks", task, "--include-path",
+                                      str(fewshot_tasks), "--no-wandb", "--out", str(out),
+                                      *argv], capsys)
+    assert code == 2 and err == f"kvtrain: config error: {message}\n", err
+    assert stdout == "" and out.read_text() == '{"kept": true}\n'
+
+
+def test_a_group_names_its_task_with_too_few_shots(local, capsys):
+    """kvt_grp: kvt_mc (4 documents) and kvt_ll (3): the group's task is named."""
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_grp", "--include-path",
+                                   str(local["tasks"]), "--num-fewshot", "4"], capsys)
+    assert code == 2 and out == "" and err == (
+        "kvtrain: config error: task 'kvt_ll': --num-fewshot 4 needs 4 few-shot examples, "
+        "its test split 'test' (it has no fewshot_split) has 3\n"), err
+
+
+@pytest.mark.parametrize("task, shots", [("kvt_mc2", 2), ("kvt_mc2_fs", 1)])
+def test_as_many_shots_as_the_fewshot_split_holds_run(local, fewshot_tasks, capsys, task,
+                                                      shots):
+    """The bound is lm-eval's own: all the split's documents without fewshot_split,
+    all but the evaluated one with it."""
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", task, "--include-path",
+                                   str(fewshot_tasks), "--num-fewshot", str(shots),
+                                   "--limit", "1"], capsys)
+    assert code == 0, err
+    assert task in out and "acc" in out

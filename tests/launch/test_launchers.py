@@ -75,6 +75,55 @@ def test_torchrun_sh_refuses_a_bad_config_in_one_line():
     assert out.returncode == 2 and "world size 3" in out.stderr
 
 
+@pytest.mark.parametrize("script", [TORCHRUN_SH, SBATCH], ids=["torchrun.sh", "slurm.sbatch"])
+@pytest.mark.parametrize("stray", ["train.max_steps:50", "foo", "--max-steps"])
+def test_a_stray_argument_is_one_line_before_torchrun_starts(script, stray):
+    """An argument neither KEY=VALUE nor an option of `kvtrain train` (a ':' for '='):
+    torchrun started, every rank printed argparse's usage and error, and torchrun
+    ended with its ChildFailedError traceback. The pre-check parses the arguments
+    with kvtrain train's own parser now: one line, before torchrun (no command)."""
+    out = dry(script, str(TINY), "train.seed=3", stray, SLURM_JOB_ID="6")
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr == (f"kvtrain: config error: unrecognized argument '{stray}': neither a "
+                          "KEY=VALUE override nor an option of kvtrain train\n"), out.stderr
+
+
+def test_the_options_of_kvtrain_train_pass_the_pre_check(tmp_path):
+    """What the trainer accepts passes: --set, its abbreviation, --status-file; --help is
+    kvtrain train's, printed once (on stderr), and nothing starts."""
+    out = dry(TORCHRUN_SH, str(TINY), "--se=train.seed=5", "--status-file",
+              str(tmp_path / "status"), "--run-dir", str(tmp_path / "r"))
+    assert out.returncode == 0, out.stderr
+    assert f"--se=train.seed=5 --status-file {tmp_path}/status" in out.stdout, out.stdout
+    bad = dry(TORCHRUN_SH, str(TINY), "--se=train.sed=5")  # the abbreviation is read: the
+    assert bad.returncode == 2 and "train.sed" in bad.stderr, bad.stderr  # config refuses it
+    helped = dry(TORCHRUN_SH, str(TINY), "--help")
+    assert helped.returncode == 0 and helped.stdout == "", helped.stdout
+    assert helped.stderr.startswith("usage: kvtrain train [-h]"), helped.stderr
+
+
+@pytest.mark.parametrize("script, how, key", [
+    (TORCHRUN_SH, "option", "--run-dir"), (TORCHRUN_SH, "env", "RUN_DIR"),
+    (SBATCH, "option", "--run-dir"), (SBATCH, "env", "RUN_DIR"), (SBATCH, "config", "run_dir"),
+], ids=lambda v: v.name if hasattr(v, "name") else v)
+def test_a_run_dir_that_is_a_file_is_kvtrain_trains_one_line(tmp_path, script, how, key):
+    """--run-dir FILE: torchrun.sh said mkdir's "cannot create directory ...: Not a
+    directory" (exit 1), slurm.sbatch too, after the config check had passed. The
+    pre-check refuses it as `kvtrain train --run-dir FILE` does
+    (check_output_folders), naming where the folder came from; nothing is made."""
+    taken = tmp_path / "t.yaml"
+    taken.write_text(TINY.read_text() + (f"run_dir: {taken}\n" if how == "config" else ""))
+    args = ["--run-dir", str(taken)] if how == "option" else []
+    env = {"RUN_DIR": str(taken)} if how == "env" else {}
+    out = subprocess.run(["bash", str(script), str(taken), *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, env=launch_env(SLURM_JOB_ID="6", **env))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr == f"kvtrain: config error: {key} {taken} is a file, not a folder\n", \
+        out.stderr
+    assert sorted(tmp_path.iterdir()) == [taken] and taken.read_text().startswith(
+        TINY.read_text())
+
+
 def test_slurm_sbatch_builds_the_step():
     out = dry(SBATCH, "configs/paper/19b_kv_shift.yaml", "train.seed=3", SLURM_JOB_ID="4242",
               SLURM_JOB_NUM_NODES="30", SLURM_CPUS_ON_NODE="128", RUN_DIR="/shared/r",
@@ -476,7 +525,8 @@ def test_the_image_runs_its_interpreter_not_a_mounted_checkouts_venv(tmp_path):
     its python is missing in the image, or it is the CPU build."""
     repo = tmp_path / "kvtrain"
     (repo / "launch").mkdir(parents=True)
-    (repo / "launch" / "torchrun.sh").write_text(TORCHRUN_SH.read_text())
+    for script in ("torchrun.sh", "precheck.sh"):  # the launcher and its pre-check
+        (repo / "launch" / script).write_text((REPO / "launch" / script).read_text())
     venv_python = repo / ".venv" / "bin" / "python"
     venv_python.parent.mkdir(parents=True)
     venv_python.write_text("#!/bin/sh\necho 'the host .venv ran' >&2\nexit 1\n")
