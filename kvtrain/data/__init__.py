@@ -2,7 +2,7 @@
 iterators, the tokenizer object, and a synthetic structured corpus."""
 
 from .datasets import (Datasets, build_datasets, build_scored_set, parse_blend,
-                       sequences_held)
+                       sequences_held, validation_read_over)
 from .loader import PretrainingBatchSampler, fixed_batches, micro_batches
 from .synthetic import synthetic_documents, write_shard, write_synthetic_corpus
 from .tokenizer import VocabOnlyTokenizer, load_tokenizer
@@ -13,12 +13,13 @@ __all__ = [
     "VocabOnlyTokenizer",
     "build_datasets",
     "build_scored_set",
-    "sequences_held",
     "fixed_batches",
     "load_tokenizer",
     "micro_batches",
     "parse_blend",
+    "sequences_held",
     "synthetic_documents",
+    "validation_read_over",
     "write_shard",
     "write_synthetic_corpus",
 ]

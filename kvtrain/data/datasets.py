@@ -404,6 +404,25 @@ def sequences_held(paths: list, key: str, seq_length: int) -> int:
     return held
 
 
+def validation_read_over(cfg: RunConfig, valid_samples: int) -> list[str]:
+    """Warnings for held-out validation sets (``data.valid_paths``, ``data.valid_sets``)
+    smaller than one validation: each reads its first ``valid_samples`` sequences, so
+    megatron draws a small set's shards again (more epochs) and its loss weighs their
+    tokens over and over (a 14-token set was recorded as 128 tokens a validation)."""
+    seq, sets = cfg.train.seq_length, [("data.valid_paths", cfg.data.valid_paths)]
+    sets += [(f"data.valid_sets.{name}", paths) for name, paths in cfg.data.valid_sets.items()]
+    lines = []
+    for key, paths in sets:
+        held = sequences_held(paths, key, seq) if paths and valid_samples else valid_samples
+        if held < valid_samples:
+            over = f"{valid_samples / held:.1f} times over" if held else "over and over"
+            lines.append(f"kvtrain: warning: {key} holds {held} sequences of {seq} tokens (one "
+                         f"pass over its shards), fewer than the {valid_samples} a validation "
+                         f"reads (train.eval_iters x train.global_batch_size): it reads them "
+                         f"{over}; give it more data, or lower train.eval_iters")
+    return lines
+
+
 def build_scored_set(cfg: RunConfig, paths: list, key: str, samples: int,
                      tokenizer: Any) -> Any:
     """The first ``samples`` sequences of the shards ``paths`` (the forms of data.paths),

@@ -175,6 +175,7 @@ def test_the_trainer_scores_every_set_at_every_evaluation(tmp_path, cache_dir):
     a, b = _shards(tmp_path)
     (c,) = _shards(tmp_path / "more", n_docs=(200, 1))[:1]
     big = write_shard(tmp_path / "big" / "shard", [np.arange(400, 440, dtype=np.int32)] * 20)
+    tiny = write_shard(tmp_path / "tiny" / "shard", [np.arange(1, 41, dtype=np.int32)] * 5)
     cfg = _config(tmp_path, cache_dir, [a], {"same": [b], "c": [c]}, valid_paths=[b], split="100")
     cfg["train"].update(max_steps=3, eval_iters=1)
     cfg["checkpoint"]["save_interval"] = 3
@@ -185,12 +186,14 @@ def test_the_trainer_scores_every_set_at_every_evaluation(tmp_path, cache_dir):
              "overrides": ["train.max_steps=6", f"data.valid_sets.big={json.dumps([big])}"],
              "expect": 2},
             {"config": config, "run_dir": run_dir, "log": str(tmp_path / "more.log"),
-             "overrides": ["train.max_steps=6", f"data.valid_sets.more={json.dumps([c])}"]}]
+             "overrides": ["train.max_steps=6", f"data.valid_sets.more={json.dumps([c])}",
+                           f"data.valid_sets.tiny={json.dumps([tiny])}"]}]
     result = run_driver(jobs, tmp_path / "plan.json")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     valid = metrics(tmp_path / "run", "valid")
     assert [(r["iteration"], r.get("set")) for r in valid] == [
-        (3, None), (3, "same"), (3, "c"), (6, None), (6, "same"), (6, "c"), (6, "more")]
+        (3, None), (3, "same"), (3, "c"), (6, None), (6, "same"), (6, "c"), (6, "more"),
+        (6, "tiny")]
     for it in (3, 6):
         main, same = (r for r in valid if r["iteration"] == it and r.get("set") in (None, "same"))
         assert same["val_loss"] == main["val_loss"] and same["val_tokens"] == main["val_tokens"]
@@ -199,8 +202,12 @@ def test_the_trainer_scores_every_set_at_every_evaluation(tmp_path, cache_dir):
     log = (tmp_path / "more.log").read_text()
     assert "| validation more | val_loss" in log
     assert "config changed since the checkpoint: data.valid_sets.more: None -> [" in log
+    # 199 // 32 = 6 sequences, a validation reads 8: said (it was recorded unremarked)
+    assert "kvtrain: warning: data.valid_sets.tiny holds 6 sequences of 32 tokens (one pass " \
+        "over its shards), fewer than the 8 a validation reads" in log
+    assert "warning: data.valid_sets" not in (tmp_path / "run.log").read_text()
     events = [r for r in metrics(tmp_path / "run", "event") if "changes" in r]
-    assert list(events[-1]["changes"]) == ["data.valid_sets.more"]
+    assert sorted(events[-1]["changes"]) == ["data.valid_sets.more", "data.valid_sets.tiny"]
     lines = (tmp_path / "resumed.log").read_text().strip().splitlines()
     assert lines[-1].startswith("kvtrain: config error: data.valid_sets.big: a batch holds "
                                 f"token id 4"), lines[-3:]
@@ -296,3 +303,22 @@ def test_two_ranks_score_the_sets_alike(tmp_path, cache_dir):
     assert two[0]["val_loss"] == two[1]["val_loss"]
     assert two[1]["val_tokens"] == single[1]["val_tokens"]
     assert two[1]["val_loss"] == pytest.approx(single[1]["val_loss"], rel=1e-5)
+
+
+def test_a_set_smaller_than_a_validation_is_said_at_the_start(tmp_path, cache_dir):
+    """A held-out set of 14 tokens was read ~9 times a validation (megatron draws more
+    epochs) and recorded as 128 tokens, unremarked: now a warning names it."""
+    from kvtrain.data import validation_read_over
+    from kvtrain.data.synthetic import write_shard
+
+    small = write_shard(tmp_path / "small" / "s", [np.arange(1, 41, dtype=np.int32)] * 5)
+    big = write_shard(tmp_path / "big" / "b", [np.arange(1, 41, dtype=np.int32)] * 20)
+    cfg = _load(tmp_path, _config(tmp_path, cache_dir, ["a"], {"small": [small], "big": [big]},
+                                  valid_paths=[big], split="100"))
+    valid = cfg.train.eval_iters * cfg.train.global_batch_size  # 16 sequences of 32 tokens
+    assert validation_read_over(cfg, valid) == [
+        "kvtrain: warning: data.valid_sets.small holds 6 sequences of 32 tokens (one pass over "
+        "its shards), fewer than the 16 a validation reads (train.eval_iters x "
+        "train.global_batch_size): it reads them 2.7 times over; give it more data, or lower "
+        "train.eval_iters"]  # big: 799 // 32 = 24
+    assert validation_read_over(cfg, 0) == []  # no validation
