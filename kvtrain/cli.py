@@ -43,8 +43,21 @@ SUBCOMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """Refuses the arguments it does not know itself, with its own usage:
+    argparse leaves a subcommand's to the top parser, whose error names
+    ``kvtrain [-h] COMMAND ...`` and none of the subcommand's options. The
+    subcommands' parsers are of this class too (add_subparsers' default)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvtrain",
         description="Pretrain Llama-style LMs with KV shifting attention on Megatron-Core.",
     )

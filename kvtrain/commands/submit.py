@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from itertools import takewhile
 from pathlib import Path
 
 
@@ -105,17 +106,45 @@ def slurm_seconds(text: str) -> int | None:
     return seconds or None
 
 
+NO_LIMIT = ("UNLIMITED", "INFINITE")
+
+
 def check_time(time: str | None, signal_seconds: int) -> None:
-    """The stop signal must come after the start: at or before it, every job
+    """A limit SLURM reads as none (0, -1) is refused: it looks like a short job.
+    The stop signal must come after the start: at or before it, every job
     would save and requeue at once, over and over (up to --max-requeues)."""
     from kvtrain.config import ConfigError
 
-    limit = slurm_seconds(time) if time else None
+    if time is None:
+        return
+    text = time.strip()
+    no_limit = "SLURM reads it as no time limit: leave --time out for the partition's default"
+    if text.startswith("-"):
+        raise ConfigError(f"--time {time!r} is negative: "
+                          f"{no_limit if text == '-1' else 'a time limit is ' + TIME_FORMS}")
+    limit = slurm_seconds(text)
+    if limit is None and text.upper() not in NO_LIMIT:
+        raise ConfigError(f"--time {time!r} is zero: {no_limit}")
     if limit is not None and signal_seconds >= limit:
         raise ConfigError(
             f"--signal-seconds {signal_seconds} is not shorter than --time {time} ({limit} s): "
             "every job would be told to stop as it starts (lower --signal-seconds or raise "
             "--time)")
+
+
+TEXT_OPTIONS = ("job_name", "partition", "account", "qos", "time", "container_image",
+                "container_mounts", "run_dir")
+
+
+def check_text(args) -> None:
+    """An empty --job-name, --partition ... was dropped as if not given: the job
+    went out under the default without a word."""
+    from kvtrain.config import ConfigError
+
+    given = [("--" + dest.replace("_", "-"), getattr(args, dest)) for dest in TEXT_OPTIONS]
+    for option, value in given + [("--sbatch-arg", arg) for arg in args.sbatch_arg]:
+        if value is not None and not value.strip():
+            raise ConfigError(f"{option} {value!r} is empty (leave it out for the default)")
 
 
 def job_name(run_dir: Path) -> str:
@@ -137,24 +166,33 @@ def check_folders(folders: dict[str, Path]) -> None:
             raise ConfigError(f"{key} {why}")
 
 
-def build(args) -> tuple[list[str], dict[str, str]]:
-    """The sbatch command line and the environment it needs (also for tests)."""
-    from kvtrain.config import ConfigError, checkpoint_folder, load_config, run_folder
+def check_options(args) -> None:
+    """Counts, names and the time limit, in one line each before anything is read."""
+    from kvtrain.config import ConfigError
 
     if args.nodes < 1 or args.chain < 1 or args.gpus_per_node < 0:
         raise ConfigError("--nodes and --chain must be >= 1 and --gpus-per-node >= 0")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:  # 0 silently meant the default
         raise ConfigError(f"--nproc-per-node must be >= 1 (leave it out for the default), "
                           f"got {args.nproc_per_node}")
-    for option, value in (("--max-requeues", args.max_requeues),
-                          ("--signal-seconds", args.signal_seconds)):
-        if value is not None and value < 0:  # passed on to sbatch and slurm.sbatch as they were
-            raise ConfigError(f"{option} must be >= 0, got {value}")
+    if args.max_requeues is not None and args.max_requeues < 0:  # went to slurm.sbatch as it was
+        raise ConfigError(f"--max-requeues must be >= 0, got {args.max_requeues}")
+    if args.signal_seconds < 1:  # 0: the signal with the kill, no time to save
+        raise ConfigError("--signal-seconds must be >= 1 (the seconds the trainer has to save "
+                          f"before the time limit), got {args.signal_seconds}")
     if args.chain > 1 and args.no_singleton:
         raise ConfigError(f"--chain {args.chain} with --no-singleton: the {args.chain} jobs would "
                           "start at once on one run folder (--dependency=singleton runs them "
                           "one after another)")
+    check_text(args)
     check_time(args.time, args.signal_seconds)
+
+
+def build(args) -> tuple[list[str], dict[str, str]]:
+    """The sbatch command line and the environment it needs (also for tests)."""
+    from kvtrain.config import ConfigError, checkpoint_folder, load_config, run_folder
+
+    check_options(args)
     nproc = args.nproc_per_node or (args.gpus_per_node or None)
     world = args.nodes * nproc if nproc else None
     cfg = load_config(args.config, args.overrides, world_size=world)
@@ -215,17 +253,56 @@ def run(args) -> int:
         return 1
     logs = Path(env["RUN_DIR"], "logs")
     try:
-        logs.mkdir(parents=True, exist_ok=True)
+        made = make_folders(logs)
     except OSError as e:  # read-only, or a place no folder can be made (/proc)
         print(f"kvtrain submit: cannot make the log folder {logs}: {e.strerror}", file=sys.stderr)
         return 1
-    jobs = []
-    for _ in range(args.chain):
-        out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+    jobs: list[str] = []
+    try:
+        return submit_chain(cmd, env, args.chain, jobs)
+    finally:  # nothing queued (sbatch refused, or did not start): no folder of ours is left
+        if not jobs:
+            remove_empty(made)
+
+
+def make_folders(folder: Path) -> list[Path]:
+    """``mkdir -p folder``; the folders it made, deepest first (a failure removes them)."""
+    missing = list(takewhile(lambda f: not f.exists(), (folder, *folder.parents)))
+    made: list[Path] = []
+    try:
+        for new in reversed(missing):
+            try:
+                new.mkdir()
+            except FileExistsError:  # made meanwhile, by someone else: not ours
+                continue
+            made.insert(0, new)
+    except OSError:
+        remove_empty(made)
+        raise
+    return made
+
+
+def remove_empty(made: list[Path]) -> None:
+    """Removes the folders ``make_folders`` made, deepest first, while they are empty."""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:  # something is in it now: it and those above it stay
+            return
+
+
+def submit_chain(cmd: list[str], env: dict[str, str], chain: int, jobs: list[str]) -> int:
+    """Calls sbatch ``chain`` times, adding each job id to ``jobs``."""
+    for _ in range(chain):
+        try:
+            out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+        except OSError as e:  # sbatch found but not startable (its interpreter is missing)
+            print(f"kvtrain submit: cannot run sbatch: {e.strerror}", file=sys.stderr)
+            return 1
         if out.returncode != 0:
             msg = (out.stderr or out.stdout).strip().splitlines()
             # the jobs already queued will train: say which
-            queued = (f" (job {len(jobs) + 1} of the chain of {args.chain}; submitted and "
+            queued = (f" (job {len(jobs) + 1} of the chain of {chain}; submitted and "
                       f"queued: {' '.join(jobs)})") if jobs else ""
             print(f"kvtrain submit: sbatch failed: {msg[-1] if msg else out.returncode}{queued}",
                   file=sys.stderr)

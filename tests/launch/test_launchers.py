@@ -280,7 +280,8 @@ def test_submit_refuses_a_bad_time_limit_in_one_line(capsys, time, message):
     ("--nproc-per-node", "-2", "--nproc-per-node must be >= 1 (leave it out for the default), "
                                "got -2"),
     ("--max-requeues", "-1", "--max-requeues must be >= 0, got -1"),
-    ("--signal-seconds", "-5", "--signal-seconds must be >= 0, got -5"),
+    ("--signal-seconds", "-5", "--signal-seconds must be >= 1 (the seconds the trainer has to "
+                                "save before the time limit), got -5"),
 ])
 def test_submit_refuses_option_values_out_of_range(capsys, option, value, message):
     """--nproc-per-node 0 silently meant the default (-2 was blamed on the world
