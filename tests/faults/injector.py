@@ -28,6 +28,8 @@
                                a bind mount: the lock file open in /ck keeps a remount busy)
     {"room_at": [5, "/run/filler"]}  at the start of step 5 the file filling a disk is
                                deleted: the disk has room again
+    {"folder_at": [2, "/ck/latest"]}  at the start of step 2 a folder is made there (in
+                               the way of a file a save writes; a start refuses one)
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ class Faults(RunHooks):
                  kill_writer_in_save: Optional[tuple[int, int, str]] = None,
                  kill_loader_workers_at: Optional[int] = None,
                  ctrl_c_twice_at: Optional[int] = None,
-                 room_at: Optional[tuple[int, str]] = None):
+                 room_at: Optional[tuple[int, str]] = None,
+                 folder_at: Optional[tuple[int, str]] = None):
         self.kill_in_save = kill_in_save
         self.kill_after_save = kill_after_save
         self.nonfinite_steps = frozenset(nonfinite_steps)
@@ -135,6 +138,7 @@ class Faults(RunHooks):
         self.kill_loader_workers_at = kill_loader_workers_at
         self.ctrl_c_twice_at = ctrl_c_twice_at
         self.room_at = tuple(room_at or (None, None))  # (step, a file filling a disk)
+        self.folder_at = tuple(folder_at or (None, None))  # (step, a folder in the way)
 
     def loss(self, iteration, loss_sum):
         if iteration in self.nonfinite_steps:
@@ -174,6 +178,8 @@ class Faults(RunHooks):
             os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt here
         if iteration == self.room_at[0]:
             os.unlink(self.room_at[1])  # the disk has room again, from this step on
+        if iteration == self.folder_at[0]:
+            os.makedirs(self.folder_at[1], exist_ok=True)  # every rank: the same folder
         at, rank, which = self.kill_writer_in_save
         if at is not None and iteration in (at, at + 1):
             import torch.distributed as dist

@@ -394,10 +394,12 @@ def test_a_save_failing_on_one_rank_stops_every_rank_with_its_reason(tmp_path, c
     config = write_config(tmp_path / "c.yaml", tiny_config(
         None, cache_dir, train={"max_steps": 4}, checkpoint={"save_interval": 2,
                                                              "keep_last": None}))
-    (tmp_path / "in_the_way" / "checkpoints" / "latest").mkdir(parents=True)
+    # (made before the first save: a start refuses a `latest` that is no file)
+    in_the_way = str(tmp_path / "in_the_way" / "checkpoints" / "latest")
     jobs = [{"config": str(config), "run_dir": str(tmp_path / "rank1"), "expect": 2,
              "faults": {"fail_in_save": [4, 1]}},
-            {"config": str(config), "run_dir": str(tmp_path / "in_the_way"), "expect": 2}]
+            {"config": str(config), "run_dir": str(tmp_path / "in_the_way"), "expect": 2,
+             "faults": {"folder_at": [2, in_the_way]}}]
     result = run_driver(jobs, tmp_path / "plan.json", nproc=2, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
