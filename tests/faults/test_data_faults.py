@@ -259,7 +259,8 @@ def test_a_run_whose_document_indices_exceed_memory_is_one_line(tmp_path, corpus
     so a run whose sample indices fit in memory went on to megatron's count of its
     epochs, one loop turn at a time, then failed to allocate them."""
     from kvtrain.data import build_datasets
-    from kvtrain.data.datasets import INDEX_BYTES_PER_SAMPLE, _shard_size
+    from kvtrain.data.datasets import _shard_size
+    from kvtrain.data.index_memory import INDEX_BYTES_PER_SAMPLE
 
     documents, tokens = _shard_size(corpus.prefix)
     seq = 1 << max(4, math.ceil(math.log2(8 * tokens / documents)))  # 8+ documents a sequence
@@ -280,7 +281,7 @@ def test_a_run_whose_validation_indices_exceed_memory_is_one_line(tmp_path, corp
     megatron's too: a run of few training steps but a huge train.eval_iters passed
     the check, which counted only the training part, and failed in megatron."""
     from kvtrain.data import build_datasets
-    from kvtrain.data.datasets import INDEX_BYTES_PER_SAMPLE
+    from kvtrain.data.index_memory import INDEX_BYTES_PER_SAMPLE
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     valid = memory // INDEX_BYTES_PER_SAMPLE + 1  # their sample indices alone: over memory
