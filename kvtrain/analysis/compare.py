@@ -57,7 +57,8 @@ def speedup(a: RunData, b: RunData) -> dict:
 
 def curve_speedup(a: Curve, b: Curve) -> dict:
     """B against A on one validation curve (the run's, or a named set's)."""
-    out = {"target_loss": a.final, "a_tokens": None, "b_tokens": None, "speedup": None}
+    out = {"target_loss": a.final, "a_tokens": None, "b_tokens": None, "speedup": None,
+           "a_not_finite_from": None if a else next(iter(a.nonfinite), None)}
     if not a:
         return out
     # A's tokens by the rule applied to B (first crossing), not A's last point: on
@@ -190,7 +191,7 @@ def summarize(runs: Sequence[RunData]) -> dict:
                 "valid_sets": {name: {"val_loss_diff": _diff(curve.final, a.valid_sets[name].final),
                                       **curve_speedup(a.valid_sets[name], curve)}
                                for name, curve in run.valid_sets.items()
-                               if curve and a.valid_sets.get(name)}}
+                               if curve and name in a.valid_sets}}
         out["runs"].append(entry)
     return out
 
@@ -202,6 +203,10 @@ def _diff(b: Optional[float], a: Optional[float]) -> Optional[float]:
 def _speed_text(vs: dict, ref: str, val_loss: Optional[float]) -> str:
     # without a curve on either side nothing was measured: "not reached" would
     # call B slower than A
+    if vs.get("a_not_finite_from") is not None:
+        # A diverged: B's curve is there, A's gives nothing to measure it against
+        return (f"A = {ref} has no finite final validation loss (not finite from iteration "
+                f"{vs['a_not_finite_from']}: diverged?): no speed-up or difference against it")
     if vs.get("target_loss") is None or val_loss is None:
         return "no validation curve"
     if vs["speedup"] is None:

@@ -29,6 +29,9 @@ class Curve:
     iterations: list[int] = field(default_factory=list)
     tokens: list[float] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
+    # iterations whose loss was not finite (skipped): an empty curve with some is a
+    # run that diverged, not one that never evaluated
+    nonfinite: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.loss)
@@ -107,14 +110,16 @@ def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve, dict[str, 
     known = ([0.0] + [float(i) for i in train.iterations], [0.0] + train.tokens)
     for r in records:
         it, loss = r.get("iteration"), _number(r.get("val_loss"))
-        if r.get("kind") != "valid" or not isinstance(it, int) or loss is None:
+        if r.get("kind") != "valid" or not isinstance(it, int) or "val_loss" not in r:
             continue
+        name = r.get("set")
+        curve = sets.setdefault(str(name), Curve()) if name else valid
         tokens = interpolate(float(it), *known)
         if tokens is None and per_iter:
             tokens = it * per_iter
-        if tokens is not None:
-            name = r.get("set")
-            curve = sets.setdefault(str(name), Curve()) if name else valid
+        if loss is None:
+            curve.nonfinite.append(it)
+        elif tokens is not None:
             curve.iterations.append(it)
             curve.tokens.append(tokens)
             curve.loss.append(loss)

@@ -96,6 +96,49 @@ class UnknownTask(ConfigError):
     """A task name no index knows."""
 
 
+def _skipped_yaml(folder: Path) -> list[str]:
+    """The YAMLs under ``folder`` that lm-eval's task index skips without a word
+    (it logs them at DEBUG), each as ``PATH:LINE: invalid YAML: PROBLEM`` or
+    ``PATH: WHY``; [] when lm-eval's loader is not where 0.4.13 keeps it."""
+    import yaml
+
+    try:
+        from lm_eval.tasks._index import TaskIndex
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:
+        return []
+    files = getattr(TaskIndex, "_iter_yaml_files", None)  # the files, in its order
+    if files is None:
+        return []
+    skipped = []
+    for path in files(Path(folder)):
+        try:
+            load_yaml(path, resolve_func=False)
+        except yaml.MarkedYAMLError as e:
+            line = f":{e.problem_mark.line + 1}" if e.problem_mark else ""
+            # an unclosed bracket or quote is found at the end: say where it opened
+            opened = (f" ({e.context} from line {e.context_mark.line + 1})"
+                      if e.context and e.context_mark else "")
+            skipped.append(f"{path}{line}: invalid YAML: {e.problem or first_line(e)}{opened}")
+        except Exception as e:  # not a mapping, a missing include: skipped alike
+            skipped.append(f"{path}: {first_line(e)}")
+    return skipped
+
+
+def _unknown(manager, name: str) -> UnknownTask:
+    """The one line for a task no index holds: a YAML the index skipped may be why."""
+    folder = manager.include_path
+    skipped = _skipped_yaml(folder) if folder else []
+    if skipped:
+        more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
+        return UnknownTask(f"--include-path {folder}: {skipped[0]}{more} (lm-eval's task index "
+                           f"skips it; task '{name}' is in no other YAML there nor one of "
+                           "lm-eval's tasks)")
+    where = (f"nor in --include-path {folder}" if folder
+             else "(a local task needs --include-path DIR)")
+    return UnknownTask(f"unknown task '{name}': not one of lm-eval's tasks {where}")
+
+
 def _dataset_of(manager, name: str) -> str:
     """The dataset a task names in its YAML (path, name, data files), for messages."""
     entry = manager.task_index.get(name)
@@ -120,7 +163,33 @@ def _unavailable(manager, name: str, error: Exception) -> ConfigError:
         return ConfigError(f"task '{name}': {what} is not available offline: {why}")
     while error.__cause__ is not None:  # datasets wraps the reader's error ("raise ... from")
         error = error.__cause__
+    template = _template_of(error)
+    if template is not None:  # the documents were read: a template asks what they lack
+        which = f"its template {template}" if template else "a template of its YAML"
+        return ConfigError(f"task '{name}': {which} cannot be applied to its documents: "
+                           f"{first_line(error)}")
     return ConfigError(f"task '{name}': {what} cannot be read: {first_line(error)}")
+
+
+def _template_of(error: Exception) -> Optional[str]:
+    """``KEY "TEMPLATE"`` of the jinja2 template that raised ``error`` (from lm-eval's
+    ``apply_template`` frame and its caller, a Task's ``doc_to_*``; "" when no such
+    frame), or None for an error that is no template's."""
+    from jinja2 import TemplateError
+
+    if not isinstance(error, TemplateError):
+        return None
+    tb, caller, found = error.__traceback__, "", None
+    while tb is not None:  # outermost first: the frame before apply_template called it
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "apply_template" and isinstance(
+                frame.f_locals.get("template"), str):
+            text = frame.f_locals["template"]
+            text = json.dumps(text if len(text) <= 80 else text[:77] + "...")
+            found = f"{caller} {text}" if caller.startswith("doc_to_") else text
+        caller = frame.f_code.co_name
+        tb = tb.tb_next
+    return found or ""
 
 
 @contextlib.contextmanager
@@ -162,10 +231,7 @@ def _build(manager, names: list[str]) -> list:
                     _no_progress_bars():
                 built = manager.load([name])
         except KeyError:
-            where = (f"nor in --include-path {manager.include_path}" if manager.include_path
-                     else "(a local task needs --include-path DIR)")
-            raise UnknownTask(f"unknown task '{name}': not one of lm-eval's tasks {where}") \
-                from None
+            raise _unknown(manager, name) from None
         except Exception as e:  # datasets' errors have no common base: name the task
             raise _unavailable(manager, name, e) from None
         if name in built["groups"]:

@@ -34,7 +34,9 @@ logits down. Evaluation (export, ``kvtrain eval``) cuts the padding and is exact
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import sys
 from dataclasses import asdict
@@ -102,6 +104,13 @@ def model_config(hf: dict, where: str) -> dict:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {hf.get('hidden_act')!r} is not SwiGLU (silu)")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    # a string, NaN or a huge base was a ValueError / OverflowError traceback below; the
+    # sign is the model config's check (named by config.json's key in import_config)
+    name = _hf_key(hf, "rotary_base")
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not math.isfinite(theta):
+        raise ConfigError(f"{where}: {name} must be a finite number, got {theta!r}")
+    if abs(theta) >= 2 ** 63:
+        raise ConfigError(f"{where}: {name} {theta} is too large (megatron's RoPE base is an int64)")
     if float(theta) != int(theta):  # megatron's rotary_base is an int: it would truncate it
         raise ConfigError(f"{where}: rope_theta {theta} is not a whole number (megatron's RoPE "
                           "base is an int)")
@@ -132,6 +141,54 @@ def model_config(hf: dict, where: str) -> dict:
     return model
 
 
+# the model keys import_config takes from config.json, by their config.json key
+HF_KEYS = {"num_layers": "num_hidden_layers", "num_query_groups": "num_key_value_heads",
+           "ffn_hidden_size": "intermediate_size", "rotary_base": "rope_theta",
+           "norm_epsilon": "rms_norm_eps", "untie_embeddings": "tie_word_embeddings",
+           **{k: k for k in ("hidden_size", "num_attention_heads", "vocab_size",
+                             "max_position_embeddings")},
+           **{f"kv_shift.{k}": f"kv_shift.{k}" for k in ("shift", "window", "mode")}}
+
+
+def _hf_key(hf: dict, key: str) -> str:
+    """config.json's name for model ``key`` (RoPE's base where the folder keeps it)."""
+    for rope in ("rope_parameters", "rope_scaling"):
+        if key == "rotary_base" and isinstance(hf.get(rope), dict) and "rope_theta" in hf[rope]:
+            return f"{rope}.rope_theta"
+    return HF_KEYS[key]
+
+
+def _hf_value(hf: dict, name: str):
+    node = hf
+    for part in name.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return "unset" if node is None else node
+
+
+def _named_by_config_json(e: ConfigError, hf: dict, where: str, arch: dict,
+                          model: dict) -> ConfigError:
+    """``e`` naming config.json's keys behind the model keys it names: the user wrote
+    those, never ``model.rotary_base``. Keys ``--config`` / ``--set`` changed stay as
+    they are (the refusal is theirs)."""
+    def value(key):
+        node, ours = model, arch
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+            ours = ours.get(part) if isinstance(ours, dict) else None
+        return node if node == ours and ours is not None else None
+
+    named = list(dict.fromkeys(re.findall(r"model\.([A-Za-z_][\w.]*\w)", str(e))))
+    keys = [k for k in named if k in HF_KEYS and value(k) is not None]
+    if not keys:
+        return e
+    sources = ", ".join(f"{_hf_key(hf, k)} {_hf_value(hf, _hf_key(hf, k))} gives model.{k} "
+                        f"{value(k)}" for k in keys)
+    text = str(e)
+    if named == keys[:1] and text.startswith(f"model.{keys[0]} "):
+        text = text[len(f"model.{keys[0]} "):]  # said in the sources already
+    return ConfigError(f"{where}: {sources}: {text}")
+
+
 def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
                   overrides: Iterable[str] = ()) -> RunConfig:
     """The RunConfig of an import: ``config`` (a training YAML) or the defaults,
@@ -150,8 +207,12 @@ def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
     for assignment in overrides:
         apply_override(data, assignment, RunConfig)
     _documents_from(hf, data)
-    cfg = from_dict(RunConfig, data, source=str(config) if config else None)
-    cfg.validate()
+    try:
+        cfg = from_dict(RunConfig, data, source=str(config) if config else None)
+        cfg.validate()
+    except ConfigError as e:
+        raise _named_by_config_json(e, hf, where, model_config(hf, where),
+                                    data["model"]) from None
     decided = model_config(hf, where)
     for key in ARCHITECTURE:
         value = getattr(cfg.model, key) if key != "num_query_groups" else cfg.model.kv_heads

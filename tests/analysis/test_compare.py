@@ -218,6 +218,27 @@ def test_a_diverged_run_says_so(tmp_path):
     assert not summary["runs"][0]["notes"][1:]  # A: only the cut line
 
 
+def test_a_diverged_reference_is_named_not_b(tmp_path):
+    """A (the reference) has only a NaN validation loss: B's speed-up and B - A cannot
+    be computed, and the report says A diverged, not that B has no validation curve
+    (B's own numbers stay); so for a named set A diverged on."""
+    a = _write_run(tmp_path / "a", [(100, "nan")])
+    b = _write_run(tmp_path / "b", [(50, 3.0), (100, 2.0)])
+    for path in (a, b):  # the same set: A's NaN, B's finite
+        with (path / "metrics.jsonl").open("a") as f:
+            f.write("\n" + json.dumps({"kind": "valid", "iteration": 100, "set": "wiki",
+                                       "val_loss": "nan" if path == a else 2.5}) + "\n")
+    summary, printed = compare([a, b], tmp_path / "out")
+    rb = summary["runs"][1]
+    assert rb["val_loss"] == 2.0 and rb["vs_reference"]["speedup"] is None
+    text = ("A = a has no finite final validation loss (not finite from iteration 100: "
+            "diverged?): no speed-up or difference against it")
+    assert f"val 2.0000  (val - A -; to reach A: {text})" in printed, printed
+    assert f"set wiki: val 2.5000  (val - A -; to reach A: {text})" in printed, printed
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"| - | {text} |" in report and "no validation curve" not in report + printed
+
+
 def test_a_run_with_records_lost_says_which(tmp_path):
     """Train records a full disk never took (the trainer names them in a log, or in
     an event at the next start): the curve passed straight over the gap, unremarked."""

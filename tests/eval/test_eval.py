@@ -385,3 +385,34 @@ def test_as_many_shots_as_the_fewshot_split_holds_run(local, fewshot_tasks, caps
                                    "--limit", "1"], capsys)
     assert code == 0, err
     assert task in out and "acc" in out
+
+
+def test_a_task_in_a_broken_yaml_names_the_file_and_line(local, capsys, tmp_path):
+    """lm-eval's task index skips a YAML it cannot parse, unremarked: the task in it
+    was "unknown" (a truly unknown task with no broken YAML keeps that line)."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "mc.yaml").write_text((local["tasks"] / "mc.yaml").read_text())
+    (tasks / "bad.yaml").write_text("task: kvt_bad\ndoc_to_text: [unclosed\n")
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_bad", "--include-path",
+                                   str(tasks)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"kvtrain: config error: --include-path {tasks}: {tasks / 'bad.yaml'}:"
+                          "3: invalid YAML: "), err
+    assert "(while parsing a flow sequence from line 2)" in err, err  # where it opened
+    assert "task 'kvt_bad' is in no other YAML there" in err, err
+
+
+def test_a_template_error_names_the_task_and_template(local, capsys, tmp_path):
+    """A field the documents lack, in a task's template: jinja2's error was reported as
+    the dataset being unreadable."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    text = (local["tasks"] / "ll.yaml").read_text().replace("kvt_ll", "kvt_tpl")
+    (tasks / "tpl.yaml").write_text(text.replace("{{context}}", "{{nofield.x}}"))
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_tpl", "--include-path",
+                                   str(tasks)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err == ("kvtrain: config error: task 'kvt_tpl': its template doc_to_text "
+                   "\"{{nofield.x}}\" cannot be applied to its documents: UndefinedError: "
+                   "'nofield' is undefined\n"), err

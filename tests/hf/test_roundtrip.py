@@ -228,6 +228,8 @@ def test_hf_folders_kvtrain_cannot_take_are_refused_in_one_line(kv_checkpoint, t
     path, _ = kv_checkpoint
     out = export_hf(path, tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
+    rope = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
+    heads = config["num_attention_heads"]
     cases = {
         "mistral": ({"model_type": "mistral"},
                     "model_type 'mistral' is not a Llama (llama, kvshift_llama)"),
@@ -253,6 +255,18 @@ def test_hf_folders_kvtrain_cannot_take_are_refused_in_one_line(kv_checkpoint, t
         "eps": ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be a positive number, got -1e-05"),
         "kv_heads": ({"num_key_value_heads": 0},
                      "num_key_value_heads must be a positive whole number, got 0"),
+        # refused by the model config's checks: named by config.json's key, not only by
+        # the model.* key it became (which the user never wrote); a string a ValueError
+        "theta_neg": ({rope: {"rope_type": "default", "rope_theta": -1}},
+                      f"config.json: {rope}.rope_theta -1 gives model.rotary_base -1: must be "
+                      "positive, got -1"),
+        "theta_str": ({rope: {"rope_type": "default", "rope_theta": "x"}},
+                      f"config.json: {rope}.rope_theta must be a finite number, got 'x'"),
+        "groups": ({"num_key_value_heads": 3},
+                   f"config.json: num_attention_heads {heads} gives model.num_attention_heads "
+                   f"{heads}, num_key_value_heads 3 gives model.num_query_groups 3: "
+                   f"model.num_attention_heads ({heads}) must be divisible by "
+                   "model.num_query_groups (3)"),
     }
     for name, (change, message) in cases.items():
         folder = tmp_path / name
