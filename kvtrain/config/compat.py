@@ -21,7 +21,8 @@ distributed optimizer, whose fp32 main parameters carry over.
 Everything else may change on a resume: the parallel layout (checkpoints
 reshard), the schedule, the optimizer's hyper-parameters (the run's values
 replace those of the checkpoint's param groups; a change of one is printed and
-recorded like an allowed change, ``RECORDED``), the intervals, logging, and
+recorded like an allowed change, ``RECORDED``, as are ``train.global_batch_size``
+and ``train.eval_iters``), the intervals, logging, and
 ``model.backend`` and the kernel choices (``model.rope_kernel``,
 ``model.kv_shift.kernel``, ``model.cross_entropy_kernel``,
 ``model.swiglu_kernel``: the same weights on other kernels), and
@@ -53,7 +54,9 @@ IGNORED = ("model.backend", "model.rope_kernel", "model.kv_shift.kernel",
            "model.cross_entropy_kernel", "model.swiglu_kernel",
            "model.make_vocab_size_divisible_by")
 # free to change, but said and recorded: the run's values override the checkpoint's
-RECORDED = ("optimizer",)
+# (the optimizer's), or the records after the change are of another kind: another
+# global batch per step (a batch-size ramp), another validation set (train.eval_iters)
+RECORDED = ("optimizer", "train.global_batch_size", "train.eval_iters")
 # compared where the run is sized by train.train_tokens: the steps it has left are
 # counted in the current global batch (layout.total_steps), the checkpoint's in its own
 TOKEN_BUDGET_COMPARED = ("train.global_batch_size",)
@@ -162,7 +165,8 @@ def check_resume_config(saved: Optional[dict], current: dict, allowed: list[str]
             f"Resume it with the saved values, or set checkpoint.allow_config_changes: "
             f"[{keys}] to go on with the new ones")
     check_precision_change(changes, current, where)
-    return changes + config_changes(saved, current, RECORDED)
+    said = {c.key for c in changes}  # a token budget's global batch: compared already
+    return changes + [c for c in config_changes(saved, current, RECORDED) if c.key not in said]
 
 
 def _new_curve(change: Change) -> bool:

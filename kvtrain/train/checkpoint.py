@@ -483,6 +483,7 @@ class Checkpointer:
             state.nonfinite_in_row = 0
         state.extra = {"same_layout": same_layout, "rng_kept_back": kept_back,
                        "saved_layout": saved_layout, "config_changes": changes,
-                       "carried_on": carried}
+                       "carried_on": carried, "saved_schedule":
+                           dict(loaded["opt_param_scheduler"]) if load_optimizer else None}
         return state
 

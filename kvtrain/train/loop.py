@@ -32,7 +32,7 @@ from .evaluation import Validator, gather_shift_coefficients, shift_statistics
 from .hooks import RunHooks
 from .integrity import iteration_of, plan_resume, read_tracker
 from .metrics import MetricsLogger, log_kept_writing, peak_memory_gib, say
-from .optimizer import current_lr
+from .optimizer import current_lr, schedule_moved
 from .processes import bind_to_launcher
 from .profiling import StepProfiler, check_profile_start
 from .resume import resume
@@ -381,6 +381,9 @@ def _train(cfg: RunConfig, run_dir: Path, hooks: RunHooks, status_file: Optional
         budget = fit_token_budget(run, resumed.state)
         if budget:  # another global batch since the checkpoint
             resumed.add(f"kvtrain: {budget}")
+        moved = schedule_moved(run.scheduler, resumed.state.extra.get("saved_schedule"))
+        if moved:  # a decaying schedule whose end moved (train.max_steps raised, say)
+            resumed.add(f"kvtrain: warning: {moved}")
         build_data(run, resumed.state)  # for what this start draws (the end may have moved)
         check_profile_start(cfg.profile, run.device, run.total_steps, run.run_dir, run.rank)
         validators = _validators(run)

@@ -244,6 +244,28 @@ def set_horizon(scheduler: OptimizerParamScheduler, cfg: RunConfig, total_steps:
     scheduler.lr_decay_steps = scheduler.wd_incr_steps = lr_horizon(cfg, total_steps)
 
 
+def schedule_moved(scheduler: OptimizerParamScheduler, saved: Optional[dict]) -> Optional[str]:
+    """What a resume changed in a decaying LR schedule's end (``saved``: the
+    checkpoint's scheduler state), or None: the run's horizon replaces the
+    checkpoint's without a word in megatron (``override_opt_param_scheduler``), so
+    a cosine run of 10 steps extended to 20 jumped from 2e-4 back to 1.5e-3."""
+    old = (saved or {}).get("lr_decay_steps")
+    if scheduler.lr_decay_style == "constant" or not isinstance(old, int) \
+            or old == scheduler.lr_decay_steps:
+        return None
+    new, step = scheduler.lr_decay_steps, scheduler.num_steps + 1  # the next update's
+    group = next(g for g in scheduler.optimizer.param_groups if g.get("default_config", True))
+    rates = []
+    for horizon in (new, old):
+        scheduler.lr_decay_steps, scheduler.num_steps = horizon, step
+        rates.append(scheduler.get_lr(group))
+    scheduler.lr_decay_steps, scheduler.num_steps = new, step - 1
+    return (f"the {scheduler.lr_decay_style} learning-rate schedule now decays until update "
+            f"{new}, the checkpoint's until {old} (the run's length changed): the next "
+            f"update's learning rate is {rates[0]:.3g}, where the checkpoint's schedule gave "
+            f"{rates[1]:.3g}; optimizer.lr_decay_steps: {old} keeps its schedule")
+
+
 def current_lr(optimizer) -> float:
     """The LR of the default param groups (all groups share one schedule here)."""
     for group in optimizer.param_groups:

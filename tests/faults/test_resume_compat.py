@@ -165,6 +165,8 @@ def resumes(tmp_path_factory, corpus, cache_dir):
                                "checkpoint.allow_config_changes=[train.precision]"], 0),
         "precision_plain": (["train.precision=bf16", "parallel.distributed_optimizer=false",
                              "checkpoint.allow_config_changes=[train.precision]"], 2),
+        # a decaying schedule whose end moves with the run's length (3 -> 5 steps)
+        "cosine_longer": (["optimizer.lr_schedule=cosine", "train.max_steps=5"], 0),
     }
     jobs = [{"config": str(config), "run_dir": str(root / "saved")},
             {"config": str(config), "run_dir": str(root / "saved_vanilla"),
@@ -262,6 +264,44 @@ def test_allowed_change_is_printed_and_recorded(resumes):
     # the tokens go on counting: 3 steps of 8 x 32 tokens, then one of 8 x 16
     # (not 4 x 8 x 16: the count fell below the checkpoint's 768)
     assert [r["consumed_tokens"] for r in metrics(root / "seq_allowed")] == [3 * 8 * 32 + 8 * 16]
+
+
+def test_a_new_batch_or_a_moved_schedule_end_is_said_and_recorded(resumes):
+    """A resume with another global batch (or train.eval_iters: another validation
+    set) went on without a word, config.yaml then naming the new one for the whole
+    run; a decaying schedule's end moved with train.max_steps silently (a cosine
+    run extended 10 -> 20 steps jumped back up from 2e-4 to 1.5e-3)."""
+    root, result = resumes
+    events = [r for r in metrics(root / "smaller_batch", "event") if "changes" in r]
+    assert [e["changes"] for e in events] == [{"train.global_batch_size": [8, 4]}], events
+    assert "config changed since the checkpoint: train.global_batch_size: 8 -> 4" in \
+        result.stdout
+    warned = [r["message"] for r in metrics(root / "cosine_longer", "event")
+              if "learning-rate schedule" in r.get("message", "")]
+    assert len(warned) == 1 and warned[0].startswith(
+        "kvtrain: warning: the cosine learning-rate schedule now decays until update 5, the "
+        "checkpoint's until 3 (the run's length changed): the next update's learning rate "
+        "is "), warned
+    assert warned[0].endswith("; optimizer.lr_decay_steps: 3 keeps its schedule")
+    assert warned[0] in result.stdout
+    for name in ("rerun", "seq_allowed"):  # constant schedules: nothing moved
+        assert not [r for r in metrics(root / name, "event")
+                    if "learning-rate schedule" in r.get("message", "")], name
+
+
+def test_a_batch_or_validation_change_is_recorded_not_refused():
+    saved = changed(train__global_batch_size=8, train__eval_iters=2)
+    new = changed(train__global_batch_size=16, train__eval_iters=4)
+    assert [str(c) for c in check_resume_config(saved, new, [], "ckpt")] == [
+        "train.eval_iters: 2 -> 4", "train.global_batch_size: 8 -> 16"]
+    budget = changed(train__global_batch_size=8, train__train_tokens=10_000, train__max_steps=None)
+    with pytest.raises(ConfigError, match="train.global_batch_size: 8 -> 16"):  # compared
+        check_resume_config(budget, dict(budget, train={**budget["train"],
+                                                        "global_batch_size": 16}), [], "ckpt")
+    allowed = check_resume_config(budget, dict(budget, train={**budget["train"],
+                                                              "global_batch_size": 16}),
+                                  ["train.global_batch_size"], "ckpt")
+    assert [str(c) for c in allowed] == ["train.global_batch_size: 8 -> 16"]  # said once
 
 
 def test_a_rerun_of_an_explicit_start_continues_its_own_history(resumes):
