@@ -302,7 +302,8 @@ def _build_valid_set(cfg: RunConfig, cache_dir: Optional[str], tokenizer: Any, s
                      samples: int, stamps: dict) -> Any:
     """One named validation set: all of its shards, ``samples`` sequences of them (its
     epochs repeated where it is smaller), drawn in the run's data order (data.seed), so
-    that every run of it scores the very same sequences."""
+    that every run of it of one data.seed scores the very same sequences (another seed
+    draws another sample of them)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
