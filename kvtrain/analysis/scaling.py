@@ -7,8 +7,11 @@ models trained alike (10B tokens each), with a power law fitted to each:
 squares on ``(log N, log L)``. From two fitted arms follows the figure's claim in
 one number per size: the parameters the reference arm (vanilla) needs to reach
 the other's loss, as a multiple of the other's (``N_A(L_B(N)) / N``; > 1: the
-other arm gets more from a parameter), read between the reference's measured sizes
-(log-log lines) and by its fit beyond them.
+other arm gets more from a parameter), read only where the reference's loss falls
+with size: on its measured segments that fall (log-log lines), beyond its sizes by its
+fitted slope through its end point, below the size where the other arm is worse (< 1),
+above it where better (> 1); none where that falling part does not reach the loss, and
+none at all where a fit does not fall with size (see ``size_multiple``).
 
 Runs are grouped into arms by their attention (``model.attention``; a KV-shift
 run's non-default ``model.kv_shift`` choices name another arm: ``kv_shift
@@ -178,33 +181,105 @@ def arms_of(points: Sequence[Point]) -> list[Arm]:
     return ordered
 
 
-def _measured_size(reference: Arm, loss: float) -> Optional[float]:
-    """Where ``reference``'s measured points (straight lines between them in log-log)
-    first reach ``loss``; None when no segment spans it."""
-    points = [(n, reference.mean(n)) for n in sorted(reference.sizes)]
-    for (n0, l0), (n1, l1) in zip(points, points[1:]):
-        if min(l0, l1) <= loss <= max(l0, l1):
-            if l0 == l1:
-                return float(n0)
-            t = (math.log(loss) - math.log(l0)) / (math.log(l1) - math.log(l0))
-            return math.exp(math.log(n0) + t * (math.log(n1) - math.log(n0)))
-    return None
+def _reference_line(reference: Arm) -> list[tuple[float, float]]:
+    """``reference``'s measured points in log-log, ``(log N, log L)``, by size."""
+    return [(math.log(n), math.log(reference.mean(n))) for n in sorted(reference.sizes)]
+
+
+def _reference_at(reference: Arm, x: float) -> float:
+    """``reference``'s log loss at log size ``x``: its straight lines between its measured
+    points, beyond them its fitted slope through the end point."""
+    line = _reference_line(reference)
+    (x0, y0), (x1, y1) = line[0], line[-1]
+    if x <= x0:
+        return y0 + reference.fit.slope * (x - x0)
+    if x >= x1:
+        return y1 + reference.fit.slope * (x - x1)
+    for (xa, ya), (xb, yb) in zip(line, line[1:]):
+        if xa <= x <= xb:
+            return ya + (yb - ya) * (x - xa) / (xb - xa)
+    return y1  # not reached: x lies within the line
+
+
+def _falling_pieces(reference: Arm) -> list[tuple[float, float, float, float, float]]:
+    """Where ``reference``'s loss falls with size, as ``(x_lo, x_hi, x_a, y_a, slope)``
+    lines in log-log (``y = y_a + slope * (x - x_a)`` for ``x_lo <= x <= x_hi``): each
+    segment between two measured sizes whose loss decreases, and, where the fit falls
+    (alpha > 0), its slope continued below the smallest size if the first segment falls
+    and above the largest if the last one does."""
+    line = _reference_line(reference)
+    pieces = [(xa, xb, xa, ya, (yb - ya) / (xb - xa))
+              for (xa, ya), (xb, yb) in zip(line, line[1:]) if yb < ya]
+    slope = reference.fit.slope
+    if slope < 0 and line[1][1] < line[0][1]:
+        pieces.insert(0, (-math.inf, line[0][0], *line[0], slope))
+    if slope < 0 and line[-1][1] < line[-2][1]:
+        pieces.append((line[-1][0], math.inf, *line[-1], slope))
+    return pieces
+
+
+def _size_multiple(reference: Arm, arm: Arm, n: int) -> tuple[Optional[dict], Optional[str]]:
+    """``size_multiple`` and, where it gives none for a loss ``arm`` has, why (None
+    where a note on the fits says it already)."""
+    loss = arm.mean(n)
+    if loss is None:
+        return None, None
+    if reference.fit is None:
+        return None, (f"{arm.name} at {_size(n)}: {reference.name} has fewer than two sizes, "
+                      "so no size multiple is given")
+    if reference.fit.alpha <= 0 or (arm.fit is not None and arm.fit.alpha <= 0):
+        return None, None  # the note that the loss does not fall with size says it
+    x, y = math.log(n), math.log(loss)
+    y_ref = _reference_at(reference, x)
+    lo, hi = math.log(min(reference.sizes)), math.log(max(reference.sizes))
+    if y == y_ref:
+        return {"multiple": 1.0, "needed": float(n), "extrapolated": not lo <= x <= hi}, None
+    worse = y > y_ref
+    found = []
+    for x_lo, x_hi, x_a, y_a, slope in _falling_pieces(reference):
+        at = x_a + (y - y_a) / slope
+        tol = 1e-12 * max(1.0, abs(at))
+        if x_lo - tol <= at <= x_hi + tol:
+            at = min(max(at, x_lo), x_hi)
+            if (at < x) if worse else (at > x):
+                found.append(at)
+    if not found:
+        side = "below" if worse else "above"
+        return None, (f"{arm.name} at {_size(n)}: its loss {loss:.4f} "
+                      f"({'higher' if worse else 'lower'} than {reference.name}'s "
+                      f"{math.exp(y_ref):.4f} there) is not reached where {reference.name}'s "
+                      f"loss falls with size {side} that size, so no size multiple is given")
+    at = min(found)  # the smallest size at which the reference's falling part reaches it
+    tol = 1e-12 * max(1.0, abs(at))
+    needed = math.exp(at)
+    return {"multiple": needed / n, "needed": needed,
+            "extrapolated": not lo - tol <= at <= hi + tol}, None
 
 
 def size_multiple(reference: Arm, arm: Arm, n: int) -> Optional[dict]:
     """The parameters ``reference`` needs for ``arm``'s loss at size ``n``, as a
-    multiple of ``n``: read on its measured points within their losses (as ``kvtrain
-    compare`` reads tokens on a curve), by its fit beyond them (``extrapolated``)."""
-    loss = arm.mean(n)
-    if loss is None or reference.fit is None:
-        return None
-    needed = _measured_size(reference, loss)
-    extrapolated = needed is None
-    if extrapolated:
-        needed = reference.fit.size_for(loss)
-        if needed is None:
-            return None
-    return {"multiple": needed / n, "needed": needed, "extrapolated": extrapolated}
+    multiple of ``n``, read only where ``reference``'s loss falls with size:
+
+    - between its measured sizes, on the straight lines (log-log) of the segments
+      whose loss decreases (as ``kvtrain compare`` reads tokens on a curve); beyond
+      them (``extrapolated``), on its fitted slope through its end point, and only
+      where its end segment falls too;
+    - on the side of ``n`` that the losses say: below ``n`` where ``arm`` is worse
+      than ``reference`` at ``n`` (a multiple < 1), above it where better (> 1); the
+      smallest such size where several are;
+    - none (None) where that falling part does not reach the loss, and none at all
+      where ``reference``'s or ``arm``'s fit does not fall with size (alpha <= 0,
+      said in the notes), or ``reference`` has fewer than two sizes.
+
+    ``reference``'s loss at a size it was not measured at is its lines between its
+    points, its fitted slope through its end points beyond them."""
+    return _size_multiple(reference, arm, n)[0]
+
+
+def _size(n: float) -> str:
+    from kvtrain.plan.params import human
+
+    return human(n)
 
 
 def setting_notes(runs: Sequence[RunData]) -> list[str]:
@@ -248,8 +323,10 @@ def summarize(runs: Sequence[RunData], valid_set: Optional[str] = None) -> dict:
                      "alpha": fit.alpha, "n_c": fit.n_c, "r2": fit.r2, "sizes": fit.points,
                      "slope": fit.slope, "intercept": fit.intercept}}
         if arm is not reference:
-            entry["vs_reference"] = {str(n): size_multiple(reference, arm, n)
-                                     for n in sorted(arm.sizes)}
+            entry["vs_reference"] = {}
+            for n in sorted(arm.sizes):
+                entry["vs_reference"][str(n)], why = _size_multiple(reference, arm, n)
+                notes += [why] if why else []
         out_arms.append(entry)
     return {"valid_set": valid_set, "reference": reference.name,
             "runs": [vars(p) for p in points], "arms": out_arms, "notes": notes}

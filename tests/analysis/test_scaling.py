@@ -185,3 +185,94 @@ def test_the_fit_itself():
         "kv_shift (window=2)"
     assert arm_name({"model": {"attention": "kv_shift", "kv_shift": {"kernel": "torch"}}}) == \
         "kv_shift"  # how the shift ran is not another arm
+
+
+def _multiples(summary: dict) -> dict:
+    return summary["arms"][1]["vs_reference"]
+
+
+def test_a_reference_that_falls_then_rises_gives_no_multiple_its_note_denies(tmp_path):
+    """The probe's shape (sweep of 1, 2, 3 tiny layers): vanilla falls from 1 to 2 layers
+    and rises past its first loss at 3, so its fit does not fall with size; KV shift is
+    worse at 1 layer, better at 2 and 3. The note says no size multiple is given, and
+    none is (before: 2x at 1 layer, read on the rising segment, where KV shift is worse,
+    and < 1 at 3 layers, where it is better)."""
+    vanilla = {1: 5.6368, 2: 5.6010, 3: 5.6500}
+    shifted = {1: 5.6392, 2: 5.5950, 3: 5.6300}
+    runs = [_write_run(tmp_path / f"v{n}", _config(n), loss) for n, loss in vanilla.items()]
+    runs += [_write_run(tmp_path / f"k{n}", _config(n, "kv_shift"), loss)
+             for n, loss in shifted.items()]
+    summary, text = scaling(runs, tmp_path / "out")
+    assert summary["arms"][0]["fit"]["alpha"] <= 0
+    assert "vanilla: the loss does not fall with size" in text
+    assert _multiples(summary) == {str(_size(n)): None for n in (1, 2, 3)}
+    report = (tmp_path / "out" / "scaling.md").read_text()
+    table = [line for line in report.splitlines() if line.startswith("| ") and "|---" not in line]
+    assert all(line.endswith("| - |") for line in table[1:])  # the multiple column: "-"
+
+
+def test_the_multiple_is_read_only_where_the_reference_falls(tmp_path):
+    """Vanilla falls from 1 to 2 layers and rises to 3 (its fit still falls): KV shift
+    worse at 1 layer is reached below 1 layer (by the fitted exponent from vanilla's
+    point, < 1); better at 2 and 3 layers, a loss vanilla's falling part does not reach
+    above those sizes: no multiple, and a note says why (before: 4.55 at 3 layers, better
+    than vanilla's 4.6, was read on the 1-2 segment as < 1)."""
+    vanilla = {1: 5.0, 2: 4.5, 3: 4.6}
+    shifted = {1: 5.05, 2: 4.45, 3: 4.55}
+    runs = [_write_run(tmp_path / f"v{n}", _config(n), loss) for n, loss in vanilla.items()]
+    runs += [_write_run(tmp_path / f"k{n}", _config(n, "kv_shift"), loss)
+             for n, loss in shifted.items()]
+    summary, text = scaling(runs, tmp_path / "out")
+    fit = summary["arms"][0]["fit"]
+    assert fit["alpha"] > 0
+    first = _multiples(summary)[str(_size(1))]
+    assert first["extrapolated"] and first["multiple"] < 1
+    # on vanilla's line through its 1-layer point with the fitted slope
+    needed = _size(1) * math.exp((math.log(5.05) - math.log(5.0)) / fit["slope"])
+    assert first["needed"] == pytest.approx(needed)
+    assert _multiples(summary)[str(_size(2))] is None
+    assert _multiples(summary)[str(_size(3))] is None
+    unreached = [n for n in summary["notes"] if "not reached" in n]
+    assert len(unreached) == 2 and all(n.startswith("kv_shift at ") for n in unreached)
+    assert "lower than vanilla's 4.6000 there" in unreached[1]
+    assert "not reached" in (tmp_path / "out" / "scaling.md").read_text()
+
+
+def test_a_multiple_is_below_one_where_the_arm_is_worse_above_where_better():
+    """On many synthetic curves (falling, rising, zigzag): every multiple given is < 1
+    where the arm's loss is above the reference's at that size and > 1 where below; none
+    is given where either fit does not fall with size; each one read lies where the
+    reference's loss falls."""
+    import random
+
+    from kvtrain.analysis.scaling import Point, arms_of, size_multiple
+
+    rng = random.Random(0)
+    sizes = [1000 * 2 ** k for k in range(5)]
+    given = 0
+    for _ in range(300):
+        count = rng.randint(2, 5)
+        ref = [5.0 - 0.2 * k + rng.uniform(-0.3, 0.3) for k in range(count)]
+        arm = [loss + rng.uniform(-0.3, 0.3) for loss in ref]
+        points = [Point(f"v{k}", "vanilla", sizes[k], sizes[k], ref[k], None)
+                  for k in range(count)]
+        points += [Point(f"k{k}", "kv_shift", sizes[k], sizes[k], arm[k], None)
+                   for k in range(count)]
+        reference, other = arms_of(points)
+        for k in range(count):
+            m = size_multiple(reference, other, sizes[k])
+            if reference.fit.alpha <= 0 or other.fit.alpha <= 0:
+                assert m is None
+                continue
+            if m is None:
+                continue
+            given += 1
+            if arm[k] > ref[k]:
+                assert m["multiple"] < 1
+            elif arm[k] < ref[k]:
+                assert m["multiple"] > 1
+            if not m["extrapolated"]:  # within a segment where vanilla's loss falls
+                j = max(i for i in range(count) if sizes[i] <= m["needed"] * (1 + 1e-12))
+                j = min(j, count - 2)
+                assert ref[j + 1] < ref[j]
+    assert given > 100
