@@ -19,7 +19,12 @@ continue them. Now:
   few seconds until the run ends;
 * the runner waits for them (``stop_runs``); a second stop kills them, which
   leaves each its last complete checkpoint (a checkpoint is written aside and
-  renamed whole);
+  renamed whole), and a run so killed says so (``ended``), not the
+  out-of-memory killer. One stop may arrive twice: ``timeout``, ``scancel`` and a
+  terminal's Ctrl-C signal the runner and its process group, a launcher relays
+  it. A second stop within ``SAME_PRESS_S`` (the trainer's) of the first is that
+  same stop (``_Stops``): it used to kill the runs, some steps after their last
+  checkpoint;
 * each run asks the kernel for SIGTERM at the runner's death (``start_run``:
   ``PR_SET_PDEATHSIG``), so that the runs of a runner killed outright still save
   and stop: a trainer takes SIGTERM as its stop request, and torchrun passes it
@@ -34,10 +39,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
-from typing import Callable, Optional
+import weakref
+from contextlib import contextmanager
+from functools import partial
+from typing import Callable, Iterator, Optional
 
-from data_tools.lifeline import Terminated, signal_on_parent_death, signals_held, stops_raise
+from data_tools.lifeline import (Terminated, ended_by, signal_on_parent_death, signals_held,
+                                 stops_raise)
+from kvtrain.train.signals import SAME_PRESS_S
 from kvtrain.train.writer_watch import children
 
 # Launcher variables of an enclosing torchrun/SLURM job: a run is a job of its own.
@@ -45,6 +56,8 @@ LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"
                 "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 STOPS = (KeyboardInterrupt, Terminated)  # what data_tools.lifeline.stops_raise raises
 REPEAT_S = 5.0  # a stop request is sent again after this long, until the run ends
+KILLED = "killed by the runner after a second stop request"  # ended's words for its kill
+_killed: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()  # the runs stop_runs killed
 
 
 def start_run(command: list[str], env: Optional[dict] = None, **popen) -> subprocess.Popen:
@@ -89,11 +102,52 @@ def stopped_by(stop: BaseException) -> str:
     return "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
 
 
-def stop_runs(runs: dict[str, subprocess.Popen], why: Optional[str]) -> list[str]:
+def ended(proc: subprocess.Popen) -> str:
+    """How a run ended, in words: ``KILLED`` for one ``stop_runs`` killed, else
+    ``data_tools.lifeline.ended_by`` ("exit 1", "killed by SIGKILL (...)")."""
+    return KILLED if proc in _killed else ended_by(proc.returncode)
+
+
+class _Stops:
+    """A runner's stops (SIGTERM, Ctrl-C) from the first on: each raises as
+    ``stops_raise`` makes it (held within ``signals_held``), save one within
+    ``SAME_PRESS_S`` of the first, which is that first one delivered twice."""
+
+    def __init__(self, first: Optional[float] = None):
+        self.first = first  # when the first came (time.monotonic())
+
+    def handle(self, raise_stop, signum, frame) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        elif now - self.first < SAME_PRESS_S:
+            return  # the same stop again: the process's and its group's, or a relay's
+        raise_stop(signum, frame)
+
+    @contextmanager
+    def raising(self) -> Iterator[None]:
+        """``stops_raise``, its stops let through ``handle``."""
+        with stops_raise():
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    handler = signal.getsignal(sig)
+                    if callable(handler):  # stops_raise's (not an ignored Ctrl-C)
+                        signal.signal(sig, partial(self.handle, handler))
+            yield
+
+
+def stop_runs(runs: dict[str, subprocess.Popen], why: Optional[str],
+              stops: Optional[_Stops] = None) -> list[str]:
     """Asks every run still going to stop (SIGUSR1 to its trainers, every
     ``REPEAT_S`` seconds) and waits for them; a second stop (Ctrl-C, SIGTERM)
-    kills them. ``why``: the stop, in words, for the line said first (None: said
-    nothing, as for a runner's own error). The names of the runs it stopped."""
+    kills them, one within ``SAME_PRESS_S`` of the first excepted (``_Stops``).
+    ``why``: the stop, in words, for the line said first (None: said nothing, as
+    for a runner's own error, after which any stop kills). ``stops``: the
+    caller's, which saw the first stop (None, or one that did not see it: it came
+    now). The names of the runs it stopped."""
+    stops = stops or _Stops()
+    if why is not None and stops.first is None:
+        stops.first = time.monotonic()
     going = {name: p for name, p in runs.items() if p.poll() is None}
     if not going:
         return []
@@ -101,7 +155,7 @@ def stop_runs(runs: dict[str, subprocess.Popen], why: Optional[str]) -> list[str
         print(f"kvtrain: {why}: stopping {', '.join(going)} at their next step (a second "
               f"Ctrl-C or SIGTERM kills them)", flush=True)
     try:
-        with stops_raise():
+        with stops.raising():
             while any(proc.poll() is None for proc in going.values()):
                 _ask_to_stop(list(going.values()))
                 until = time.monotonic() + REPEAT_S
@@ -114,6 +168,7 @@ def stop_runs(runs: dict[str, subprocess.Popen], why: Optional[str]) -> list[str
         for proc in going.values():
             if proc.poll() is None:
                 proc.kill()
+                _killed.add(proc)
         for proc in going.values():
             proc.wait()
         print(f"kvtrain: killed {', '.join(going)}: each keeps its last complete checkpoint",
@@ -128,10 +183,13 @@ def run_all(names: list[str], start: Callable[[str], subprocess.Popen],
     time, and ``finish(name, proc)`` as each ends, both whole (a stop waits for
     them). Stopped (Ctrl-C, SIGTERM), it stops the runs still going (``stop_runs``),
     finishes them, says ``stopped_line(their names)`` and raises the stop; on its
-    own error it stops them too, silently."""
+    own error it stops them too, silently. From the first stop to the end its
+    handler stays (``_Stops``): a copy of that stop, which may come as it is being
+    acted on, is no second one."""
     pending, running = list(names), {}
-    try:
-        with stops_raise():
+    stops = _Stops()
+    with stops.raising():
+        try:
             while pending or running:
                 while pending and len(running) < max(1, workers):
                     name = pending.pop(0)
@@ -143,11 +201,12 @@ def run_all(names: list[str], start: Callable[[str], subprocess.Popen],
                             del running[name]
                             finish(name, proc)
                 time.sleep(0.2)
-    except BaseException as e:  # a stop, or this process's own error: no orphan trains on
-        stopping = isinstance(e, STOPS)
-        stopped = stop_runs(running, stopped_by(e) if stopping else None)
-        for name, proc in running.items():
-            finish(name, proc)
-        if stopping and stopped:
-            print(stopped_line(stopped), flush=True)
-        raise
+        except BaseException as e:  # a stop, or this process's own error: no orphan trains on
+            stopping = isinstance(e, STOPS)
+            stopped = stop_runs(running, stopped_by(e) if stopping else None, stops)
+            with signals_held():  # whole: a later stop waits for the records of the runs
+                for name, proc in running.items():
+                    finish(name, proc)
+                if stopping and stopped:
+                    print(stopped_line(stopped), flush=True)
+            raise

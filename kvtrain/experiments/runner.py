@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from data_tools.lifeline import ended_by
-
 from kvtrain.output import written_whole
 from kvtrain.config import (ConfigError, RunConfig, checkpoint_folder, dump_yaml, load_config,
                             to_dict)
@@ -39,7 +37,7 @@ from kvtrain.config.layout import total_steps
 from kvtrain.plan.params import count_params
 from kvtrain.train.integrity import iteration_of, read_tracker
 
-from .children import run_all, start_run
+from .children import ended, run_all, start_run
 from .presets import Arm
 from .results import (ArmResult, curve_from_metrics, hop_errors_from_metrics, plot_curves,
                       plot_hop_errors, summarize, summary_json, write_results)
@@ -205,7 +203,8 @@ def _write_record(job: ArmJob, code: Optional[int], wall: float, starts: list[fl
         f.write(json.dumps({"exit_code": code, "wall_s": round(wall, 1), "starts": starts}))
 
 
-def _finish(job: ArmJob, code: int, started: float) -> ArmResult:
+def _finish(job: ArmJob, code: int, started: float, how: str) -> ArmResult:
+    """``how``: how its process ended, in words (``children.ended``)."""
     wall = time.time() - started
     record = _record(job.folder)
     starts = record.get("starts") or [started]
@@ -216,7 +215,7 @@ def _finish(job: ArmJob, code: int, started: float) -> ArmResult:
     result = ArmResult(job.arm.name, rows, total, code, _params(job.cfg),
                        hop_errors_from_metrics(job.run_dir / "metrics.jsonl"))
     if code != 0:
-        status = f"FAILED ({ended_by(code)}; see {job.folder / 'train.log'})"
+        status = f"FAILED ({how}; see {job.folder / 'train.log'})"
     elif _finished(result, job.cfg):
         status = "done"
     else:  # stopped on request (a signal, train.exit_duration_minutes): it saved a checkpoint
@@ -256,7 +255,7 @@ def run_arms(jobs: list[ArmJob], workers: int = 1, threads: int = 0,
         return proc
 
     def finish(name: str, proc: subprocess.Popen) -> None:
-        done[name] = _finish(by_name[name], proc.returncode, started[name])
+        done[name] = _finish(by_name[name], proc.returncode, started[name], ended(proc))
 
     run_all(list(by_name), start, finish, workers,
             lambda names: f"kvtrain: {', '.join(names)} stopped: the same command continues them")

@@ -17,6 +17,7 @@ import pytest
 
 from kvtrain.train.checkpoint import is_complete
 from kvtrain.train.integrity import checkpoint_folders
+from kvtrain.train.signals import SAME_PRESS_S
 from tests.launch.conftest import REPO
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -66,6 +67,11 @@ def _stop_runner(command: list[str], runs: list[Path], stop: str, log: Path,
         pids = [_wait(lambda r=r: _trainer_pid(r), 120, proc, log) for r in runs]
         if stop == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)  # the runner and, as before, every child
+        elif stop == "SIGTERM twice":  # one stop, delivered twice: timeout(1), scancel and a
+            proc.send_signal(signal.SIGTERM)  # terminal signal the process and its group;
+            while "at their next step" not in log.read_text():  # the copy (it may merge
+                time.sleep(0.01)  # with the first) once the runner acts on the first
+            os.killpg(proc.pid, signal.SIGTERM)
         else:
             proc.send_signal(getattr(signal, stop))
         code = proc.wait(timeout=120)
@@ -86,11 +92,13 @@ def _checkpoints(run: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("stop, nproc", [("SIGTERM", 1), ("ctrl-c", 1), ("SIGKILL", 1),
-                                         ("SIGTERM", 2), ("SIGKILL", 2)])
+                                         ("SIGTERM", 2), ("SIGKILL", 2), ("SIGTERM twice", 1)])
 def test_a_stopped_or_killed_sweep_stops_its_cells_at_a_step_with_a_checkpoint(tmp_path, stop,
                                                                               nproc):
     """Two cells side by side (one process each), or one under torchrun (two ranks:
-    the stop goes to the ranks, not to torchrun, which would exit 1)."""
+    the stop goes to the ranks, not to torchrun, which would exit 1). A SIGTERM twice
+    within ``SAME_PRESS_S`` is one stop (it used to kill the cells, some steps after
+    their last checkpoint)."""
     run_dir = tmp_path / "sweep"
     seeds = (1, 2) if nproc == 1 else (1,)
     runs = [run_dir / "arms" / f"seed={s}" / "run" for s in seeds]
@@ -98,7 +106,7 @@ def test_a_stopped_or_killed_sweep_stops_its_cells_at_a_step_with_a_checkpoint(t
                               *LONG, "--no-wandb", "--run-dir", str(run_dir), "--workers", "2",
                               "--threads", "1", "--nproc", str(nproc)],
                              runs, stop, tmp_path / "out.txt")
-    assert code == {"SIGTERM": 143, "ctrl-c": 130, "SIGKILL": -9}[stop], out
+    assert code == {"SIGTERM": 143, "SIGTERM twice": 143, "ctrl-c": 130, "SIGKILL": -9}[stop], out
     names = ", ".join(f"seed={s}" for s in seeds)
     for r in runs:  # each stopped at a step of its own, with a checkpoint of it
         assert _checkpoints(r), (r, out)
@@ -110,6 +118,7 @@ def test_a_stopped_or_killed_sweep_stops_its_cells_at_a_step_with_a_checkpoint(t
             assert record["exit_code"] == 0, record
             assert f"[{cell}] stopped short of step 100000; it continues from its checkpoint " \
                 f"of step " in out, out
+        assert "kvtrain: killed" not in out and "FAILED" not in out, out
 
 
 def test_a_stopped_demo_stops_both_arms_at_a_step_with_a_checkpoint(tmp_path):
@@ -140,7 +149,8 @@ def test_a_second_stop_kills_runs_that_do_not_stop_and_an_error_stops_them_silen
     from kvtrain.experiments.children import start_run, stop_runs
 
     stuck = start_run(_child("time.sleep(120)"))  # SIGUSR1 ignored: as before a handler is set
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # the second stop
+    # the second stop: a second press (sooner, it would be the first one, relayed)
+    threading.Timer(2 * SAME_PRESS_S, os.kill, (os.getpid(), signal.SIGINT)).start()
     started = time.monotonic()
     assert stop_runs({"stuck": stuck}, "Ctrl-C") == ["stuck"]
     assert stuck.returncode == -signal.SIGKILL and time.monotonic() - started < 30
@@ -153,3 +163,36 @@ def test_a_second_stop_kills_runs_that_do_not_stop_and_an_error_stops_them_silen
     assert obeys.stdout.readline() == "ready\n"  # its handler is set
     assert stop_runs({"obeys": obeys}, None) == ["obeys"] and obeys.returncode == 0
     assert capsys.readouterr().out == ""
+
+
+def test_a_stop_delivered_twice_is_one_stop_and_a_later_one_kills_saying_who_did(capsys):
+    """``run_all`` stopped by a Ctrl-C that comes twice (a terminal's to the process
+    group, a launcher's relay) asks its runs to stop once; a press ``SAME_PRESS_S``
+    later kills them, and a run so killed is said to be, not the out-of-memory
+    killer's SIGKILL (``ended``)."""
+    import threading
+
+    from kvtrain.experiments.children import ended, run_all, start_run
+
+    ended_as, pressed = {}, []
+
+    def press() -> None:
+        pressed.append(time.monotonic())  # before the signal: it may act at once
+        os.kill(os.getpid(), signal.SIGINT)
+
+    presses = [threading.Timer(delay, press)  # one press, twice; a second press
+               for delay in (0.5, 0.6, 0.5 + 2 * SAME_PRESS_S)]
+    for timer in presses:
+        timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_all(["stuck"], lambda _: start_run(_child("time.sleep(120)")),
+                    lambda name, proc: ended_as.update({name: ended(proc)}), 1, lambda _: "")
+        assert len(pressed) == 3  # killed on the second press, not on the copy of the first
+    finally:
+        for timer in presses:
+            timer.cancel()
+    out = capsys.readouterr().out
+    assert out.count("stopping stuck at their next step") == 1, out
+    assert "kvtrain: killed stuck: each keeps its last complete checkpoint" in out, out
+    assert ended_as == {"stuck": "killed by the runner after a second stop request"}
