@@ -99,15 +99,17 @@ def prepare_data(data_dir: Path, synthetic: bool = False) -> list[str]:
         corpus = data_dir / "corpus.jsonl"
         tokenizer = data_dir / "tokenizer"
         shards = data_dir / "shards"
+        # each made only where it is missing, whatever a killed build left of it
+        # replaced (--force: the tools refuse outputs that exist, and this is the demo's)
         if not corpus.exists():
-            _tool(data_dir, "demo-corpus", "--output", str(corpus))
+            _tool(data_dir, "demo-corpus", "--output", str(corpus), "--force")
         if not tokenizer.with_suffix(".model").exists():
             _tool(data_dir, "train-tokenizer", "--input", str(corpus), "--vocab-size",
-                  str(DEMO_VOCAB), "--output", str(tokenizer))
+                  str(DEMO_VOCAB), "--output", str(tokenizer), "--force")
         if not list(shards.glob("*.idx")):
             _tool(data_dir, "preprocess", "--input", str(corpus), "--tokenizer",
                   str(tokenizer.with_suffix(".model")), "--output-prefix", str(shards / "demo"),
-                  "--quiet")
+                  "--quiet", "--force")
         prefixes = sorted(str(p.with_suffix("")) for p in shards.glob("*.idx"))
         # JSON is YAML: quoted, a comma, bracket or ' #' in --run-dir stays in the path
         return [f"data.paths={json.dumps(prefixes)}",

@@ -433,6 +433,27 @@ def test_demo_data_overrides_survive_yaml_characters_in_the_run_dir(tmp_path, mo
     assert cfg.data.tokenizer == str(data / "tokenizer.model")
 
 
+def test_demo_data_a_killed_build_left_is_built_again(tmp_path, monkeypatch):
+    """A preprocessing killed between its .bin and its .idx left the shard's .bin: the
+    demo builds the shards again, where the data tools refuse outputs that exist."""
+    import shutil
+
+    from data_tools.indexed import IndexedReader
+    from kvtrain.commands import demo
+    from tests.data_tools.dt_helpers import DOCS, tokenizer, write_jsonl
+
+    data = tmp_path / "data"
+    (data / "shards").mkdir(parents=True)
+    write_jsonl(data / "corpus.jsonl", DOCS)
+    shutil.copy(tokenizer(), data / "tokenizer.model")
+    (data / "shards" / "demo_text_document.bin").write_bytes(b"cut short")
+    monkeypatch.setattr(demo, "_data_tools_available", lambda: True)
+    overrides = demo.prepare_data(data)
+    prefix = str(data / "shards" / "demo_text_document")
+    assert overrides[0] == f"data.paths={json.dumps([prefix])}"
+    assert IndexedReader(prefix).num_documents == len(DOCS)
+
+
 def test_demo_rerun_of_a_token_budget_knows_when_an_arm_is_done(tmp_path):
     """`kvtrain demo --set train.max_steps=null --set train.train_tokens=N` is valid
     (the trainer derives the steps): the rerun compared the checkpoint's iteration
