@@ -191,6 +191,14 @@ def _multiples(summary: dict) -> dict:
     return summary["arms"][1]["vs_reference"]
 
 
+def _two_arms(tmp_path, vanilla: dict, shifted: dict) -> tuple[dict, str]:
+    """``kvtrain scaling`` of a vanilla and a KV-shift run per size ({layers: loss})."""
+    runs = [_write_run(tmp_path / f"v{n}", _config(n), loss) for n, loss in vanilla.items()]
+    runs += [_write_run(tmp_path / f"k{n}", _config(n, "kv_shift"), loss)
+             for n, loss in shifted.items()]
+    return scaling(runs, tmp_path / "out")
+
+
 def test_a_reference_that_falls_then_rises_gives_no_multiple_its_note_denies(tmp_path):
     """The probe's shape (sweep of 1, 2, 3 tiny layers): vanilla falls from 1 to 2 layers
     and rises past its first loss at 3, so its fit does not fall with size; KV shift is
@@ -199,10 +207,7 @@ def test_a_reference_that_falls_then_rises_gives_no_multiple_its_note_denies(tmp
     and < 1 at 3 layers, where it is better)."""
     vanilla = {1: 5.6368, 2: 5.6010, 3: 5.6500}
     shifted = {1: 5.6392, 2: 5.5950, 3: 5.6300}
-    runs = [_write_run(tmp_path / f"v{n}", _config(n), loss) for n, loss in vanilla.items()]
-    runs += [_write_run(tmp_path / f"k{n}", _config(n, "kv_shift"), loss)
-             for n, loss in shifted.items()]
-    summary, text = scaling(runs, tmp_path / "out")
+    summary, text = _two_arms(tmp_path, vanilla, shifted)
     assert summary["arms"][0]["fit"]["alpha"] <= 0
     assert "vanilla: the loss does not fall with size" in text
     assert _multiples(summary) == {str(_size(n)): None for n in (1, 2, 3)}
@@ -219,10 +224,7 @@ def test_the_multiple_is_read_only_where_the_reference_falls(tmp_path):
     than vanilla's 4.6, was read on the 1-2 segment as < 1)."""
     vanilla = {1: 5.0, 2: 4.5, 3: 4.6}
     shifted = {1: 5.05, 2: 4.45, 3: 4.55}
-    runs = [_write_run(tmp_path / f"v{n}", _config(n), loss) for n, loss in vanilla.items()]
-    runs += [_write_run(tmp_path / f"k{n}", _config(n, "kv_shift"), loss)
-             for n, loss in shifted.items()]
-    summary, text = scaling(runs, tmp_path / "out")
+    summary, text = _two_arms(tmp_path, vanilla, shifted)
     fit = summary["arms"][0]["fit"]
     assert fit["alpha"] > 0
     first = _multiples(summary)[str(_size(1))]
