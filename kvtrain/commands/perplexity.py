@@ -75,7 +75,8 @@ def _scoring(args: argparse.Namespace):
 
     paths = _weighted(args.data)
     check_blend("--data", paths)
-    return Scoring(paths=paths, name=args.name or default_name(paths),
+    # an empty --name is refused (Scoring.check), not the default taken in its place
+    return Scoring(paths=paths, name=default_name(paths) if args.name is None else args.name,
                    sequences=args.sequences, batch_size=args.batch_size,
                    seq_length=args.seq_length, tokenizer=args.tokenizer,
                    by_position=args.by_position).check()

@@ -27,6 +27,7 @@ refusal reports.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -113,6 +114,9 @@ def try_lock(run_dir: Path) -> tuple[Optional[RunLock], dict]:
     path = (run_dir / LOCK_FILE).resolve()
     if str(path) in _held:
         return _held[str(path)], {}
+    if path.is_dir():  # os.open's "Is a directory" named the run folder, not this
+        raise IsADirectoryError(errno.EISDIR, f"{path} is a folder, not the run's lock "
+                                "file: move it away")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -215,6 +215,8 @@ def test_by_position_on_the_command_line(mp1, trained, capsys, monkeypatch):
     (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
     (["--name", "a/b"], "--name 'a/b': letters, digits, '_', '-' and '.', starting with a "
                         "letter or digit"),
+    # an empty name was dropped for the default without a word
+    (["--name", ""], "--name '': letters, digits, '_', '-' and '.', starting with a letter"),
     (["--seq-length", "256"], "--seq-length 256 is longer than the model's "
                               "model.max_position_embeddings (128)"),
     (["--tokenizer", "/nonexistent/tok.model"], "--tokenizer /nonexistent/tok.model: cannot "

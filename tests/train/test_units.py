@@ -851,3 +851,17 @@ def test_a_log_the_disk_refuses_loses_lines_not_the_run(tmp_path):
         assert isinstance(sys.stdout, LogStream) and sys.stdout.failed  # kept: no exit 1
     finally:
         sys.stdout, sys.stderr = streams
+
+
+def test_a_folder_where_the_run_lock_goes_is_named(tmp_path):
+    """`RUN/.kvtrain.lock` a folder: the start said the run folder "cannot be written:
+    Is a directory", naming neither the lock nor what to do."""
+    from kvtrain.config import ConfigError
+    from kvtrain.train.runlock import LOCK_FILE, hold_run_folder
+
+    (tmp_path / "run" / LOCK_FILE).mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        hold_run_folder(tmp_path / "run")
+    lock = (tmp_path / "run" / LOCK_FILE).resolve()
+    assert str(e.value) == (f"run folder {(tmp_path / 'run').resolve()} cannot be written: "
+                            f"{lock} is a folder, not the run's lock file: move it away")
