@@ -387,6 +387,11 @@ def run(args) -> int:
         check_options(args.workers, args.shards, args.report_bad)  # before reading inputs
         check_prefix(args.output_prefix, "--output-prefix", "corpus")
         inputs = readers.discover(args.input, args.format)
+        if args.shards and args.shards > len(inputs):  # it gave fewer without a word
+            print(f"kvtrain data preprocess: warning: --shards {args.shards} with "
+                  f"{len(inputs)} input file{'s' if len(inputs) > 1 else ''}: "
+                  f"{len(inputs)} shard{'s' if len(inputs) > 1 else ''} (inputs are grouped "
+                  "into shards, a file is not split)", file=sys.stderr)
         if not (args.resume or args.force):
             check_outputs_new(inputs, args.output_prefix, args.shards, args.text_mode)
         with stops_raise():  # a stopped job cleans up and says how to go on

@@ -154,6 +154,16 @@ def test_preprocess_option_and_tokenizer_mistakes_are_one_line(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
 
 
+def test_more_shards_than_input_files_is_said(tmp_path):
+    """--shards groups the input files: 5 asked of one file gave one shard, silently."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    done = h.kvtrain("data", "preprocess", "-i", str(corpus), "-t", h.tokenizer(), "-o",
+                     str(tmp_path / "p"), "--shards", "5", "--quiet")
+    assert "kvtrain data preprocess: warning: --shards 5 with 1 input file: 1 shard (inputs " \
+        "are grouped into shards, a file is not split)" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.glob("p*.idx")) == ["p_text_document.idx"]
+
+
 @pytest.mark.parametrize("option, values, message", [
     # sentencepiece's seed is 32-bit unsigned: --seed -1 was a TypeError traceback
     ("--seed", ("-1", str(2**32)), "--seed must be in [0, 2**32 - 1], got {}"),
