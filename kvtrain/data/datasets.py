@@ -66,6 +66,7 @@ class Datasets:
     test: Optional[Any]
     tokenizer: Any
     valid_sets: dict[str, Any] = field(default_factory=dict)  # data.valid_sets, by name
+    warnings: list[str] = field(default_factory=list)  # for rank 0 to say (validation_read_over)
 
 
 def parse_blend(paths: list) -> tuple[list[str], Optional[list[float]]]:
@@ -138,7 +139,8 @@ def _datasets_of(path: str) -> list[str]:
         return [path[: -len(".idx")] if path.endswith((".idx", ".bin")) else path]
 
 
-def _blend(paths: list, key: str = "data.paths") -> tuple[tuple, dict[str, tuple[int, int]]]:
+def _blend(paths: list, key: str = "data.paths",
+           known: Optional[dict] = None) -> tuple[tuple, dict[str, tuple[int, int]]]:
     """The blend to hand megatron, and each dataset's sequence and token counts (its
     shard checked). An entry naming several shards shares its weight among them by
     their tokens; unweighted datasets get their token counts as weights: one corpus
@@ -146,7 +148,8 @@ def _blend(paths: list, key: str = "data.paths") -> tuple[tuple, dict[str, tuple
     entries, entry_weights = parse_blend(paths)
     named = [_datasets_of(entry) for entry in entries]
     prefixes = [prefix for group in named for prefix in group]
-    sizes = {prefix: _shard_size(prefix, key) for prefix in prefixes}
+    known = known or {}  # sizes of shards checked already (a start's build)
+    sizes = {p: known[p] if p in known else _shard_size(p, key) for p in prefixes}
     weights = None
     if entry_weights is not None:
         totals = [max(sum(sizes[p][1] for p in group), 1) for group in named]
@@ -324,11 +327,12 @@ def _writes_caches() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def sequences_held(paths: list, key: str, seq_length: int) -> int:
+def sequences_held(paths: list, key: str, seq_length: int,
+                   known: Optional[dict] = None) -> int:
     """The sequences of ``seq_length`` tokens one pass over the blend ``paths`` gives
     (megatron's: a sequence takes ``seq_length`` + 1 tokens, its last the next one's
     first); past them it draws the shards again, another epoch: tokens scored twice."""
-    (prefixes, weights), sizes = _blend(paths, key)
+    (prefixes, weights), sizes = _blend(paths, key, known)
     per_pass = [max(sizes[p][1] - 1, 0) // seq_length for p in prefixes]
     if weights is None:  # one shard
         return per_pass[0]
@@ -339,16 +343,19 @@ def sequences_held(paths: list, key: str, seq_length: int) -> int:
     return held
 
 
-def validation_read_over(cfg: RunConfig, valid_samples: int) -> list[str]:
+def validation_read_over(cfg: RunConfig, valid_samples: int,
+                         known: Optional[dict] = None) -> list[str]:
     """Warnings for held-out validation sets (``data.valid_paths``, ``data.valid_sets``)
     smaller than one validation: each reads its first ``valid_samples`` sequences, so
     megatron draws a small set's shards again (more epochs) and its loss weighs their
-    tokens over and over (a 14-token set was recorded as 128 tokens a validation)."""
+    tokens over and over (a 14-token set was recorded as 128 tokens a validation).
+    ``known``: the shards' sizes where the build checked them already."""
     seq, sets = cfg.train.seq_length, [("data.valid_paths", cfg.data.valid_paths)]
     sets += [(f"data.valid_sets.{name}", paths) for name, paths in cfg.data.valid_sets.items()]
     lines = []
     for key, paths in sets:
-        held = sequences_held(paths, key, seq) if paths and valid_samples else valid_samples
+        held = sequences_held(paths, key, seq, known) if paths and valid_samples \
+            else valid_samples
         if held < valid_samples:
             over = f"{valid_samples / held:.1f} times over" if held else "over and over"
             lines.append(f"kvtrain: warning: {key} holds {held} sequences of {seq} tokens (one "
@@ -396,10 +403,10 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
     _check_apart(blend, held_out)
     named = _named_sets(cfg, blend) if valid_samples else {}
     # the toy tasks above index nothing
+    checked = {**sizes, **held_out_sizes,
+               **{p: n for _, set_sizes in named.values() for p, n in set_sizes.items()}}
     check_index_memory(cfg, drawn_parts(d, blend, held_out, named, train_samples,
-                                          valid_samples),
-                        {**sizes, **held_out_sizes,
-                         **{p: n for _, set_sizes in named.values() for p, n in set_sizes.items()}})
+                                        valid_samples), checked)
     tokenizer = load_tokenizer(d, cfg.model)
     prefixes = _checked_made_with([("data.paths", blend), ("data.valid_paths", held_out)]
                                   + [(f"data.valid_sets.{name}", b)
@@ -440,4 +447,5 @@ def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,
     valid_sets = {name: _build_valid_set(cfg, cache_dir, tokenizer, b, valid_samples, stamps)
                   for name, (b, _) in named.items()}
     return Datasets(train=train, valid=valid, test=test, tokenizer=tokenizer,
-                    valid_sets=valid_sets)
+                    valid_sets=valid_sets,
+                    warnings=validation_read_over(cfg, valid_samples, checked))

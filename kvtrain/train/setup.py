@@ -253,7 +253,7 @@ def build_data(run: Run, state: Optional["TrainState"] = None) -> None:
     ``train.global_batch_size`` or ``train.seq_length`` (a smaller batch draws
     more, past the data's end). Sized exactly, so that a later resume with the
     same batch builds the same data (megatron's order depends on the count)."""
-    from kvtrain.data import build_datasets, validation_read_over
+    from kvtrain.data import build_datasets
 
     t = run.cfg.train
     consumed, iteration = (state.consumed_samples, state.iteration) if state else (0, 0)
@@ -262,8 +262,8 @@ def build_data(run: Run, state: Optional["TrainState"] = None) -> None:
                     else run.run_dir / "data_cache")
     valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
     run.datasets = build_datasets(run.cfg, cache_dir, needed, valid_samples)
-    if run.rank == 0:  # the shards were checked whole as the sets were built
-        for line in validation_read_over(run.cfg, valid_samples):
+    if run.rank == 0:
+        for line in run.datasets.warnings:
             print(line, flush=True)
     run.documents = _documents(run.cfg, run.datasets, run.backend.name)
 

@@ -416,3 +416,18 @@ def test_a_template_error_names_the_task_and_template(local, capsys, tmp_path):
     assert err == ("kvtrain: config error: task 'kvt_tpl': its template doc_to_text "
                    "\"{{nofield.x}}\" cannot be applied to its documents: UndefinedError: "
                    "'nofield' is undefined\n"), err
+
+
+def test_lm_evals_internals_elsewhere_leave_the_checks_to_it(monkeypatch, tmp_path):
+    """The few-shot bound and the skipped-YAML hint read lm-eval 0.4.13's internals: a
+    task or an index that lacks them (another lm-eval) is left to lm-eval, not an
+    AttributeError traceback."""
+    from lm_eval.tasks._index import TaskIndex
+
+    from kvtrain.evaluate.harness import _skipped_yaml, check_fewshot
+
+    assert check_fewshot([object()], 5) is None
+    (tmp_path / "bad.yaml").write_text("task: [x\n")
+    assert _skipped_yaml(tmp_path)  # 0.4.13: the broken file is found
+    monkeypatch.delattr(TaskIndex, "_iter_yaml_files")
+    assert _skipped_yaml(tmp_path) == []
