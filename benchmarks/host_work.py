@@ -218,13 +218,14 @@ def on_gpu_kernels(config: str, sets: list[str], steps: int, prefix: str):
     build them on the GPU's kernels (:func:`gpu_kernels`), and a scratch folder,
     removed after: ``(cfgs, env, scratch, sets)``."""
     from benchmarks import step as bench
+    from benchmarks.step_arms import init_env
     from kvtrain.commands.train import quiet_imports
 
     sets = ["train.precision=bf16", *sets]
     cfgs = bench.arm_configs(config, None, sets, steps)
     quiet_imports()
     gpu_kernels()
-    env = bench._init(cfgs["vanilla"])
+    env = init_env(cfgs["vanilla"])
     scratch = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         yield cfgs, env, scratch, sets
@@ -283,6 +284,7 @@ def table(result: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from benchmarks import step as bench
+    from benchmarks.step_arms import build_arm
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="configs/bench/host.yaml")
@@ -304,7 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 cfgs, env, scratch, sets):
             counters = {}
             for name in bench.ARMS:
-                arm = bench.build_arm(name, cfgs[name], scratch / name, env, 0, measure=False)
+                arm = build_arm(name, cfgs[name], scratch / name, env, 0, measure=False)
                 counters[name] = count_arm(arm, args.steps)
                 backend = arm.run.backend.describe()
                 micro = arm.run.num_microbatches

@@ -156,12 +156,12 @@ def _tensors(tree):
 def measure_arm(name: str, cfg, run_dir: Path, env, steps: int) -> tuple[Allocations, str]:
     """The arm built and stepped ``steps`` times under one :class:`Allocations`; the
     backend it ran on."""
-    from benchmarks import step as bench
+    from benchmarks.step_arms import build_arm
 
     tracker = Allocations()
     hook_launches(tracker)
     with tracker:
-        arm = bench.build_arm(name, cfg, run_dir, env, 0, measure=False)
+        arm = build_arm(name, cfg, run_dir, env, 0, measure=False)
         tracker.install(arm.run)
         tracker.phase = "update"
         for _ in range(steps):
