@@ -124,6 +124,23 @@ def test_a_run_dir_that_is_a_file_is_kvtrain_trains_one_line(tmp_path, script, h
         TINY.read_text())
 
 
+@pytest.mark.parametrize("script", [TORCHRUN_SH, SBATCH], ids=["torchrun.sh", "slurm.sbatch"])
+@pytest.mark.parametrize("under", ["", "/logs"], ids=["file", "under-a-file"])
+def test_a_log_dir_that_is_a_file_is_one_line(tmp_path, script, under):
+    """LOG_DIR=FILE (or a folder under a file): torchrun.sh printed mkdir's "cannot
+    create directory ...: File exists" with the config check passed, and not a word
+    of LOG_DIR. Both scripts check it with the run's folders: one line naming
+    LOG_DIR, before anything starts (here: before the dry run's command)."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("keep\n")
+    out = dry(script, str(TINY), "--run-dir", str(tmp_path / "r"), SLURM_JOB_ID="6",
+              LOG_DIR=f"{taken}{under}")
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr == f"{script.name}: LOG_DIR {taken}{under}: {taken} is a file, " \
+        "not a folder\n", out.stderr
+    assert taken.read_text() == "keep\n" and not (tmp_path / "r").exists()
+
+
 def test_slurm_sbatch_builds_the_step():
     out = dry(SBATCH, "configs/paper/19b_kv_shift.yaml", "train.seed=3", SLURM_JOB_ID="4242",
               SLURM_JOB_NUM_NODES="30", SLURM_CPUS_ON_NODE="128", RUN_DIR="/shared/r",
