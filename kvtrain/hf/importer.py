@@ -11,7 +11,10 @@ Llama. Coefficients that the folder lacks start as the paper initialises them
 folder imported with other shift options than it was exported with is refused,
 and options its ``kv_shift`` omits are those its modeling code fills in
 (``DEFAULT_KV_SHIFT``). An export's ``reset_attention_mask`` becomes
-``data.reset_attention_mask`` unless the config or ``--set`` names that key.
+``data.reset_attention_mask`` unless the config or ``--set`` names that key; its
+``eos_token_id`` becomes ``data.eod_id`` (what ``kvtrain generate`` feeds before a
+prompt and stops at) unless ``--config`` is given or ``--set`` names a tokenizer or
+an EOD.
 
 The checkpoint (``save_weights``) is megatron dist_checkpointing's torch_dist
 format, written like the trainer's (``iter_*.incomplete``, then the marker with
@@ -93,7 +96,9 @@ def model_config(hf: dict, where: str) -> dict:
     if kind not in ("llama", "kvshift_llama"):
         raise ConfigError(f"{where}: model_type {kind!r} is not a Llama (llama, kvshift_llama)")
     _check_sizes(hf, where)
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    # transformers' order (RotaryEmbeddingConfigMixin): a rope_scaling (4.x's key, and
+    # what context-extension recipes add) replaces the rope_parameters 5.x writes
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}: rope_parameters / rope_scaling {rope!r} is not an object")
     if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -152,8 +157,9 @@ HF_KEYS = {"num_layers": "num_hidden_layers", "num_query_groups": "num_key_value
 
 def _hf_key(hf: dict, key: str) -> str:
     """config.json's name for model ``key`` (RoPE's base where the folder keeps it)."""
-    for rope in ("rope_parameters", "rope_scaling"):
-        if key == "rotary_base" and isinstance(hf.get(rope), dict) and "rope_theta" in hf[rope]:
+    if key == "rotary_base":  # the object model_config read the base from
+        rope = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+        if isinstance(hf.get(rope), dict) and "rope_theta" in hf[rope]:
             return f"{rope}.rope_theta"
     return HF_KEYS[key]
 
@@ -206,7 +212,7 @@ def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
     data.setdefault("train", {}).setdefault("seq_length", arch["max_position_embeddings"])
     for assignment in overrides:
         apply_override(data, assignment, RunConfig)
-    _documents_from(hf, data)
+    _documents_from(hf, data, configured=config is not None)
     try:
         cfg = from_dict(RunConfig, data, source=str(config) if config else None)
         cfg.validate()
@@ -228,19 +234,37 @@ def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
     return cfg
 
 
-def _documents_from(hf: dict, data: dict) -> None:
+def _documents_from(hf: dict, data: dict, configured: bool) -> None:
     """An export's ``reset_attention_mask`` (documents kept apart in training, the EOD
     being ``eos_token_id``) where ``data`` (the config and ``--set``) does not decide:
     what ``kvtrain generate`` reads (no EOD before a prompt) and what a run continuing
-    the model trains with. A toy task has one sequence per sample: not given."""
+    the model trains with. Its EOD too where no ``--config`` decides the data
+    (``configured``) and ``--set`` names no tokenizer or EOD: the defaults' EOD, the
+    vocabulary's last id, is the model's only by chance. A toy task has one sequence
+    per sample: not given."""
     d = data.get("data") or {}
-    if "reset_attention_mask" not in hf or "reset_attention_mask" in d or \
-            d.get("type") in TASK_TYPES:
+    if d.get("type") in TASK_TYPES:
         return
-    d["reset_attention_mask"] = bool(hf["reset_attention_mask"])
-    if d["reset_attention_mask"] and d.get("tokenizer") is None and d.get("eod_id") is None:
-        d["eod_id"] = hf.get("eos_token_id")
+    if "reset_attention_mask" in hf and "reset_attention_mask" not in d:
+        d["reset_attention_mask"] = bool(hf["reset_attention_mask"])
+        if d["reset_attention_mask"] and d.get("tokenizer") is None and d.get("eod_id") is None:
+            d["eod_id"] = hf.get("eos_token_id")
+    eos = _end_of_document(hf)
+    if not configured and eos is not None and eos != hf["vocab_size"] - 1 and \
+            d.get("tokenizer") is None and "eod_id" not in d:
+        d["eod_id"] = eos
     data["data"] = d
+
+
+def _end_of_document(hf: dict) -> Optional[int]:
+    """config.json's ``eos_token_id`` where it is one token of the vocabulary: the EOD
+    ``kvtrain generate`` feeds before a prompt and stops at (without it, the
+    vocabulary's last id: an export of a run whose EOD was another, a tokenizer's EOS
+    or ``data.eod_id``, generated other tokens once imported)."""
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < hf["vocab_size"]:
+        return eos
+    return None
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:

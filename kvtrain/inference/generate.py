@@ -295,6 +295,27 @@ def _check_fits(prompts: Sequence[Sequence[int]], options: SamplingOptions, cfg:
                 f"max_position_embeddings {limit}")
 
 
+def _check_one_document(prompts: Sequence[Sequence[int]], eod: int, cfg: RunConfig,
+                        options: SamplingOptions) -> None:
+    """A run that separated documents (``data.reset_attention_mask``) never attended
+    or shifted across an EOD, and the decode keeps no document boundaries inside a
+    row: a prompt (its tokens, the EOD prefix aside) holding one is refused, and so
+    is generating past one (``--no-stop-at-eod``)."""
+    if not cfg.data.reset_attention_mask:
+        return
+    never = ("generation would attend to and shift with the document before it, which the "
+             "model never did")
+    if not options.stop_at_eod:
+        raise ConfigError(f"--no-stop-at-eod: the run kept documents apart "
+                          f"(data.reset_attention_mask): past an end-of-document token {never}")
+    for n, p in enumerate(prompts, 1):
+        if eod in p:
+            raise ConfigError(
+                f"prompt {n}: token {list(p).index(eod) + 1} is the end-of-document id {eod}, "
+                f"and the run kept documents apart (data.reset_attention_mask): {never}; "
+                "give one document per prompt")
+
+
 def generate(model: torch.nn.Module, cfg: RunConfig, codec: PromptCodec,
              prompts: Sequence[tuple[str, dict]], options: SamplingOptions,
              batch_size: int = 8, prefix_eod: Optional[bool] = None) -> list[Generation]:
@@ -304,15 +325,18 @@ def generate(model: torch.nn.Module, cfg: RunConfig, codec: PromptCodec,
     the prompt starts a document as in training (preprocessing ends every
     document with EOD; the model never saw a BOS token). None: feed it unless the
     run separated documents (``data.reset_attention_mask``): there a document's
-    first token attended to, and shifted with, nothing before it, never an EOD.
+    first token attended to, and shifted with, nothing before it, never an EOD; and
+    such a run's prompts hold no EOD, nor does it generate past one
+    (``_check_one_document``).
     """
     if prefix_eod is None:
         prefix_eod = not cfg.data.reset_attention_mask
     options.check()
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1 (got {batch_size})")
-    ids = [([codec.eod] if prefix_eod else []) + codec.encode(text, f"prompt {n}")
-           for n, (text, _) in enumerate(prompts, 1)]
+    texts = [codec.encode(text, f"prompt {n}") for n, (text, _) in enumerate(prompts, 1)]
+    _check_one_document(texts, codec.eod, cfg, options)
+    ids = [([codec.eod] if prefix_eod else []) + t for t in texts]
     _check_fits(ids, options, cfg)
     out = []
     for first in range(0, len(ids), batch_size):

@@ -378,3 +378,62 @@ def test_a_distinct_lm_head_in_a_tied_folder_is_named_as_it_is_dropped(mp1, tmp_
                    "model.embed_tokens.weight: it is left out and the output layer is the "
                    "embedding, as transformers loads the folder"]
     assert not saved_config(back)[0].model.untie_embeddings
+
+
+def test_the_end_of_document_id_of_a_folder_is_imported(mp1, tmp_path):
+    """A run whose end-of-document id is not the vocabulary's last (``data.eod_id``, or
+    a tokenizer's EOS) exports it as ``eos_token_id``; the import kept it only where
+    the run separated documents, so ``kvtrain generate`` on the imported checkpoint fed
+    and stopped at the last id (the default) instead: other tokens, without a word.
+    A ``--config`` decides (the run's YAML: the resume compares equal), and so does a
+    tokenizer or EOD ``--set`` names; an EOS that is the default or no token of the
+    vocabulary is not written."""
+    from kvtrain.hf.importer import import_config
+    from kvtrain.inference.generate import PromptCodec, SamplingOptions, generate
+
+    cfg = run_config(model_config())
+    cfg.data.eod_id = 7
+    path = save_weights(build(cfg), cfg, tmp_path / "ckpt" / "iter_0000000")
+    back = import_hf(export_hf(path, tmp_path / "hf"), tmp_path / "imported")
+    assert saved_config(back)[0].data.eod_id == 7
+    runs = []
+    for source in (path, back):
+        loaded = load_model(source, backend="local")
+        (g,) = generate(loaded.model, loaded.config, PromptCodec.for_run(loaded.config),
+                        [("3 4 5", {})], SamplingOptions(max_new_tokens=6))
+        runs.append((g.prompt_tokens, g.tokens))
+    assert runs[1] == runs[0] and runs[0][0][0] == 7
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for change, overrides, eod in (({}, ["data.eod_id=9"], 9),
+                                   ({}, ["data.tokenizer=t.model"], None),
+                                   ({"eos_token_id": VOCAB - 1}, [], None),
+                                   ({"eos_token_id": VOCAB}, [], None),
+                                   ({"eos_token_id": [2, 3]}, [], None),
+                                   ({"eos_token_id": None}, [], None)):
+        got = import_config({**config, **change}, "config.json", overrides=overrides)
+        assert got.data.eod_id == eod, (change, overrides)
+    (tmp_path / "run.yaml").write_text("train: {seed: 3}\n")
+    assert import_config(config, "config.json", tmp_path / "run.yaml").data.eod_id is None
+
+
+def test_a_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(tmp_path):
+    """A ``rope_scaling`` added to a transformers-5 config.json (which writes
+    ``rope_parameters``: the context-extension recipes add ``rope_scaling``) is what
+    transformers loads the folder with; the import read ``rope_parameters`` first and
+    imported a linearly scaled Llama as plain RoPE, other logits without a word."""
+    from transformers import LlamaConfig
+
+    from kvtrain.hf.importer import import_config
+
+    base = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+            "vocab_size": VOCAB, "max_position_embeddings": 64,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}
+    scaled = {**base, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    assert LlamaConfig(**json.loads(json.dumps(scaled))).rope_parameters["rope_type"] == "linear"
+    with pytest.raises(ConfigError, match="^config.json: RoPE scaling 'linear' is not supported"):
+        import_config(scaled, "config.json")
+    other_base = {**base, "rope_scaling": {"rope_type": "default", "rope_theta": 5000.0}}
+    read = LlamaConfig(**json.loads(json.dumps(other_base))).rope_parameters["rope_theta"]
+    assert import_config(other_base, "config.json").model.rotary_base == read == 5000
+    assert import_config(base, "config.json").model.rotary_base == 100000

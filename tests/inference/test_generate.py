@@ -424,3 +424,40 @@ def test_other_backends_and_bf16_decode_as_the_default(mp1, arm_runs, backend, d
             == tokens
         assert tokens == recompute_greedy(loaded.model, prompt, 4, codec.vocab_size)
     assert batch[0][0][0] == 12 and batch[2][0][0] == 104
+
+
+def test_an_end_of_document_inside_a_prompt_of_a_run_that_separated_documents(mp1, arm_runs):
+    """A run that kept documents apart (data.reset_attention_mask) never attended or
+    shifted across an EOD; the decode does not separate documents, so a prompt with
+    an EOD in it was continued from both documents (other tokens than the document
+    after it alone gets, without a word), and so was a generation past an EOD
+    (--no-stop-at-eod): one line each. A run that packed documents without
+    separating them attended across EODs in training: its prompts may hold one."""
+    import dataclasses
+
+    from kvtrain.config import ConfigError
+    from kvtrain.inference.generate import SamplingOptions, generate
+
+    loaded, codec = load(arm_runs["kv_shift"])
+    separated = dataclasses.replace(
+        loaded.config, data=dataclasses.replace(loaded.config.data, reset_attention_mask=True))
+    prompts = [("5 6 7", {}), (f"40 41 {codec.eod} 42", {})]
+    options = SamplingOptions(max_new_tokens=2)
+    with pytest.raises(ConfigError) as e:
+        generate(loaded.model, separated, codec, prompts, options)
+    assert str(e.value) == (
+        f"prompt 2: token 3 is the end-of-document id {codec.eod}, and the run kept documents "
+        "apart (data.reset_attention_mask): generation would attend to and shift with the "
+        "document before it, which the model never did; give one document per prompt")
+    with pytest.raises(ConfigError, match=r"^--no-stop-at-eod: the run kept documents apart "
+                       r"\(data.reset_attention_mask\): past an end-of-document token generation "
+                       "would attend to and shift with the document before it, which the model "
+                       "never did$"):
+        generate(loaded.model, separated, codec, prompts[:1],
+                 SamplingOptions(max_new_tokens=2, stop_at_eod=False))
+    # asked for, the EOD before a prompt is no document boundary inside it
+    generate(loaded.model, separated, codec, prompts[:1], options, prefix_eod=True)
+    generate(loaded.model, loaded.config, codec, prompts, SamplingOptions(
+        max_new_tokens=2, stop_at_eod=False))
+    (_, packed) = generate(loaded.model, loaded.config, codec, prompts, options)
+    assert packed.prompt_tokens == [codec.eod, 40, 41, codec.eod, 42]
