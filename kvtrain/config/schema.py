@@ -127,7 +127,9 @@ class OptimizerConfig:
     lr_schedule: Literal["constant", "cosine", "wsd"] = "constant"
     """After warmup: constant (paper), cosine decay, or warmup-stable-decay."""
     lr_decay_steps: Optional[int] = None
-    """Steps of the decaying part (null: to the end of training)."""
+    """The update at which a decaying schedule reaches min_lr, counted from the first
+    update, warmup included (megatron's lr_decay_steps: the decay itself takes
+    lr_decay_steps - lr_warmup_steps updates); null: the run's last step."""
     wsd_decay_steps: Optional[int] = None
     """Final decay steps of the wsd schedule."""
     wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"

@@ -164,6 +164,25 @@ def _check_this_machine(cfg: RunConfig, numerics) -> None:
                           "this rank may use: DataLoader workers per rank, each a process")
 
 
+def _schedule_settings(tconfig, p) -> None:
+    """What megatron's schedule reads from ``tconfig`` for a training step of layout ``p``."""
+    from megatron.core.distributed import finalize_model_grads
+
+    # gradients are divided by the token count of the global batch in
+    # finalize_model_grads, not by DP size
+    tconfig.calculate_per_token_loss = True
+    # without it data-parallel gradients are never all-reduced (megatron's DDP hooks
+    # only accumulate when overlap is off)
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    if p.virtual_pipeline:
+        # As Megatron-LM: in the interleaved 1F1B steady state a rank exchanges
+        # activations and gradients with both neighbours at once, and with two stages
+        # they are one peer; megatron-core's default batched p2p cannot tell the two
+        # directions apart (Megatron-LM issue #750), so micro batches got another's
+        # gradient as activations. The overlapped p2p sends each direction separately.
+        tconfig.overlap_p2p_comm, tconfig.batch_p2p_comm = True, False
+
+
 def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None,
               data: bool = True) -> Run:
     """Builds the run on this rank (collective: every rank calls it).
@@ -177,7 +196,6 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None,
     resume, so that they are built once).
     """
     from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from kvtrain.backend import init_distributed
@@ -195,12 +213,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None,
     _check_this_machine(cfg, numerics)
     backend, kernels = _resolve_backend(cfg, numerics)  # once per run
     tconfig = transformer_config(cfg.model, p, numerics, rope_fusion=kernels.rope_fusion)
-    # Set before DDP is built (DDP reads it): gradients are divided by the token
-    # count of the global batch in finalize_model_grads, not by DP size.
-    tconfig.calculate_per_token_loss = True
-    # Without this, data-parallel gradients are never all-reduced (megatron's DDP
-    # hooks only accumulate when overlap is off).
-    tconfig.finalize_model_grads_func = finalize_model_grads
+    _schedule_settings(tconfig, p)  # before DDP is built (DDP reads them)
     model = _build_model(cfg, tconfig, numerics, backend.name, kernels)
     if p.overlap_grad_reduce:
         # as Megatron-LM: no grad sync inside the micro-batch loop, and with PP the
