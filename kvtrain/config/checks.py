@@ -121,6 +121,18 @@ def check_optimizer(cfg: RunConfig) -> None:
                           "optimizer.loss_scale: null")
 
 
+def warmup_warning(cfg: "RunConfig", steps: int) -> str | None:
+    """A warmup longer than the run works but never trains at the configured LR
+    (update k runs at lr * k / warmup): said at start and in the plan, not refused
+    (a smoke run of a paper config is one)."""
+    o = cfg.optimizer
+    if o.lr_warmup_steps <= steps:
+        return None
+    return (f"optimizer.lr_warmup_steps ({o.lr_warmup_steps}) is longer than the run "
+            f"({steps} steps): the LR never reaches optimizer.lr ({o.lr:g}); its last step "
+            f"trains at {o.lr * steps / o.lr_warmup_steps:.3g}")
+
+
 def check_blend(key: str, paths: list) -> None:
     """``paths``: all prefixes, or (positive weight, prefix) pairs."""
     weights = [x for x in paths if not isinstance(x, str)]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kvtrain.config import ConfigError, RunConfig
 from kvtrain.config.backend import BackendChoice, check_document_masks, check_te_precision
+from kvtrain.config.checks import warmup_warning
 from kvtrain.config.layout import derive_layout
 
 from .flops import GPU, GPUS, StepFlops, step_flops, step_seconds
@@ -131,6 +132,9 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
         warnings.append("data.reset_attention_mask on the local backend: refused at start where "
                         "apex's fused softmax is installed (NVIDIA's container) and 16 < "
                         "train.seq_length <= 4096, since its kernel ignores the mask")
+
+    if (warmup := warmup_warning(cfg, layout.total_steps)):
+        warnings.append(warmup)
 
     memory = estimate_memory(m, p, t, dp, num_microbatches)
     flops = step_flops(m, t.seq_length, t.global_batch_size, p.tensor, p.recompute)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from data_tools.fileio import atomic_write_text
 from kvtrain.backend import init_process_group
 from kvtrain.config import ConfigError, RunConfig, TrainConfig, checkpoint_folder, on_every_rank
+from kvtrain.config.checks import warmup_warning
 from kvtrain.data.loader import loader_deaths_named
 from kvtrain.data.order import order_changed, order_fingerprint
 from kvtrain.tasks.config import accuracy_masks
@@ -460,6 +461,8 @@ def _announce(run: Run) -> str:
     say(f"kvtrain: MFU against {run.mfu_basis}")
     if run.backend.warning:
         say(f"kvtrain: warning: {run.backend.warning}")
+    if (warmup := warmup_warning(cfg, run.total_steps)):
+        say(f"kvtrain: warning: {warmup}")
     return text
 
 

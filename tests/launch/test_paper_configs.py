@@ -252,6 +252,9 @@ def test_plan_refuses_impossible_layouts_in_one_line(args, code, message):
     (["parallel.tensor=2", "train.precision=fp32", "parallel.recompute=full"], 1, 8,
      "train.precision fp32 on GPU (tf32 matmuls): bf16 is the paper's setting and its peak "
      "is 2x higher"),
+    (["train.train_tokens=null", "train.max_steps=800"], 1, 8,
+     "optimizer.lr_warmup_steps (1000) is longer than the run (800 steps): the LR never "
+     "reaches optimizer.lr (0.0002); its last step trains at 0.00016"),
 ])
 def test_plan_warns_of_layouts_that_work_badly(sets, nodes, gpus_per_node, warning):
     """Layouts that run but waste the cluster: the plan's one warning each (the paper's

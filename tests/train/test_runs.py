@@ -50,7 +50,8 @@ def short_runs(tmp_path_factory, corpus, cache_dir):
             checkpoint={"save_interval": None}),
         "timelimit": tiny_config(
             None, cache_dir, train={"max_steps": None, "train_tokens": 10 * TOKENS_PER_STEP - 5,
-                                    "exit_duration_minutes": 0.0005}),
+                                    "exit_duration_minutes": 0.0005},
+            optimizer={"lr_warmup_steps": 12}),  # longer than the run: a warning
     }
     jobs = [{"config": str(write_config(root / f"{name}.yaml", cfg)), "run_dir": str(root / name),
              "faults": {"nonfinite_steps": [3, 6, 7, 8]} if name == "nonfinite" else {},
@@ -233,6 +234,10 @@ def test_time_limit_stops_and_token_budget_sets_length(short_runs):
     root, result = short_runs
     assert result.job_codes[str(root / "timelimit")] == [0]
     assert "stopped at iteration 1/10 because of train.exit_duration_minutes" in result.stdout
+    # said once, at the start of the one run whose warmup outlasts it
+    assert result.stdout.count("kvtrain: warning: optimizer.lr_warmup_steps (12) is longer "
+                               "than the run (10 steps): the LR never reaches optimizer.lr "
+                               "(0.003); its last step trains at 0.0025") == 1, result.stdout
     assert latest(root / "timelimit") == "iter_0000001"
 
 
