@@ -58,6 +58,7 @@ def speedup(a: RunData, b: RunData) -> dict:
 def curve_speedup(a: Curve, b: Curve) -> dict:
     """B against A on one validation curve (the run's, or a named set's)."""
     out = {"target_loss": a.final, "a_tokens": None, "b_tokens": None, "speedup": None,
+           "speedup_at_least": False,
            "a_not_finite_from": None if a else next(iter(a.nonfinite), None)}
     if not a:
         return out
@@ -69,6 +70,12 @@ def curve_speedup(a: Curve, b: Curve) -> dict:
     reached = tokens_to_reach(b, a.final)
     if reached is not None and reached > 0:
         out.update(b_tokens=reached, speedup=out["a_tokens"] / reached)
+        # B already at A's loss at its first validation: it got there unseen, at some
+        # point up to it, so the ratio is the least speed-up (runs validated only at
+        # their end read 1.00x however much lower B ended); unless A's own crossing is
+        # an earlier first point of A's: a bound on both sides, no side to tell
+        out["speedup_at_least"] = b.loss[0] <= a.final and (len(a) == 1
+                                                            or a.loss[0] > a.final)
     return out
 
 
@@ -214,6 +221,9 @@ def _speed_text(vs: dict, ref: str, val_loss: Optional[float]) -> str:
         return "no validation curve"
     if vs["speedup"] is None:
         return f"not reached (A = {ref} ends at {_fmt(vs['target_loss'])})"
+    if vs.get("speedup_at_least"):
+        return (f"{_tokens(vs['b_tokens'])} tokens or fewer vs {_tokens(vs['a_tokens'])}: "
+                f"at least {vs['speedup']:.2f}x (at B's first validation)")
     return (f"{_tokens(vs['b_tokens'])} tokens vs {_tokens(vs['a_tokens'])}: "
             f"{vs['speedup']:.2f}x")
 

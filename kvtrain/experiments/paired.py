@@ -22,7 +22,7 @@ from typing import Optional
 
 from kvtrain.config import ConfigError
 
-from .sweep import Axis
+from .sweep import NONFINITE_EXIT, Axis
 
 ARMS = "model.attention"  # the key whose values are the arms, by default
 REPLICATES = "train.seed"  # the key whose values are replicates, by default
@@ -54,7 +54,8 @@ def _stats(values: list[float]) -> dict:
 
 
 def sign_test(lower: int, pairs: int) -> Optional[float]:
-    """Two-sided p-value of ``lower`` of ``pairs`` under no difference (p = 1/2)."""
+    """Two-sided p-value of ``lower`` of ``pairs`` under no difference (p = 1/2);
+    ``pairs``: the untied ones."""
     if pairs == 0:
         return None
     k = min(lower, pairs - lower)
@@ -69,15 +70,19 @@ def paired(axes: list[Axis], entries: list[dict], arm: Axis,
     others = [a for a in axes if a.key not in (arm.key, rep.key if rep else None)]
     index = {a.key: i for i, a in enumerate(axes)}
     losses: dict[tuple, float] = {}  # (setting, arm, replicate) -> finite final loss
+    # a cell stopped short (diverged, crashed, stopped) has no final loss: its last
+    # validation's, taken steps before, would pass for one (a diverged vanilla's loss
+    # of step 40 in the arm's mean and pairs), so it is named instead
+    left_out = [e for e in entries if not e.get("finished", True)]
     for e in entries:
         loss = e.get("val_loss")
-        if loss is not None and math.isfinite(loss):
+        if loss is not None and math.isfinite(loss) and e.get("finished", True):
             texts = e["texts"]
             setting = tuple(texts[index[a.key]] for a in others)
             losses[(setting, texts[index[arm.key]],
                     texts[index[rep.key]] if rep else None)] = loss
     reps = rep.texts if rep else (None,)
-    ref, rows, lower, pairs = arm.texts[0], [], {}, {}
+    ref, rows, lower, pairs, ties = arm.texts[0], [], {}, {}, {}
     for setting in itertools.product(*(a.texts for a in others)):
         row = {"setting": dict(zip((a.key for a in others), setting)), "arms": {}, "diffs": {}}
         for name in arm.texts:
@@ -89,12 +94,30 @@ def paired(axes: list[Axis], entries: list[dict], arm: Axis,
             row["diffs"][name] = {**_stats(diffs), "lower": sum(d < 0 for d in diffs)}
             lower[name] = lower.get(name, 0) + row["diffs"][name]["lower"]
             pairs[name] = pairs.get(name, 0) + len(diffs)
+            ties[name] = ties.get(name, 0) + sum(d == 0 for d in diffs)
         rows.append(row)
-    overall = {name: {"lower": lower[name], "pairs": pairs[name],
-                      "sign_test_p": sign_test(lower[name], pairs[name])}
+    # a tie (bit-identical runs: an arm key that changes nothing) is neither lower nor
+    # higher: the sign test drops it; counted as "not lower", identical arms read as
+    # one significantly worse (6 ties: p = 0.03)
+    overall = {name: {"lower": lower[name], "pairs": pairs[name], "ties": ties[name],
+                      "sign_test_p": sign_test(lower[name], pairs[name] - ties[name])}
                for name in arm.texts[1:]}
     return {"arms_key": arm.key, "replicates_key": rep.key if rep else None,
-            "reference": ref, "rows": rows, "overall": overall}
+            "reference": ref, "rows": rows, "overall": overall,
+            "left_out": [{"cell": e["cell"], "step": e.get("step"),
+                          "exit_code": e.get("exit_code")} for e in left_out]}
+
+
+def _stopped(cell: dict) -> str:
+    """``seed=3 (stopped at step 40: non-finite losses)``: a cell ``paired`` left out."""
+    at = f"at step {cell['step']}" if cell["step"] is not None else "before any validation"
+    if cell["exit_code"] == NONFINITE_EXIT:
+        why = f"stopped {at}: non-finite losses"
+    elif cell["exit_code"] not in (0, None):
+        why = f"exit code {cell['exit_code']} {at}"
+    else:
+        why = f"stopped {at}, unfinished"
+    return f"{cell['cell']} ({why})"
 
 
 def _value(stats: dict, signed: bool = False) -> str:
@@ -128,8 +151,15 @@ def paired_lines(summary: dict) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for name, o in summary["overall"].items():
-        p = "" if o["sign_test_p"] is None else f" (sign test, two-sided: p = {o['sign_test_p']:.3g})"
-        lines.append(f"{name} is lower than {ref} in {o['lower']} of {o['pairs']} pairs{p}.")
+        tied = o.get("ties", 0)
+        over = f" over the {o['pairs'] - tied} untied" if tied else ""
+        p = "" if o["sign_test_p"] is None else \
+            f" (sign test{over}, two-sided: p = {o['sign_test_p']:.3g})"
+        lines.append(f"{name} is lower than {ref} in {o['lower']} of {o['pairs']} pairs"
+                     + (f", {tied} tied" if tied else "") + f"{p}.")
+    if summary.get("left_out"):
+        lines.append("Left out (no final loss): "
+                     + ", ".join(map(_stopped, summary["left_out"])) + ".")
     return lines
 
 

@@ -205,6 +205,29 @@ def test_a_run_against_a_copy_of_itself_is_1x_on_a_non_monotone_curve(tmp_path):
     assert vs["speedup"] == pytest.approx(1.0) and "1.00x" in printed
 
 
+def test_a_run_below_at_its_first_validation_gives_a_lower_bound(tmp_path):
+    """B's first validation (iteration 50) is already below A's final loss: B got
+    there at some point up to 50 iterations, unseen, so 100/50 = 2x is the least
+    speed-up, not a measured one; runs validated only at their end (eval_interval =
+    max_steps) were 1.00x however much lower B ended."""
+    a = _write_run(tmp_path / "a", [(50, 3.0), (100, 2.0)])
+    b = _write_run(tmp_path / "b", [(50, 1.9), (100, 1.5)])
+    summary, printed = compare([a, b], tmp_path / "out")
+    said = "12.80k tokens or fewer vs 25.60k: at least 2.00x (at B's first validation)"
+    assert said in printed and said in (tmp_path / "out" / "report.md").read_text(), printed
+    vs = summary["runs"][1]["vs_reference"]
+    assert vs["speedup"] == pytest.approx(2.0) and vs["speedup_at_least"]
+    once_a = _write_run(tmp_path / "a1", [(100, 2.0)])
+    once_b = _write_run(tmp_path / "b1", [(100, 1.0)])
+    summary, printed = compare([once_a, once_b], tmp_path / "out1")
+    assert "25.60k tokens or fewer vs 25.60k: at least 1.00x" in printed
+    # crossed between two validations: measured (linear in between), no bound
+    c = _write_run(tmp_path / "c", [(50, 2.5), (100, 1.5)])
+    summary, printed = compare([a, c], tmp_path / "out2")
+    assert not summary["runs"][1]["vs_reference"]["speedup_at_least"]
+    assert "19.20k tokens vs 25.60k: 1.33x" in printed
+
+
 def test_a_diverged_run_says_so(tmp_path):
     """B's last validation loss is NaN (the trainer writes "nan"): the curve stops
     at its last finite point, and the report and the printed summary say why

@@ -80,6 +80,52 @@ def test_the_sign_test():
     assert sign_test(9, 10) == pytest.approx(2 * 11 / 1024)
 
 
+def test_tied_pairs_are_left_out_of_the_sign_test():
+    """A pair whose losses are equal (an arm key that changes nothing: bit-identical
+    runs) is neither lower nor higher: the sign test drops it (scipy's binomtest over
+    the untied pairs). Counted as "not lower", 5 ties read as p = 0.0625 against the
+    arm, 10 as p = 0.002."""
+    seeds = Axis("train.seed", tuple("123456"))
+    losses = {(s, "vanilla"): 3.0 + int(s) / 10 for s in seeds.texts}
+    losses.update({(s, "kv_shift"): 3.0 + int(s) / 10 for s in seeds.texts[:5]})  # 5 ties
+    losses[("6", "kv_shift")] = losses[("6", "vanilla")] - 0.1  # one lower
+    summary = paired([seeds, ATTENTION], _entries(losses), ATTENTION, seeds)
+    overall = summary["overall"]["kv_shift"]
+    assert overall["sign_test_p"] == 1.0  # 1 lower of 1 untied pair (binomtest(1, 1))
+    assert (overall["lower"], overall["pairs"], overall["ties"]) == (1, 6, 5)
+    text = "\n".join(paired_lines(summary))
+    assert "kv_shift is lower than vanilla in 1 of 6 pairs, 5 tied (sign test over the 1 " \
+        "untied, two-sided: p = 1)." in text
+    every = {k: 3.0 for k in losses}  # all tied: no test at all
+    summary = paired([seeds, ATTENTION], _entries(every), ATTENTION, seeds)
+    assert summary["overall"]["kv_shift"]["sign_test_p"] is None
+    assert "kv_shift is lower than vanilla in 0 of 6 pairs, 6 tied." in paired_lines(summary)
+
+
+def test_cells_stopped_short_of_their_steps_are_left_out_of_the_pairs_and_named():
+    """A cell that diverged (train.max_consecutive_nonfinite: its last validation, at
+    step 40, was finite), crashed or was stopped has no final loss: its last
+    validation's loss is not paired with the other arm's final one, nor in its arm's
+    mean; the cells are named under the table."""
+    losses = {(s, "vanilla"): 3.0 for s in SEED.texts}
+    losses.update({(s, "kv_shift"): 2.9 for s in SEED.texts})
+    losses[("3", "vanilla")] = 7.5  # diverged at step 40
+    losses[("2", "kv_shift")] = 2.5  # crashed at step 5, from its last validation
+    entries = _entries(losses)
+    by_cell = {tuple(e["texts"]): e for e in entries}
+    by_cell[("3", "vanilla")].update(exit_code=NONFINITE_EXIT, finished=False, step=40)
+    by_cell[("2", "kv_shift")].update(exit_code=1, finished=False, step=5)
+    summary = paired([SEED, ATTENTION], entries, ATTENTION, SEED)
+    row = summary["rows"][0]
+    assert row["arms"]["vanilla"] == {"mean": 3.0, "sd": 0.0, "n": 2}
+    assert row["diffs"]["kv_shift"]["n"] == 1 and row["diffs"]["kv_shift"]["lower"] == 1
+    assert (summary["overall"]["kv_shift"]["lower"], summary["overall"]["kv_shift"]["pairs"]) \
+        == (1, 1)
+    text = "\n".join(paired_lines(summary))
+    assert "Left out (no final loss): 3-vanilla (stopped at step 40: non-finite losses), " \
+        "2-kv_shift (exit code 1 at step 5)." in text
+
+
 def test_a_cell_stopped_on_non_finite_losses_is_named_in_the_table():
     from kvtrain.train.loop import EXIT_NONFINITE
 
