@@ -251,8 +251,16 @@ def analyse(axes: list[Axis], done: list[dict], run_dirs: dict[str, Path], run_d
         plot_curves(axes, done, runs, arm, rep, run_dir / "sweep_curves.png")
         files.append("sweep_curves.png")
         lines += ["![curves](sweep_curves.png)", ""]
-    if len({e["params"] for e in done}) > 1 and len(runs) > 1:
-        summary = scaling_summary(list(runs.values()))
+    # as in the pairs: a cell stopped short has no final loss to fit
+    stopped = [e for e in done if not e.get("finished", True) and e["cell"] in runs]
+    sized = [runs[e["cell"]] for e in done if e["cell"] in runs and e not in stopped]
+    if len({e["params"] for e in done}) > 1 and len(sized) > 1:
+        summary = scaling_summary(sized)
+        if stopped:
+            summary["notes"].append(
+                "left out of the fit (stopped short of their steps: no final loss): "
+                + ", ".join(_stopped({"cell": e["cell"], "step": e.get("step"),
+                                      "exit_code": e.get("exit_code")}) for e in stopped))
         write_scaling(summary, run_dir, title="kvtrain sweep: scaling")
         out["scaling"] = summary
         files += ["scaling.md", "scaling.png"]

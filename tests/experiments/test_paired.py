@@ -192,3 +192,28 @@ def test_curves_beyond_the_panels_a_figure_holds_are_said_not_drawn(tmp_path):
                          run_dirs, tmp_path)
     assert out["files"] == ["sweep_curves.png"] and "![curves](sweep_curves.png)" in lines
     assert (tmp_path / "sweep_curves.png").read_bytes()[:8] == PNG
+
+
+def test_cells_stopped_short_are_left_out_of_the_sweeps_scaling_fit(tmp_path):
+    """The scaling section fits each arm's final losses against size: a cell that
+    diverged or crashed has none (its last validation's loss, steps before the end,
+    is not a point of the law); it is left out of the fit and named in its notes."""
+    from kvtrain.experiments.paired import analyse
+    from tests.analysis.test_scaling import _config, _law, _size, _write_run
+
+    layers = Axis("model.num_layers", ("1", "2", "4"))
+    entries, run_dirs = [], {}
+    for text in layers.texts:
+        n = _size(int(text))
+        cell = f"layers={text}"
+        run_dirs[cell] = _write_run(tmp_path / cell, _config(int(text)),
+                                    _law(n) + (3.0 if text == "4" else 0.0))
+        entries.append({"cell": cell, "texts": [text], "val_loss": _law(n), "params": n,
+                        "finished": text != "4", "exit_code": 0 if text != "4" else 1,
+                        "step": 20 if text != "4" else 10})
+    lines, out = analyse([layers], entries, run_dirs, tmp_path)
+    sizes = out["scaling"]["arms"][0]["sizes"]
+    assert sorted(int(n) for n in sizes) == [_size(1), _size(2)]
+    assert out["scaling"]["arms"][0]["fit"]["alpha"] == pytest.approx(0.08, rel=1e-6)
+    assert "- note: left out of the fit (stopped short of their steps: no final loss): " \
+        "layers=4 (exit code 1 at step 10)" in lines
