@@ -248,5 +248,23 @@ def check_te_precision(cfg, choice: BackendChoice, half: bool,
             f"train.precision bf16, or model.backend torch for fp32")
 
 
-__all__ = ["BackendChoice", "TE_NOT_INSTALLED", "check_document_masks", "check_te_precision",
-           "context_attention", "decide_backend", "document_attention", "document_mask_problem"]
+def check_te_mla(cfg, choice: BackendChoice) -> None:
+    """Refuses ``model.mla`` over TP without SP on ``te``: megatron's TE MLA spec
+    makes the K/V down projection a duplicated ``TELinear``, whose weight's gradient
+    megatron sums over TP only under SP, and whose RoPE key, shared by all heads, takes
+    only this rank's heads' gradient (the ``torch``/``local`` twin of that, mended in
+    ``kvtrain/model/mla.py``, was 1e-3 to 1e-2 off in every weight before the layer).
+    With SP megatron gathers the RoPE key over the sequence and sums both."""
+    p = cfg.parallel
+    if choice.name != "te" or cfg.model.mla is None or p.tensor == 1 or p.sequence_parallel:
+        return
+    raise ConfigError(
+        f"model.mla with parallel.tensor {p.tensor} on model.backend te (the backend is te: "
+        f"{choice.reason}) needs parallel.sequence_parallel: true: without it megatron's "
+        "duplicated K/V down projection leaves its weight's and the shared RoPE key's "
+        "gradients unsummed over TP; or use model.backend torch")
+
+
+__all__ = ["BackendChoice", "TE_NOT_INSTALLED", "check_document_masks", "check_te_mla",
+           "check_te_precision", "context_attention", "decide_backend", "document_attention",
+           "document_mask_problem"]

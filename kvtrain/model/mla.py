@@ -26,7 +26,13 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer import multi_latent_attention as megatron_mla
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -54,6 +60,24 @@ def _without_te() -> None:
 _without_te()
 
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity; backward: the gradient summed over the TP ``group``. Not megatron's
+    ``copy_to_tensor_model_parallel_region``: its all-reduce of a non-contiguous
+    gradient (here a slice of the concatenation's) sums a contiguous copy and
+    returns the gradient unsummed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone(memory_format=torch.contiguous_format)  # not autograd's buffer
+        torch.distributed.all_reduce(total, group=ctx.group)
+        return total, None
+
+
 class MLAttention(MLASelfAttention):
     """megatron's ``MLASelfAttention`` that also takes kvtrain's :class:`DocumentParams`.
 
@@ -62,7 +86,34 @@ class MLAttention(MLASelfAttention):
     ``torch``/``local`` backends are ``sbhd`` batches with document ids, which
     only the core attention (its mask) and the KV shift read: the projections
     and RoPE run as for one document per row.
+
+    The K/V down projection (column-parallel on ``torch``/``local``) hands megatron
+    its whole output, ``[s, b, kv_lora_rank + qk_pos_emb_head_dim]`` (``s / TP``
+    rows with SP), as a replicated linear's would be (:meth:`_whole_latent`).
+    megatron gathers a split output itself, but then the RoPE key, one for all
+    heads and used by this rank's heads only, takes only their gradient: the down
+    projection's RoPE rows and every weight before the layer would get wrong
+    gradients (1e-3 to 1e-2 of their size at TP=2), the loss staying right.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if (isinstance(self.linear_kv_down_proj, ColumnParallelLinear)
+                and self.tp_group is not None and self.tp_group.size() > 1):
+            self.linear_kv_down_proj.register_forward_hook(self._whole_latent)
+
+    def _whole_latent(self, module, args, output):
+        """The down projection's output gathered over TP, as megatron takes a replicated
+        linear's: with SP, this rank's rows (megatron all-gathers the RoPE key, whose
+        backward sums the ranks' gradients); without, every row, the RoPE key's
+        gradient summed over TP (:class:`_SumGradOverTP`)."""
+        latent, bias = output
+        whole = gather_from_tensor_model_parallel_region(latent, group=self.tp_group)
+        if self.config.sequence_parallel:
+            return scatter_to_sequence_parallel_region(whole, group=self.tp_group), bias
+        rank = self.config.kv_lora_rank
+        rope_key = _SumGradOverTP.apply(whole[..., rank:], self.tp_group)
+        return torch.cat([whole[..., :rank], rope_key], dim=-1), bias
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     position_ids=None, packed_seq_params=None,

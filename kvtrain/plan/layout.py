@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass, field
 
 from kvtrain.config import ConfigError, RunConfig
-from kvtrain.config.backend import BackendChoice, check_document_masks, check_te_precision
+from kvtrain.config.backend import (BackendChoice, check_document_masks, check_te_mla,
+                                    check_te_precision)
 from kvtrain.config.checks import warmup_warning
 from kvtrain.config.layout import derive_layout
 
@@ -168,6 +169,7 @@ def _check_config(cfg: RunConfig) -> None:
         choice = BackendChoice(assumed, cfg.model.backend, why, False)
         check_document_masks(cfg, choice, half=cfg.train.precision != "fp32")
         check_te_precision(cfg, choice, half=cfg.train.precision != "fp32")
+        check_te_mla(cfg, choice)
     except ConfigError as e:
         raise PlanError(str(e)) from None
 

@@ -311,8 +311,9 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     """The run's backend on this machine, with how it keeps documents apart and what
     computes the KV shift, RoPE and the loss (refusing what it cannot do); and those
     kernels, for the model's builder."""
-    from kvtrain.config.backend import (check_document_masks, check_te_precision,
-                                        context_attention, document_attention)
+    from kvtrain.config.backend import (check_document_masks, check_te_mla,
+                                        check_te_precision, context_attention,
+                                        document_attention)
     from kvtrain.model import rope
     from kvtrain.model.cross_entropy import choose_cross_entropy
     from kvtrain.model.shift_kernels import choose_kernel
@@ -322,6 +323,7 @@ def _resolve_backend(cfg: RunConfig, numerics) -> tuple[BackendChoice, Kernels]:
     cuda = torch.cuda.is_available()
     backend = backend_choice(cfg.model.backend)
     check_document_masks(cfg, backend, half=numerics.bf16 or numerics.fp16)
+    check_te_mla(cfg, backend)
     # the GPU's capability matters to te's documents and CP only (asked only then)
     asks = cuda and backend.name == "te" and (cfg.data.reset_attention_mask
                                               or cfg.parallel.context > 1)

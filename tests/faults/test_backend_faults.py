@@ -174,6 +174,31 @@ def choice(name: str, fused: bool):
     return BackendChoice(name=name, requested="auto", reason="test", fused_softmax=fused)
 
 
+def test_mla_over_tp_without_sp_is_refused_on_te():
+    """megatron's TE MLA spec makes the K/V down projection a duplicated TELinear:
+    without SP its weight's gradient is not summed over TP, nor is the RoPE key's
+    (shared by all heads, each rank's heads add only theirs); the torch/local twin
+    of that was 1e-3..1e-2 off in every weight before the layer (kvtrain/model/mla.py
+    mends it there). Not testable without TE: refused, with the ways that work."""
+    from kvtrain.config.backend import check_te_mla
+
+    mla = ["model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=8",
+           "model.mla.qk_pos_emb_head_dim=8", "model.mla.v_head_dim=8"]
+    cfg = load_config(None, [*mla, "parallel.tensor=2"], world_size=2)
+    with pytest.raises(ConfigError) as e:
+        check_te_mla(cfg, choice("te", False))
+    assert str(e.value) == (
+        "model.mla with parallel.tensor 2 on model.backend te (the backend is te: test) needs "
+        "parallel.sequence_parallel: true: without it megatron's duplicated K/V down "
+        "projection leaves its weight's and the shared RoPE key's gradients unsummed over "
+        "TP; or use model.backend torch")
+    check_te_mla(cfg, choice("torch", False))  # mended there
+    check_te_mla(load_config(None, [*mla, "parallel.tensor=2", "parallel.sequence_parallel=true"],
+                             world_size=2), choice("te", False))
+    check_te_mla(load_config(None, mla), choice("te", False))  # TP 1
+    check_te_mla(load_config(None, ["parallel.tensor=2"], world_size=2), choice("te", False))
+
+
 def test_document_masks_refused_where_the_kernel_ignores_them():
     from kvtrain.config.backend import check_document_masks
 

@@ -228,6 +228,10 @@ def test_plan_text_report():
     # divisibility of the model itself: 40 heads over TP 3
     (["configs/paper/13b_vanilla.yaml", "--nodes", "16", "--set", "parallel.tensor=3"], 2,
      "must be divisible by parallel.tensor (3)"),
+    # MLA over TP without SP on te (what auto plans for a GPU): refused as at start
+    (["configs/paper/mla_kv_shift.yaml", "--set", "parallel.tensor=2"], 1,
+     "model.mla with parallel.tensor 2 on model.backend te (the backend is te: model.backend "
+     "auto, planned as te) needs parallel.sequence_parallel: true"),
     # the cluster and the assumed MFU
     (["configs/paper/1.5b_kv_shift.yaml", "--nodes", "0"], 1,
      "--nodes (0) and --gpus-per-node (8) must be >= 1"),
