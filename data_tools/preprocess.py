@@ -87,6 +87,9 @@ class Shard:
         return self.prefix + ".meta.json"
 
 
+MAX_SHARDS = 100_000  # PREFIX_00000 ... PREFIX_99999
+
+
 def default_workers() -> int:
     if hasattr(os, "process_cpu_count"):
         return os.process_cpu_count() or 1
@@ -98,9 +101,16 @@ def default_workers() -> int:
 def plan_shards(inputs: list[readers.InputFile], output_prefix: str, shards: int | None,
                 text_mode: str = "line") -> list[Shard]:
     """Group inputs into shards: contiguous, in input order, balanced by size."""
+    asked = shards
     if shards is None:
         shards = 1 if text_mode == "file" else len(inputs)
     n = max(1, min(shards, len(inputs)))
+    if n > MAX_SHARDS:  # shard 100000 would be named with six digits, which
+        # merge, inspect and the trainer (resolve_prefixes) do not read: left out silently
+        raise ValueError(
+            (f"{n} shards (one per input file)" if asked is None else f"--shards {asked}")
+            + f": their names hold five digits (PREFIX_NNNNN_text_document), {MAX_SHARDS} at "
+            f"most; give --shards N to group the inputs (the trainer blends at most 32766)")
     # Boundaries where the running size crosses k/n of the total, nudged so
     # that every shard gets at least one file.
     cum = list(itertools.accumulate((max(i.size, 1) for i in inputs), initial=0))

@@ -40,8 +40,8 @@ epoch, or a validation part smaller than eval_iters batches, came up short.
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +53,7 @@ from kvtrain.tasks.config import TASK_TYPES
 
 from .index_cache import built_whole
 from .index_memory import check_index_memory, drawn_parts
+from .passes import one_pass, part_pass
 
 SPLIT_NAMES = ("training", "validation", "test")  # the parts of data.split, in order
 
@@ -148,6 +149,7 @@ def _blend(paths: list, key: str = "data.paths",
     entries, entry_weights = parse_blend(paths)
     named = [_datasets_of(entry) for entry in entries]
     prefixes = [prefix for group in named for prefix in group]
+    _check_blend_size(key, entries, named)
     known = known or {}  # sizes of shards checked already (a start's build)
     sizes = {p: known[p] if p in known else _shard_size(p, key) for p in prefixes}
     weights = None
@@ -158,6 +160,27 @@ def _blend(paths: list, key: str = "data.paths",
     elif len(prefixes) > 1:
         weights = [float(sizes[p][1]) for p in prefixes]
     return (prefixes, weights), sizes
+
+
+# megatron's BlendedDataset asserts fewer than 32767 datasets (its dataset ids are int16)
+MAX_BLENDED = 32766
+
+
+def _check_blend_size(key: str, entries: list[str], named: list[list[str]]) -> None:
+    """A blend megatron can build: at most MAX_BLENDED datasets. Said before any shard
+    is read: megatron found it only after checking and indexing every one (over an hour
+    for 32767 tiny shards here), as an ``AssertionError`` traceback."""
+    total = sum(len(group) for group in named)
+    if total <= MAX_BLENDED:
+        return
+    entry, group = max(zip(entries, named), key=lambda pair: len(pair[1]))
+    merge = (f"kvtrain data merge --output-prefix {entry} {entry}" if len(group) > 1
+             and entry not in group and not glob.has_magic(entry) else "kvtrain data merge")
+    raise ConfigError(
+        f"{key} names {total} datasets" + (f" ({entry}: {len(group)} shards)" if len(group) > 1
+                                           else "")
+        + f"; megatron blends at most {MAX_BLENDED}: merge them ({merge}) or preprocess the "
+        "inputs into fewer shards (kvtrain data preprocess --shards N)")
 
 
 def _idx_digest(path: str, chunk: int = 1 << 24) -> str:
@@ -333,35 +356,37 @@ def sequences_held(paths: list, key: str, seq_length: int,
     (megatron's: a sequence takes ``seq_length`` + 1 tokens, its last the next one's
     first); past them it draws the shards again, another epoch: tokens scored twice."""
     (prefixes, weights), sizes = _blend(paths, key, known)
-    per_pass = [max(sizes[p][1] - 1, 0) // seq_length for p in prefixes]
-    if weights is None:  # one shard
-        return per_pass[0]
-    total = sum(weights)
-    held = min(int(n * total / w) for n, w in zip(per_pass, weights))
-    while held and any(math.ceil(held * w / total) > n for n, w in zip(per_pass, weights)):
-        held -= 1  # each part's share, rounded up as megatron's blend draws it
-    return held
+    return one_pass([max(sizes[p][1] - 1, 0) // seq_length for p in prefixes], weights)
 
 
 def validation_read_over(cfg: RunConfig, valid_samples: int,
                          known: Optional[dict] = None) -> list[str]:
-    """Warnings for held-out validation sets (``data.valid_paths``, ``data.valid_sets``)
-    smaller than one validation: each reads its first ``valid_samples`` sequences, so
-    megatron draws a small set's shards again (more epochs) and its loss weighs their
-    tokens over and over (a 14-token set was recorded as 128 tokens a validation).
-    ``known``: the shards' sizes where the build checked them already."""
-    seq, sets = cfg.train.seq_length, [("data.valid_paths", cfg.data.valid_paths)]
-    sets += [(f"data.valid_sets.{name}", paths) for name, paths in cfg.data.valid_sets.items()]
+    """Warnings for validation sets (``data.valid_paths``, ``data.valid_sets``, else
+    data.split's validation part) smaller than one validation: each reads its first
+    ``valid_samples`` sequences, so megatron draws a small set's shards again (more
+    epochs) and its loss weighs their tokens over and over (a 14-token set was recorded
+    as 128 tokens a validation). ``known``: the shards' sizes the build checked."""
+    d, seq = cfg.data, cfg.train.seq_length
+    if not valid_samples:
+        return []
+    sets = [(f"{key} holds", "its shards", "give it more data",
+             sequences_held(paths, key, seq, known))
+            for key, paths in [("data.valid_paths", d.valid_paths)]
+            + [(f"data.valid_sets.{name}", paths) for name, paths in d.valid_sets.items()]
+            if paths]
+    if d.type == "gpt" and not d.valid_paths:  # the split's part of data.paths
+        (prefixes, weights), _ = _blend(d.paths, "data.paths", known)
+        sets.append((f"the validation part of data.split {d.split!r} holds", "its documents",
+                     "give it more data (a larger validation weight in data.split)",
+                     part_pass(prefixes, weights, d.split, 1, seq)))
     lines = []
-    for key, paths in sets:
-        held = sequences_held(paths, key, seq, known) if paths and valid_samples \
-            else valid_samples
+    for what, source, advice, held in sets:
         if held < valid_samples:
             over = f"{valid_samples / held:.1f} times over" if held else "over and over"
-            lines.append(f"kvtrain: warning: {key} holds {held} sequences of {seq} tokens (one "
-                         f"pass over its shards), fewer than the {valid_samples} a validation "
-                         f"reads (train.eval_iters x train.global_batch_size): it reads them "
-                         f"{over}; give it more data, or lower train.eval_iters")
+            lines.append(f"kvtrain: warning: {what} {held} sequences of {seq} tokens (one pass "
+                         f"over {source}), fewer than the {valid_samples} a validation reads "
+                         f"(train.eval_iters x train.global_batch_size): it reads them {over}; "
+                         f"{advice}, or lower train.eval_iters")
     return lines
 
 

@@ -18,7 +18,10 @@ from the global RNG would shift every later dropout mask.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import signal
+import weakref
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -90,7 +93,33 @@ def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank
         prefetch_factor=2 if num_workers > 0 else None,
         generator=_own_generator(seed, dp_rank),
     )
-    return iter(loader)
+    iterator = iter(loader)
+    if num_workers > 0:
+        _stopped_at_exit().add(iterator)
+    return iterator
+
+
+@functools.cache
+def _stopped_at_exit() -> "weakref.WeakSet":
+    """The iterators whose loader workers the process's exit stops first. Python's
+    exit ends child processes with SIGTERM, then waits for them: the workers ignore
+    it (``_worker_init``), so a process whose iterator was still alive at its exit
+    (a step that raised: its traceback holds the loop's frame) hung there forever,
+    its traceback printed. Registered after multiprocessing's own exit handler (the
+    first iterator started workers), so it runs before it."""
+    live: weakref.WeakSet = weakref.WeakSet()
+    atexit.register(_stop_workers, live)
+    return live
+
+
+def _stop_workers(live: "weakref.WeakSet") -> None:
+    for iterator in list(live):
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's own, as on del
+        if shutdown is not None:
+            shutdown()  # asks each worker to end, waits for it (5 s)
+        for worker in getattr(iterator, "_workers", ()):
+            if worker.is_alive():  # one stuck in a sample ignores torch's SIGTERM too
+                worker.kill()
 
 
 class LoaderWorkerDied(ConfigError):

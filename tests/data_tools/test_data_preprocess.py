@@ -129,6 +129,22 @@ def test_plan_shards_balances_and_keeps_order():
     assert plan_shards(files, "/o/p", 1)[0].prefix == "/o/p_text_document"
 
 
+def test_more_shards_than_their_names_hold_are_refused():
+    """One shard per input file (the default) of 100,001 files: shard 100000 was named
+    ``p_100000_text_document``, six digits, which merge, inspect and the trainer's
+    ``data.paths: [p]`` (five-digit names) pass over: its documents left out of the
+    training data, silently. Now refused before any input is read (``check_outputs_new``
+    plans first), naming --shards."""
+    files = [readers.InputFile(f"f{i}", "jsonl", "none", 1) for i in range(100_001)]
+    with pytest.raises(ValueError, match=r"^100001 shards \(one per input file\): their "
+                                         r"names hold five digits .* give --shards N"):
+        plan_shards(files, "/o/p", None)
+    with pytest.raises(ValueError, match=r"^--shards 100001: "):
+        plan_shards(files, "/o/p", 100_001)
+    plan = plan_shards(files, "/o/p", 100_000)
+    assert all(re.fullmatch(r"/o/p_[0-9]{5}_text_document", s.prefix) for s in plan)
+
+
 # --------------------------------------------------------------------------
 # bad input
 

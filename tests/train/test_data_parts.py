@@ -274,3 +274,59 @@ def test_a_run_validates_on_its_held_out_set(tmp_path, cache_dir):
     assert lines[-1].startswith("kvtrain: config error: data.valid_paths: a batch holds token "
                                 "id 4"), lines[-3:]
     assert "Traceback" not in (tmp_path / "big.log").read_text()
+
+
+def test_a_blend_of_more_datasets_than_megatron_blends_is_one_line(tmp_path, cache_dir):
+    """A preprocess prefix of 32,767 shards (one per input file, the default) named in
+    data.paths: megatron's BlendedDataset takes at most 32,766 datasets (an int16
+    index). Before: every shard checked and indexed, one by one (hours), then its
+    ``AssertionError`` traceback. Now one line naming the key, the count and the way
+    out, before any shard is read (the shards here are empty files: unread)."""
+    from kvtrain.config import ConfigError
+    from kvtrain.data import build_datasets
+
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(32767):
+        (folder / f"web_{i:05d}_text_document.idx").touch()
+    cfg = _config(tmp_path, cache_dir, str(folder / "web"), str(folder / "web"))
+    cfg["data"]["paths"] = [str(folder / "web")]
+    cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    with pytest.raises(ConfigError) as e:
+        build_datasets(cfg, str(cache_dir), 8, 0)
+    assert str(e.value).startswith(
+        f"data.paths names 32767 datasets ({folder / 'web'}: 32767 shards); megatron blends at "
+        "most 32766: merge them (kvtrain data merge"), str(e.value)
+    assert not any((tmp_path / "cache").glob("*"))
+
+
+def test_a_split_validation_part_smaller_than_a_validation_is_said(single_rank, tmp_path,
+                                                                   cache_dir):
+    """data.split's validation part read several times over at every validation
+    (megatron draws more epochs of its few documents): the held-out sets said so,
+    the split's part did not (the same tokens, recorded as val_tokens again and
+    again). Its size counted here from the shard's own lengths, not kvtrain's code."""
+    from data_tools.indexed import IndexedReader
+    from kvtrain.data import build_datasets
+
+    a, b = _shards(tmp_path)
+    cfg = _config(tmp_path, cache_dir, a, b, eval_interval=3, eval_iters=5)
+    cfg["data"]["paths"] = [a]
+    cfg = load_config(write_config(tmp_path / "c.yaml", cfg), [])
+    lengths = IndexedReader(a).sequence_lengths
+    n = len(lengths)  # split 98,2,0: the validation part is sequences [294, 300)
+    held = (int(lengths[int(round(0.98 * n)):].sum()) - 1) // 32
+    ds = build_datasets(cfg, str(cache_dir), 40, 40)  # eval_iters 5 x global batch 8
+    assert 0 < held < 40 and len(ds.valid) >= 40
+    assert ds.warnings == [
+        f"kvtrain: warning: the validation part of data.split '98,2,0' holds {held} sequences "
+        f"of 32 tokens (one pass over its documents), fewer than the 40 a validation reads "
+        f"(train.eval_iters x train.global_batch_size): it reads them {40 / held:.1f} times "
+        "over; give it more data (a larger validation weight in data.split), or lower "
+        "train.eval_iters"], ds.warnings
+    # its first `held` sequences are one pass: distinct, none of the training's
+    seen = {np.asarray(ds.valid[i]["tokens"]).tobytes() for i in range(held)}
+    train = {np.asarray(ds.train[i]["tokens"]).tobytes() for i in range(len(ds.train))}
+    assert len(seen) == held and not seen & train
+    assert build_datasets(cfg, str(cache_dir), 40, held).warnings == []  # one pass: quiet
+    assert build_datasets(cfg, str(cache_dir), 40, 0).warnings == []  # no validation
