@@ -94,7 +94,7 @@ from .integrity import (
     INCOMPLETE, MARKER, PREFIX, TRACKER, CheckpointError, SaveFailed, build_manifest,
     carried_on, checkpoint_folders, own_shards, save_failure_reason, set_aside,
 )
-from .model_fit import check_same_parameters, check_same_shapes
+from .model_fit import check_same_optimizer, check_same_parameters, check_same_shapes
 from .optimizer import adam_step, inner_optimizers, run_param_groups_kept
 from .rng_states import restore_rng_state, rng_sharded_object
 from .save_agreement import gather_or_fail, on_rank0_or_fail
@@ -449,6 +449,8 @@ class Checkpointer:
         load_optimizer, load_rng, carried = carried_on(
             path, meta, own, load_optimizer, load_rng,
             optimizer_too=not any(c.key == "train.precision" for c in changes))
+        if load_optimizer:
+            check_same_optimizer(path, meta.get("config"), self.run_config)
         saved_layout = meta.get("layout")
         # checkpoints from before context parallelism have no "context": it was 1
         same_layout = saved_layout is not None and {"context": 1, **saved_layout} == current_layout()

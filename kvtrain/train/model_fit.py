@@ -27,6 +27,26 @@ def _listed(keys: list[str]) -> str:
     return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
 
 
+def check_same_optimizer(path: Path, saved: dict, current: dict) -> None:
+    """The optimizer state is in the form this run's optimizer loads: megatron's
+    distributed optimizer and its plain one save theirs in other forms, and neither
+    loads the other's (a KeyError or ValueError deep in megatron, which a resume could
+    not tell from a damaged checkpoint: every checkpoint of the run was called
+    unusable). ``saved``/``current``: the checkpoint's and the run's config records;
+    called only where the optimizer state is loaded."""
+    def distributed(config: dict) -> bool:  # the schema's default where a record lacks it
+        return bool((config.get("parallel") or {}).get("distributed_optimizer", True))
+
+    if saved and distributed(saved) != distributed(current):
+        was, now = (str(distributed(c)).lower() for c in (saved, current))
+        raise ConfigError(
+            f"checkpoint {path} was saved with parallel.distributed_optimizer: {was}, this "
+            f"run has {now}: the two optimizers keep their state in forms neither loads from "
+            f"the other; resume with parallel.distributed_optimizer: {was}, or take its "
+            "weights only with checkpoint.load_optimizer: false (a fresh optimizer and LR "
+            "schedule)")
+
+
 def check_same_parameters(path: Path, in_checkpoint_only: set, in_model_only: set) -> None:
     """Strict loading: the model's tensors and the checkpoint's are the same set.
 
