@@ -198,7 +198,7 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None,
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from kvtrain.backend import init_distributed
+    from kvtrain.backend import init_model_parallel, init_process_group, set_seed
     from kvtrain.model.builder import Numerics, transformer_config
 
     from . import multi_tensor
@@ -206,9 +206,14 @@ def build_run(cfg: RunConfig, run_dir: Path, env: Optional[DistEnv] = None,
 
     p, t = cfg.parallel, cfg.train
     if env is None:
-        env = init_distributed(p.tensor, p.pipeline, p.virtual_pipeline, p.context, seed=t.seed,
-                               timeout_minutes=t.dist_timeout_minutes, device=t.device)
-    cfg.validate(world_size=env.world_size)
+        # the config's checks before megatron's groups, whose refusals are RuntimeErrors
+        env = init_process_group(t.dist_timeout_minutes, t.device)
+        cfg.validate(world_size=env.world_size)
+        init_model_parallel(p.tensor, p.pipeline, p.virtual_pipeline, p.context,
+                            t.dist_timeout_minutes)
+        set_seed(t.seed)
+    else:
+        cfg.validate(world_size=env.world_size)
     numerics = Numerics.from_precision(t.precision)
     _check_this_machine(cfg, numerics)
     backend, kernels = _resolve_backend(cfg, numerics)  # once per run

@@ -115,3 +115,29 @@ def test_a_change_of_distributed_optimizer_is_one_line(tmp_path, cache_dir):
                 f"run has {str(not saved).lower()}") in lines[0], lines[0]
         assert "checkpoint.load_optimizer: false" in lines[0], lines[0]
         assert "could not be loaded" not in text and "repair or remove" not in text, text[-2000:]
+
+
+def _build_refused(rank: int, world: int, cfg: dict, run_dir: str) -> str:
+    from kvtrain.config import ConfigError
+
+    try:
+        _run(cfg, Path(run_dir))
+    except ConfigError as e:
+        return f"ConfigError: {e}"
+    except Exception as e:  # what the refusal was before: megatron's own
+        return f"{type(e).__name__}: {e}"
+    return "built"
+
+
+def test_a_layout_the_world_cannot_hold_is_refused_before_megatrons_groups(single_rank,
+                                                                         tmp_path, cache_dir):
+    """``build_run`` of a config never validated (the Python API: kvtrain train
+    validates first) with TP 3 on 2 ranks: megatron's groups were made first, and
+    refused it with their RuntimeError; the config's own line comes first now."""
+    from kvtrain.testing import run_distributed
+
+    cfg = tiny_config(None, cache_dir, model={"num_attention_heads": 6,
+                                              "num_query_groups": 3, "hidden_size": 48},
+                      parallel={"tensor": 3})
+    for result in run_distributed(_build_refused, 2, cfg, str(tmp_path / "r")):
+        assert result.startswith("ConfigError: ") and "parallel.tensor" in result, result
