@@ -95,7 +95,7 @@ def run_induction(args) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     if args.arms is not None and not arms:  # ',' or '': it ran every arm
         raise ConfigError(f"--arms {args.arms!r}: no arm names")
-    selected = [a.name for a in select_arms(args.preset, arms)]
+    selected = [a.name for a in select_arms(args.preset, args.scale, arms)]
     run_dir = args.run_dir or os.path.join("runs", f"induction-{args.preset}-{args.scale}")
     # a folder's experiment is continued: its arms stay one wandb group
     group = earlier_group(run_dir, args.preset, args.scale) or \

@@ -14,7 +14,8 @@ Presets (arms):
 * ``fig1a`` - KV shift 1 layer; vanilla 1, 2 and 4 layers; same width.
 * ``fig1b`` - hidden size 8: vanilla 2 layers vs KV shift 1 layer.
 * ``ngram`` - the 3-gram task: vanilla vs KV shift, same depth and width.
-* ``fig8`` - the k-hop task: vanilla vs KV shift at 2, 3 and 4 layers; the
+* ``fig8`` - the k-hop task: vanilla vs KV shift at 2, 3 and 4 layers (the paper
+  scale 2 to 6, as Sanford et al.'s runs: Figure 8's result is at 5); the
   error rate of each hop count (``hop_errors.png``). The paper "followed the
   code of Sanford et al. (2024b)", whose setting the paper scale takes: 4 symbols,
   hops 0..16, length 100, width 128 (4 heads), batch 32, AdamW lr 1e-4 with 1000
@@ -58,7 +59,7 @@ class Arm:
     num_layers: int
 
 
-def preset_arms(preset: str) -> list[Arm]:
+def preset_arms(preset: str, scale: str) -> list[Arm]:
     if preset == "fig1a":
         return [Arm("kv_shift-1L", "kv_shift", 1), Arm("vanilla-1L", "vanilla", 1),
                 Arm("vanilla-2L", "vanilla", 2), Arm("vanilla-4L", "vanilla", 4)]
@@ -67,7 +68,8 @@ def preset_arms(preset: str) -> list[Arm]:
     if preset == "ngram":
         return [Arm("kv_shift-2L", "kv_shift", 2), Arm("vanilla-2L", "vanilla", 2)]
     if preset == "fig8":
-        return [Arm(f"{attention}-{n}L", attention, n) for n in (2, 3, 4)
+        depths = (2, 3, 4) if scale == "cpu" else (2, 3, 4, 5, 6)
+        return [Arm(f"{attention}-{n}L", attention, n) for n in depths
                 for attention in ("kv_shift", "vanilla")]
     raise ConfigError(f"unknown preset {preset!r}; one of {', '.join(PRESETS)}")
 
@@ -168,7 +170,7 @@ def preset_config(preset: str, scale: str) -> dict:
     ``scale`` shares, before the user's overrides and the arm's keys."""
     if scale not in SCALES:
         raise ConfigError(f"unknown scale {scale!r}; one of {', '.join(SCALES)}")
-    preset_arms(preset)  # checks the name
+    preset_arms(preset, scale)  # checks the name
     layers = [_COMMON, _CPU if scale == "cpu" else _PAPER]
     if preset == "fig1b":
         layers += [_FIG1B] + ([_FIG1B_CPU] if scale == "cpu" else [])
@@ -186,20 +188,20 @@ def _override_key(assignment: str) -> str:
     return assignment.partition("=")[0].strip()
 
 
-def check_overrides(preset: str, overrides: Sequence[str]) -> None:
+def check_overrides(preset: str, scale: str, overrides: Sequence[str]) -> None:
     """Refuses a ``--set`` of a key that each arm sets (or of a section holding one)."""
     for assignment in overrides:
         key = _override_key(assignment)
         for arm_key in PER_ARM_KEYS:
             if key == arm_key or arm_key.startswith(key + "."):
-                varied = ", ".join(a.name for a in preset_arms(preset))
+                varied = ", ".join(a.name for a in preset_arms(preset, scale))
                 raise ConfigError(
                     f"--set {key}: {arm_key} is set by each arm of preset {preset} ({varied}); "
                     "choose arms with --arms, or train one config with kvtrain train")
 
 
-def select_arms(preset: str, names: Optional[Sequence[str]]) -> list[Arm]:
-    arms = preset_arms(preset)
+def select_arms(preset: str, scale: str, names: Optional[Sequence[str]]) -> list[Arm]:
+    arms = preset_arms(preset, scale)
     if not names:
         return arms
     unknown = [n for n in names if n not in {a.name for a in arms}]
@@ -215,7 +217,7 @@ def arm_configs(preset: str, scale: str, overrides: Sequence[str] = (),
     """One validated ``RunConfig`` per arm: the preset, ``extra`` (the runner's
     own keys, e.g. the wandb group), the user's ``overrides`` (``KEY=VALUE``,
     kvtrain train's ``--set``), then the arm's keys."""
-    check_overrides(preset, overrides)
+    check_overrides(preset, scale, overrides)
     base = _merge(preset_config(preset, scale), extra or {})
     for assignment in overrides:
         apply_override(base, assignment, RunConfig)
@@ -227,7 +229,7 @@ def arm_configs(preset: str, scale: str, overrides: Sequence[str] = (),
                           f"tasks (data.type {' or '.join(TASK_TYPES)}); train other data with "
                           "kvtrain train")
     out = []
-    for arm in select_arms(preset, arms):
+    for arm in select_arms(preset, scale, arms):
         data = _merge(base, {"name": arm.name, "model": {"attention": arm.attention,
                                                           "num_layers": arm.num_layers}})
         cfg = from_dict(RunConfig, data)

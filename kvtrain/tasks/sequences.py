@@ -340,6 +340,14 @@ def validate_config(cfg) -> None:
         raise ValueError(f"data.type {d.type} has one sequence per sample: "
                          "data.reset_attention_mask/eod_mask_loss must be false")
     _check_counts(d)
+    # the shortest window that holds a scored position (induction: x y x and the label;
+    # ngram: x1 x2 and the label x3), named by its key: induction's own check named
+    # data.induction.length, which the user may not have set, and ngram scored nothing
+    # (every validation's accuracy NaN)
+    least = {"induction": 3, "ngram": 2}.get(d.type)
+    if least is not None and cfg.train.seq_length < least:
+        raise ValueError(f"train.seq_length ({cfg.train.seq_length}) must be >= {least} for "
+                         f"data.type {d.type}: a shorter sequence holds no scored position")
     task = task_from_config(cfg)
     if task.vocab_size > cfg.model.vocab_size:
         key = {"induction": "data.induction.max_val",

@@ -38,7 +38,10 @@ def without_arm_keys(cfg) -> dict:
 @pytest.mark.parametrize("scale", ["cpu", "paper"])
 def test_every_arm_is_a_validated_run_config_differing_only_in_its_keys(preset, scale):
     configs = arm_configs(preset, scale)
-    assert [a.name for a, _ in configs] == [a.name for a in preset_arms(preset)]
+    assert [a.name for a, _ in configs] == [a.name for a in preset_arms(preset, scale)]
+    if preset == "fig8":  # Figure 8's result is at L = 5 (Sanford et al. train 2..6 layers)
+        depths = sorted({cfg.model.num_layers for _, cfg in configs})
+        assert depths == ([2, 3, 4] if scale == "cpu" else [2, 3, 4, 5, 6]), depths
     shared = without_arm_keys(configs[0][1])
     for arm, cfg in configs:
         assert (cfg.model.attention, cfg.model.num_layers, cfg.name) == \
@@ -64,10 +67,10 @@ def test_preset_values():
     assert fig1b.model.hidden_size == 8 and fig1b.data.induction.variant == "strict"
     ngram = arm_configs("ngram", "cpu")[0][1]
     assert (ngram.data.ngram.num_pairs, ngram.train.seq_length) == (200, 96)
-    # Figure 8: Sanford et al.'s k-hop setting (their code's defaults), 2-4 layers
+    # Figure 8: Sanford et al.'s k-hop setting (their code's defaults), 2-6 layers
     hop = arm_configs("fig8", "paper")
-    assert [a.name for a, _ in hop] == ["kv_shift-2L", "vanilla-2L", "kv_shift-3L", "vanilla-3L",
-                                        "kv_shift-4L", "vanilla-4L"]
+    assert [a.name for a, _ in hop] == [f"{attention}-{n}L" for n in range(2, 7)
+                                        for attention in ("kv_shift", "vanilla")]
     h = hop[0][1]
     assert (h.data.hop.alphabet, h.data.hop.min_hops, h.data.hop.max_hops) == (4, 0, 16)
     assert (h.model.hidden_size, h.model.num_attention_heads, h.train.seq_length) == (128, 4, 100)

@@ -264,3 +264,22 @@ def test_ngram_samples_and_masks():
     # the table is the task: the same for every sample seed
     assert (NgramTask(seq_length=61).table()[0] == pairs).all()
     assert not (NgramTask(seq_length=61, table_seed=1).table()[0] == pairs).all()
+
+
+@pytest.mark.parametrize("preset, sets, error", [
+    # the window was too short, not data.induction.length (the user never set it; before:
+    # "data.induction: length must be >= 4, got 3", naming a key that was not the cause)
+    ("fig1a", ["train.seq_length=2"], "train.seq_length (2) must be >= 3 for data.type "
+                                      "induction"),
+    ("fig1a", ["train.seq_length=2", "data.induction.length=64"],
+     "train.seq_length (2) must be >= 3 for data.type induction"),
+    # one position holds no x2: every validation's accuracy was NaN, said nowhere
+    ("ngram", ["train.seq_length=1"], "train.seq_length (1) must be >= 2 for data.type ngram"),
+])
+def test_a_window_too_short_to_score_a_position_names_train_seq_length(preset, sets, error):
+    from kvtrain.config import ConfigError
+    from kvtrain.experiments.presets import arm_configs
+
+    with pytest.raises(ConfigError) as e:
+        arm_configs(preset, "cpu", sets)
+    assert error in str(e.value) and "\n" not in str(e.value), str(e.value)
