@@ -3,9 +3,11 @@
 ``make_plan(cfg, nodes, gpus_per_node, gpu, mfu)`` derives the data-parallel
 size from the GPU count, checks that the layout can work and raises
 ``PlanError`` (one line) when it cannot: the GPU count does not divide into
-TP × PP × CP, the global batch does not divide into micro batches × DP, KV
-shifting with context parallelism, or the estimated memory of the busiest GPU
-above the card. Things that work but cost speed are ``warnings``.
+TP × PP × CP, the global batch does not divide into micro batches × DP, the
+config or the assumed backend refuses it (as the trainer would at start), or the
+estimated memory of the busiest GPU is above the card. Things that work but cost
+speed, or train otherwise than asked (a warmup longer than the run), are
+``warnings``.
 """
 
 from __future__ import annotations
