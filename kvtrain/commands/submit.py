@@ -243,7 +243,8 @@ def build(args) -> tuple[list[str], dict[str, str]]:
 
 def run(args) -> int:
     cmd, env = build(args)
-    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if v) + " " + shlex.join(cmd)
+    # every variable sbatch is given, the blank ones too (they override the shell's)
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
     if args.dry_run:
         for _ in range(args.chain):
             print(shown)

@@ -181,6 +181,10 @@ def test_submit_dry_run():
     assert env["RUN_DIR"] == str(REPO / "runs" / "paper-19b-kv-shift")
     assert env["CHECKPOINT_DIR"] == env["RUN_DIR"] + "/checkpoints"  # read in the container
     assert env["CONTAINER_IMAGE"] == "reg#kvtrain:1" and env["KVTRAIN_REPO"] == str(REPO)
+    # what submit blanks is shown blank: pasted into a shell that exports LOG_DIR or
+    # KVTRAIN_DRY_RUN, the printed line submitted another job than submit's
+    assert {k: env[k] for k in ("LOG_DIR", "KVTRAIN_DRY_RUN", "MAX_REQUEUES")} == \
+        {"LOG_DIR": "", "KVTRAIN_DRY_RUN": "", "MAX_REQUEUES": ""}, env
     for flag in ("--nodes=30", "--ntasks-per-node=1", "--gpus-per-node=8", "--time=24:00:00",
                  "--partition=gpu", "--signal=B:USR1@300", "--dependency=singleton",
                  "--requeue"):
@@ -666,6 +670,10 @@ _STEPS = {
                   "finished 24/24"),
     "unrelayed stop": ("", "stopped 12/24"),
     "cancelled": ('kill -TERM "$PPID"\nsleep 0.3\n', "stopped 12/24"),
+    # the stop relayed, then scancel's SIGTERM while the trainer saves
+    "cancelled while stopping": ('kill -USR1 "$PPID"\n'
+                                 'while [ ! -e "$STOP_FILE" ]; do sleep 0.05; done\n'
+                                 'kill -TERM "$PPID"\nsleep 0.3\n', "stopped 12/24"),
 }
 
 
@@ -732,6 +740,19 @@ def test_a_cancelled_job_is_not_requeued(tmp_path):
     code, calls, err = _sbatch_with_status(tmp_path, "cancelled", "0")
     assert code == 0 and calls == ["srun"], err
     assert "slurm.sbatch: SIGTERM" in err and not any("requeue" in line for line in err), err
+
+
+def test_a_job_cancelled_while_it_stops_is_not_requeued(tmp_path):
+    """A stop relayed to the trainer (--signal=B:USR1 before the time limit, a
+    preemption notice), then scancel (or the time limit itself) while the trainer
+    saves: the job requeued itself, and a cancelled job came back to the queue
+    and trained on. A SIGTERM to the batch shell ends the job whatever came first."""
+    code, calls, err = _sbatch_with_status(tmp_path, "cancelled while stopping", "0")
+    assert calls == ["srun"], err
+    assert code == 0 and "slurm.sbatch: SIGTERM" in err, err
+    assert err[-1] == ("slurm.sbatch: job 8 got SIGTERM (scancel, or the time limit) while the "
+                       "trainer stopped at iteration 12/24: not requeued (submit it again to "
+                       "continue from its last checkpoint)"), err
 
 
 @pytest.mark.parametrize("launcher", ["torchrun.sh", "slurm.sbatch"])
