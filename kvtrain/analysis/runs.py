@@ -126,6 +126,27 @@ def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve, dict[str, 
     return train, valid, sets
 
 
+def later_history(records: list[dict], metrics: Path) -> tuple[list[dict], list[str]]:
+    """The records of one history: where a train record's iteration goes back (two
+    files concatenated, a restart that kept the records after its checkpoint; the
+    trainer itself cuts them at every start), the records from that iteration on
+    that came before it are dropped, as the trainer would have; a note for each."""
+    kept, notes, last = [], [], None
+    for r in records:
+        it = r.get("iteration")
+        if r.get("kind") == "train" and isinstance(it, int):
+            if last is not None and it <= last:
+                stale = [x for x in kept if isinstance(x.get("iteration"), int)
+                         and x["iteration"] >= it and x.get("kind") != "event"]
+                kept = [x for x in kept if not any(x is y for y in stale)]
+                top = max(x["iteration"] for x in stale)
+                notes.append(f"{metrics}: iterations {it}-{top} are recorded twice (the "
+                             f"history goes back to {it}): the later records are read")
+            last = it
+        kept.append(r)
+    return kept, notes
+
+
 def nonfinite_notes(records: list[dict], metrics: Path) -> list[str]:
     """Notes on train / valid records whose loss is not a finite number (the
     trainer writes "nan"/"inf"): the curves skip them, so a diverged run would
@@ -232,12 +253,13 @@ def read_run(path: str | Path, label: Optional[str] = None) -> RunData:
     if (run / CONFIG).is_file():
         config = read_yaml(run / CONFIG) or {}
     records, bad = read_records(metrics)
+    records, twice = later_history(records, metrics)
     train, valid, sets = _curves(records, config)
     if not train.loss:
         raise ConfigError(f"{metrics} has no train records with a loss")
     shifts = [r for r in records if r.get("kind") == "kv_shift"]
     evals, notes = read_evals(run)
-    notes[:0] = nonfinite_notes(records, metrics) + gap_notes(records, metrics)
+    notes[:0] = twice + nonfinite_notes(records, metrics) + gap_notes(records, metrics)
     if bad:
         notes.insert(0, f"{metrics}: {bad} line(s) are not JSON records (skipped)")
     return RunData(path=run, label=label or run.name, config=config, train=train, valid=valid,

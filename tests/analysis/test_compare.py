@@ -278,6 +278,29 @@ def test_a_run_with_records_lost_says_which(tmp_path):
     assert not summary["runs"][0]["notes"][1:]  # A (no windows written): only the cut line
 
 
+def test_a_history_recorded_twice_reads_its_later_records(tmp_path):
+    """A metrics.jsonl whose iterations go back (two files concatenated, a restart
+    from an earlier checkpoint that kept the records after it: the trainer itself
+    cuts them at every start): the stale records 60-100 were read beside the later
+    ones, the curves zigzagged and B's speed-up came from the stale points (2.50x).
+    The later history wins, as in the trainer, with a note."""
+    a = _write_run(tmp_path / "a", [(50, 3.0), (100, 2.0)])
+    b = _write_run(tmp_path / "b", [(50, 3.0), (60, 1.9), (100, 1.5)])
+    path = b / "metrics.jsonl"
+    stale = [json.loads(x) for x in path.read_text().splitlines()[:-1]]
+    later = [{**r, "lm_loss": r["lm_loss"] + 1.0} if r["kind"] == "train" else
+             {**r, "val_loss": r["val_loss"] + 0.4} for r in stale
+             if r["kind"] in ("train", "valid") and r["iteration"] >= 60]
+    path.write_text("".join(json.dumps(r) + "\n" for r in stale + later))
+    summary, printed = compare([a, b], tmp_path / "out")
+    run = summary["runs"][1]
+    assert run["val_loss"] == pytest.approx(1.9)  # the later history's
+    # 2.0 reached between the later records of 60 (2.3) and 100 (1.9): at 90
+    assert run["vs_reference"]["b_tokens"] == pytest.approx(90 * 256)
+    assert run["notes"] == [f"{path}: iterations 60-100 are recorded twice (the history "
+                            "goes back to 60): the later records are read"], run["notes"]
+
+
 def test_runs_whose_curves_are_over_other_batches_say_so(tmp_path):
     """The same training validated on 4 batches instead of 2 read as 0.015 lower and a
     1.02x speed-up, unremarked; a train loss logged over 5 steps, not 1, likewise."""
