@@ -46,15 +46,8 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 usage() { sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { echo "torchrun.sh: $*" >&2; exit 2; }
-# A folder the scripts make later (LOG_DIR): refused now, in one line, where an
-# existing part of its path is a file or cannot be written (mkdir's own message
-# would come after the checks passed, and not name the variable).
-check_folder() {  # NAME PATH
-    local part=$2
-    while [[ ! -e $part && $part != "$(dirname "$part")" ]]; do part=$(dirname "$part"); done
-    [[ ! -e $part || -d $part ]] || die "$1 $2: $part is a file, not a folder"
-    [[ ! -d $part || -w $part ]] || die "$1 $2: $part is not writable"
-}
+# shellcheck source=SCRIPTDIR/folders.sh
+source "$REPO/launch/folders.sh"  # check_folder
 
 [[ $# -ge 1 ]] || { usage >&2; exit 2; }
 case $1 in -h|--help) usage; exit 0 ;; esac

@@ -136,10 +136,12 @@ def later_history(records: list[dict], metrics: Path) -> tuple[list[dict], list[
         it = r.get("iteration")
         if r.get("kind") == "train" and isinstance(it, int):
             if last is not None and it <= last:
-                stale = [x for x in kept if isinstance(x.get("iteration"), int)
-                         and x["iteration"] >= it and x.get("kind") != "event"]
-                kept = [x for x in kept if not any(x is y for y in stale)]
-                top = max(x["iteration"] for x in stale)
+                def stale(x: dict) -> bool:
+                    at = x.get("iteration")
+                    return isinstance(at, int) and at >= it and x.get("kind") != "event"
+
+                top = max(x["iteration"] for x in kept if stale(x))
+                kept = [x for x in kept if not stale(x)]
                 notes.append(f"{metrics}: iterations {it}-{top} are recorded twice (the "
                              f"history goes back to {it}): the later records are read")
             last = it

@@ -109,12 +109,14 @@ def paired(axes: list[Axis], entries: list[dict], arm: Axis,
 
 
 def _stopped(cell: dict) -> str:
-    """``seed=3 (stopped at step 40: non-finite losses)``: a cell ``paired`` left out."""
-    at = f"at step {cell['step']}" if cell["step"] is not None else "before any validation"
-    if cell["exit_code"] == NONFINITE_EXIT:
+    """``seed=3 (stopped at step 40: non-finite losses)``: a cell left out (a sweep
+    entry, or ``paired``'s record of one)."""
+    step, code = cell.get("step"), cell.get("exit_code")
+    at = f"at step {step}" if step is not None else "before any validation"
+    if code == NONFINITE_EXIT:
         why = f"stopped {at}: non-finite losses"
-    elif cell["exit_code"] not in (0, None):
-        why = f"exit code {cell['exit_code']} {at}"
+    elif code not in (0, None):
+        why = f"exit code {code} {at}"
     else:
         why = f"stopped {at}, unfinished"
     return f"{cell['cell']} ({why})"
@@ -259,8 +261,7 @@ def analyse(axes: list[Axis], done: list[dict], run_dirs: dict[str, Path], run_d
         if stopped:
             summary["notes"].append(
                 "left out of the fit (stopped short of their steps: no final loss): "
-                + ", ".join(_stopped({"cell": e["cell"], "step": e.get("step"),
-                                      "exit_code": e.get("exit_code")}) for e in stopped))
+                + ", ".join(map(_stopped, stopped)))
         write_scaling(summary, run_dir, title="kvtrain sweep: scaling")
         out["scaling"] = summary
         files += ["scaling.md", "scaling.png"]

@@ -547,7 +547,7 @@ def test_the_image_runs_its_interpreter_not_a_mounted_checkouts_venv(tmp_path):
     its python is missing in the image, or it is the CPU build."""
     repo = tmp_path / "kvtrain"
     (repo / "launch").mkdir(parents=True)
-    for script in ("torchrun.sh", "precheck.sh"):  # the launcher and its pre-check
+    for script in ("torchrun.sh", "precheck.sh", "folders.sh"):  # the launcher, its helpers
         (repo / "launch" / script).write_text((REPO / "launch" / script).read_text())
     venv_python = repo / ".venv" / "bin" / "python"
     venv_python.parent.mkdir(parents=True)
