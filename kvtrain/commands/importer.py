@@ -36,6 +36,7 @@ def run(args) -> int:
     from kvtrain.hf.importer import import_hf
 
     out = import_hf(args.hf_dir, args.out, config=args.config, overrides=args.overrides)
-    print(f"kvtrain: imported {args.hf_dir} as {out} (start a run from it with "
+    held = " with the folder's tokenizer.model" if (out / "tokenizer.model").is_file() else ""
+    print(f"kvtrain: imported {args.hf_dir} as {out}{held} (start a run from it with "
           f"checkpoint.resume: {out} and checkpoint.load_optimizer: false)")
     return 0

@@ -14,7 +14,8 @@ and options its ``kv_shift`` omits are those its modeling code fills in
 ``data.reset_attention_mask`` unless the config or ``--set`` names that key; its
 ``eos_token_id`` becomes ``data.eod_id`` (what ``kvtrain generate`` feeds before a
 prompt and stops at) unless ``--config`` is given or ``--set`` names a tokenizer or
-an EOD.
+an EOD; on the same terms its ``tokenizer.model`` (sentencepiece, as the export
+writes it) is copied into the checkpoint and becomes ``data.tokenizer``.
 
 The checkpoint (``save_weights``) is megatron dist_checkpointing's torch_dist
 format, written like the trainer's (``iter_*.incomplete``, then the marker with
@@ -44,7 +45,7 @@ import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -52,6 +53,7 @@ from kvtrain.config import ConfigError, RunConfig, apply_override, first_line, \
     from_dict, read_yaml, to_dict
 from kvtrain.tasks.config import TASK_TYPES
 
+TOKENIZER = "tokenizer.model"  # an export's sentencepiece model (kvtrain.hf.tokenizer)
 # architecture keys: what the HF folder decides (``--set`` may not change them)
 ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "ffn_hidden_size", "vocab_size", "max_position_embeddings", "rotary_base",
@@ -196,9 +198,12 @@ def _named_by_config_json(e: ConfigError, hf: dict, where: str, arch: dict,
 
 
 def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
-                  overrides: Iterable[str] = ()) -> RunConfig:
+                  overrides: Iterable[str] = (),
+                  tokenizer: Optional[Callable[[], Optional[str]]] = None) -> RunConfig:
     """The RunConfig of an import: ``config`` (a training YAML) or the defaults,
-    with the model architecture of ``hf``, then ``overrides``."""
+    with the model architecture of ``hf``, then ``overrides``. ``tokenizer`` is
+    asked for the folder's tokenizer (the ``data.tokenizer`` path, or None) where
+    neither ``config`` nor ``overrides`` decide the tokenizer or the EOD."""
     data = read_yaml(config) if config is not None else {}
     arch = model_config(hf, where)
     model = dict(data.get("model") or {})
@@ -212,7 +217,7 @@ def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
     data.setdefault("train", {}).setdefault("seq_length", arch["max_position_embeddings"])
     for assignment in overrides:
         apply_override(data, assignment, RunConfig)
-    _documents_from(hf, data, configured=config is not None)
+    _documents_from(hf, data, configured=config is not None, tokenizer=tokenizer)
     try:
         cfg = from_dict(RunConfig, data, source=str(config) if config else None)
         cfg.validate()
@@ -234,17 +239,21 @@ def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
     return cfg
 
 
-def _documents_from(hf: dict, data: dict, configured: bool) -> None:
+def _documents_from(hf: dict, data: dict, configured: bool,
+                    tokenizer: Optional[Callable[[], Optional[str]]] = None) -> None:
     """An export's ``reset_attention_mask`` (documents kept apart in training, the EOD
     being ``eos_token_id``) where ``data`` (the config and ``--set``) does not decide:
     what ``kvtrain generate`` reads (no EOD before a prompt) and what a run continuing
-    the model trains with. Its EOD too where no ``--config`` decides the data
-    (``configured``) and ``--set`` names no tokenizer or EOD: the defaults' EOD, the
-    vocabulary's last id, is the model's only by chance. A toy task has one sequence
-    per sample: not given."""
+    the model trains with. Its tokenizer (``tokenizer()``), else its EOD, too where no
+    ``--config`` decides the data (``configured``) and ``--set`` names no tokenizer or
+    EOD: the defaults' EOD, the vocabulary's last id, is the model's only by chance,
+    and text prompts need the tokenizer. A toy task has one sequence per sample and
+    no tokenizer: not given."""
     d = data.get("data") or {}
     if d.get("type") in TASK_TYPES:
         return
+    if not configured and tokenizer is not None and "tokenizer" not in d and "eod_id" not in d:
+        d["tokenizer"] = tokenizer()
     if "reset_attention_mask" in hf and "reset_attention_mask" not in d:
         d["reset_attention_mask"] = bool(hf["reset_attention_mask"])
         if d["reset_attention_mask"] and d.get("tokenizer") is None and d.get("eod_id") is None:
@@ -267,6 +276,32 @@ def _end_of_document(hf: dict) -> Optional[int]:
     return None
 
 
+def _readable_tokenizer(source: Path, hf: dict, carried: Path) -> Optional[str]:
+    """``carried`` (the path of the checkpoint's copy) where the folder holds a
+    sentencepiece ``source`` that kvtrain reads as the model's (its pieces within
+    ``vocab_size``, its EOS the folder's ``eos_token_id``); None, with one warning,
+    where it holds another (a stock Llama 3 keeps tiktoken's, elsewhere)."""
+    if not source.is_file():
+        return None
+    from data_tools.tokenizer import SentencePieceTokenizer
+
+    try:
+        tok = SentencePieceTokenizer(str(source))
+    except (OSError, RuntimeError, ValueError) as e:
+        why = str(e).removeprefix(f"{source}: ")
+    else:
+        eos = hf.get("eos_token_id")
+        if tok.vocab_size > hf["vocab_size"]:
+            why = f"its {tok.vocab_size} pieces are more than vocab_size {hf['vocab_size']}"
+        elif isinstance(eos, int) and tok.eod != eos:
+            why = f"its EOS {tok.eod} is not the folder's eos_token_id {eos}"
+        else:
+            return str(carried)
+    print(f"kvtrain: warning: {source} is left out of the import ({why}): kvtrain generate "
+          "on it takes --tokenizer", file=sys.stderr)
+    return None
+
+
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's safetensors files (one file, or an index's shards)."""
     from safetensors.torch import load_file
@@ -284,9 +319,10 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def save_weights(model: torch.nn.Module, cfg: RunConfig, path: Path,
-                 record: Optional[dict] = None) -> Path:
+                 record: Optional[dict] = None, files: Optional[dict[str, Path]] = None) -> Path:
     """Saves ``model`` (this rank's shard; collective over the current layout) as a
-    weights-only kvtrain checkpoint folder ``path`` (which must not exist)."""
+    weights-only kvtrain checkpoint folder ``path`` (which must not exist), with
+    copies of ``files`` (name in the folder: source), in its manifest."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -312,6 +348,8 @@ def save_weights(model: torch.nn.Module, cfg: RunConfig, path: Path,
     checksums = [None] * dist.get_world_size()
     dist.all_gather_object(checksums, own_shards(work, rank))
     if rank == 0:
+        for name, source in (files or {}).items():
+            shutil.copyfile(source, work / name)
         known = {k: v for part in checksums for k, v in part.items()}
         info = {"iteration": 0, "consumed_samples": 0, "layout": None, "format": "torch_dist",
                 "version": FORMAT_VERSION, "weights_only": True, **(record or {}),
@@ -375,8 +413,10 @@ def import_hf(hf_dir: str | Path, out_checkpoint: str | Path, config: Optional[s
     out = Path(out_checkpoint).expanduser().absolute()
     if out.exists():
         raise ConfigError(f"{out} exists: the import writes a new checkpoint folder")
-    cfg = import_config(_read_json(hf_dir / "config.json"), str(hf_dir / "config.json"),
-                        config, overrides)
+    hf = _read_json(hf_dir / "config.json")
+    carried = out / TOKENIZER
+    cfg = import_config(hf, str(hf_dir / "config.json"), config, overrides,
+                        tokenizer=lambda: _readable_tokenizer(hf_dir / TOKENIZER, hf, carried))
     weights = read_weights(hf_dir)
     _warn_of_an_unused_lm_head(weights, cfg, hf_dir / "config.json")
     inference_process(seed=cfg.train.seed)
@@ -391,7 +431,8 @@ def import_hf(hf_dir: str | Path, out_checkpoint: str | Path, config: Optional[s
     from kvtrain.train.integrity import INCOMPLETE, save_failure_reason
 
     try:
-        return save_weights(model, cfg, out, record)
+        files = {TOKENIZER: hf_dir / TOKENIZER} if cfg.data.tokenizer == str(carried) else {}
+        return save_weights(model, cfg, out, record, files)
     except (OSError, RuntimeError, CheckpointException) as e:  # torch's is a BaseException
         # a full disk is torch.save's "unexpected pos 704 vs 598": the trainer's reading
         reason = save_failure_reason(e, out.parent)

@@ -339,7 +339,8 @@ def test_token_ids_beyond_the_vocabulary_in_a_training_step_are_one_line_a_node(
     assert "kvtrain/train" not in both.stderr, both.stderr[-3000:]  # torchrun's own is there
     said = [line for line in both.stderr.splitlines() if line.startswith("kvtrain: ")]
     assert len(said) == 1 and said[0].startswith(
-        "kvtrain: config error: data.paths: a batch of step 1 holds token id "), said
+        "kvtrain: config error: data.paths: a batch of step 1 holds token id "), \
+        both.stderr[-4000:]
     assert "outside model.vocab_size (64)" in said[0], said
     assert not list((tmp_path / "run" / "checkpoints").glob("iter_*"))
 

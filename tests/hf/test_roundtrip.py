@@ -437,3 +437,63 @@ def test_a_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(
     read = LlamaConfig(**json.loads(json.dumps(other_base))).rope_parameters["rope_theta"]
     assert import_config(other_base, "config.json").model.rotary_base == read == 5000
     assert import_config(base, "config.json").model.rotary_base == 100000
+
+
+def test_the_tokenizer_of_a_folder_is_carried_into_the_import(mp1, tmp_path, capsys):
+    """An export holds the run's sentencepiece model as ``tokenizer.model``; the import
+    left it behind (``data.tokenizer`` null), so ``kvtrain generate`` on the imported
+    checkpoint took text prompts only with ``--tokenizer``. Now the checkpoint holds
+    a copy (in its manifest) and its ``data.tokenizer`` names it: the same text, the
+    same tokens, with the export folder and the run's own model gone. A ``--config``
+    or ``--set`` naming a tokenizer or an EOD decides instead; a ``tokenizer.model``
+    kvtrain cannot read is left behind with one warning."""
+    import shutil
+
+    from kvtrain.inference.generate import PromptCodec, SamplingOptions, generate
+    from kvtrain.train.integrity import MARKER
+    from tests.hf.test_layouts import sentencepiece_model
+
+    cfg = run_config(model_config(vocab_size=384))
+    (tmp_path / "sp").mkdir()
+    cfg.data.eod_id, cfg.data.tokenizer = None, sentencepiece_model(tmp_path / "sp")
+    path = save_weights(build(cfg), cfg, tmp_path / "ckpt" / "iter_0000000")
+    runs = []
+    loaded = load_model(path, backend="local")
+    (g,) = generate(loaded.model, loaded.config, PromptCodec.for_run(loaded.config),
+                    [("the model", {})], SamplingOptions(max_new_tokens=6))
+    runs.append((g.prompt_tokens, g.tokens, g.text))
+    hf = export_hf(path, tmp_path / "hf")
+    kept = shutil.copytree(hf, tmp_path / "kept")  # for what decides instead, below
+    shutil.rmtree(tmp_path / "sp")
+    back = import_hf(hf, tmp_path / "imported")
+    shutil.rmtree(hf)
+    carried = saved_config(back)[0].data.tokenizer
+    assert carried == str(back / "tokenizer.model"), carried
+    manifest = json.loads((back / MARKER).read_text())["manifest"]["files"]
+    assert "tokenizer.model" in manifest
+    loaded = load_model(back, backend="local")
+    (g,) = generate(loaded.model, loaded.config, PromptCodec.for_run(loaded.config),
+                    [("the model", {})], SamplingOptions(max_new_tokens=6))
+    runs.append((g.prompt_tokens, g.tokens, g.text))
+    assert runs[1] == runs[0]
+
+    hf = kept
+    (tmp_path / "run.yaml").write_text("train: {seed: 3}\n")
+    for options, expected in (({"config": tmp_path / "run.yaml"}, None),
+                              ({"overrides": ["data.tokenizer=t.model"]}, "t.model"),
+                              ({"overrides": ["data.eod_id=5"]}, None)):
+        out = tmp_path / f"decided{len(list(tmp_path.glob('decided*')))}"
+        assert saved_config(import_hf(hf, out, **options))[0].data.tokenizer == expected
+        assert not (out / "tokenizer.model").exists(), options
+    from kvtrain.cli import main
+
+    capsys.readouterr()
+    assert main(["import", "hf", str(hf), str(tmp_path / "cli")]) == 0
+    assert f"as {tmp_path / 'cli'} with the folder's tokenizer.model (" in capsys.readouterr().out
+    (hf / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    back = import_hf(hf, tmp_path / "unreadable")
+    assert saved_config(back)[0].data.tokenizer is None
+    warned = capsys.readouterr().err.strip().splitlines()
+    assert len(warned) == 1 and warned[0].startswith(
+        f"kvtrain: warning: {hf / 'tokenizer.model'} is left out of the import ("), warned
+    assert warned[0].endswith("kvtrain generate on it takes --tokenizer"), warned
