@@ -39,3 +39,27 @@ def test_with_cuda_visible_the_driver_forks_before_its_imports(monkeypatch, tmp_
     monkeypatch.setattr(driver, "prepare", imported)
     monkeypatch.setattr(driver, "run_plan", lambda plan: 0)
     assert driver.main(str(tmp_path / "plan.json")) == 0
+
+
+def test_a_port_taken_before_torchrun_listens_is_a_new_launch(monkeypatch):
+    """``free_port`` finds a port free, then torchrun binds it: a process of the suite
+    taking it in between failed the launch in torchrun's own store (EADDRINUSE, no
+    rank started; seen once in a full run as a 2-rank refusal test with no line
+    at all). ``run`` launches again on another port; a rank's own failure is not
+    retried."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    ports = [busy.getsockname()[1]]
+    real = conftest.free_port
+    monkeypatch.setattr(conftest, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        helped = run(["--help"], nproc=2, timeout=120)
+    finally:
+        busy.close()
+    assert helped.returncode == 0 and helped.stdout.count("usage: kvtrain") == 2, \
+        helped.stderr[-2000:]
+    failed = run(["no-such-command"], nproc=2, timeout=120)
+    assert failed.returncode != 0 and "invalid choice" in failed.stderr
