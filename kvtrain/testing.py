@@ -102,10 +102,6 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600,
                     one_gpu: bool = False) -> list:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks (see above)."""
-    import torch
-
-    from kvtrain.backend import free_port
-
     # Without CUDA, ranks fork from a server that imported torch, megatron and kvtrain
     # once (a fresh interpreter per rank costs ~10 s of CPU in imports). It holds no
     # process group and no threads; the caller's environment and working directory are
@@ -117,6 +113,32 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     else:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["kvtrain.train.loop", "torch._dynamo"])
+    for _ in range(3):
+        results, failures, codes = _start(ctx, fn, world_size, args, timeout, one_gpu)
+        if not any(_port_taken(text) for text in failures):
+            break
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    if len(results) < world_size:
+        raise RuntimeError(f"distributed run incomplete: got {sorted(results)}, exit codes {codes}")
+    return [results[r] for r in range(world_size)]
+
+
+def _port_taken(failure: str) -> bool:
+    """Rank 0's store could not listen on the port found free in the caller: another
+    process took it in between (no rank ran ``fn``: a new start is safe)."""
+    return "EADDRINUSE" in failure and "in _init" in failure
+
+
+def _start(ctx, fn: Callable, world_size: int, args: tuple, timeout: float,
+           one_gpu: bool) -> tuple[dict[int, Any], list[str], list]:
+    """One start of the ranks on a fresh port: (results by rank, failures, exit codes)."""
+    import time
+
+    import torch
+
+    from kvtrain.backend import free_port
+
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
@@ -128,8 +150,6 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout
     while len(results) + len(failures) < world_size:
         if time.monotonic() > deadline:
@@ -150,9 +170,4 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         if p.is_alive():
             p.kill()
             p.join()
-    if failures:
-        raise RuntimeError("\n".join(failures))
-    if len(results) < world_size:
-        codes = [p.exitcode for p in procs]
-        raise RuntimeError(f"distributed run incomplete: got {sorted(results)}, exit codes {codes}")
-    return [results[r] for r in range(world_size)]
+    return results, failures, [p.exitcode for p in procs]

@@ -35,3 +35,34 @@ def test_asking_whether_cuda_is_visible_leaves_the_environment_as_it_was(monkeyp
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK")
     testing.cuda_visible()
     assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
+
+
+def _fails(rank: int, world_size: int) -> int:
+    raise ValueError(f"rank {rank} of {world_size} fails")
+
+
+def test_a_port_taken_before_rank_0_listens_is_a_new_start(monkeypatch):
+    """The group's port is found free in the caller and bound by rank 0's store a
+    start later (seconds, where the ranks are spawned): a process that took it in
+    between failed the run with EADDRINUSE in rank 0's init (the rare failure of
+    ``-k cuda_visible``). Such a start is made again on another port; a failure of
+    ``fn`` is not."""
+    import socket
+
+    import pytest
+
+    from kvtrain import backend
+
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    ports = [busy.getsockname()[1]]
+    real = backend.free_port
+    monkeypatch.setattr(backend, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        first, second = testing.run_distributed(_parent, 2, timeout=120)
+    finally:
+        busy.close()
+    assert first == second != os.getpid()
+    with pytest.raises(RuntimeError, match="rank [01] of 2 fails"):
+        testing.run_distributed(_fails, 2, timeout=120)
