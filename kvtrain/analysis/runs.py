@@ -126,6 +126,28 @@ def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve, dict[str, 
     return train, valid, sets
 
 
+def short_of_steps(config: dict, curve: Curve) -> Optional[str]:
+    """Why ``curve``'s last (finite) validation is not the run's final one: taken short of
+    the run's steps (``train.max_steps``) and tokens (``train.train_tokens``), as a run
+    still running, stopped or diverged has it (a finished run validates at its last
+    step); None when not."""
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    steps, budget = train.get("max_steps"), train.get("train_tokens")
+    steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+    budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
+    it, tokens = curve.iterations[-1], curve.tokens[-1]
+    if (steps is None and budget is None) or (steps is not None and it >= steps) or \
+            (budget is not None and tokens >= budget):
+        return None
+    if budget is not None:  # the steps that cover it come first (layout.total_steps)
+        where = f"{tokens:.0f} tokens, short of its {budget} (train.train_tokens)"
+    else:
+        where = f"iteration {it}, short of its {steps} steps (train.max_steps)"
+    why = ("the later ones are not finite" if curve.nonfinite and curve.nonfinite[-1] > it
+           else "still running or stopped")
+    return f"its last finite validation is at {where}: {why}, its loss is not final"
+
+
 def later_history(records: list[dict], metrics: Path) -> tuple[list[dict], list[str]]:
     """The records of one history: where a train record's iteration goes back (two
     files concatenated, a restart that kept the records after its checkpoint; the
@@ -284,5 +306,5 @@ def unique_labels(paths: list[Path]) -> list[str]:
 
 
 __all__ = ["Curve", "EVAL_KEY", "RunData", "eval_key", "eval_setting", "interpolate",
-           "key_order", "read_evals", "read_run",
+           "key_order", "read_evals", "read_run", "short_of_steps",
            "tokens_per_iteration", "unique_labels"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -32,9 +33,9 @@ from typing import Optional, Sequence
 from kvtrain.config import ConfigError
 from kvtrain.config.loader import from_dict, to_dict
 from kvtrain.config.model import KVShiftConfig
-from kvtrain.config.schema import ModelConfig
+from kvtrain.config.schema import ModelConfig, ParallelConfig
 
-from .runs import RunData, read_run, unique_labels
+from .runs import RunData, read_run, short_of_steps, unique_labels
 
 # The keys of a model's size: what a scaling study varies beside the attention.
 SIZE_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads",
@@ -43,6 +44,9 @@ SIZE_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads
 REPLICATE_KEYS = ("train.seed", "data.seed")  # seeds: replicates of a point, not a confound
 SHIFT_CHOICES = ("shift", "window", "mode", "weight_decay", "heads")  # what makes another arm
 REFERENCE = "vanilla"  # the arm the others are measured against, where present
+# the largest log size a float holds: a law that barely falls (alpha ~1e-4, tiny models)
+# puts N_c, and the size it needs for a lower loss, past it
+LOG_MAX = math.log(sys.float_info.max)
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Point:
     total: int
     loss: Optional[float]
     tokens: Optional[float]
+    left_out: Optional[str] = None  # why its loss is not fitted (None: fitted, or not finite)
 
 
 @dataclass
@@ -74,17 +79,22 @@ class Fit:
 
     @property
     def n_c(self) -> Optional[float]:
-        """Kaplan's ``N_c``: ``L = (N_c / N) ** alpha`` (None unless alpha > 0)."""
-        return math.exp(self.intercept / self.alpha) if self.alpha > 0 else None
+        """Kaplan's ``N_c``: ``L = (N_c / N) ** alpha`` (None unless alpha > 0, and
+        where it is past a float)."""
+        if self.alpha <= 0 or self.intercept / self.alpha > LOG_MAX:
+            return None
+        return math.exp(self.intercept / self.alpha)
 
     def loss(self, n: float) -> float:
         return math.exp(self.intercept + self.slope * math.log(n))
 
     def size_for(self, loss: float) -> Optional[float]:
-        """The N at which the fit reaches ``loss`` (None for a flat or rising fit)."""
+        """The N at which the fit reaches ``loss`` (None for a flat or rising fit, or
+        one that reaches it only past a float)."""
         if self.slope >= 0 or loss <= 0:
             return None
-        return math.exp((math.log(loss) - self.intercept) / self.slope)
+        at = (math.log(loss) - self.intercept) / self.slope
+        return math.exp(at) if at <= LOG_MAX else None
 
 
 def arm_name(config: dict) -> str:
@@ -100,22 +110,26 @@ def arm_name(config: dict) -> str:
 
 
 def model_params(config: dict, where: str) -> tuple[int, int]:
-    """(non-embedding, total) parameters of a run's ``model`` section (unpadded
-    for TP: the model's own size, whatever layout trained it), both without the KV
-    shift's coefficients (4 per KV head and layer, < 0.001 % of a layer's weights:
-    the two attentions of one architecture are one size)."""
+    """(non-embedding, total) parameters of a run's ``model`` section, the total with
+    the vocabulary padded for the run's ``parallel.tensor`` (megatron's rule: the
+    embedding it trained), both without the KV shift's coefficients (4 per KV head and
+    layer, < 0.001 % of a layer's weights: the two attentions of one architecture are
+    one size). The non-embedding size, what the law is fitted on, is one for every TP."""
     try:
         model = from_dict(ModelConfig, dict(config.get("model") or {}), "model", where)
+        parallel = from_dict(ParallelConfig, dict(config.get("parallel") or {}), "parallel",
+                             where)
     except (ConfigError, TypeError) as e:
-        raise ConfigError(f"{where}: its model section cannot be counted ({e})") from None
-    return size_of(model)
+        raise ConfigError(f"{where}: its model cannot be counted ({e})") from None
+    return size_of(model, parallel.tensor)
 
 
-def size_of(model: ModelConfig) -> tuple[int, int]:
-    """(non-embedding, total) parameters of ``model`` without its shift coefficients."""
+def size_of(model: ModelConfig, tensor_parallel: int = 1) -> tuple[int, int]:
+    """(non-embedding, total) parameters of ``model`` without its shift coefficients,
+    the vocabulary padded for ``tensor_parallel`` (the total's embedding only)."""
     from kvtrain.plan.params import count_params
 
-    counts = count_params(model)
+    counts = count_params(model, tensor_parallel)
     return int(counts.non_embedding - counts.kv_shift), int(counts.total - counts.kv_shift)
 
 
@@ -131,8 +145,9 @@ def point(run: RunData, valid_set: Optional[str] = None) -> Point:
                           f"(it has: {', '.join(sorted(run.valid_sets)) or 'none'})")
     loss = curve.final if curve else None
     finite = loss is not None and math.isfinite(loss)
-    return Point(run.label, arm_name(run.config), n, total, loss if finite else None,
-                 curve.tokens[-1] if curve else None)
+    short = short_of_steps(run.config, curve) if curve else None
+    return Point(run.label, arm_name(run.config), n, total, loss if finite and not short else None,
+                 curve.tokens[-1] if curve else None, short)
 
 
 def fit_power_law(points: Sequence[tuple[float, float]]) -> Optional[Fit]:
@@ -250,6 +265,10 @@ def _size_multiple(reference: Arm, arm: Arm, n: int) -> tuple[Optional[dict], Op
                       f"{math.exp(y_ref):.4f} there) is not reached where {reference.name}'s "
                       f"loss falls with size {side} that size, so no size multiple is given")
     at = min(found)  # the smallest size at which the reference's falling part reaches it
+    if at > LOG_MAX:
+        return None, (f"{arm.name} at {_size(n)}: its loss {loss:.4f} is reached where "
+                      f"{reference.name}'s loss falls with size only at more parameters than "
+                      "a float holds, so no size multiple is given")
     tol = 1e-12 * max(1.0, abs(at))
     needed = math.exp(at)
     return {"multiple": needed / n, "needed": needed,
@@ -308,7 +327,8 @@ def summarize(runs: Sequence[RunData], valid_set: Optional[str] = None) -> dict:
     points = [point(r, valid_set) for r in runs]
     arms = arms_of(points)
     notes = setting_notes(runs) + [f"{r.label}: {n}" for r in runs for n in r.notes]
-    notes += [f"{p.label}: no finite validation loss (left out)" for p in points if p.loss is None]
+    notes += [f"{p.label}: {p.left_out or 'no finite validation loss'} (left out)"
+              for p in points if p.loss is None]
     notes += [f"{a.name}: the loss does not fall with size (alpha {a.fit.alpha:.4f}): these runs "
               "are limited by their tokens or steps, not their parameters (the law holds "
               "where the tokens far exceed the parameters), so no size multiple is given"
@@ -453,9 +473,11 @@ def scaling(paths: Sequence[str | Path], out: Optional[str | Path] = None,
     summary = summarize(runs, valid_set)
     if all(a["fit"] is None for a in summary["arms"]):
         sizes = sorted({p["non_embedding"] for p in summary["runs"]})
+        left = "; ".join(f"{p['label']} ({p['left_out']})" for p in summary["runs"]
+                         if p["left_out"])
         raise ConfigError(f"kvtrain scaling: no arm has runs of two model sizes with a "
                           f"validation loss (sizes: {', '.join(map(str, sizes))} non-embedding "
-                          "parameters): a fit needs two")
+                          "parameters): a fit needs two" + (f"; left out: {left}" if left else ""))
     target = Path(out) if out else _common_parent(folders) / "scaling"
     try:
         target.mkdir(parents=True, exist_ok=True)

@@ -234,7 +234,8 @@ def _checkpointed(job: ArmJob) -> Optional[int]:
 
 
 def _params(cfg: RunConfig) -> dict:
-    n = count_params(cfg.model)
+    """The arm's parameters as it trains them: the vocabulary padded for its TP."""
+    n = count_params(cfg.model, cfg.parallel.tensor)
     return {"total": int(n.total), "non_embedding": int(n.non_embedding)}
 
 
