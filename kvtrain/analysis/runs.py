@@ -72,7 +72,9 @@ def _number(value) -> Optional[float]:
 
 def tokens_per_iteration(config: dict) -> Optional[float]:
     """global batch x sequence length of the config (None when not given)."""
-    train = config.get("train") or {}
+    train = config.get("train")
+    if not isinstance(train, dict):
+        return None
     gbs, seq = train.get("global_batch_size"), train.get("seq_length")
     if isinstance(gbs, int) and isinstance(seq, int):
         return float(gbs * seq)
@@ -94,7 +96,7 @@ def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve, dict[str, 
     """Train loss and validation loss against tokens, and each named validation set's
     (records with ``set: NAME``). Validation records carry no token count: it comes
     from the train records' consumed tokens at that iteration (interpolated), else
-    from the config's tokens per iteration."""
+    from the config's tokens per iteration after the last one."""
     train, valid, sets = Curve(), Curve(), {}
     for r in records:
         it, loss = r.get("iteration"), _number(r.get("lm_loss"))
@@ -115,8 +117,10 @@ def _curves(records: list[dict], config: dict) -> tuple[Curve, Curve, dict[str, 
         name = r.get("set")
         curve = sets.setdefault(str(name), Curve()) if name else valid
         tokens = interpolate(float(it), *known)
-        if tokens is None and per_iter:
-            tokens = it * per_iter
+        if tokens is None and per_iter and it > known[0][-1]:
+            # after the last train record (a run still running, or crashed): on from its
+            # consumed tokens, counted at the batches it ran (a resume may change them)
+            tokens = known[1][-1] + (it - known[0][-1]) * per_iter
         if loss is None:
             curve.nonfinite.append(it)
         elif tokens is not None:

@@ -461,3 +461,25 @@ def test_a_full_disk_is_one_line_keeping_an_earlier_report(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"kvtrain: output error: writing {out}/") \
         and err[0].endswith(" failed: File too large; what was there before is kept"), err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_validation_after_the_last_train_record_counts_from_its_tokens(tmp_path):
+    """A running (or crashed) run's last validation can come after its last train
+    record; its tokens were iteration x the config's tokens per iteration, wrong for a
+    run resumed at another global batch (10 steps at 8 x 32, then 16 x 32: iteration
+    21 read 10752 tokens for 8192). They go on from the last consumed tokens now. A
+    config whose ``train`` is not a mapping (a hand edit) was an AttributeError."""
+    from kvtrain.analysis.runs import read_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(
+        {"model": {"attention": "kv_shift"}, "train": {"global_batch_size": 16, "seq_length": 32}}))
+    lines = [{"kind": "train", "iteration": 10, "consumed_tokens": 2560, "lm_loss": 5.0},
+             {"kind": "train", "iteration": 20, "consumed_tokens": 7680, "lm_loss": 4.0},
+             {"kind": "valid", "iteration": 21, "val_loss": 3.9}]
+    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    assert read_run(run).valid.tokens == [8192.0]
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"attention": "kv_shift"},
+                                                     "train": [1, 2]}))
+    assert read_run(run).valid.tokens == []  # no tokens per iteration to go on with
