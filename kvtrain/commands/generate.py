@@ -31,7 +31,8 @@ def register(sub) -> None:
                    help="0 (default): greedy; > 0: sample")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0: no top-k cut")
-    p.add_argument("--seed", type=int, default=1234, help="sampling seed (prompt i: seed + i)")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="sampling seed (prompt i: a stream of its own from (seed, i))")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per static batch")
     p.add_argument("--no-stop-at-eod", dest="stop_at_eod", action="store_false",
                    help="keep generating past the end-of-document token")
@@ -63,6 +64,12 @@ def _print(results, loaded, dtype: str) -> None:
         print(f"--- [{n}] {g.prompt}", flush=True)
         print(f"{g.text}", flush=True)
         print(f"--- [{n}] {len(g.tokens)} tokens, stop: {g.stop}", flush=True)
+
+
+# the fields _write gives every record (Generation.record's, then the run's): a JSONL
+# prompt's own field of one of these names would be overwritten there
+OUT_FIELDS = ("prompt", "prompt_tokens", "tokens", "text", "stop", "checkpoint", "iteration",
+              "temperature", "top_p", "top_k", "seed", "backend", "dtype", "tensor_parallel")
 
 
 def _write(path: str, results, loaded, options, dtype: str, world: int) -> None:
@@ -138,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtrain.inference.generate import read_prompts
 
     options = _options(args)
-    prompts = read_prompts(args.prompt, args.prompts)
+    prompts = read_prompts(args.prompt, args.prompts, written=OUT_FIELDS if args.out else ())
     if not prompts:
         raise ConfigError("no prompt: give --prompt TEXT or --prompts FILE")
     check_out(args.out)

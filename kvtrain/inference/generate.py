@@ -21,8 +21,9 @@ tokens it gets alone (greedy). Left padding would instead put pad tokens before
 the prompt, shifting RoPE positions and feeding the pad's K/V into the shift.
 
 Sampling: greedy (``temperature`` 0, the default), or temperature with top-p /
-top-k; each prompt has its own random generator seeded by (seed, prompt
-index), so a prompt's sample does not depend on the batch it runs in. Under
+top-k; each prompt has its own random generator seeded from (seed, prompt
+index) (``prompt_generator``), so a prompt's sample does not depend on the batch
+it runs in, and no two seeds share a prompt's stream. Under
 TP every rank computes the same gathered logits; the tokens of TP rank 0 are
 broadcast so that all ranks feed the same ones.
 """
@@ -32,7 +33,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -61,7 +62,7 @@ class SamplingOptions:
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
             raise ConfigError(f"--top-k must be >= 0 (got {self.top_k})")
-        if not -2**63 <= self.seed < 2**63:  # seed + prompt index must fit torch's 64 bits
+        if not -2**63 <= self.seed < 2**63:  # a 64-bit seed, as torch's
             raise ConfigError(f"--seed must be in [-2^63, 2^63) (got {self.seed})")
         if self.temperature == 0 and (self.top_p < 1.0 or self.top_k > 0):
             raise ConfigError("--top-p/--top-k need sampling: set --temperature > 0")
@@ -146,20 +147,25 @@ def _utf8(text: str, where: str) -> str:
     return text
 
 
-def read_prompts(texts: Sequence[str] = (), file: Optional[str] = None) -> list[tuple[str, dict]]:
+def read_prompts(texts: Sequence[str] = (), file: Optional[str] = None,
+                 written: Collection[str] = ()) -> list[tuple[str, dict]]:
     """(prompt, extra fields) of ``--prompt`` values, then of ``--prompts FILE``.
 
     FILE: ``*.jsonl``: one JSON object per line with a ``prompt`` string (its other
     fields are copied to the output) or one JSON string; any other name: one
-    prompt per line, blank lines skipped.
+    prompt per line, blank lines skipped. ``written``: the fields the output writes
+    itself; a prompt's own of those names is refused (it would be overwritten there).
     """
     prompts = [(_utf8(t, f"--prompt {n}"), {}) for n, t in enumerate(texts, 1)]
     if file is None:
         return prompts
     path = Path(file)
     try:
-        # utf-8-sig: a byte order mark (Windows editors write one) is not prompt text
-        lines = path.read_text(encoding="utf-8-sig").splitlines()
+        # utf-8-sig: a byte order mark (Windows editors write one) is not prompt text;
+        # a newline ends a line ("\r\n" and "\r" read as one), not each separator
+        # str.splitlines knows (U+2028, form feed, ...): they sit inside prompts and
+        # inside JSON strings
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--prompts {path}: cannot read ({e})") from None
     for n, line in enumerate(lines, 1):
@@ -174,6 +180,10 @@ def read_prompts(texts: Sequence[str] = (), file: Optional[str] = None) -> list[
             raise ConfigError(f"--prompts {path} line {n}: not JSON ({e})") from None
         where = f"--prompts {path} line {n}"
         if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            taken = [k for k in item if k != "prompt" and k in written]
+            if taken:
+                raise ConfigError(f"{where}: its field \"{taken[0]}\" is one --out writes "
+                                  "itself: rename it (its other fields are copied as they are)")
             prompts.append((_utf8(item["prompt"], where),
                             {k: v for k, v in item.items() if k != "prompt"}))
         elif isinstance(item, str):
@@ -218,6 +228,17 @@ def choose_tokens(logits: torch.Tensor, options: SamplingOptions,
     return torch.cat(out)
 
 
+def prompt_generator(seed: int, index: int) -> torch.Generator:
+    """The random generator of prompt ``index``: seeded from (seed, index) by numpy's
+    SeedSequence, so that other (seed, index) pairs draw unrelated streams (seed + index
+    made seed 2's prompt 0 draw what seed 1's prompt 1 drew)."""
+    import numpy as np
+
+    # seed % 2^64: SeedSequence takes no negative entropy; distinct int64 seeds stay distinct
+    state = np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
 def _same_on_tp_ranks(tokens: torch.Tensor) -> torch.Tensor:
     """TP rank 0's tokens on every TP rank (the ranks must feed the same tokens)."""
     from megatron.core import parallel_state
@@ -251,7 +272,7 @@ def generate_ids(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
         tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
     tokens = tokens.to(device)
     positions = torch.arange(total, device=device)[None].expand(b, total)  # [b, s]
-    generators = [torch.Generator().manual_seed(options.seed + first_index + i) for i in range(b)]
+    generators = [prompt_generator(options.seed, first_index + i) for i in range(b)]
     ctx = StaticInferenceContext(max_batch_size=b, max_sequence_length=total)
     new: list[list[int]] = [[] for _ in range(b)]
     stop: list[Optional[str]] = [None] * b
@@ -348,4 +369,4 @@ def generate(model: torch.nn.Module, cfg: RunConfig, codec: PromptCodec,
 
 
 __all__ = ["Generation", "PromptCodec", "SamplingOptions", "choose_tokens", "generate",
-           "generate_ids", "read_prompts"]
+           "generate_ids", "prompt_generator", "read_prompts"]

@@ -65,7 +65,7 @@ def test_sampling_is_seeded_and_batch_invariant(mp1, arm_runs):
                           stop_at_eod=False)
     batch = generate_ids(loaded.model, PROMPTS, hot, *args)
     assert batch == generate_ids(loaded.model, PROMPTS, hot, *args)  # seeded
-    for i, prompt in enumerate(PROMPTS):  # prompt i's generator: seed + i, in any batch
+    for i, prompt in enumerate(PROMPTS):  # prompt i's generator: (seed, i), in any batch
         assert generate_ids(loaded.model, [prompt], hot, *args, first_index=i) == [batch[i]]
     other = generate_ids(loaded.model, PROMPTS, SamplingOptions(
         max_new_tokens=8, temperature=5.0, top_p=0.95, seed=4, stop_at_eod=False), *args)
@@ -461,3 +461,67 @@ def test_an_end_of_document_inside_a_prompt_of_a_run_that_separated_documents(mp
         max_new_tokens=2, stop_at_eod=False))
     (_, packed) = generate(loaded.model, loaded.config, codec, prompts, options)
     assert packed.prompt_tokens == [codec.eod, 40, 41, codec.eod, 42]
+
+
+def test_a_prompt_holding_a_unicode_line_break_or_form_feed_is_one_prompt(tmp_path):
+    """Lines end at a newline only: ``str.splitlines`` also broke them at U+2028/U+2029,
+    form feeds, ``\\x85`` and other separators that sit inside text. A plain-text
+    prompt holding one became two prompts (two generations, each from a piece of it),
+    silently; a JSONL line with a raw U+2028 in a string (``json.dumps(...,
+    ensure_ascii=False)``) was refused as not JSON."""
+    from kvtrain.inference.generate import read_prompts
+
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(json.dumps({"id": 1, "prompt": "a\u2028b"}, ensure_ascii=False) + "\n"
+                     + json.dumps("c\u2029d", ensure_ascii=False) + "\n", encoding="utf-8")
+    assert read_prompts([], str(jsonl)) == [("a\u2028b", {"id": 1}), ("c\u2029d", {})]
+    text = tmp_path / "p.txt"
+    text.write_text("page 1\x0cpage 2\r\nnext\x85line\x1eend\n\x0b\n", encoding="utf-8")
+    assert read_prompts([], str(text)) == [("page 1\x0cpage 2", {}),
+                                           ("next\x85line\x1eend", {})]
+
+
+def test_the_samples_of_two_seeds_share_no_prompt_stream(mp1, arm_runs):
+    """Prompt i drew from a generator seeded seed + i: ``--seed 2``'s prompt 0 drew
+    what ``--seed 1``'s prompt 1 did, so a prompt repeated n times and sampled again
+    with the next seed gave n - 1 of the same samples. Each prompt's stream comes from
+    (seed, index) now; a prompt's sample still does not depend on its batch."""
+    from kvtrain.inference.generate import SamplingOptions, generate_ids
+
+    loaded, codec = load(arm_runs["kv_shift"])
+    args = (codec.eod, codec.vocab_size)
+    samples = {}
+    for seed in (1, 2):
+        hot = SamplingOptions(max_new_tokens=8, temperature=5.0, seed=seed, stop_at_eod=False)
+        samples[seed] = [t for t, _ in generate_ids(loaded.model, [PROMPTS[1]] * 4, hot, *args)]
+        assert generate_ids(loaded.model, [PROMPTS[1]], hot, *args, first_index=2)[0][0] \
+            == samples[seed][2]
+    every = samples[1] + samples[2]
+    assert len({tuple(t) for t in every}) == len(every), every
+
+
+def test_a_prompt_field_that_out_writes_itself_is_one_line(mp1, arm_runs, tmp_path, capsys):
+    """A JSONL prompt's other fields are copied to --out, but one named as a field
+    --out writes (a reference answer as ``text``, a per-prompt ``seed``) was
+    overwritten there by the generation's, silently: the reference lost, the seed
+    not the one used. With --out it is refused in one line, before the model is
+    loaded; without --out nothing is written, and it is taken."""
+    from kvtrain.commands.generate import OUT_FIELDS
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "5 6", "id": "q1"}) + "\n"
+                       + json.dumps({"prompt": "5 6 7", "text": "8 9 10", "id": "q2"}) + "\n")
+    out = tmp_path / "g.jsonl"
+    argv = ["generate", str(arm_runs["kv_shift"]), "--prompts", str(prompts),
+            "--max-new-tokens", "2"]
+    assert main([*argv, "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kvtrain: config error: --prompts {prompts} line 2: its field \"text\" is one "
+        "--out writes itself: rename it (its other fields are copied as they are)")
+    assert not out.exists()
+    assert main(argv) == 0
+    prompts.write_text(json.dumps({"prompt": "5 6", "id": "q1", "answer": "7 8"}) + "\n")
+    assert main([*argv, "--out", str(out)]) == 0
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (record["id"], record["answer"], record["prompt"]) == ("q1", "7 8", "5 6")
+    assert set(record) == {"id", "answer", *OUT_FIELDS}  # the fields --out writes: all named
