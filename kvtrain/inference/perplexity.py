@@ -63,8 +63,11 @@ class Scoring:
         batch = self.batch_size or t.micro_batch_size
         sequences = self.sequences or max(t.eval_iters * t.global_batch_size, batch)
         if sequences % batch:
-            raise ConfigError(f"--sequences {sequences} is not a multiple of --batch-size "
-                              f"{batch}: every batch is whole")
+            given = "" if self.sequences else (
+                f" (the default: the run's train.eval_iters {t.eval_iters} x "
+                f"train.global_batch_size {t.global_batch_size})")
+            raise ConfigError(f"--sequences {sequences}{given} is not a multiple of --batch-size "
+                              f"{batch}: every batch is whole (give --sequences)")
         return dataclasses.replace(self, sequences=sequences, batch_size=batch,
                                    seq_length=self.seq_length or t.seq_length,
                                    tokenizer=self.tokenizer or cfg.data.tokenizer)

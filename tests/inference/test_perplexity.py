@@ -213,6 +213,9 @@ def test_by_position_on_the_command_line(mp1, trained, capsys, monkeypatch):
     (["--sequences", "15"], "--sequences 15 is not a multiple of --batch-size 2: every batch "
                             "is whole"),
     (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+    # named the default as if given
+    (["--batch-size", "5"], "--sequences 16 (the default: the run's train.eval_iters 2 x "
+                            "train.global_batch_size 8) is not a multiple of --batch-size 5"),
     (["--name", "a/b"], "--name 'a/b': letters, digits, '_', '-' and '.', starting with a "
                         "letter or digit"),
     # an empty name was dropped for the default without a word
