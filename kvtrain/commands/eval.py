@@ -96,6 +96,7 @@ def run(args) -> int:
     from kvtrain.evaluate.harness import (
         check_fewshot, import_harness, load_tasks, run_harness, trusts_remote_code,
     )
+    from kvtrain.evaluate.documents import check_documents
     from kvtrain.evaluate.report import (
         EVAL_DIR, log_to_wandb, make_record, record_name, render_table, write_record,
     )
@@ -116,6 +117,7 @@ def run(args) -> int:
     # unknown task, missing dataset: one line, before any export or model
     loaded = load_tasks(spec.tasks, spec.include_path)
     check_fewshot(loaded[1], spec.num_fewshot)  # more shots than examples: before the export
+    check_documents(loaded[1], spec.limit)  # a label outside the choices, a missing field
     with prepared(args.source, spec.dtype) as src:
         target = Path(args.out).expanduser() if args.out else None
         if target is None and src.run_dir is not None:

@@ -22,6 +22,8 @@ from typing import Any, Iterator, Optional
 from kvtrain.config import ConfigError, first_line
 from kvtrain.hf import HF_EXTRA, offline
 
+from .documents import bad_line, check_documents, check_requests, local_files
+
 # every switch the Hugging Face libraries read to stay off the network
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> transformers' name
 DEFAULT_DTYPE = "fp32"  # results files name any other dtype
@@ -139,10 +141,15 @@ def _unknown(manager, name: str) -> UnknownTask:
     return UnknownTask(f"unknown task '{name}': not one of lm-eval's tasks {where}")
 
 
+def _config_of(manager, name: str) -> dict:
+    """The task's YAML as the index read it ({} when it has none)."""
+    entry = manager.task_index.get(name)
+    return (getattr(entry, "cfg", None) or {}) if entry is not None else {}
+
+
 def _dataset_of(manager, name: str) -> str:
     """The dataset a task names in its YAML (path, name, data files), for messages."""
-    entry = manager.task_index.get(name)
-    cfg = (getattr(entry, "cfg", None) or {}) if entry is not None else {}
+    cfg = _config_of(manager, name)
     if not cfg.get("dataset_path"):
         return ""
     parts = [str(cfg["dataset_path"])]
@@ -168,7 +175,10 @@ def _unavailable(manager, name: str, error: Exception) -> ConfigError:
         which = f"its template {template}" if template else "a template of its YAML"
         return ConfigError(f"task '{name}': {which} cannot be applied to its documents: "
                            f"{first_line(error)}")
-    return ConfigError(f"task '{name}': {what} cannot be read: {first_line(error)}")
+    cfg = _config_of(manager, name)  # pyarrow counts rows from 0 in its block: the line
+    line = (bad_line(local_files((cfg.get("dataset_kwargs") or {}).get("data_files")))
+            if cfg.get("dataset_path") == "json" else None)
+    return ConfigError(f"task '{name}': {what} cannot be read: {line or first_line(error)}")
 
 
 def _template_of(error: Exception) -> Optional[str]:
@@ -366,7 +376,7 @@ def prefix_token_of(hf_dir: Path) -> Optional[int]:
     return None
 
 
-def language_model(hf_dir: Path, spec: EvalSpec, trust: bool):
+def language_model(hf_dir: Path, spec: EvalSpec, trust: bool, loaded: Optional[list] = None):
     """lm-eval's model of ``hf_dir``. A kvtrain export whose config.json records
     ``reset_attention_mask`` (training kept packed documents apart) scores a row
     that starts with the prefix EOD as two documents, as training saw them: the
@@ -381,7 +391,12 @@ def language_model(hf_dir: Path, spec: EvalSpec, trust: bool):
     apart = (eod is not None and isinstance(config, dict)
              and config.get("reset_attention_mask") is True)
 
-    class DocumentsApartLM(HFLM):
+    class CheckedLM(HFLM):  # a continuation lm-eval cannot score: one line, not its assert
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            check_requests(self, requests, loaded)  # ``loaded``: the tasks, for FILE:LINE
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+    class DocumentsApartLM(CheckedLM):
         def _model_call(self, inps, attn_mask=None, labels=None):
             logits = super()._model_call(inps, attn_mask, labels)
             first = inps[:, 0] == eod  # the prefix: a text never encodes to EOD
@@ -392,19 +407,19 @@ def language_model(hf_dir: Path, spec: EvalSpec, trust: bool):
     # logits_cache=False: lm-eval 0.4.13 scores requests whose context + continuation[:-1]
     # coincide from one forward, but gathers a shorter continuation's log-probs at the
     # longer one's first positions (wrong log-likelihoods, e.g. winogrande-like pairs)
-    return (DocumentsApartLM if apart else HFLM)(
+    return (DocumentsApartLM if apart else CheckedLM)(
         pretrained=str(hf_dir), device=spec.device, dtype=DTYPES[spec.dtype],
         batch_size=spec.batch_size, logits_cache=False, trust_remote_code=trust,
         prefix_token_id=eod)
 
 
-def _loaded_model(hf_dir: Path, spec: "EvalSpec", trust: bool):
+def _loaded_model(hf_dir: Path, spec: "EvalSpec", trust: bool, loaded: list):
     """``language_model``, with a folder whose weights are missing or damaged (a
     copy cut short) one line naming it, not transformers' traceback."""
     from safetensors import SafetensorError
 
     try:
-        return language_model(hf_dir, spec, trust)
+        return language_model(hf_dir, spec, trust, loaded)
     except (OSError, SafetensorError) as e:
         raise ConfigError(f"{hf_dir}: cannot load its model ({first_line(e)})") from None
 
@@ -446,7 +461,8 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
     # the tasks before the model: a refused task costs nothing
     manager, tasks = loaded or load_tasks(spec.tasks, spec.include_path)
     check_fewshot(tasks, spec.num_fewshot)  # lm-eval's refusal came after the model loaded
-    lm = _loaded_model(hf_dir, spec, trust)
+    check_documents(tasks, spec.limit)  # lm-eval scored them wrong without a word
+    lm = _loaded_model(hf_dir, spec, trust, tasks)
     answer = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=spec.num_fewshot, limit=spec.limit,
         task_manager=manager, bootstrap_iters=spec.bootstrap_iters,

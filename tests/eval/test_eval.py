@@ -92,8 +92,9 @@ def test_malformed_data_file_is_one_line_naming_the_cause(local, capsys, monkeyp
     assert code == 2 and watch.attempts == []
     last = err.strip().splitlines()[-1]
     assert last.startswith("kvtrain: config error: task 'kvt_bad': dataset json data_files ")
-    assert " cannot be read: ArrowInvalid: JSON parse error: " in last, last  # pyarrow's words
-    assert last.endswith(" in row 1"), last
+    # the file and line (pyarrow's "in row 1" counted from 0 inside its read block)
+    assert last.endswith(f" cannot be read: {local['root'] / 'bad.jsonl'}:2: invalid JSON at "
+                         "column 13: Unterminated string starting at"), last
     assert "Traceback" not in err and "Failed to load JSON" not in err, err
 
 
@@ -431,3 +432,101 @@ def test_lm_evals_internals_elsewhere_leave_the_checks_to_it(monkeypatch, tmp_pa
     assert _skipped_yaml(tmp_path)  # 0.4.13: the broken file is found
     monkeypatch.delattr(TaskIndex, "_iter_yaml_files")
     assert _skipped_yaml(tmp_path) == []
+
+
+def _mc_task(root, name: str, text: str):
+    """``root/tasks/<name>.yaml``: a multiple-choice task over ``root/<name>.jsonl`` (``text``)."""
+    from .helpers import MC_YAML
+
+    tasks = root / "tasks"
+    tasks.mkdir(exist_ok=True)
+    data = root / f"{name}.jsonl"
+    data.write_text(text)
+    (tasks / f"{name}.yaml").write_text(MC_YAML.format(data=data, cache=root / "cache").replace(
+        "task: kvt_mc\n", f"task: {name}\n"))
+    return tasks, data
+
+
+def _lines(rows) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+@pytest.mark.parametrize("rows, line, message", [
+    # pyarrow named the row inside its block ("in row 1", counted from 0) or a position
+    ([MC[0], json.dumps(MC[1])[:20]], 2, "invalid JSON at column 14: Unterminated string "
+                                         "starting at"),
+    ([MC[0]] * 5 + ['{"question": "x", "choices": [', MC[1]], 6,
+     "invalid JSON at column 31: Expecting value"),
+    ([MC[0], "", MC[1], "[1, 2]"], 4, "not a JSON object: [1, 2]"),  # blank lines are skipped
+])
+def test_a_broken_line_of_a_jsonl_file_is_named_by_file_and_line(local, capsys, tmp_path, rows,
+                                                                  line, message):
+    tasks, data = _mc_task(tmp_path, "kvt_broken", _lines(rows))
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_broken", "--include-path",
+                                   str(tasks)], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("kvtrain: config error: task 'kvt_broken': dataset json data_files "), err
+    assert f" cannot be read: {data}:{line}: {message}" in err, err
+
+
+@pytest.mark.parametrize("bad, line, message", [
+    # lm-eval scored each of these 0 (a warning printing the document, or nothing)
+    ({**MC[1], "answer": 5}, 3, "its target 5 is not one of its 3 choices"),
+    ({**MC[1], "answer": -1}, 3, "its target '-1' is not one of its 3 choices"),
+    ({**MC[1], "answer": "purple"}, 3, "its target 'purple' is not one of its 3 choices"),
+    # one 1.0 makes the whole column decimals: every document's label, from the first
+    ({**MC[1], "answer": 1.0}, 1, "its target '0.0' is not one of its 3 choices (an index 0-2 "
+                                  "or a choice's text) (datasets reads a column with one "
+                                  "number like 1.0 as decimals); lm-eval scores it 0"),
+    # datasets fills a field a line lacks with null: lm-eval read the question as "None"
+    ({"choices": ["hot", "blue"], "answer": 1}, 3, "field 'question' of doc_to_text "
+                                                   "\"{{question}}\" is missing (null)"),
+    ({**MC[1], "choices": []}, 3, "its doc_to_choice \"{{choices}}\" gives no choices"),
+])
+def test_a_document_lm_eval_cannot_score_is_named_before_the_model_loads(local, capsys, tmp_path,
+                                                                        bad, line, message):
+    """A label outside the choices, or a field a line lacks: lm-eval scored the
+    document as wrong without a word (or a warning that printed the document); one
+    line naming the file and line, before the model loads."""
+    tasks, data = _mc_task(tmp_path, "kvt_labels", _lines([MC[0], MC[2], bad, MC[3]]))
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_labels", "--include-path",
+                                   str(tasks)], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"kvtrain: config error: task 'kvt_labels': {data}:{line}: "
+                          f"{message}"), err
+
+
+def test_only_the_documents_evaluated_are_checked(local, capsys, tmp_path):
+    """--limit 2: a bad third document is not evaluated, so not refused."""
+    tasks, _ = _mc_task(tmp_path, "kvt_limited",
+                        _lines([MC[0], MC[2], {**MC[1], "answer": 5}]))
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_limited", "--include-path",
+                                   str(tasks), "--limit", "2"], capsys)
+    assert code == 0, err
+    assert "kvt_limited" in out
+
+
+@pytest.mark.parametrize("rows, extra, line, message", [
+    # lm-eval asserted (a traceback after the model loaded): it never cuts a continuation
+    ([LL[0], {"context": "the sun is", "target": " ".join(["hot"] * 80)}], "", 2,
+     "its continuation ' hot hot hot hot hot hot hot hot hot ...' is 80 tokens, more than "
+     "the model's window of 64 (lm-eval keeps a continuation whole); lm-eval cannot score it"),
+    # no delimiter and an empty target: nothing to score
+    ([LL[0], LL[1], {"context": "fish swim", "target": ""}],
+     'target_delimiter: ""\ndoc_to_target: "{{target}}"\n', 3,
+     "its continuation '' has no tokens; lm-eval cannot score it"),
+])
+def test_a_continuation_lm_eval_cannot_score_is_one_line(local, capsys, tmp_path, rows, extra,
+                                                         line, message):
+    from .helpers import LL_YAML, write_jsonl
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = write_jsonl(tmp_path / "long.jsonl", rows)
+    (tasks / "long.yaml").write_text(LL_YAML.format(name="kvt_long", data=data,
+                                                    cache=tmp_path / "cache") + extra)
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_long", "--include-path",
+                                   str(tasks)], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    last = err.splitlines()[-1]  # after the model's progress bars
+    assert last == f"kvtrain: config error: task 'kvt_long': {data}:{line}: {message}", err
