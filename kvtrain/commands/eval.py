@@ -41,6 +41,10 @@ def register(sub) -> None:
                    help="weights of the export and of the evaluated model (default fp32)")
     p.add_argument("--bootstrap-iters", type=int, default=1000, metavar="N",
                    help="bootstrap resamples for the stderr of non-mean metrics (0: none)")
+    p.add_argument("--max-length", type=int, default=None, metavar="L",
+                   help="tokens of context + continuation scored at most (default: a kvtrain "
+                        "run's train.seq_length, the context it trained on; another folder's "
+                        "max_position_embeddings)")
     p.add_argument("--log-samples", action="store_true",
                    help="also write every request's log-likelihoods (<record>.samples.jsonl)")
     p.add_argument("--out", default=None, metavar="FILE",
@@ -70,6 +74,8 @@ def _spec(args):
         raise ConfigError(f"--bootstrap-iters {args.bootstrap_iters}: must be 0 or more")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.max_length is not None and args.max_length < 1:
+        raise ConfigError(f"--max-length {args.max_length}: must be at least 1")
     out = Path(args.out).expanduser() if args.out else None
     if out is not None and out.is_dir():  # found only when writing, after the whole eval
         raise ConfigError(f"--out {args.out}: is a folder; name the results file, e.g. "
@@ -82,7 +88,7 @@ def _spec(args):
                     include_path=include, batch_size=args.batch_size,
                     device=args.device or _default_device(), dtype=args.dtype,
                     bootstrap_iters=args.bootstrap_iters, log_samples=args.log_samples,
-                    trust_remote_code=args.trust_remote_code)
+                    trust_remote_code=args.trust_remote_code, max_length=args.max_length)
 
 
 def _default_device() -> str:
@@ -103,7 +109,7 @@ def run(args) -> int:
     from kvtrain.commands.generate import check_out
     from kvtrain.config import ConfigError
     from kvtrain.config.loader import first_line
-    from kvtrain.evaluate.source import is_hf_folder, prepared
+    from kvtrain.evaluate.source import is_hf_folder, prepared, window_of
 
     spec = _spec(args)
     check_out(args.out)  # a file in its path: one line now, not after the evaluation
@@ -122,12 +128,14 @@ def run(args) -> int:
         target = Path(args.out).expanduser() if args.out else None
         if target is None and src.run_dir is not None:
             name = record_name(spec.tasks, src.iteration, spec.num_fewshot, spec.limit,
-                               spec.dtype)
+                               spec.dtype, spec.max_length)
             target = src.run_dir / EVAL_DIR / name
         out = run_harness(src.hf_dir, spec, loaded)
         record = make_record(args.source, src.checkpoint, src.iteration,
                              None if src.temporary else src.hf_dir, spec, out)
         print(render_table(out.tasks, out.n_samples))
+        print(f"kvtrain eval: scored within {out.max_length} tokens "
+              f"({window_of(src.hf_dir, spec.max_length)[1]})")
         if target is not None:
             try:
                 written = write_record(target, record, out.samples)

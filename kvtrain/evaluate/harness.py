@@ -23,6 +23,7 @@ from kvtrain.config import ConfigError, first_line
 from kvtrain.hf import HF_EXTRA, offline
 
 from .documents import bad_line, check_documents, check_requests, local_files
+from .source import window_of
 
 # every switch the Hugging Face libraries read to stay off the network
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> transformers' name
@@ -44,6 +45,9 @@ class EvalSpec:
     log_samples: bool = False
     seed: int = 1234
     trust_remote_code: bool = False  # run code of a folder kvtrain did not export
+    # tokens of context + continuation scored at most (None: a kvtrain export's
+    # train.seq_length, another folder's lm-eval default, max_position_embeddings)
+    max_length: Optional[int] = None
 
     def as_record(self) -> dict[str, Any]:
         """The settings saved next to the results."""
@@ -51,7 +55,7 @@ class EvalSpec:
                 "include_path": str(self.include_path) if self.include_path else None,
                 "batch_size": self.batch_size, "device": self.device, "dtype": self.dtype,
                 "bootstrap_iters": self.bootstrap_iters, "seed": self.seed,
-                "trust_remote_code": self.trust_remote_code}
+                "trust_remote_code": self.trust_remote_code, "max_length": self.max_length}
 
 
 @dataclass
@@ -64,6 +68,7 @@ class EvalOutput:
     versions: dict[str, Any]
     samples: list[dict] = field(default_factory=list)  # per request, with log_samples
     lm_eval_version: str = ""
+    max_length: Optional[int] = None  # the window lm-eval scored within
 
 
 def import_harness():
@@ -410,7 +415,7 @@ def language_model(hf_dir: Path, spec: EvalSpec, trust: bool, loaded: Optional[l
     return (DocumentsApartLM if apart else CheckedLM)(
         pretrained=str(hf_dir), device=spec.device, dtype=DTYPES[spec.dtype],
         batch_size=spec.batch_size, logits_cache=False, trust_remote_code=trust,
-        prefix_token_id=eod)
+        prefix_token_id=eod, max_length=window_of(hf_dir, spec.max_length)[0])
 
 
 def _loaded_model(hf_dir: Path, spec: "EvalSpec", trust: bool, loaded: list):
@@ -477,7 +482,7 @@ def run_harness(hf_dir: Path, spec: EvalSpec,
         n_shot={t: int(k) for t, k in (answer.get("n-shot") or {}).items()},
         versions=_json_safe(answer.get("versions") or {}),
         samples=_json_safe(samples),
-        lm_eval_version=getattr(lm_eval, "__version__", ""))
+        lm_eval_version=getattr(lm_eval, "__version__", ""), max_length=int(lm.max_length))
 
 
 __all__ = ["EvalOutput", "EvalSpec", "UnknownTask", "check_fewshot", "import_harness",

@@ -34,15 +34,17 @@ def make_record(source: str, checkpoint: Optional[Path], iteration: Optional[int
             "tasks": out.tasks,
             "n_samples": out.n_samples, "n_shot": out.n_shot, "versions": out.versions,
             "config": spec.as_record(), "lm_eval_version": out.lm_eval_version,
+            "max_length": out.max_length,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def record_name(tasks: list[str], iteration: Optional[int], num_fewshot: Optional[int] = None,
-                limit: Optional[float] = None, dtype: str = DEFAULT_DTYPE) -> str:
-    """``<task1>+<task2>-iter_0000100[-5shot][-limit200][-bf16].json`` (a time
-    stamp without an iteration): evaluations that differ in shots, limit or
-    dtype keep apart. The default dtype is not named, so names written before
-    the dtype was part of them still mean fp32."""
+                limit: Optional[float] = None, dtype: str = DEFAULT_DTYPE,
+                max_length: Optional[int] = None) -> str:
+    """``<task1>+<task2>-iter_0000100[-5shot][-limitN][-lenL][-bf16].json`` (a time
+    stamp without an iteration): evaluations that differ in shots, limit, a
+    ``--max-length`` or dtype keep apart. The default dtype is not named, so names
+    written before the dtype was part of them still mean fp32."""
     joined = "+".join(re.sub(r"[^A-Za-z0-9_.-]", "_", t) for t in tasks)
     if len(joined) > 120:  # many tasks: a valid file name, one per list (its hash)
         digest = hashlib.sha1(joined.encode()).hexdigest()[:8]
@@ -53,6 +55,8 @@ def record_name(tasks: list[str], iteration: Optional[int], num_fewshot: Optiona
         parts.append(f"{num_fewshot}shot")
     if limit is not None:
         parts.append(f"limit{limit:g}")
+    if max_length is not None:
+        parts.append(f"len{max_length}")
     if dtype != DEFAULT_DTYPE:
         parts.append(dtype)
     return "-".join(parts) + ".json"

@@ -174,5 +174,31 @@ def prepared(source: str | Path, dtype: str) -> Iterator[Source]:
         yield Source(hf_dir, None, checkpoint, iteration, cfg, temporary=True)
 
 
+def window_of(hf_dir: Path, asked: Optional[int] = None) -> tuple[Optional[int], str]:
+    """(tokens lm-eval scores within, where that comes from). lm-eval's own is the
+    folder's ``max_position_embeddings``; a kvtrain run trained on ``train.seq_length``
+    (often shorter) has seen no position beyond it, and its perplexity and validation
+    read that context: a kvtrain export (its record) is scored within it. ``asked``:
+    ``--max-length``. None: lm-eval's."""
+    from kvtrain.hf.export import RECORD
+
+    if asked is not None:
+        return asked, "--max-length"
+    try:
+        record = json.loads((Path(hf_dir) / RECORD).read_text())
+        trained = record["config"]["train"]["seq_length"]
+        positions = json.loads((Path(hf_dir) / "config.json").read_text())[
+            "max_position_embeddings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, "lm-eval's, the folder's max_position_embeddings"
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+               for v in (trained, positions)):
+        return None, "lm-eval's, the folder's max_position_embeddings"
+    if trained >= positions:
+        return None, "lm-eval's, the folder's max_position_embeddings"
+    return trained, "the run's train.seq_length"
+
+
+
 __all__ = ["EVAL_DIR", "STAMP", "Source", "cached_export", "check_tokenizer", "is_hf_folder",
-           "prepared", "run_folder_of"]
+           "prepared", "run_folder_of", "window_of"]

@@ -357,3 +357,35 @@ def test_a_run_whose_eval_folder_is_a_file_is_one_line(evaluated, tmp_path, caps
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"{run / 'eval'} is a file, not a folder" in err, err
     assert (run / "eval").read_text() == "notes"
+
+
+def test_a_kvtrain_export_is_scored_within_the_context_it_trained_on(evaluated, tmp_path,
+                                                                    capsys):
+    """lm-eval's window is the folder's ``max_position_embeddings``: a run trained on
+    shorter sequences (``train.seq_length`` 16 under 64 positions) was scored on
+    contexts up to 64 tokens, at positions it never trained on, without a word (its
+    perplexity reads 32 tokens of context). A kvtrain export is scored within its
+    ``train.seq_length`` now (the record and the table say so); ``--max-length``
+    decides otherwise, and names its results file; another folder keeps lm-eval's."""
+    import shutil
+
+    from kvtrain.evaluate.harness import EvalSpec, language_model
+
+    export = shutil.copytree(evaluated["run"] / "eval" / "hf-iter_0000000-fp32", tmp_path / "hf")
+    record = json.loads((export / "kvtrain_export.json").read_text())
+    record["config"]["train"]["seq_length"] = 16
+    (export / "kvtrain_export.json").write_text(json.dumps(record))
+    spec = EvalSpec(tasks=["kvt_ll"])
+    assert language_model(export, spec, trust=True).max_length == 16
+    assert language_model(export, EvalSpec(tasks=["kvt_ll"], max_length=40),
+                          trust=True).max_length == 40
+    (export / "kvtrain_export.json").unlink()  # a folder kvtrain did not export
+    assert language_model(export, spec, trust=True).max_length == 64
+    capsys.readouterr()
+    assert main(["eval", str(evaluated["run"]), "--tasks", "kvt_ll", "--include-path",
+                 str(evaluated["tasks"]), "--max-length", "24", "--no-wandb"]) == 0
+    assert "scored within 24 tokens (--max-length)" in capsys.readouterr().out
+    saved = json.loads((evaluated["run"] / "eval" / "kvt_ll-iter_0000000-len24.json").read_text())
+    assert saved["max_length"] == 24 and saved["config"]["max_length"] == 24
+    assert main(["eval", str(evaluated["run"]), "--tasks", "kvt_ll", "--include-path",
+                 str(evaluated["tasks"]), "--max-length", "0"]) == 2
