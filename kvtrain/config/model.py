@@ -250,6 +250,14 @@ class ModelConfig:
                 f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"model.num_query_groups ({self.kv_heads})"
             )
+        head_dim = self.hidden_size // self.num_attention_heads
+        if self.position_embedding == "rope" and self.mla is None and head_dim % 2:
+            # every RoPE kernel, megatron's too, rotates pairs of a head's channels: an odd
+            # head dim died at the first forward in a traceback (MLA: its own RoPE dims)
+            raise ConfigError(
+                f"model.hidden_size ({self.hidden_size}) / model.num_attention_heads "
+                f"({self.num_attention_heads}) = {head_dim} channels per head: RoPE rotates "
+                "pairs of them and needs an even head dim (or model.position_embedding: none)")
         ks = self.kv_shift
         if not 1 <= ks.window <= 3:
             raise ConfigError(f"model.kv_shift.window must be 1, 2 or 3, got {ks.window}")

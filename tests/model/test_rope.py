@@ -459,6 +459,34 @@ def test_models_without_rotary_embeddings_take_none():
     assert choose_for(ModelConfig(), "torch", True) == ("triton", "auto: GPU")
 
 
+def test_an_odd_head_dim_with_rope_is_refused_in_one_line(single_rank, tmp_path, capsys):
+    """RoPE rotates pairs of a head's channels: an odd head dim (hidden_size 24 over 8
+    heads) stopped the first forward in a traceback from megatron's RoPE (``The size of
+    tensor a (3) must match the size of tensor b (4)``), and ``kvtrain plan`` planned
+    it; the config refuses it, naming the keys. Without RoPE the same shape is a model."""
+    from kvtrain.cli import main
+    from kvtrain.config import ModelConfig, load_config
+    from kvtrain.train.setup import build_run
+
+    want = ("model.hidden_size (24) / model.num_attention_heads (8) = 3 channels per head: "
+            "RoPE rotates pairs of them and needs an even head dim (or "
+            "model.position_embedding: none)")
+    odd = dict(hidden_size=24, num_attention_heads=8)
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(**odd).validate()
+    assert str(e.value) == want
+    ModelConfig(**odd, position_embedding="none").validate()
+    sets = ["data.type=mock", "train.max_steps=1", "model.hidden_size=24",
+            "model.num_attention_heads=8", "model.num_query_groups=null"]
+    with pytest.raises(ConfigError) as e:
+        build_run(load_config(str(REPO / "configs" / "tiny.yaml"), sets), tmp_path / "a")
+    assert str(e.value) == want
+    capsys.readouterr()
+    plan = ["plan", str(REPO / "configs" / "tiny.yaml")] + [a for s in sets for a in ("--set", s)]
+    assert main(plan) == 2
+    assert capsys.readouterr().err.strip() == f"kvtrain: config error: {want}"
+
+
 def test_the_plan_counts_one_angles_copy_per_mla_layer(mp1):
     """megatron's MLA layers build a ``RotaryEmbedding`` each, and its ``lru_cache``
     (keyed by the module) keeps a copy per layer: the plan counts as many, up to the
