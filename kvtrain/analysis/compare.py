@@ -295,7 +295,7 @@ def _setting(value) -> str:
 
 
 def eval_table(summary: dict) -> list[str]:
-    """One row per task, setting (iteration, shots, limit, dtype) and metric, one column
+    """One row per task, setting (iteration, shots, limit, dtype, window) and metric, one column
     per run: a run's result sits only in its own setting's row, so results of
     different settings never meet; empty when no run has results."""
     runs = summary["runs"]
@@ -304,9 +304,9 @@ def eval_table(summary: dict) -> list[str]:
                   key=lambda row: (key_order(row[0]), row[1]))
     if not rows:
         return []
-    lines = ["| task | iteration | shots | limit | dtype | metric | "
+    lines = ["| task | iteration | shots | limit | dtype | window | metric | "
              + " | ".join(r["label"] for r in runs) + " |",
-             "|---|---:|---:|---:|---|---|" + "---:|" * len(runs)]
+             "|---|---:|---:|---:|---|---:|---|" + "---:|" * len(runs)]
     for key, metric in rows:
         task, *setting = key
         values = [_fmt(table.get(key, {}).get(metric)) for table in by_key]

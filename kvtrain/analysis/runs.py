@@ -200,7 +200,7 @@ def gap_notes(records: list[dict], metrics: Path) -> list[str]:
 
 
 # what makes two results of a task comparable: same checkpoint iteration, shots, limit, dtype
-EVAL_KEY = ("task", "iteration", "num_fewshot", "limit", "dtype")
+EVAL_KEY = ("task", "iteration", "num_fewshot", "limit", "dtype", "max_length")
 
 
 def _scalar(value) -> Optional[float]:
@@ -211,14 +211,16 @@ def eval_setting(record: dict, task: str) -> dict:
     """The setting of ``task``'s results in a ``kvtrain eval`` record: the
     checkpoint's iteration, the shots (as lm-eval reported running them in
     ``n_shot``: a task whose YAML fixes 0 ignores ``--num-fewshot``; else the
-    shots asked for), ``--limit`` and ``--dtype`` (fp32 in a record whose config
-    names none); None for what the record does not say."""
+    shots asked for), ``--limit``, ``--dtype`` (fp32 in a record whose config
+    names none) and the window lm-eval scored within (``max_length``: a record of
+    kvtrain before session 42 names none); None for what the record does not say."""
     config = record.get("config") if isinstance(record.get("config"), dict) else {}
     ran = record["n_shot"].get(task) if isinstance(record.get("n_shot"), dict) else None
     shots = ran if _number(ran) is not None else config.get("num_fewshot")
     return {"task": task, "iteration": _scalar(record.get("iteration")),
             "num_fewshot": _scalar(shots), "limit": _scalar(config.get("limit")),
-            "dtype": str(config.get("dtype") or "fp32") if config else None}
+            "dtype": str(config.get("dtype") or "fp32") if config else None,
+            "max_length": _scalar(record.get("max_length"))}
 
 
 def eval_key(entry: dict) -> tuple:

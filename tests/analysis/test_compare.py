@@ -93,8 +93,8 @@ def test_speedup_difference_and_evals(tmp_path):
     assert "1.43x" in printed
     report = (tmp_path / "out" / "report.md").read_text()
     # records without settings (iteration, shots, limit): one setting, all unknown
-    assert "| lambada | - | - | - | - | acc | 0.2500 | 0.5000 | - |" in report
-    assert "| arc_easy | - | - | - | - | acc_norm | - | 0.7500 | - |" in report
+    assert "| lambada | - | - | - | - | - | acc | 0.2500 | 0.5000 | - |" in report
+    assert "| arc_easy | - | - | - | - | - | acc_norm | - | 0.7500 | - |" in report
     assert "broken.json: not read" in report and "line(s) are not JSON records" in report
     assert not (tmp_path / "out" / "kv_shift_coefficients.png").exists()  # no kv_shift records
 
@@ -123,16 +123,40 @@ def test_eval_rows_keep_settings_apart(tmp_path):
         "lambada-iter_0000100-5shot-bf16.json": _eval_record(0.55, 5, dtype="bf16")})
     summary, _ = compare([a, b], tmp_path / "out")
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "| task | iteration | shots | limit | dtype | metric | a | b |" in report
+    assert "| task | iteration | shots | limit | dtype | window | metric | a | b |" in report
     assert [line for line in report.splitlines() if line.startswith("| lambada |")] == [
-        "| lambada | 50 | 0 | - | fp32 | acc | 0.2000 | - |",
-        "| lambada | 100 | 0 | - | bf16 | acc | - | 0.4500 |",
-        "| lambada | 100 | 0 | - | fp32 | acc | 0.3000 | 0.3500 |",
-        "| lambada | 100 | 0 | 200 | fp32 | acc | - | 0.4000 |",
-        "| lambada | 100 | 5 | - | bf16 | acc | - | 0.5500 |",
-        "| lambada | 100 | 5 | - | fp32 | acc | 0.6000 | 0.5000 |"]
+        "| lambada | 50 | 0 | - | fp32 | - | acc | 0.2000 | - |",
+        "| lambada | 100 | 0 | - | bf16 | - | acc | - | 0.4500 |",
+        "| lambada | 100 | 0 | - | fp32 | - | acc | 0.3000 | 0.3500 |",
+        "| lambada | 100 | 0 | 200 | fp32 | - | acc | - | 0.4000 |",
+        "| lambada | 100 | 5 | - | bf16 | - | acc | - | 0.5500 |",
+        "| lambada | 100 | 5 | - | fp32 | - | acc | 0.6000 | 0.5000 |"]
     assert {"task": "lambada", "iteration": 100, "num_fewshot": 5, "limit": None,
-            "dtype": "fp32", "metrics": {"acc": 0.5}} in summary["runs"][1]["eval"]
+            "dtype": "fp32", "max_length": None, "metrics": {"acc": 0.5}} \
+        in summary["runs"][1]["eval"]
+
+
+def test_eval_rows_keep_windows_apart(tmp_path):
+    """``kvtrain eval --max-length`` scores within another window (its file named
+    ``-lenL``): its results were merged into the default's row, a later file's
+    metric replacing the other's. The window a record names is part of its setting;
+    a record of an older kvtrain names none (``-``)."""
+    def record(acc, window):
+        return json.dumps({**json.loads(_eval_record(acc)),
+                           **({"max_length": window} if window else {})})
+
+    a = _write_run(tmp_path / "a", [(100, 2.0)], evals={
+        "lambada-iter_0000100.json": record(0.30, 32),
+        "lambada-iter_0000100-len64.json": record(0.25, 64)})
+    b = _write_run(tmp_path / "b", [(100, 1.9)], evals={
+        "lambada-iter_0000100.json": record(0.35, 32), "old.json": record(0.10, None)})
+    compare([a, b], tmp_path / "out")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| task | iteration | shots | limit | dtype | window | metric | a | b |" in report
+    assert [line for line in report.splitlines() if line.startswith("| lambada |")] == [
+        "| lambada | 100 | 0 | - | fp32 | - | acc | - | 0.1000 |",
+        "| lambada | 100 | 0 | - | fp32 | 32 | acc | 0.3000 | 0.3500 |",
+        "| lambada | 100 | 0 | - | fp32 | 64 | acc | 0.2500 | - |"]
 
 
 def test_eval_shots_are_those_lm_eval_ran():
