@@ -27,12 +27,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from statistics import NormalDist
 from typing import Optional, Sequence
 
 from kvtrain.config import ConfigError
 from kvtrain.config.compat import IGNORED  # the kernels and padding: how a model runs
 
-from .runs import Curve, RunData, eval_key, interpolate, key_order, read_run, unique_labels
+from .runs import EVAL_KEY, Curve, RunData, eval_key, interpolate, key_order, read_run, \
+    unique_labels
 
 QUADRANTS = ("a1>a2,b1>b2", "a1<=a2,b1>b2", "a1>a2,b1<=b2", "a1<=a2,b1<=b2")
 
@@ -194,6 +196,7 @@ def summarize(runs: Sequence[RunData]) -> dict:
         entry["valid_sets"] = {name: {"iteration": curve.iterations[-1], "val_loss": curve.final}
                                for name, curve in run.valid_sets.items() if curve}
         if run is not a:
+            entry["eval_vs_reference"] = eval_vs_reference(out["runs"][0], entry)
             entry["vs_reference"] = {
                 "train_loss_diff": _diff(run.train.final, a.train.final),
                 "val_loss_diff": _diff(run.valid.final, a.valid.final),
@@ -315,6 +318,51 @@ def eval_table(summary: dict) -> list[str]:
     return lines
 
 
+Z95 = NormalDist().inv_cdf(0.975)  # a two-sided 95 % interval of a normal difference
+
+
+def _stderr_name(metric: str) -> str:
+    """lm-eval's stderr of ``metric`` as ``metrics_of`` names it (``acc/<filter>``:
+    ``acc_stderr/<filter>``)."""
+    base, sep, filt = metric.partition("/")
+    return f"{base}_stderr{sep}{filt}"
+
+
+def eval_vs_reference(a: dict, run: dict) -> list[dict]:
+    """``run``'s evaluation metrics minus A's in the same setting, where both carry
+    lm-eval's stderr: the difference, its 95 % interval (z x the two stderrs in
+    quadrature: unpaired, so wider than a paired test of the same documents) and
+    whether it lies beyond."""
+    mine = {eval_key(e): e for e in a["eval"]}
+    out = []
+    for entry in run["eval"]:
+        ref = mine.get(eval_key(entry))
+        for metric, value in (entry["metrics"] if ref else {}).items():
+            se, ref_se = entry["metrics"].get(_stderr_name(metric)), \
+                ref["metrics"].get(_stderr_name(metric))
+            if "_stderr" in metric or metric not in ref["metrics"] or se is None \
+                    or ref_se is None:
+                continue
+            diff, half = value - ref["metrics"][metric], Z95 * math.hypot(se, ref_se)
+            out.append({**{k: entry[k] for k in EVAL_KEY}, "metric": metric, "diff": diff,
+                        "interval95": half, "beyond": abs(diff) > half})
+    return out
+
+
+def eval_difference_table(summary: dict) -> list[str]:
+    """One row per run, setting and metric with a stderr: run - A and its interval."""
+    rows = [(r["label"], d) for r in summary["runs"][1:] for d in r.get("eval_vs_reference", [])]
+    if not rows:
+        return []
+    lines = ["| task | iteration | shots | limit | dtype | window | metric | run | run - A | "
+             "95 % interval | beyond it |", "|---|---:|---:|---:|---|---:|---|---|---:|---:|---|"]
+    for label, d in sorted(rows, key=lambda r: (key_order(eval_key(r[1])), r[1]["metric"])):
+        setting = " | ".join(_setting(d[k]) for k in EVAL_KEY[1:])
+        lines.append(f"| {d['task']} | {setting} | {d['metric']} | {label} | {d['diff']:+.4f} | "
+                     f"±{d['interval95']:.4f} | {'yes' if d['beyond'] else 'no'} |")
+    return lines
+
+
 def report_markdown(summary: dict, plots: dict[str, str]) -> str:
     """``report.md``: the tables and the plots (``plots``: title -> file name)."""
     lines = ["# kvtrain compare", "",
@@ -335,6 +383,13 @@ def report_markdown(summary: dict, plots: dict[str, str]) -> str:
     evals = eval_table(summary)
     if evals:
         lines += ["", "## Evaluation", ""] + evals
+    differences = eval_difference_table(summary)
+    if differences:
+        lines += ["", "## Evaluation: differences from A", "",
+                  "Each run's metric minus A's in the same setting, with a 95 % interval from "
+                  "the two stderrs lm-eval reports (unpaired: wider than a paired test of the "
+                  "same documents); \"beyond it\": the difference is larger than the "
+                  "interval.", ""] + differences
     notes = [n for r in summary["runs"] for n in r["notes"]]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]

@@ -159,6 +159,36 @@ def test_eval_rows_keep_windows_apart(tmp_path):
         "| lambada | 100 | 0 | - | fp32 | 64 | acc | 0.2500 | - |"]
 
 
+def test_eval_differences_say_whether_they_are_beyond_the_noise(tmp_path):
+    """Each run's metric minus A's, in the same setting, with a 95 % interval from the
+    two stderrs lm-eval reports (unpaired: wider than a paired test of the same
+    documents) and whether the difference lies beyond it; a metric without a
+    stderr (perplexity's bootstrap off) or a setting A lacks has no row."""
+    def record(acc, se, ppl):
+        metrics = {"acc": acc, "acc_stderr": se, "perplexity": ppl}
+        return json.dumps({"iteration": 100, "tasks": {"arc": metrics}, "n_shot": {"arc": 0},
+                           "config": {"num_fewshot": None, "limit": None}})
+
+    a = _write_run(tmp_path / "a", [(100, 2.0)], evals={"arc-iter_0000100.json":
+                                                        record(0.30, 0.02, 9.0)})
+    b = _write_run(tmp_path / "b", [(100, 1.9)], evals={"arc-iter_0000100.json":
+                                                        record(0.36, 0.02, 8.0)})
+    c = _write_run(tmp_path / "c", [(100, 1.9)], evals={
+        "arc-iter_0000100.json": record(0.33, 0.02, 8.5),
+        "arc-iter_0000100-5shot.json": record(0.5, 0.02, 7.0).replace('"arc": 0}', '"arc": 5}')})
+    summary, _ = compare([a, b, c], tmp_path / "out")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| task | iteration | shots | limit | dtype | window | metric | run | run - A | " \
+           "95 % interval | beyond it |" in report
+    rows = [line for line in report.splitlines() if line.startswith("| arc |")
+            and line.count("|") == 12]
+    assert rows == ["| arc | 100 | 0 | - | fp32 | - | acc | b | +0.0600 | ±0.0554 | yes |",
+                    "| arc | 100 | 0 | - | fp32 | - | acc | c | +0.0300 | ±0.0554 | no |"]
+    (vs,) = summary["runs"][1]["eval_vs_reference"]
+    assert vs["metric"] == "acc" and vs["diff"] == pytest.approx(0.06)
+    assert vs["interval95"] == pytest.approx(1.959964 * (2 * 0.02 ** 2) ** 0.5, rel=1e-6)
+
+
 def test_eval_shots_are_those_lm_eval_ran():
     """A task whose YAML fixes ``num_fewshot: 0`` (bbh_zeroshot, ifeval, ...) runs
     0-shot whatever ``--num-fewshot`` says (lm-eval ignores it): its results sit
