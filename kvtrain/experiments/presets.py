@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from kvtrain.config import ConfigError, RunConfig
@@ -211,6 +212,18 @@ def select_arms(preset: str, scale: str, names: Optional[Sequence[str]]) -> list
     return [a for a in arms if a.name in names]
 
 
+def _check_own_checkpoints(base: dict) -> None:
+    """An absolute ``checkpoint.dir`` is one folder for every arm (a relative one is
+    under each arm's run folder): each arm would resume from the checkpoint another
+    saved there, refused only once the earlier arms had trained (hours at the paper
+    scale), and overwrite the others' checkpoints. Refused before any arm trains."""
+    folder = (base.get("checkpoint") or {}).get("dir")
+    if isinstance(folder, str) and Path(folder).expanduser().is_absolute():
+        raise ConfigError(f"checkpoint.dir {folder} is one folder for every arm of the "
+                          "experiment: leave it out or relative (each arm's run folder holds "
+                          "its own)")
+
+
 def arm_configs(preset: str, scale: str, overrides: Sequence[str] = (),
                 arms: Optional[Sequence[str]] = None, world_size: int = 1,
                 extra: Optional[dict[str, Any]] = None) -> list[tuple[Arm, RunConfig]]:
@@ -228,6 +241,7 @@ def arm_configs(preset: str, scale: str, overrides: Sequence[str] = (),
         raise ConfigError(f"data.type {data_type!r}: kvtrain experiment induction trains the toy "
                           f"tasks (data.type {' or '.join(TASK_TYPES)}); train other data with "
                           "kvtrain train")
+    _check_own_checkpoints(base)
     out = []
     for arm in select_arms(preset, scale, arms):
         data = _merge(base, {"name": arm.name, "model": {"attention": arm.attention,

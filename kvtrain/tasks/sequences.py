@@ -348,6 +348,12 @@ def validate_config(cfg) -> None:
     if least is not None and cfg.train.seq_length < least:
         raise ValueError(f"train.seq_length ({cfg.train.seq_length}) must be >= {least} for "
                          f"data.type {d.type}: a shorter sequence holds no scored position")
+    # a longer length was cut to the window, silently, and kept as the pool's size
+    window = cfg.train.seq_length + 1
+    if d.type == "induction" and d.induction.length is not None and d.induction.length > window:
+        raise ValueError(f"data.induction.length ({d.induction.length}) exceeds train.seq_length "
+                         f"+ 1 ({window}), the tokens a sample holds: raise train.seq_length, "
+                         "or set data.induction.pool_size for a larger pool in this window")
     task = task_from_config(cfg)
     if task.vocab_size > cfg.model.vocab_size:
         key = {"induction": "data.induction.max_val",

@@ -81,12 +81,12 @@ def test_preset_values():
 
 
 def test_set_is_kvtrain_trains_grammar_and_applies_to_every_arm():
-    configs = arm_configs("fig1a", "cpu", ["model.hidden_size=32", "data.induction.length=256",
+    configs = arm_configs("fig1a", "cpu", ["model.hidden_size=32", "data.induction.length=64",
                                            "train.max_steps=100", "optimizer.lr=1e-3"],
                           arms=["kv_shift-1L", "vanilla-2L"])
     assert [a.name for a, _ in configs] == ["kv_shift-1L", "vanilla-2L"]
     for _, cfg in configs:
-        assert cfg.model.hidden_size == 32 and cfg.data.induction.length == 256
+        assert cfg.model.hidden_size == 32 and cfg.data.induction.length == 64
         assert cfg.train.max_steps == 100 and cfg.optimizer.lr == 1e-3
 
 
@@ -102,6 +102,12 @@ def test_set_is_kvtrain_trains_grammar_and_applies_to_every_arm():
     (["--workers", "0"], "--workers and --nproc must be >= 1, --threads >= 0"),
     (["--nproc", "-1"], "--workers and --nproc must be >= 1, --threads >= 0"),
     (["--threads", "-2"], "--workers and --nproc must be >= 1, --threads >= 0"),
+    # every arm saved into (and resumed from) the same folder: an arm's checkpoints
+    # overwritten by another's, a resume refused after the earlier arms had trained
+    (["--set", "checkpoint.dir=/scratch/fig1a"],
+     "checkpoint.dir /scratch/fig1a is one folder for every arm of the experiment"),
+    (["--set", "checkpoint.dir=~/fig1a"],
+     "checkpoint.dir ~/fig1a is one folder for every arm of the experiment"),
 ])
 def test_bad_options_are_one_line_errors(args, message, capsys, tmp_path):
     run_dir = tmp_path / "x"

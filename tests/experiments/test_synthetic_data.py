@@ -283,3 +283,25 @@ def test_a_window_too_short_to_score_a_position_names_train_seq_length(preset, s
     with pytest.raises(ConfigError) as e:
         arm_configs(preset, "cpu", sets)
     assert error in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_length_longer_than_the_window_is_refused_not_cut():
+    """data.induction.length is the tokens a sequence is generated with: a length
+    above train.seq_length + 1 was cut to the window, silently, and kept as the pool
+    (``--set data.induction.length=256`` at the cpu preset's seq_length 128 trained on
+    129-token sequences from a pool of 256: neither setting asked for). The window's
+    own length and a shorter one (0-padded) are as before."""
+    from kvtrain.config import ConfigError
+    from kvtrain.experiments.presets import arm_configs
+
+    with pytest.raises(ConfigError) as e:
+        arm_configs("fig1a", "cpu", ["data.induction.length=256"])
+    message = str(e.value)
+    assert "data.induction.length (256) exceeds train.seq_length + 1 (129)" in message, message
+    assert "\n" not in message
+    for length in (129, 64):
+        cfg = arm_configs("fig1a", "cpu", [f"data.induction.length={length}"])[0][1]
+        assert cfg.data.induction.length == length
+    # a longer sequence: the window with it
+    cfg = arm_configs("fig1a", "cpu", ["data.induction.length=256", "train.seq_length=255"])[0][1]
+    assert cfg.train.seq_length == 255
