@@ -348,8 +348,8 @@ def test_compare_plots_the_loss_by_position_of_each_run(tmp_path):
     b = scored(scored(_write_run(tmp_path / "b", [(100, 1.9)]), 50, 0.0), 100, 0.002)
     summary, _ = compare([a, b], tmp_path / "out")
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "| perplexity/web | 100 | - | 64 | fp32 | icl_score | -0.4500 | -0.9000 |" in report
-    assert "| perplexity/web | 50 | - | 64 | fp32 | icl_score | - | 0.0000 |" in report
+    assert "| perplexity/web | 100 | - | 64 | fp32 | - | icl_score | -0.4500 | -0.9000 |" in report
+    assert "| perplexity/web | 50 | - | 64 | fp32 | - | icl_score | - | 0.0000 |" in report
     png = tmp_path / "out" / "loss_by_position.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](loss_by_position.png)" in report
     from kvtrain.analysis.plots import _latest_positions
