@@ -3,10 +3,13 @@ environment a test runs one in (:func:`script_env`)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import socket
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from .forkserver import REPO
 
@@ -46,3 +49,19 @@ def script_env(**extra: str) -> dict:
     env = without_rendezvous()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=python_path(), **extra)
     return env
+
+
+@contextlib.contextmanager
+def a_taken_port_first(monkeypatch, module) -> Iterator[None]:
+    """``module.free_port`` gives, once, a port another socket listens on, then free
+    ones: the race of a port taken between finding it free and binding it, made sure."""
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    ports = [busy.getsockname()[1]]
+    real = module.free_port
+    monkeypatch.setattr(module, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        yield
+    finally:
+        busy.close()

@@ -47,22 +47,14 @@ def test_a_port_taken_before_rank_0_listens_is_a_new_start(monkeypatch):
     between failed the run with EADDRINUSE in rank 0's init (the rare failure of
     ``-k cuda_visible``). Such a start is made again on another port; a failure of
     ``fn`` is not."""
-    import socket
-
     import pytest
 
     from kvtrain import backend
 
-    busy = socket.socket()
-    busy.bind(("0.0.0.0", 0))
-    busy.listen()
-    ports = [busy.getsockname()[1]]
-    real = backend.free_port
-    monkeypatch.setattr(backend, "free_port", lambda: ports.pop() if ports else real())
-    try:
+    from .scripts import a_taken_port_first
+
+    with a_taken_port_first(monkeypatch, backend):
         first, second = testing.run_distributed(_parent, 2, timeout=120)
-    finally:
-        busy.close()
     assert first == second != os.getpid()
     with pytest.raises(RuntimeError, match="rank [01] of 2 fails"):
         testing.run_distributed(_fails, 2, timeout=120)

@@ -47,18 +47,10 @@ def test_a_port_taken_before_torchrun_listens_is_a_new_launch(monkeypatch):
     rank started; seen once in a full run as a 2-rank refusal test with no line
     at all). ``run`` launches again on another port; a rank's own failure is not
     retried."""
-    import socket
+    from ..scripts import a_taken_port_first
 
-    busy = socket.socket()
-    busy.bind(("0.0.0.0", 0))
-    busy.listen()
-    ports = [busy.getsockname()[1]]
-    real = conftest.free_port
-    monkeypatch.setattr(conftest, "free_port", lambda: ports.pop() if ports else real())
-    try:
+    with a_taken_port_first(monkeypatch, conftest):
         helped = run(["--help"], nproc=2, timeout=120)
-    finally:
-        busy.close()
     assert helped.returncode == 0 and helped.stdout.count("usage: kvtrain") == 2, \
         helped.stderr[-2000:]
     failed = run(["no-such-command"], nproc=2, timeout=120)
