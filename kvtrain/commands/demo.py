@@ -124,9 +124,11 @@ def prepare_data(data_dir: Path, synthetic: bool = False) -> list[str]:
             f"data.eod_id={DEMO_VOCAB - 1}"]
 
 
-# What a run writes into its folder (the demo's data/ is kept and reused).
+# What a run writes into its folder (the demo's data/ is kept and reused), and eval/:
+# kvtrain eval's and perplexity's results of its checkpoints, which kvtrain compare
+# would show beside the fresh arms' curves as theirs (and the export cached for them).
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "checkpoints", "wandb", "wandb_run_id",
-               "data_cache")
+               "data_cache", "eval")
 
 
 def _clear_run(run_dir: Path) -> None:

@@ -80,13 +80,47 @@ def run(args) -> int:
     run_dir = args.run_dir or os.path.join("runs", f"sweep-{name}")
     print(f"kvtrain sweep: {len(cells)} cells ({' x '.join(str(len(a.texts)) for a in axes)}) "
           f"-> {run_dir}", flush=True)
+    _check_runs_of_dry_run_jobs(cells, run_dir)
     if args.dry_run:
+        from pathlib import Path
+
+        from kvtrain.experiments.runner import arm_jobs
+        from kvtrain.experiments.sweep import as_arms
+
+        # what the sweep's own command would refuse, before jobs resume its cells' runs
+        # under other settings (reads the folder only)
+        arm_jobs(as_arms(cells), Path(run_dir))
         for cell in cells:
             print(_command(args, cell, run_dir))
         return 0
     check_shards(cells)
     make_folder(run_dir, "--run-dir")
     return _train_and_tabulate(args, axes, cells, run_dir)
+
+
+def _check_runs_of_dry_run_jobs(cells, run_dir: str) -> None:
+    """A cell's run that a --dry-run job trained has no ``arm.yaml`` (which the runner
+    compares), only the run's own ``config.yaml``: run with other --set values, it
+    would be resumed at its last step with nothing to do and tabulated under this
+    command's settings. Compared as the runner compares ``arm.yaml`` (wandb may differ)."""
+    from pathlib import Path
+
+    from kvtrain.config import ConfigError, load_config, to_dict
+    from kvtrain.config.compat import config_changes
+
+    for cell in cells:
+        folder = Path(run_dir) / "arms" / cell.name
+        recorded = folder / "run" / "config.yaml"
+        if (folder / "arm.yaml").exists() or not recorded.exists():
+            continue
+        saved = to_dict(load_config(recorded))
+        changes = config_changes(saved, to_dict(cell.cfg), tuple(k for k in saved if k != "wandb"))
+        if changes:
+            raise ConfigError(
+                f"{recorded} (the cell's run, trained without arm.yaml: a --dry-run job) "
+                f"differs from this command's config of cell {cell.name} "
+                f"({'; '.join(map(str, changes[:3]))}): the cells of a sweep share one config; "
+                "rerun with the --set values its jobs ran with, or choose another --run-dir")
 
 
 def _train_and_tabulate(args, axes, cells, run_dir: str) -> int:

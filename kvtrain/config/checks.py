@@ -59,7 +59,22 @@ def check_context_parallel(cfg: RunConfig) -> None:
             f"{m.kv_heads} / parallel.tensor {p.tensor}) to be divisible by parallel.context "
             f"({p.context}); use p2p or all_gather")
 
+
+def check_schedule_layout(cfg: RunConfig) -> None:
+    """What the training step's pipeline schedule needs of ``parallel`` beyond the
+    layout checks of ``RunConfig.validate``."""
+    if cfg.parallel.virtual_pipeline == 1:
+        # megatron takes its interleaved schedule for any virtual size, and one chunk
+        # per rank reached it bare: every rank's first step died in a TypeError
+        # ('DistributedDataParallel' object is not subscriptable); Megatron-LM reads 1
+        # as no interleaving
+        raise ConfigError("parallel.virtual_pipeline 1 is one model chunk per pipeline "
+                          "rank, no interleaving: set it to null (or to 2 or more for the "
+                          "interleaved schedule)")
+
+
 def check_train(cfg: RunConfig) -> None:
+    check_schedule_layout(cfg)  # the schedule is the training step's (see above)
     t = cfg.train
     positive = {
         "train.max_steps": t.max_steps, "train.train_tokens": t.train_tokens,

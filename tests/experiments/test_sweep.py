@@ -175,6 +175,57 @@ def test_cells_trained_from_the_dry_runs_commands_are_tabulated_not_retrained(tm
         assert cell["val_loss"] == valid[-1]["val_loss"]
 
 
+def test_a_dry_run_job_trained_with_other_settings_is_refused_not_tabulated(tmp_path, capsys):
+    """A --dry-run job leaves the cell's run but no arm.yaml. The sweep's command given
+    other --set values found that run finished (the trainer resumed it at iteration
+    max_steps with nothing to do, only noting the change) and wrote its loss under the
+    command's settings: a table of lr=3e-3 from runs trained at lr=1e-3. Refused in one
+    line, before any trainer starts; the run's record is left as it was."""
+    from kvtrain.config import dump_yaml
+
+    run_dir = tmp_path / "sweep"
+    trained = load_config(TINY, ["optimizer.lr=1e-3", "model.attention=vanilla",
+                                 "name=tiny-attention=vanilla"])
+    cell_run = run_dir / "arms" / "attention=vanilla" / "run"
+    cell_run.mkdir(parents=True)
+    (cell_run / "config.yaml").write_text(dump_yaml(trained))
+    assert main(["sweep", TINY, "--grid", "model.attention=vanilla", "--set",
+                 "optimizer.lr=3e-3", "--no-wandb", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvtrain: config error: {cell_run / 'config.yaml'} (the cell's run, "
+                          "trained without arm.yaml: a --dry-run job) differs from this "
+                          "command's config of cell attention=vanilla (optimizer.lr: 0.001 -> "
+                          "0.003"), err
+    assert not (cell_run.parent / "arm.yaml").exists()
+    assert (cell_run / "config.yaml").read_text() == dump_yaml(trained)
+
+
+@pytest.mark.parametrize("record", ["arm.yaml", "run/config.yaml"])
+def test_a_dry_run_over_cells_of_other_settings_is_refused_as_the_sweep_is(tmp_path, capsys,
+                                                                           record):
+    """--dry-run over a folder whose cell was trained with other --set values (by the
+    sweep: arm.yaml; by a --dry-run job: the run's config.yaml) printed the commands:
+    run as jobs, they resumed that cell's run under the new settings (the trainer
+    takes another optimizer.lr on a resume), and only the sweep's command afterwards
+    refused the folder. Refused now as the sweep's own command refuses it."""
+    from kvtrain.config import dump_yaml
+
+    run_dir = tmp_path / "sweep"
+    trained = load_config(TINY, ["optimizer.lr=1e-3", "model.attention=vanilla",
+                                 "name=tiny-attention=vanilla"])
+    path = run_dir / "arms" / "attention=vanilla" / record
+    path.parent.mkdir(parents=True)
+    path.write_text(dump_yaml(trained))
+    args = ["sweep", TINY, "--grid", "model.attention=vanilla", "--run-dir", str(run_dir),
+            "--dry-run", "--set"]
+    assert main([*args, "optimizer.lr=3e-3"]) == 2
+    out, err = capsys.readouterr()
+    assert f"kvtrain: config error: {path} " in err and "(optimizer.lr: 0.001 -> 0.003" in err
+    assert "kvtrain train" not in out
+    assert main([*args, "optimizer.lr=1e-3"]) == 0  # the settings it was trained with
+    assert "kvtrain train" in capsys.readouterr().out
+
+
 def test_a_cell_stopped_before_its_last_step_is_named_and_the_sweep_fails(tmp_path, capsys):
     """A cell that exits 0 short of its steps (train.exit_duration_minutes, a stop
     request) has a checkpoint, not a result: the sweep says so and exits 1."""

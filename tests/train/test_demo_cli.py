@@ -23,7 +23,9 @@ def test_a_config_that_does_not_exist_is_one_line(tmp_path, capsys):
 
 def _earlier_demo(root):
     """A demo folder as an earlier run left it: the data (reused, so not rebuilt),
-    both arms' outputs, and a file of the user's in an arm's folder."""
+    both arms' outputs, results of their checkpoints (``kvtrain eval`` and
+    ``perplexity`` write them into ``eval/``, where ``kvtrain compare`` reads them),
+    and a file of the user's in an arm's folder."""
     synthetic = root / "data" / "synthetic"
     synthetic.mkdir(parents=True)
     (synthetic / "corpus.idx").write_text("")
@@ -34,6 +36,8 @@ def _earlier_demo(root):
         (run / "wandb").mkdir()
         for name in ("config.yaml", "metrics.jsonl", "wandb_run_id"):
             (run / name).write_text("x")
+        (run / "eval").mkdir()
+        (run / "eval" / "perplexity-held-iter_0000003-n64.json").write_text("{}")
         (run / "notes.txt").write_text("mine")
 
 
@@ -50,7 +54,9 @@ def test_a_failed_arm_is_named_after_fresh_cleared_only_the_run_outputs(tmp_path
                                                                         monkeypatch):
     """``kvtrain demo --fresh`` whose kv_shift arm fails (the trainer refused it):
     exit 1 and one line naming the arm and its exit code, no comparison written.
-    --fresh removed both arms' earlier outputs, but not the data nor other files."""
+    --fresh removed both arms' earlier outputs, but not the data nor other files. The
+    earlier checkpoints' eval/ results went with them: kept, the comparison of the
+    fresh arms showed them as the new runs' (same task, same iteration)."""
     root = tmp_path / "demo"
     _earlier_demo(root)
     _fake_arms(monkeypatch, {"vanilla": 0, "kv_shift": 3})
