@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from data_tools.fileio import os_error_text
+from data_tools.fileio import PIPE_CLOSED, os_error_text, stdout_reader_gone
 
 # command -> (module with run(args), one-line help)
 COMMANDS = {
@@ -38,6 +38,8 @@ def _runner(command: str):
         try:
             return importlib.import_module(module).run(args)
         except OSError as e:
+            if isinstance(e, BrokenPipeError) and stdout_reader_gone():
+                return PIPE_CLOSED  # `kvtrain data inspect ... | head`: the pipeline's end
             # A path that cannot be read or written (an output under a file, a
             # full disk): what the user can fix is the path, not the code.
             print(f"kvtrain data {command}: error: {os_error_text(e)}", file=sys.stderr)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
+import sys
 from typing import IO, Iterator
 
 
@@ -149,3 +151,25 @@ def os_error_text(e: OSError) -> str:
         if (part := file_in_the_way(path)) is not None:
             return f"{part} is a file, not a folder"
     return f"{path}: {e.strerror or e}"
+
+
+PIPE_CLOSED = 141  # a pipeline's reader gone: the exit of coreutils' tools (128 + SIGPIPE)
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (``... | head`` done):
+    a ``BrokenPipeError`` from there is the pipeline's end, not a fault. The
+    stream is pointed at /dev/null then, so the interpreter's last flush at exit
+    does not report it again. Another broken pipe (a dead worker's) is not."""
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no stdout, or not a file descriptor
+        return False
+    if gone:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return gone

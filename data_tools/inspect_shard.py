@@ -172,6 +172,8 @@ def run(args) -> int:
             print()
         try:
             status |= inspect(prefix, tok, args.docs, args.max_chars)
+        except BrokenPipeError:  # the report's reader gone (`| head`): the command's end
+            raise
         except (OSError, ValueError) as e:  # an OSError as PATH: reason, not [Errno 2] ...
             print(f"kvtrain data inspect: error: "
                   f"{os_error_text(e) if isinstance(e, OSError) else e}", file=sys.stderr)

@@ -21,6 +21,7 @@ from kvtrain.train.processes import record_launcher
 # launcher killed meanwhile must not be mistaken for the rank's new parent.
 record_launcher()
 
+from data_tools.fileio import PIPE_CLOSED, stdout_reader_gone  # noqa: E402
 from data_tools.lifeline import Terminated  # noqa: E402
 from kvtrain.config import ConfigError  # noqa: E402
 
@@ -103,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Terminated:  # a runner's stop (kvtrain.experiments.children): its runs were stopped
         return 143
+    except BrokenPipeError:
+        if stdout_reader_gone():  # `kvtrain plan CONFIG | head`: the pipeline's end
+            return PIPE_CLOSED
+        raise
 
 
 if __name__ == "__main__":

@@ -76,6 +76,9 @@ def _spec(args):
         raise ConfigError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.max_length is not None and args.max_length < 1:
         raise ConfigError(f"--max-length {args.max_length}: must be at least 1")
+    if args.device == "cuda" and _default_device() != "cuda":  # lm-eval's traceback, later
+        raise ConfigError("--device cuda: no CUDA device here (torch.cuda.is_available() is "
+                          "False); use --device cpu")
     out = Path(args.out).expanduser() if args.out else None
     if out is not None and out.is_dir():  # found only when writing, after the whole eval
         raise ConfigError(f"--out {args.out}: is a folder; name the results file, e.g. "

@@ -136,16 +136,31 @@ def check_optimizer(cfg: RunConfig) -> None:
                           "optimizer.loss_scale: null")
 
 
-def warmup_warning(cfg: "RunConfig", steps: int) -> str | None:
-    """A warmup longer than the run works but never trains at the configured LR
-    (update k runs at lr * k / warmup): said at start and in the plan, not refused
-    (a smoke run of a paper config is one)."""
-    o = cfg.optimizer
-    if o.lr_warmup_steps <= steps:
-        return None
-    return (f"optimizer.lr_warmup_steps ({o.lr_warmup_steps}) is longer than the run "
+def schedule_warnings(cfg: "RunConfig", steps: int) -> list[str]:
+    """What of the LR schedule's settings will not train as written, said at start
+    and in the plan, not refused: a warmup longer than the run (update k runs at
+    lr * k / warmup; a smoke run of a paper config is one), and keys the chosen
+    schedule never reads (a sweep over schedules shares them)."""
+    o, warnings = cfg.optimizer, []
+    if o.lr_warmup_steps > steps:
+        warnings.append(
+            f"optimizer.lr_warmup_steps ({o.lr_warmup_steps}) is longer than the run "
             f"({steps} steps): the LR never reaches optimizer.lr ({o.lr:g}); its last step "
             f"trains at {o.lr * steps / o.lr_warmup_steps:.3g}")
+    if o.lr_schedule == "constant":
+        keys, why = ("min_lr", "lr_decay_steps", "wsd_decay_steps"), (
+            "keeps optimizer.lr after the warmup (cosine or wsd decay)")
+    elif o.lr_schedule == "cosine":
+        keys, why = ("wsd_decay_steps",), (
+            "decays from the warmup to optimizer.lr_decay_steps (wsd: its last steps)")
+    else:
+        keys = ()
+    unused = [f"optimizer.{key} ({getattr(o, key):g})" for key in keys
+              if getattr(o, key) is not None]
+    if unused:
+        warnings.append(f"{', '.join(unused)} not used: optimizer.lr_schedule "
+                        f"{o.lr_schedule} {why}")
+    return warnings
 
 
 def check_blend(key: str, paths: list) -> None:

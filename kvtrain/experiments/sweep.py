@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,7 @@ def sweep_cells(config: Optional[str], sets: list[str], axes: list[Axis],
         cfg.name = f"{cfg.name}-{name}"
         cells.append(Cell(name, texts, {a.key: _value_at(cfg, a.key) for a in axes},
                           [*sets, *assignments], cfg))
-    _check_shareable(cells[0].cfg)
+    _check_shareable(cells)
     return cells
 
 
@@ -150,17 +151,29 @@ def _value_at(cfg: RunConfig, key: str):
     return node
 
 
-def _check_shareable(cfg: RunConfig) -> None:
-    """What every cell would share, and must not: an absolute checkpoint.dir (a cell
-    would resume another's checkpoint, its learning rate only recorded as changed), or
-    no validation (the table reads each cell's validation loss)."""
-    folder = cfg.checkpoint.dir
-    if folder and (Path(folder).expanduser().is_absolute()):
-        raise ConfigError(f"checkpoint.dir {folder} is one folder for every cell of the sweep: "
-                          "leave it out or relative (each cell's run folder holds its own)")
-    if cfg.train.eval_interval is None:
-        raise ConfigError("train.eval_interval null: the sweep's table is each cell's "
-                          "validation loss; give it an interval")
+def _check_shareable(cells: list[Cell]) -> None:
+    """What cells would share, and must not: an absolute checkpoint.dir that two
+    cells name (one would resume the other's checkpoint, its learning rate only
+    recorded as changed; a grid over absolute folders gives each its own), or no
+    validation (the table reads each cell's validation loss)."""
+    owners: dict[Path, str] = {}
+    for cell in cells:
+        folder = cell.cfg.checkpoint.dir
+        if not folder or not Path(folder).expanduser().is_absolute():
+            continue  # inside the cell's own run folder
+        where = Path(os.path.normpath(Path(folder).expanduser()))
+        if where in owners:
+            what = ("every cell of the sweep" if len(owners) == 1 == len({c.cfg.checkpoint.dir
+                                                                          for c in cells})
+                    else f"cells {owners[where]} and {cell.name}")
+            raise ConfigError(f"checkpoint.dir {folder} is one folder for {what}: leave it "
+                              "out or relative (each cell's run folder holds its own)")
+        owners[where] = cell.name
+    for cell in cells:
+        if cell.cfg.train.eval_interval is None:
+            named = f"cell {cell.name}: " if len(cells) > 1 else ""
+            raise ConfigError(f"{named}train.eval_interval null: the sweep's table is each "
+                              "cell's validation loss; give it an interval")
 
 
 def as_arms(cells: list[Cell]) -> list[tuple[Arm, RunConfig]]:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from data_tools.fileio import atomic_write_text
 from kvtrain.backend import init_process_group
 from kvtrain.config import ConfigError, RunConfig, TrainConfig, checkpoint_folder, on_every_rank
-from kvtrain.config.checks import warmup_warning
+from kvtrain.config.checks import schedule_warnings
 from kvtrain.data.loader import loader_deaths_named
 from kvtrain.data.order import order_changed, order_fingerprint
 from kvtrain.tasks.config import accuracy_masks
@@ -388,10 +388,13 @@ def _train(cfg: RunConfig, run_dir: Path, hooks: RunHooks, status_file: Optional
         build_data(run, resumed.state)  # for what this start draws (the end may have moved)
         check_profile_start(cfg.profile, run.device, run.total_steps, run.run_dir, run.rank)
         validators = _validators(run)
-        if resumed.state.iteration < run.total_steps:
+        trains = resumed.state.iteration < run.total_steps
+        if trains:
             for validator in validators:  # a bad id in them: one line now, not mid-run
                 validator.check_token_ids()
-        if rank0:  # once the start is taken: a refused one leaves the config of the records
+        # once the start is taken: a refused one leaves the config of the records, and
+        # so does one with nothing left to train (its changed keys trained nothing)
+        if rank0 and (trains or not (run.run_dir / "config.yaml").exists()):
             write_run_config(text, run.run_dir)  # the text printed above
     state = resumed.state
     order = _say_resumed(run, resumed)
@@ -461,8 +464,8 @@ def _announce(run: Run) -> str:
     say(f"kvtrain: MFU against {run.mfu_basis}")
     if run.backend.warning:
         say(f"kvtrain: warning: {run.backend.warning}")
-    if (warmup := warmup_warning(cfg, run.total_steps)):
-        say(f"kvtrain: warning: {warmup}")
+    for warning in schedule_warnings(cfg, run.total_steps):
+        say(f"kvtrain: warning: {warning}")
     return text
 
 

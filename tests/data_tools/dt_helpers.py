@@ -104,8 +104,8 @@ def kvtrain(*args: str, check: bool = True, timeout: float = 120,
     """Run ``kvtrain ARGS`` (the installed script, else ``python -m kvtrain.cli``)."""
     exe = Path(sys.executable).with_name("kvtrain")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvtrain.cli"]
-    proc = subprocess.run(cmd + list(args), capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout, **kw)
+    kw.setdefault("capture_output", "stdout" not in kw)  # a caller's own stdout: no capture
+    proc = subprocess.run(cmd + list(args), text=True, cwd=ROOT, timeout=timeout, **kw)
     if check and proc.returncode != 0:
         raise AssertionError(f"kvtrain {' '.join(args)} -> {proc.returncode}\n"
                              f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")

@@ -372,3 +372,20 @@ def test_inspect_of_a_damaged_document_index_reports_it_without_a_traceback(tmp_
     proc = h.kvtrain("data", "inspect", str(tmp_path / "s_text_document"), check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "check      FAILED: document indices decrease" in proc.stdout, proc.stdout
+
+
+def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
+    """``kvtrain data inspect PREFIX | head`` ended with "error: Broken pipe" and
+    exit 1, as if the shard were unreadable: a reader that stopped reading is
+    the shell's ordinary end of a pipeline (exit 141 as coreutils', 128 + SIGPIPE)."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    h.kvtrain("data", "preprocess", "-i", str(corpus), "-t", h.tokenizer(),
+              "-o", str(tmp_path / "s"), "-j", "0")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `head` has read its lines and gone
+    try:
+        proc = h.kvtrain("data", "inspect", str(tmp_path / "s"), "--docs", "3", check=False,
+                         stdout=write_end, stderr=subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and proc.stderr == "", (proc.returncode, proc.stderr)

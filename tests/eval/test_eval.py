@@ -530,3 +530,18 @@ def test_a_continuation_lm_eval_cannot_score_is_one_line(local, capsys, tmp_path
     assert code == 2 and "Traceback" not in err, err
     last = err.splitlines()[-1]  # after the model's progress bars
     assert last == f"kvtrain: config error: task 'kvt_long': {data}:{line}: {message}", err
+
+
+def test_device_cuda_without_cuda_is_one_line(local, capsys, monkeypatch):
+    """``--device cuda`` on a machine without CUDA was lm-eval's traceback after
+    the export (torch's "Torch not compiled with CUDA enabled"): one line now,
+    naming the option, before anything loads."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = kvtrain_eval([str(local["hf"]), "--tasks", "kvt_mc", "--include-path",
+                                   str(local["tasks"]), "--device", "cuda"], capsys)
+    assert code == 2 and err.strip() == ("kvtrain: config error: --device cuda: no CUDA "
+                                         "device here (torch.cuda.is_available() is False); "
+                                         "use --device cpu"), err
+    assert out == ""

@@ -60,15 +60,27 @@ def test_every_combination_is_a_validated_cell_the_first_key_slowest():
     (["train.seq_lenth=32"], [], "cell seq_lenth=32: --grid: unknown key 'train.seq_lenth' "
                                  "(did you mean 'train.seq_length'?)"),
     (["optimizer.lr=1e-3"], ["train.max_step=3"], "--set: unknown key 'train.max_step'"),
-    (["optimizer.lr=1e-3"], ["checkpoint.dir=/tmp/one"], "checkpoint.dir /tmp/one is one folder "
+    (["optimizer.lr=1e-3,3e-3"], ["checkpoint.dir=/tmp/one"], "checkpoint.dir /tmp/one is one folder "
                                                          "for every cell of the sweep"),
     (["optimizer.lr=1e-3"], ["train.eval_interval=null"], "train.eval_interval null: the "
                                                           "sweep's table"),
+    # a grid over absolute folders: two cells of one folder (the other key's cells)
+    (["checkpoint.dir=/tmp/a,/tmp/b", "optimizer.lr=1e-3,3e-3"], [],
+     "checkpoint.dir /tmp/a is one folder for cells dir=tmp_a,lr=1e-3 and dir=tmp_a,lr=3e-3"),
+    (["train.eval_interval=4,null"], [], "cell eval_interval=null: train.eval_interval null: "
+                                         "the sweep's table"),
 ])
 def test_cells_that_cannot_hold_are_one_line(grids, sets, error):
     with pytest.raises(ConfigError) as e:
         sweep_cells(TINY, sets, parse_grid(grids, sets))
     assert str(e.value).startswith(error), str(e.value)
+
+
+def test_a_grid_of_absolute_checkpoint_folders_gives_each_cell_its_own():
+    """``--grid checkpoint.dir=/x,/y`` was refused as one folder for every cell
+    (only the first cell's config was looked at): each cell has its own."""
+    cells = sweep_cells(TINY, [], parse_grid(["checkpoint.dir=/tmp/x,/tmp/y"], []))
+    assert [c.cfg.checkpoint.dir for c in cells] == ["/tmp/x", "/tmp/y"]
 
 
 def test_the_tables_follow_the_last_two_keys_for_each_setting_of_the_others():

@@ -185,6 +185,9 @@ def resumes(tmp_path_factory, corpus, cache_dir):
     # a refused resume in the run's own folder (resume: auto)
     jobs.append({"config": str(config), "run_dir": str(root / "saved"), "expect": 2,
                  "overrides": ["model.attention=vanilla"]})
+    # ... and a start in it with nothing left to train, the optimizer's keys changed
+    jobs.append({"config": str(config), "run_dir": str(root / "saved"),
+                 "overrides": ["optimizer.lr=0.123", "optimizer.weight_decay=0.0"]})
     # a train.max_steps run resumed with a smaller global batch draws more samples than
     # a fresh run of that batch: a train part of one document (epochs of a sample or
     # two) has no spare samples past what it was built for
@@ -226,6 +229,18 @@ def test_a_refused_resume_leaves_the_run_folders_config(resumes):
     root, result = resumes
     saved = read_yaml(root / "saved" / "config.yaml")
     assert saved["model"]["attention"] == "kv_shift", saved["model"]
+
+
+def test_a_start_with_nothing_left_to_train_leaves_the_run_folders_config(resumes):
+    """A finished run started again with other optimizer keys (free to change on
+    a resume) trained nothing, yet config.yaml then named the new learning rate
+    and weight decay as the run's: the file of the start that trained is kept."""
+    from kvtrain.config import read_yaml
+
+    root, result = resumes
+    assert "kvtrain: nothing to do: iteration 3 >= 3 steps" in result.stdout, result.stdout[-3000:]
+    optimizer = read_yaml(root / "saved" / "config.yaml")["optimizer"]
+    assert optimizer["lr"] != 0.123 and optimizer["weight_decay"] != 0.0, optimizer
 
 
 def test_strict_load_names_the_parameters(resumes):

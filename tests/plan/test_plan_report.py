@@ -173,3 +173,49 @@ def test_the_validations_time_is_counted_with_each_named_set(capsys):
     assert make_plan(load_config(path, sets[:1] + ["train.eval_interval=null"])).eval_seconds == 0
     code, out, _ = plan(capsys, path, sets=sets[:1] + ["train.eval_interval=null"])
     assert "evaluation   none (train.eval_interval null)" in out
+
+
+def test_a_report_into_a_closed_pipe_ends_quietly():
+    """``kvtrain plan CONFIG | head`` (any report piped into a reader that stops)
+    ended in a BrokenPipeError traceback: the pipeline's ordinary end now, exit
+    141 as coreutils' tools, nothing on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `head` has read its lines and gone
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvtrain.cli", "plan",
+                               str(REPO / "configs/demo.yaml"), "--gpus", "1"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and proc.stderr == "", (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("sets, unused", [
+    (["optimizer.min_lr=1e-5"], "optimizer.min_lr (1e-05)"),
+    (["optimizer.lr_decay_steps=500"], "optimizer.lr_decay_steps (500)"),
+    (["optimizer.wsd_decay_steps=100"], "optimizer.wsd_decay_steps (100)"),
+    (["optimizer.min_lr=0", "optimizer.wsd_decay_steps=100"],
+     "optimizer.min_lr (0), optimizer.wsd_decay_steps (100)"),
+])
+def test_schedule_keys_the_constant_schedule_does_not_read_are_a_warning(capsys, sets, unused):
+    """A constant schedule (the paper's, kvtrain's default) holds optimizer.lr
+    after the warmup: a floor or a decay length set with it trained as if unset,
+    without a word. They are warned of (a sweep over schedules shares them)."""
+    code, out, err = plan(capsys, TINY, "--gpus-per-node", "1", sets=sets)
+    assert code == 0 and err == "", err
+    assert (f"warning      {unused} not used: optimizer.lr_schedule constant keeps "
+            "optimizer.lr after the warmup (cosine or wsd decay)") in out.splitlines(), out
+
+
+def test_a_decay_length_cosine_does_not_read_is_a_warning(capsys):
+    code, out, err = plan(capsys, TINY, "--gpus-per-node", "1",
+                          sets=["optimizer.lr_schedule=cosine",
+                                              "optimizer.min_lr=0", "optimizer.wsd_decay_steps=9"])
+    assert code == 0 and err == "", err
+    assert [line for line in out.splitlines() if "not used" in line] == [
+        "warning      optimizer.wsd_decay_steps (9) not used: optimizer.lr_schedule cosine "
+        "decays from the warmup to optimizer.lr_decay_steps (wsd: its last steps)"], out

@@ -51,7 +51,8 @@ def short_runs(tmp_path_factory, corpus, cache_dir):
         "timelimit": tiny_config(
             None, cache_dir, train={"max_steps": None, "train_tokens": 10 * TOKENS_PER_STEP - 5,
                                     "exit_duration_minutes": 0.0005},
-            optimizer={"lr_warmup_steps": 12}),  # longer than the run: a warning
+            # longer than the run, and a floor the constant schedule never reads: warnings
+            optimizer={"lr_warmup_steps": 12, "min_lr": 1e-4}),
     }
     jobs = [{"config": str(write_config(root / f"{name}.yaml", cfg)), "run_dir": str(root / name),
              "faults": {"nonfinite_steps": [3, 6, 7, 8]} if name == "nonfinite" else {},
@@ -238,6 +239,9 @@ def test_time_limit_stops_and_token_budget_sets_length(short_runs):
     assert result.stdout.count("kvtrain: warning: optimizer.lr_warmup_steps (12) is longer "
                                "than the run (10 steps): the LR never reaches optimizer.lr "
                                "(0.003); its last step trains at 0.0025") == 1, result.stdout
+    assert result.stdout.count("kvtrain: warning: optimizer.min_lr (0.0001) not used: "
+                               "optimizer.lr_schedule constant keeps optimizer.lr after the "
+                               "warmup (cosine or wsd decay)") == 1, result.stdout
     assert latest(root / "timelimit") == "iter_0000001"
 
 
