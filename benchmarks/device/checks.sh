@@ -13,6 +13,13 @@
 #   run(command="DEADLINE=200 bash benchmarks/device/checks.sh PART ...", carry=[".gpu"],
 #       timeout_s=240)                  # what the first skipped (its last line names them)
 #
+# Measured on the H200 in session 44: smoke 45 s, small 100 s, h2048 100 s (the start
+# and the compiles: 100 timed steps take 2-4 s), the `gpu` tests ~450 s in all (46 of
+# them 216 s; the launches of tests/benchmarks and tests/train/test_runs.py 30-100 s
+# each): all of them do not fit beside the targets in one lease. Where both are due,
+# call 1 "DEADLINE=260 ... small h2048" and call 2 at once "SMOKE=skip DEADLINE=330
+# TESTS='tests --deselect ...' ... tests" with what is due of the tests.
+#
 # PARTs, in this order by default: the targets still unmet and the gpu tests first
 # (session 26 measured paper and mlm: met), each under its own time limit, cut to
 # what is left of DEADLINE seconds from the start; a part with under 60 s left is

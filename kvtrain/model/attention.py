@@ -96,12 +96,14 @@ class TorchAttention(MegatronModule):
         output, which then stays alive until the node's backward. SDPA keeps its inputs
         (tested); not an older torch's SDPA with GQA, which takes repeated copies
         (``_sdpa``), nor context parallelism, which gathers K and V (the node does not
-        run there). Compiled FlexAttention (documents on a GPU) is not counted on: what
-        it saves is its compiler's choice (the ``gpu`` test says which)."""
+        run there). Compiled FlexAttention (documents on a GPU) keeps them too, GQA
+        included (``enable_gqa``: no copies): what it saves is its compiler's choice,
+        seen on an H200 with torch 2.11 (the ``gpu`` test holds it)."""
         c = self.config
-        if cp_group() is not None or (documents and self.documents_kernel == "flex"
-                                      and torch.cuda.is_available()):
+        if cp_group() is not None:
             return False
+        if documents and self.documents_kernel == "flex" and torch.cuda.is_available():
+            return True
         return sdpa_has_gqa() or c.num_query_groups in (None, c.num_attention_heads)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,

@@ -95,7 +95,8 @@ from .integrity import (
     carried_on, checkpoint_folders, own_shards, save_failure_reason, set_aside,
 )
 from .model_fit import check_same_optimizer, check_same_parameters, check_same_shapes
-from .optimizer import adam_step, inner_optimizers, run_param_groups_kept
+from .optimizer import (adam_step, fresh_adam_state, inner_optimizers, run_param_groups_kept,
+                        zero_steps_restored)
 from .rng_states import restore_rng_state, rng_sharded_object
 from .save_agreement import gather_or_fail, on_rank0_or_fail
 from .step import sync_params
@@ -269,6 +270,8 @@ class Checkpointer:
         if optimizer:
             if loading:
                 self._prime_optimizer_state()
+            else:  # every step so far skipped: the state AdamW's first update starts from
+                fresh_adam_state(self.optimizer)
             sd["optimizer"] = self.optimizer.sharded_state_dict(
                 sd, is_loading=loading, metadata=dict(SHARDING_METADATA))
             sd["opt_param_scheduler"] = self.scheduler.state_dict()
@@ -469,6 +472,7 @@ class Checkpointer:
         if load_optimizer:
             with _step_free_param_state_load(self.optimizer), \
                     run_param_groups_kept(self.optimizer):  # the config's lr, betas, ...
+                zero_steps_restored(loaded["optimizer"])  # saved before the first update
                 self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
             self._fix_adam_steps()

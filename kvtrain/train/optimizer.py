@@ -330,6 +330,39 @@ def inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return out
 
 
+def fresh_adam_state(optimizer) -> None:
+    """torch's AdamW state where no update has made it yet: zero moments at step 0, as
+    its first update creates them (lazily). Every step so far was skipped (fp16's loss
+    scale backing off from 2**32 skips tens; NaN losses), yet a checkpoint is due:
+    megatron's distributed optimizer asserts one step count in the state it saves and
+    finds none. With this state saved, the resumed run is the one that went on."""
+    for inner in inner_optimizers(optimizer):
+        if len(inner.state) > 0 or not isinstance(inner, torch.optim.Adam):
+            continue  # TE's/apex's FusedAdam keep their step in the groups
+        for group in inner.param_groups:
+            for p in group["params"]:
+                moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad")
+                                                       else [])
+                inner.state[p] = {"step": adam_step(group, p, 0.0), **{
+                    k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in moments}}
+
+
+def zero_steps_restored(loaded) -> None:
+    """A loaded optimizer state dict whose AdamW has made no update yet (saved with
+    :func:`fresh_adam_state`): megatron's non-distributed optimizers save the common
+    step only ``if step:`` (not 0), and torch's ``load_state_dict`` then fails on the
+    states without one (``KeyError: 'step'``). Gives them the 0 back, in place."""
+    if not isinstance(loaded, dict):
+        return
+    state = loaded.get("state")
+    if isinstance(state, dict) and "param_groups" in loaded and "common_step" not in state:
+        per_param = [v for v in state.values() if isinstance(v, dict)]
+        if per_param and all("step" not in v and "exp_avg" in v for v in per_param):
+            state["common_step"] = torch.tensor(0.0)  # megatron's restore copies it per param
+    for value in loaded.values():
+        zero_steps_restored(value)
+
+
 def adam_steps(optimizer) -> list[float]:
     """The per-parameter AdamW step counts (tests: all equal the update count)."""
     steps = []

@@ -15,6 +15,7 @@ import torch
 from kvtrain.config import ConfigError
 from kvtrain.model.cross_entropy import choose_cross_entropy
 
+from ..scripts import script_env
 from .interpreter import REPO, run_interpreted
 
 CHECK = r'''
@@ -340,7 +341,9 @@ def test_the_benchmark_refuses_a_cpu_in_one_line():
 @pytest.mark.gpu
 def test_the_benchmark_runs_on_a_gpu(tmp_path):
     """benchmarks/cross_entropy.py on a small shape: both losses timed, the fused
-    one allocating less above its logits than megatron's."""
+    one allocating less above its logits than megatron's. (On an H200 it inherited
+    the MASTER_ADDR/MASTER_PORT of an earlier test's group in this process, whose
+    store still held the port: EADDRINUSE.)"""
     import json
     import subprocess
     import sys
@@ -351,7 +354,7 @@ def test_the_benchmark_runs_on_a_gpu(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cross_entropy.py"),
                            "--tokens", "512", "--vocab", "5000", "--rounds", "3",
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=script_env())  # not the port of pytest's group
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
     peak = r["peak_bytes_above_logits"]

@@ -408,16 +408,18 @@ def test_torch_equals_local_on_gpu_with_documents(mp1, attention):
 
 @pytest.mark.gpu
 def test_on_a_gpu_attention_keeps_the_value_where_it_says_so(mp1):
-    """The same on a GPU in bf16: SDPA's flash kernels keep their inputs; for documents,
-    compiled FlexAttention, whose saved tensors are its compiler's choice: where this
-    fails because it keeps them, ``TorchAttention.keeps_value`` may say so for flex."""
-    cfg = model_config("vanilla", hidden=128)  # head dim 32: Triton's flex kernels want >= 16
-    core = build_gpt(cfg, transformer_config(cfg), backend="torch").cuda() \
-        .decoder.layers[0].self_attention.core_attention
-    assert core.documents_kernel == "flex"
-    for documents in (None, _documents("cuda")):
-        kept = _value_kept(core, documents, "cuda", torch.bfloat16)
-        assert kept == core.keeps_value(documents is not None), documents
+    """The same on a GPU in bf16, MHA and GQA: SDPA's flash kernels keep their inputs;
+    for documents so does compiled FlexAttention, whose saved tensors are its compiler's
+    choice (on an H200 with torch 2.11 it kept them where ``keeps_value`` said it did
+    not: the QKV node then gave its gradient a buffer of its own)."""
+    for groups in (4, 2):
+        cfg = model_config("vanilla", groups, hidden=128)  # head dim 32: flex wants >= 16
+        core = build_gpt(cfg, transformer_config(cfg), backend="torch").cuda() \
+            .decoder.layers[0].self_attention.core_attention
+        assert core.documents_kernel == "flex"
+        for documents in (None, _documents("cuda")):
+            kept = _value_kept(core, documents, "cuda", torch.bfloat16)
+            assert kept == core.keeps_value(documents is not None), (groups, documents)
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])

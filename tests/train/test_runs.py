@@ -353,9 +353,12 @@ def test_bf16_and_async_save_on_gpu(tmp_path, cache_dir):
 def test_fp16_trains_with_a_dynamic_loss_scale_that_resumes(tmp_path, cache_dir):
     """train.precision fp16 (GPU only; refused on a CPU): megatron's dynamic loss
     scale is logged, the loss falls, and a resume continues the scaler where the
-    checkpoint left it (not from its initial 2**32), close to the uninterrupted run."""
+    checkpoint left it (not from its initial 2**32), close to the uninterrupted run.
+    On an H200 the scale backed off through the first 10 steps, every update skipped,
+    and the save of step 10 died in megatron's distributed optimizer (no AdamW state
+    yet: ``fresh_adam_state``); 30 steps leave updates after the scale has settled."""
     config = write_config(tmp_path / "c.yaml", tiny_config(
-        None, cache_dir, train={"max_steps": 20, "precision": "fp16"},
+        None, cache_dir, train={"max_steps": 30, "precision": "fp16"},
         checkpoint={"save_interval": 10}))
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for args in (train_args(config, whole), train_args(config, cut, "train.max_steps=10"),
@@ -363,11 +366,11 @@ def test_fp16_trains_with_a_dynamic_loss_scale_that_resumes(tmp_path, cache_dir)
         result = run(args)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     a, b = by_iteration(metrics(whole)), by_iteration(metrics(cut))
-    assert sorted(a) == sorted(b) == list(range(1, 21))
+    assert sorted(a) == sorted(b) == list(range(1, 31))
     assert all(r["loss_scale"] > 0 for r in a.values())
     assert a[10]["loss_scale"] < 2.0**32  # backed off from megatron's initial scale
-    assert a[20]["lm_loss"] < a[1]["lm_loss"]
-    for it in range(11, 21):
+    assert a[30]["lm_loss"] < a[1]["lm_loss"]
+    for it in range(11, 31):
         assert b[it]["loss_scale"] == a[it]["loss_scale"], it
         assert b[it]["lm_loss"] == pytest.approx(a[it]["lm_loss"], rel=1e-2), it
 
