@@ -10,7 +10,9 @@ dispatched, Python called, kernels launched. That work does not need the GPU to 
 counted, nor the GPU's shape (CONFIG: ``configs/bench/host.yaml`` unless given,
 ~20 s; the small shape counts the same and takes ~15 minutes interpreted): this builds both arms with the trainer's setup (``benchmarks/step.py``'s
 ``build_arm``) on the kernels a GPU run resolves (the torch backend's Triton QKV
-split + shift + RoPE node, the fused loss and SwiGLU), runs them through Triton's
+split + shift + RoPE node, the fused loss and SwiGLU; with ``--set
+model.rope_kernel=torch`` megatron's RoPE in both arms and the shift's own split-and-shift
+node), runs them through Triton's
 interpreter (``TRITON_INTERPRET=1``), and after ``--steps`` steps (the first warms
 caches and allocates the optimizer's state) counts one step's:
 
@@ -191,7 +193,9 @@ def gpu_kernels() -> None:
     def as_on_a_gpu(cfg, numerics):
         backend, kernels = resolve(cfg, numerics)
         m = cfg.model
-        chosen = [key for key, value in (("model.rope_kernel", m.rope_kernel),
+        rope = m.rope_kernel != "torch"  # torch: megatron's RoPE ops (both arms)
+        chosen = [key for key, value in (("model.rope_kernel", "auto" if not rope
+                                          else m.rope_kernel),
                                          ("model.kv_shift.kernel", m.kv_shift.kernel),
                                          ("model.cross_entropy_kernel", m.cross_entropy_kernel),
                                          ("model.swiglu_kernel", m.swiglu_kernel))
@@ -204,10 +208,11 @@ def gpu_kernels() -> None:
         in_split = shift is None or sorted(cfg.model.kv_shift.shift) == ["k", "v"]
         why = "(the GPU's, in Triton's interpreter)"
         backend = dataclasses.replace(
-            backend, rope=f"triton{' in the QKV split' if in_split else ''} {why}",
+            backend, rope=(f"triton{' in the QKV split' if in_split else ''} {why}" if rope
+                           else "torch (model.rope_kernel: torch)"),
             cross_entropy=f"triton {why}", swiglu=f"triton {why}",
             shift_kernel=f"{shift} {why}" if shift else None)
-        return backend, setup.Kernels(shift, True, "triton", "triton")
+        return backend, setup.Kernels(shift, rope, "triton", "triton")
 
     setup._resolve_backend = as_on_a_gpu
 

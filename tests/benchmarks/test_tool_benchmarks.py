@@ -103,6 +103,25 @@ def test_host_work_counts_what_the_shift_adds_on_the_gpus_kernels(tmp_path):
     assert "kv_shift - vanilla, ops, backward:" in out and "aten._foreach_add_" in out, out
 
 
+def test_host_work_counts_the_shift_beside_megatrons_rope(tmp_path):
+    """With megatron's RoPE (``model.rope_kernel: torch``, what session 44's H200 runs
+    took) vanilla's QKV split is views and no kernel, so the shift's own split-and-shift
+    node is one kernel more a layer each way (``_qkv_shift_fwd_kernel``,
+    ``_qkv_shift_bwd_kernel``) and its new Q, K and V: what the default path, whose
+    Triton node does the split for both arms, does not pay (the test above)."""
+    out_json = tmp_path / "host.json"
+    out = _run("host_work.py", str(REPO / "configs" / "bench" / "host.yaml"),
+               "--set", "model.num_layers=2", "--set", "model.rope_kernel=torch",
+               "--json", str(out_json), cwd=tmp_path)
+    import json
+
+    assert "RoPE: torch (model.rope_kernel: torch)" in out, out
+    launches = json.loads(out_json.read_text())["differences"]["launches"]  # [name, +n, total]
+    assert launches["forward"] == [["_qkv_shift_fwd_kernel", 2, 2]], out
+    assert launches["backward"] == [["_qkv_shift_bwd_kernel", 2, 2]], out
+    assert launches["update"] == launches["finalize"] == [], out
+
+
 def test_peak_memory_finds_no_activation_more_alive_at_the_shifts_peak(tmp_path):
     """``peak_memory.py`` (each arm's build and steps on the GPU's kernels, the caching
     allocator's count replayed): at each arm's peak the same blocks are alive, less the
