@@ -33,6 +33,19 @@ from pathlib import Path
 ARCHIVE = "results.tgz"
 RECORDS = ("*.json", "*.xml")  # what --pack moves into the archive
 GOALS = {"small": ("time", 1.03), "small-torchops": ("time", 1.03), "h2048": ("time", 1.01)}
+# the kernel a variant run turns off by design (checks.sh's kernels part)
+VARIANT_OFF = {"small-torchops": "model.kv_shift.kernel=torch",
+               "host-torchops": "model.kv_shift.kernel=torch",
+               "h2048-ropetorch": "model.rope_kernel=torch"}
+
+
+def kernels_off(name: str, d: dict) -> str:
+    """'; NOT the default path: ...' where a run took a kernel's torch ops that its
+    part does not ask for (smoke.py turned the kernel off): its figures are not the
+    target's (session 44: the Triton RoPE off for every timed run of a lease)."""
+    off = [s for s in d.get("sets") or [] if s.split("=", 1)[0].endswith("kernel")
+           and s.endswith("=torch") and s != VARIANT_OFF.get(name)]
+    return f"; NOT the default path: {' '.join(off)}" if off else ""
 
 
 def step_rows(out: Path) -> list[str]:
@@ -58,7 +71,7 @@ def step_rows(out: Path) -> list[str]:
             f"{arms['kv_shift']['tokens_per_s']:.0f}; "
             f"MFU {'/'.join('-' if m is None else f'{100 * m:.1f}%' for m in mfu)}; "
             f"backend {d['backend']['name']}, shift {d['backend'].get('shift_kernel')} {verdict}"
-            f"{phases(r)}{clipping(d)}")
+            f"{kernels_off(name, d)}{phases(r)}{clipping(d)}")
         if d.get("profile"):
             rows.append(f"{'':6s} {profile_row(d['profile'])}")
     return rows

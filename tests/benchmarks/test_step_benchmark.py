@@ -142,6 +142,7 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
         arm["clipped"] = clips
     small["ratio"].update(step_time_paired_median_clipped_alike=1.012,
                           forward_backward_median=1.021, update_median=1.004)
+    small["sets"] = ["model.rope_kernel=torch"]  # smoke.py turned the Triton RoPE off
     (out / "step-small.json").write_text(json.dumps(small))
     (out / "tests.xml").write_text(  # pytest's JUnit XML, as `pytest --junit-xml` writes it
         '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" '
@@ -179,6 +180,9 @@ def _check_device_summary(tmp_path: Path, result: dict) -> None:
     assert lines[0] == "tests  gpu: 2 passed, 1 failed, 1 skipped: tests.a.test_y"
     small_row = next(line for line in lines if line.startswith("small "))
     assert "memory 1.0081 (NOT met <= 1.005) (asked for: 1.0001); " in small_row, small_row
+    assert "; NOT the default path: model.rope_kernel=torch; phases" in small_row, small_row
+    assert "default path" not in lines[next(i for i, x in enumerate(lines)
+                                            if x.startswith("h2048 "))]
     assert small_row.endswith("; phases forward-backward 1.021, the rest 1.004; clipped 1/2 "
                               "of 2 steps (vanilla/KV shift), paired time clipped alike "
                               "1.012"), small_row
