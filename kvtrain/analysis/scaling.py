@@ -460,12 +460,19 @@ def run_folders(paths: Sequence[str | Path]) -> list[Path]:
     return out
 
 
-def scaling(paths: Sequence[str | Path], out: Optional[str | Path] = None,
-            valid_set: Optional[str] = None) -> tuple[dict, str]:
-    """Reads the runs and writes the report into ``out`` (default: ``scaling/`` in
-    the runs' common parent folder); returns (summary, printed text)."""
+def _default_out(paths: Sequence[str | Path], folders: list[Path]) -> Path:
+    """``scaling/`` in the runs' common parent; for one sweep folder, in it (not its arms/)."""
     from .compare import _common_parent
 
+    if len(paths) == 1 and Path(paths[0]).resolve() not in [f.resolve() for f in folders]:
+        return Path(paths[0]) / "scaling"
+    return _common_parent(folders) / "scaling"
+
+
+def scaling(paths: Sequence[str | Path], out: Optional[str | Path] = None,
+            valid_set: Optional[str] = None) -> tuple[dict, str]:
+    """Reads the runs and writes the report into ``out`` (default:
+    :func:`_default_out`); returns (summary, printed text)."""
     folders = run_folders(paths)
     if len(folders) < 2:
         raise ConfigError("kvtrain scaling needs at least two runs (models of different sizes)")
@@ -478,7 +485,7 @@ def scaling(paths: Sequence[str | Path], out: Optional[str | Path] = None,
         raise ConfigError(f"kvtrain scaling: no arm has runs of two model sizes with a "
                           f"validation loss (sizes: {', '.join(map(str, sizes))} non-embedding "
                           "parameters): a fit needs two" + (f"; left out: {left}" if left else ""))
-    target = Path(out) if out else _common_parent(folders) / "scaling"
+    target = Path(out) if out else _default_out(paths, folders)
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as e:

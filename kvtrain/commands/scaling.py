@@ -20,7 +20,8 @@ def register(sub) -> None:
                     "folder for its cells).")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders, or sweep folders")
     p.add_argument("--out", metavar="DIR",
-                   help="report folder (default: scaling/ in the runs' common parent folder)")
+                   help="report folder (default: scaling/ in the runs' common parent folder; "
+                        "for one sweep folder, in it)")
     p.add_argument("--valid-set", metavar="NAME", default=None,
                    help="fit the loss on this data.valid_sets entry (the paper's WebText) "
                         "instead of the run's own validation")

@@ -128,6 +128,10 @@ def test_a_sweep_folder_stands_for_its_cells(tmp_path):
                    4.0 - i / 10)
     summary, _ = scaling([tmp_path / "sweep"], tmp_path / "out")
     assert [r["label"] for r in summary["runs"]] == ["layers=1/run", "layers=2/run"]
+    # without --out: scaling/ in the sweep folder, not in its arms/ among the cells
+    _, text = scaling([tmp_path / "sweep"])
+    assert (tmp_path / "sweep" / "scaling" / "scaling.md").is_file(), text
+    assert not (tmp_path / "sweep" / "arms" / "scaling").exists()
 
 
 def test_what_cannot_be_fitted_is_one_line_and_writes_nothing(tmp_path, capsys):
