@@ -300,7 +300,9 @@ def test_one_pass_over_a_blend_ends_where_its_first_part_does(tmp_path):
     assert sequences_held([a, b], "--data", 32) == 9  # one corpus: a by its tokens
 
 
-def _cuda_score(rank, world, run_dir, shard, dtype):
+def _cuda_scores(rank, world, run_dir, shard):
+    """The loss of ``shard`` in fp32, then bf16: one rank for both (each rank a GPU
+    machine starts pays the imports and CUDA's start again)."""
     import torch
 
     from kvtrain.backend import init_model_parallel
@@ -308,9 +310,13 @@ def _cuda_score(rank, world, run_dir, shard, dtype):
     from kvtrain.inference.perplexity import Scoring, score
 
     init_model_parallel(tensor=world)
-    loaded = load_model(run_dir, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
-    assert next(loaded.model.parameters()).is_cuda
-    return score(loaded, Scoring(paths=[shard], name="held"))["loss"]
+    losses = []
+    for dtype in (torch.float32, torch.bfloat16):
+        loaded = load_model(run_dir, dtype=dtype)
+        assert next(loaded.model.parameters()).is_cuda
+        losses.append(score(loaded, Scoring(paths=[shard], name="held"))["loss"])
+        del loaded
+    return losses
 
 
 @pytest.mark.gpu
@@ -318,10 +324,8 @@ def test_on_a_gpu_the_score_is_the_cpus(trained):
     """The CUDA path (model and batches on the device): fp32 as the CPU's run recorded,
     bf16 within its rounding."""
     want = trained["records"]["held"]["val_loss"]
-    (fp32,) = run_distributed(_cuda_score, 1, str(trained["run"]), trained["b"], "fp32",
-                              one_gpu=True)
-    (bf16,) = run_distributed(_cuda_score, 1, str(trained["run"]), trained["b"], "bf16",
-                              one_gpu=True)
+    ((fp32, bf16),) = run_distributed(_cuda_scores, 1, str(trained["run"]), trained["b"],
+                                      one_gpu=True)
     assert fp32 == pytest.approx(want, rel=1e-4)
     assert bf16 == pytest.approx(want, rel=2e-2)
 
