@@ -160,6 +160,10 @@ def summarize(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+# what each arm sets (arm_command), and its checkpoints, in its own folder (--fresh clears it)
+ARM_KEYS = ("model.attention", "name", "wandb.group", "run_dir", "checkpoint.dir")
+
+
 def arm_command(config: Path, run_dir: Path, arm: str, overrides: list[str],
                 nproc: int) -> list[str]:
     """``kvtrain train CONFIG --run-dir DIR --set ...`` of one arm (torchrun for nproc > 1)."""
@@ -238,6 +242,11 @@ def check_before_building(config: Path, run_dir: Path, overrides: list[str], npr
 
     if why := not_a_folder(run_dir):
         raise ConfigError(f"--run-dir {why}")
+    for assignment in overrides:  # what arm_command sets after them would win, unsaid
+        key = assignment.partition("=")[0].strip()
+        if any(key == k or k.startswith(key + ".") for k in ARM_KEYS):
+            raise ConfigError(f"--set {key}: the demo sets it for each arm ({', '.join(ARMS)}); "
+                              "train one config with kvtrain train")
     for arm in ARMS:
         load_config(config, overrides + [f"model.attention={arm}"], world_size=nproc)
     make_folder(run_dir, "--run-dir")

@@ -136,11 +136,32 @@ def check_optimizer(cfg: RunConfig) -> None:
                           "optimizer.loss_scale: null")
 
 
-def schedule_warnings(cfg: "RunConfig", steps: int) -> list[str]:
-    """What of the LR schedule's settings will not train as written, said at start
-    and in the plan, not refused: a warmup longer than the run (update k runs at
-    lr * k / warmup; a smoke run of a paper config is one), and keys the chosen
-    schedule never reads (a sweep over schedules shares them)."""
+def setting_warnings(cfg: "RunConfig", steps: int) -> list[str]:
+    """What of the settings will not train as written, said at start and in the plan,
+    not refused: the LR schedule's (:func:`_schedule_warnings`), a token budget that
+    ``train.max_steps`` cuts short (whichever comes first ends the run: a smoke run of a
+    paper config does it on purpose), and shards or a split that a ``data.type`` making
+    its own sequences never reads (``--set data.type=mock`` over a config of shards)."""
+    warnings = _schedule_warnings(cfg, steps)
+    t, d = cfg.train, cfg.data
+    if t.train_tokens and t.max_steps is not None:
+        by_tokens = math.ceil(t.train_tokens / (t.global_batch_size * t.seq_length))
+        if t.max_steps < by_tokens:
+            warnings.append(
+                f"train.max_steps ({t.max_steps}) ends the run before train.train_tokens "
+                f"({t.train_tokens:,} tokens: {by_tokens:,} steps): set train.max_steps: "
+                "null to train on the tokens")
+    unread = [key for key, given in (("data.paths", d.paths),
+                                     ("data.split", d.split != type(d).split)) if given]
+    if d.type != "gpt" and unread:
+        warnings.append(f"{' and '.join(unread)} not read: data.type {d.type} makes its own "
+                        "sequences (data.type: gpt trains on the shards)")
+    return warnings
+
+
+def _schedule_warnings(cfg: "RunConfig", steps: int) -> list[str]:
+    """A warmup longer than the run (update k runs at lr * k / warmup), and keys the
+    chosen LR schedule never reads (a sweep over schedules shares them)."""
     o, warnings = cfg.optimizer, []
     if o.lr_warmup_steps > steps:
         warnings.append(
@@ -148,19 +169,25 @@ def schedule_warnings(cfg: "RunConfig", steps: int) -> list[str]:
             f"({steps} steps): the LR never reaches optimizer.lr ({o.lr:g}); its last step "
             f"trains at {o.lr * steps / o.lr_warmup_steps:.3g}")
     if o.lr_schedule == "constant":
-        keys, why = ("min_lr", "lr_decay_steps", "wsd_decay_steps"), (
+        keys, why = ("min_lr", "lr_decay_steps", "wsd_decay_steps", "wsd_decay_style"), (
             "keeps optimizer.lr after the warmup (cosine or wsd decay)")
     elif o.lr_schedule == "cosine":
-        keys, why = ("wsd_decay_steps",), (
+        keys, why = ("wsd_decay_steps", "wsd_decay_style"), (
             "decays from the warmup to optimizer.lr_decay_steps (wsd: its last steps)")
     else:
         keys = ()
-    unused = [f"optimizer.{key} ({getattr(o, key):g})" for key in keys
-              if getattr(o, key) is not None]
+    default_style = type(o).wsd_decay_style  # the class attribute: set only if not it
+    unused = [f"optimizer.{key} ({_shown(getattr(o, key))})" for key in keys
+              if getattr(o, key) is not None
+              and not (key == "wsd_decay_style" and o.wsd_decay_style == default_style)]
     if unused:
         warnings.append(f"{', '.join(unused)} not used: optimizer.lr_schedule "
                         f"{o.lr_schedule} {why}")
     return warnings
+
+
+def _shown(value) -> str:
+    return value if isinstance(value, str) else f"{value:g}"
 
 
 def check_blend(key: str, paths: list) -> None:

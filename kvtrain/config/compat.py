@@ -41,7 +41,8 @@ from .loader import ConfigError
 # Sections or keys compared on resume (a section compares every key below it).
 COMPARED = ("model", "train.seq_length", "data.type", "data.paths", "data.split",
             "data.valid_paths", "data.valid_sets", "data.tokenizer", "data.seed",
-            "data.induction", "data.ngram", "data.eod_id", "data.eod_mask_loss",
+            "data.induction", "data.ngram", "data.hop", "data.eval_seed", "data.eod_id",
+            "data.eod_mask_loss",
             "data.reset_attention_mask")
 # a named validation set added or dropped on a resume changes no curve the run has
 # (recorded, not refused); one whose shards changed would score other sequences under

@@ -46,10 +46,11 @@ class ParallelConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
     overlap_grad_reduce: bool = False
-    """Overlap the DP gradient reduce-scatter with backward (GPU runs)."""
+    """Overlap the DP gradient reduce-scatter with backward (it pays on GPUs; the CPU's
+    gloo runs it too)."""
     overlap_param_gather: bool = False
-    """Overlap the distributed optimizer's param all-gather with forward (GPU runs);
-    needs ``distributed_optimizer``."""
+    """Overlap the distributed optimizer's param all-gather with forward (it pays on
+    GPUs; the CPU's gloo runs it too); needs ``distributed_optimizer``."""
     cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
     """Context-parallel communication of Transformer Engine's attention (model.backend te):
     p2p (ring), all_gather, or a2a (needs the KV heads per TP rank to divide by
@@ -235,7 +236,7 @@ class CheckpointConfig:
     one; ``none`` (refused where checkpoints exist); or a checkpoint path (no fallback): the
     run's first start; a rerun continues from the run's own checkpoints descending from it."""
     async_save: bool = False
-    """Write checkpoints in the background (GPU runs)."""
+    """Write checkpoints in the background (it pays on GPUs; the CPU runs it too)."""
     save_on_exit: bool = True
     """Save when stopping on a signal, time limit, or the end of training."""
     load_optimizer: bool = True

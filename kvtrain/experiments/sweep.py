@@ -57,11 +57,21 @@ def _split_values(text: str) -> list[str]:
     return out
 
 
+CELL_KEYS = ("name", "run_dir")  # what each cell's `kvtrain train` sets (commands/sweep.py)
+
+
 def parse_grid(grids: list[str], sets: list[str]) -> list[Axis]:
     """The axes of ``--grid KEY=V1,V2`` flags; one line for a malformed one, a key
     given twice, or a key also in ``--set`` (the grid would not vary it)."""
     axes: list[Axis] = []
     set_keys = {s.partition("=")[0].strip() for s in sets}
+    for flag, keys in (("--set", sorted(set_keys)),
+                       ("--grid", [g.partition("=")[0].strip() for g in grids])):
+        for key in keys:
+            if key in CELL_KEYS:  # the cell's command sets them after the user's
+                raise ConfigError(f"{flag} {key}: the sweep sets it for each cell (its folder: "
+                                  "--run-dir DIR/arms/CELL/run; its name: the config's and "
+                                  "the cell's)")
     for grid in grids:
         key, eq, values = grid.partition("=")
         key = key.strip()

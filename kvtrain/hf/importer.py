@@ -56,8 +56,8 @@ from kvtrain.tasks.config import TASK_TYPES
 TOKENIZER = "tokenizer.model"  # an export's sentencepiece model (kvtrain.hf.tokenizer)
 # architecture keys: what the HF folder decides (``--set`` may not change them)
 ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "ffn_hidden_size", "vocab_size", "max_position_embeddings", "rotary_base",
-                "norm_epsilon", "untie_embeddings")
+                "ffn_hidden_size", "vocab_size", "max_position_embeddings", "position_embedding",
+                "rotary_base", "norm_epsilon", "untie_embeddings")
 
 
 def _read_json(path: Path) -> dict:
@@ -130,6 +130,7 @@ def model_config(hf: dict, where: str) -> dict:
         "num_query_groups": hf.get("num_key_value_heads") or heads,
         "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
         "max_position_embeddings": hf["max_position_embeddings"],
+        "position_embedding": "rope",  # a Llama rotates Q and K (the export refuses none)
         "rotary_base": int(theta),
         "norm_epsilon": hf.get("rms_norm_eps", 1e-6),
         "untie_embeddings": not hf.get("tie_word_embeddings", False),

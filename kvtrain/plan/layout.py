@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvtrain.config import ConfigError, RunConfig
 from kvtrain.config.backend import (BackendChoice, check_document_masks, check_te_mla,
                                     check_te_precision)
-from kvtrain.config.checks import schedule_warnings
+from kvtrain.config.checks import setting_warnings
 from kvtrain.config.layout import derive_layout
 
 from .flops import GPU, GPUS, StepFlops, step_flops, step_seconds
@@ -136,7 +136,7 @@ def make_plan(cfg: RunConfig, nodes: int = 1, gpus_per_node: int = 8, gpu: str =
                         "apex's fused softmax is installed (NVIDIA's container) and 16 < "
                         "train.seq_length <= 4096, since its kernel ignores the mask")
 
-    warnings += schedule_warnings(cfg, layout.total_steps)
+    warnings += setting_warnings(cfg, layout.total_steps)
 
     memory = estimate_memory(m, p, t, dp, num_microbatches)
     flops = step_flops(m, t.seq_length, t.global_batch_size, p.tensor, p.recompute)

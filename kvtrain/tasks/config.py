@@ -45,7 +45,8 @@ class InductionDataConfig:
     max_val: int = 8000
     """Exclusive upper bound of the ids (<= model.vocab_size)."""
     pool_size: Optional[int] = None
-    """Distinct ids per sequence (null: the length, as in Appendix K)."""
+    """Distinct ids per sequence (null: data.induction.length, or train.seq_length where
+    that is null, as in Appendix K)."""
     variant: Literal["appk", "strict"] = "appk"
     """appk: Appendix K's script (copies after each repeat, fresh draws
     otherwise); strict: §3.2's rule at every position (periodic after the

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from data_tools.fileio import atomic_write_text
 from kvtrain.backend import init_process_group
 from kvtrain.config import ConfigError, RunConfig, TrainConfig, checkpoint_folder, on_every_rank
-from kvtrain.config.checks import schedule_warnings
+from kvtrain.config.checks import setting_warnings
 from kvtrain.data.loader import loader_deaths_named
 from kvtrain.data.order import order_changed, order_fingerprint
 from kvtrain.tasks.config import accuracy_masks
@@ -464,7 +464,7 @@ def _announce(run: Run) -> str:
     say(f"kvtrain: MFU against {run.mfu_basis}")
     if run.backend.warning:
         say(f"kvtrain: warning: {run.backend.warning}")
-    for warning in schedule_warnings(cfg, run.total_steps):
+    for warning in setting_warnings(cfg, run.total_steps):
         say(f"kvtrain: warning: {warning}")
     return text
 

@@ -32,6 +32,11 @@ def test_the_grid_and_the_cells_names():
     (["optimizer.lr=1e-4", "optimizer.lr=2e-4"], [], "--grid optimizer.lr: given twice"),
     (["optimizer.lr=1e-4"], ["optimizer.lr=3e-4"], "--grid optimizer.lr: also in --set"),
     (["optimizer.lr=1e-4,1e-4"], [], "--grid optimizer.lr: a value is listed twice"),
+    # what each cell's command sets after them (its name, its run folder): lost, unsaid
+    (["optimizer.lr=1e-4,2e-4"], ["run_dir=/tmp/elsewhere"],
+     "--set run_dir: the sweep sets it for each cell (its folder: --run-dir DIR/arms/CELL/run; "
+     "its name: the config's and the cell's)"),
+    (["name=a,b"], [], "--grid name: the sweep sets it for each cell"),
 ])
 def test_a_grid_that_cannot_hold_is_one_line(grids, sets, error):
     with pytest.raises(ConfigError) as e:

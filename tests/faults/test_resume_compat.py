@@ -46,6 +46,14 @@ def test_compared_keys():
     assert keys == ["data.paths", "data.tokenizer", "model.kv_shift.window", "train.seq_length"]
     # data.seed null follows train.seed: a new train.seed is a new data order
     assert [c.key for c in config_changes(SAVED, changed(train__seed=2))] == ["data.seed"]
+    # the k-hop task's options and the toy tasks' validation seed: another task, another
+    # validation set (they resumed unsaid: a probe's)
+    hop = changed(data__type="hop")
+    hop["data"]["hop"] = {"max_hops": 8}
+    hop["data"]["eval_seed"] = 7
+    assert [c.key for c in config_changes(changed(data__type="hop"), hop)] == [
+        "data.eval_seed", "data.hop.max_hops"]
+    check_allowed_keys(["data.hop", "data.eval_seed"])  # refused as "not compared" before
 
 
 def test_document_handling_is_compared():

@@ -156,6 +156,11 @@ def test_one_line_errors(kv_checkpoint, tmp_path):
     out = export_hf(path, tmp_path / "hf")
     with pytest.raises(ConfigError, match="the weights decide"):
         import_hf(out, tmp_path / "a", overrides=["model.num_layers=3"])
+    # a Llama rotates Q and K: its weights without RoPE are another function (imported
+    # so, unsaid: a probe's)
+    with pytest.raises(ConfigError, match=r"^model.position_embedding \(none\) differs "
+                                          r"from .*config.json \(rope\): the weights decide"):
+        import_hf(out, tmp_path / "a", overrides=["model.position_embedding=none"])
     with pytest.raises(ConfigError, match="KV-shift weights"):
         import_hf(out, tmp_path / "b", overrides=["model.kv_shift.window=1"])
     with pytest.raises(ConfigError, match="config.json is missing"):

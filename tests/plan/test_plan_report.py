@@ -200,6 +200,7 @@ def test_a_report_into_a_closed_pipe_ends_quietly():
     (["optimizer.wsd_decay_steps=100"], "optimizer.wsd_decay_steps (100)"),
     (["optimizer.min_lr=0", "optimizer.wsd_decay_steps=100"],
      "optimizer.min_lr (0), optimizer.wsd_decay_steps (100)"),
+    (["optimizer.wsd_decay_style=cosine"], "optimizer.wsd_decay_style (cosine)"),
 ])
 def test_schedule_keys_the_constant_schedule_does_not_read_are_a_warning(capsys, sets, unused):
     """A constant schedule (the paper's, kvtrain's default) holds optimizer.lr
@@ -213,9 +214,39 @@ def test_schedule_keys_the_constant_schedule_does_not_read_are_a_warning(capsys,
 
 def test_a_decay_length_cosine_does_not_read_is_a_warning(capsys):
     code, out, err = plan(capsys, TINY, "--gpus-per-node", "1",
-                          sets=["optimizer.lr_schedule=cosine",
-                                              "optimizer.min_lr=0", "optimizer.wsd_decay_steps=9"])
+                          sets=["optimizer.lr_schedule=cosine", "optimizer.min_lr=0",
+                                "optimizer.wsd_decay_steps=9",
+                                "optimizer.wsd_decay_style=exponential"])
     assert code == 0 and err == "", err
     assert [line for line in out.splitlines() if "not used" in line] == [
-        "warning      optimizer.wsd_decay_steps (9) not used: optimizer.lr_schedule cosine "
-        "decays from the warmup to optimizer.lr_decay_steps (wsd: its last steps)"], out
+        "warning      optimizer.wsd_decay_steps (9), optimizer.wsd_decay_style (exponential) "
+        "not used: optimizer.lr_schedule cosine decays from the warmup to "
+        "optimizer.lr_decay_steps (wsd: its last steps)"], out
+
+
+def test_a_token_budget_max_steps_cuts_short_is_a_warning(capsys):
+    """train.train_tokens with train.max_steps left at its default (100): whichever
+    comes first ends the run, and the plan said 100 steps, 1.3 % of the budget, without
+    a word (a probe's). Null max_steps trains on the tokens; a smaller budget is quiet."""
+    sets = ["train.train_tokens=1000000", "train.global_batch_size=8", "train.seq_length=32",
+            "train.max_steps=100"]
+    code, out, err = plan(capsys, TINY, "--gpus-per-node", "1", sets=sets)
+    assert code == 0 and err == "", err
+    assert ("warning      train.max_steps (100) ends the run before train.train_tokens "
+            "(1,000,000 tokens: 3,907 steps): set train.max_steps: null to train on the "
+            "tokens") in out.splitlines(), out
+    for more in (["train.max_steps=null"], ["train.train_tokens=1000"]):
+        code, out, err = plan(capsys, TINY, "--gpus-per-node", "1", sets=[*sets, *more])
+        assert code == 0 and "train.train_tokens (" not in out, out
+
+
+def test_shards_a_data_type_of_its_own_sequences_never_reads_are_a_warning(capsys):
+    """--set data.type=mock over a config of shards (a benchmark's, a smoke run's): its
+    data.paths and data.split are not read, said; the shards' type says nothing."""
+    demo = REPO / "configs" / "demo.yaml"
+    code, out, err = plan(capsys, demo, "--gpus-per-node", "1", sets=["data.type=mock"])
+    assert code == 0 and err == "", err
+    assert ("warning      data.paths and data.split not read: data.type mock makes its own "
+            "sequences (data.type: gpt trains on the shards)") in out.splitlines(), out
+    code, out, err = plan(capsys, demo, "--gpus-per-node", "1")
+    assert code == 0 and "not read" not in out, out

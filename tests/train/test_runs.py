@@ -375,7 +375,8 @@ def test_fp16_trains_with_a_dynamic_loss_scale_that_resumes(tmp_path, cache_dir)
         assert b[it]["lm_loss"] == pytest.approx(a[it]["lm_loss"], rel=1e-2), it
 
 
-@pytest.mark.parametrize("mistake", ["bad-set", "run-dir-is-a-file", "no-workers"])
+@pytest.mark.parametrize("mistake", ["bad-set", "run-dir-is-a-file", "no-workers", "arm-key",
+                                     "checkpoint-dir"])
 def test_demo_mistakes_are_one_line_before_anything_is_built_or_cleared(tmp_path, capsys,
                                                                         mistake):
     """A bad --set is found before the data is built and before --fresh clears
@@ -390,6 +391,14 @@ def test_demo_mistakes_are_one_line_before_anything_is_built_or_cleared(tmp_path
         args, message = ["--run-dir", str(demo), "--set", "train.max_step=3"], (
             "kvtrain: config error: --set: unknown key 'train.max_step' "
             "(did you mean 'train.max_steps'?)")
+    elif mistake == "arm-key":  # the demo set its own after it: the user's was lost, unsaid
+        args = ["--run-dir", str(demo), "--set", "model.attention=vanilla"]
+        message = ("kvtrain: config error: --set model.attention: the demo sets it for each "
+                   "arm (vanilla, kv_shift); train one config with kvtrain train")
+    elif mistake == "checkpoint-dir":  # --fresh left it, and both arms shared an absolute one
+        args = ["--run-dir", str(demo), "--set", "checkpoint.dir=ck"]
+        message = ("kvtrain: config error: --set checkpoint.dir: the demo sets it for each "
+                   "arm (vanilla, kv_shift); train one config with kvtrain train")
     elif mistake == "no-workers":  # --workers 0 (or -1) ran the demo with one
         args = ["--run-dir", str(demo), "--workers", "0"]
         message = "kvtrain: config error: --workers and --nproc must be at least 1, got 0 and 1"
