@@ -394,6 +394,9 @@ def run(args) -> int:
             # is one read() of that size (inf: OverflowError, 1e9: MemoryError)
             raise ValueError(f"--chunk-mb must be from one byte (1e-06) to 1024 (1 GiB), "
                              f"got {args.chunk_mb}")
+        if args.resume and args.force:  # --resume won, unsaid
+            raise ValueError("--resume and --force: --resume keeps the shards an earlier run "
+                             "completed, --force replaces them; give one")
         check_options(args.workers, args.shards, args.report_bad)  # before reading inputs
         check_prefix(args.output_prefix, "--output-prefix", "corpus")
         inputs = readers.discover(args.input, args.format)

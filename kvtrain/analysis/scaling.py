@@ -35,6 +35,7 @@ from kvtrain.config.loader import from_dict, to_dict
 from kvtrain.config.model import KVShiftConfig
 from kvtrain.config.schema import ModelConfig, ParallelConfig
 
+from .compare import _common_parent, _settings
 from .runs import RunData, read_run, short_of_steps, unique_labels
 
 # The keys of a model's size: what a scaling study varies beside the attention.
@@ -304,8 +305,6 @@ def _size(n: float) -> str:
 def setting_notes(runs: Sequence[RunData]) -> list[str]:
     """A line per run whose settings differ from the first run's beyond its size,
     attention and seeds (compare's settings, without those keys)."""
-    from .compare import _settings
-
     def settings(run: RunData) -> dict:
         return {k: v for k, v in _settings(run.config, False).items()
                 if not k.startswith(SIZE_KEYS + REPLICATE_KEYS + ("model.kv_shift",))}
@@ -462,8 +461,6 @@ def run_folders(paths: Sequence[str | Path]) -> list[Path]:
 
 def _default_out(paths: Sequence[str | Path], folders: list[Path]) -> Path:
     """``scaling/`` in the runs' common parent; for one sweep folder, in it (not its arms/)."""
-    from .compare import _common_parent
-
     if len(paths) == 1 and Path(paths[0]).resolve() not in [f.resolve() for f in folders]:
         return Path(paths[0]) / "scaling"
     return _common_parent(folders) / "scaling"
@@ -474,6 +471,9 @@ def scaling(paths: Sequence[str | Path], out: Optional[str | Path] = None,
     """Reads the runs and writes the report into ``out`` (default:
     :func:`_default_out`); returns (summary, printed text)."""
     folders = run_folders(paths)
+    for path in folders:  # named first: one missing path is not "two runs needed"
+        if not path.is_dir():
+            raise ConfigError(f"{path}: no such run folder")
     if len(folders) < 2:
         raise ConfigError("kvtrain scaling needs at least two runs (models of different sizes)")
     runs = [read_run(p, label) for p, label in zip(folders, unique_labels(folders))]

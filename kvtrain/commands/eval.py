@@ -68,6 +68,9 @@ def _spec(args):
     if args.limit is not None and not 0 < args.limit < float("inf"):  # nan too
         raise ConfigError(f"--limit {args.limit}: must be positive (a count of examples, or "
                           f"a fraction of each task below 1)")
+    if args.limit is not None and args.limit > 1 and args.limit != int(args.limit):
+        raise ConfigError(f"--limit {args.limit:g}: a count of examples is a whole number "
+                          "(below 1: a fraction of each task)")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError(f"--num-fewshot {args.num_fewshot}: must be 0 or more")
     if args.bootstrap_iters < 0:  # lm-eval takes it for 0 without a word

@@ -80,6 +80,10 @@ def run(args) -> int:
     run_dir = args.run_dir or os.path.join("runs", f"sweep-{name}")
     print(f"kvtrain sweep: {len(cells)} cells ({' x '.join(str(len(a.texts)) for a in axes)}) "
           f"-> {run_dir}", flush=True)
+    from data_tools.fileio import not_a_folder
+
+    if why := not_a_folder(run_dir):  # before a --dry-run prints commands that would fail
+        raise ConfigError(f"--run-dir {why}")
     _check_runs_of_dry_run_jobs(cells, run_dir)
     if args.dry_run:
         from pathlib import Path

@@ -399,7 +399,8 @@ def build_scored_set(cfg: RunConfig, paths: list, key: str, samples: int,
     cache written."""
     blend, _ = _blend(paths, key)
     prefixes = _checked_made_with([(key, blend)], tokenizer, cfg)
-    return _build_valid_set(cfg, None, tokenizer, blend, samples, _file_stamps(prefixes))
+    # "", not None: megatron's None falls back to a cache folder beside the shards
+    return _build_valid_set(cfg, "", tokenizer, blend, samples, _file_stamps(prefixes))
 
 
 def build_datasets(cfg: RunConfig, cache_dir: str, train_samples: int,

@@ -117,7 +117,7 @@ def _locked(cache_dir: Path) -> Iterator[bool]:
 def built_whole(cache_dir: Optional[str], writes: bool) -> Iterator[None]:
     """Around a megatron builder's ``build()``; ``writes``: this rank writes the
     caches (rank 0). See the module's docstring."""
-    if cache_dir is None or not writes:
+    if not cache_dir or not writes:  # "": built in memory (kvtrain perplexity's)
         yield
         return
     folder = Path(cache_dir)

@@ -183,6 +183,14 @@ def window_of(hf_dir: Path, asked: Optional[int] = None) -> tuple[Optional[int],
     from kvtrain.hf.export import RECORD
 
     if asked is not None:
+        try:  # past them the model has no position: scored as if it had
+            positions = json.loads((Path(hf_dir) / "config.json").read_text())[
+                "max_position_embeddings"]
+        except (OSError, ValueError, KeyError, TypeError):
+            positions = None
+        if isinstance(positions, int) and asked > positions:
+            raise ConfigError(f"--max-length {asked} is longer than the model's "
+                              f"max_position_embeddings ({positions})")
         return asked, "--max-length"
     try:
         record = json.loads((Path(hf_dir) / RECORD).read_text())

@@ -144,6 +144,10 @@ def test_what_cannot_be_fitted_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert "needs at least two runs" in capsys.readouterr().err
     assert main(["scaling", str(one), str(tmp_path / "nothing")]) == 2
     assert "no such run folder" in capsys.readouterr().err
+    # one path, not there: named, not "needs at least two runs" (a probe's)
+    assert main(["scaling", str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err == (f"kvtrain: config error: {tmp_path / 'nothing'}: no "
+                                       "such run folder\n")
     bare = _write_run(tmp_path / "bare", _config(1), 4.2)
     (bare / "config.yaml").unlink()  # its records only: its size is unknown
     assert main(["scaling", str(one), str(bare)]) == 2

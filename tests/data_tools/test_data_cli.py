@@ -305,6 +305,17 @@ def test_preprocess_chunk_mb_below_a_byte_or_past_a_gib_is_one_line(tmp_path, ca
     assert os.listdir(tmp_path) == ["c.jsonl"]
 
 
+def test_preprocess_resume_with_force_is_one_line(tmp_path, capsys):
+    """--resume keeps the shards an earlier run completed, --force replaces them: both
+    at once resumed, unsaid (a probe's)."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    err = _refused(capsys, "preprocess", "-i", str(corpus), "-t", h.tokenizer(),
+                   "-o", str(tmp_path / "p"), "-j", "0", "--resume", "--force")
+    assert err.endswith("--resume and --force: --resume keeps the shards an earlier run "
+                        "completed, --force replaces them; give one"), err
+    assert os.listdir(tmp_path) == ["c.jsonl"]
+
+
 def test_preprocess_negative_report_bad_is_one_line(tmp_path, capsys):
     """--report-bad -1 silently meant 0 (no bad record printed)."""
     corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)

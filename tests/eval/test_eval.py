@@ -173,6 +173,9 @@ def test_without_the_hf_extra_names_it(local, capsys, monkeypatch):
     # a ValueError / OverflowError traceback (int() of them)
     (["--tasks", "kvt_mc", "--limit", "nan"], "--limit nan: must be positive"),
     (["--tasks", "kvt_mc", "--limit", "inf"], "--limit inf: must be positive"),
+    # it scored 1 example, unsaid (a probe's)
+    (["--tasks", "kvt_mc", "--limit", "1.5"], "--limit 1.5: a count of examples is a whole "
+                                              "number (below 1: a fraction of each task)"),
     (["--tasks", "kvt_mc", "--batch-size", "0"], "--batch-size 0: must be at least 1"),
     (["--tasks", "kvt_mc", "--num-fewshot", "-1"], "--num-fewshot -1: must be 0 or more"),
     (["--tasks", "kvt_mc", "--bootstrap-iters", "-5"], "--bootstrap-iters -5: must be 0 or more"),

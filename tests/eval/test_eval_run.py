@@ -389,3 +389,9 @@ def test_a_kvtrain_export_is_scored_within_the_context_it_trained_on(evaluated, 
     assert saved["max_length"] == 24 and saved["config"]["max_length"] == 24
     assert main(["eval", str(evaluated["run"]), "--tasks", "kvt_ll", "--include-path",
                  str(evaluated["tasks"]), "--max-length", "0"]) == 2
+    # past the model's positions: scored where it has no position (a probe's, unsaid)
+    capsys.readouterr()
+    assert main(["eval", str(evaluated["run"]), "--tasks", "kvt_ll", "--include-path",
+                 str(evaluated["tasks"]), "--max-length", "65", "--no-wandb"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--max-length 65 is longer than the model's max_position_embeddings (64)"), "err"

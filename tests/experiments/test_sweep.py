@@ -164,6 +164,12 @@ def test_a_dry_run_prints_each_cells_command_and_writes_nothing(tmp_path, capsys
     cfg = load_config(TINY, sets)
     assert (cfg.optimizer.lr, cfg.train.max_steps, cfg.name) == (3e-3, 3, "tiny-lr=3e-3")
     assert argv[-1] == str(run_dir / "arms" / "lr=3e-3" / "run")
+    # a --run-dir the sweep itself refuses: its commands would all fail (a probe's)
+    (tmp_path / "c.jsonl").write_text("x")
+    assert main(["sweep", TINY, "--grid", "optimizer.lr=1e-3,3e-3", "--run-dir",
+                 str(tmp_path / "c.jsonl"), "--dry-run"]) == 2
+    assert capsys.readouterr().err == (f"kvtrain: config error: --run-dir {tmp_path}/c.jsonl "
+                                       "is a file, not a folder\n")
 
 
 @pytest.mark.slow

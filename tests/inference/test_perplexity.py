@@ -11,8 +11,10 @@ model is loaded.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
+
 import pytest
 
 from kvtrain.cli import main
@@ -120,6 +122,27 @@ def test_tp2_scores_as_tp1(mp1, trained, tmp_path):
 
 
 # ----------------------------------------------------------------------------- by position
+def test_scoring_writes_nothing_beside_the_shards(mp1, trained, tmp_path, capsys):
+    """The scored set's indices are built in memory: megatron's index cache fell back to
+    a folder named as the shard's prefix, beside it (``PREFIX/cache/...``), and on
+    read-only shards the scoring died in a traceback (a probe's)."""
+    import shutil
+
+    from kvtrain.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for suffix in (".bin", ".idx", ".meta.json"):
+        if Path(trained["b"] + suffix).exists():
+            shutil.copy(trained["b"] + suffix, data)
+    prefix = data / Path(trained["b"]).name
+    before = sorted(p.name for p in data.iterdir())
+    assert main(["perplexity", str(trained["run"]), "--data", str(prefix), "--no-wandb",
+                 "--out", str(tmp_path / "p.json")]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in data.iterdir()) == before
+    assert not prefix.exists()
+
+
 def test_context_positions_count_from_the_sequence_or_the_document():
     import torch
 
