@@ -270,12 +270,20 @@ def read_evals(run: Path) -> tuple[list[dict], list[str]]:
     return [entries[k] for k in sorted(entries, key=key_order)], notes
 
 
+def checked_folder(path: str | Path) -> Path:
+    """``path`` as a folder, else one line: no such folder, or a file there."""
+    run = Path(path).expanduser()
+    if run.exists() and not run.is_dir():
+        raise ConfigError(f"{run} is a file, not a run folder")
+    if not run.is_dir():
+        raise ConfigError(f"{run}: no such run folder")
+    return run
+
+
 def read_run(path: str | Path, label: Optional[str] = None) -> RunData:
     """The run in folder ``path``; ConfigError (one line) when it is not a run
     folder or has no train records."""
-    run = Path(path).expanduser()
-    if not run.is_dir():
-        raise ConfigError(f"{run}: no such run folder")
+    run = checked_folder(path)
     metrics = run / METRICS
     if not metrics.is_file():
         raise ConfigError(f"{run} is not a kvtrain run folder (no {METRICS})")

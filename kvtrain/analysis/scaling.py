@@ -36,7 +36,7 @@ from kvtrain.config.model import KVShiftConfig
 from kvtrain.config.schema import ModelConfig, ParallelConfig
 
 from .compare import _common_parent, _settings
-from .runs import RunData, read_run, short_of_steps, unique_labels
+from .runs import RunData, checked_folder, read_run, short_of_steps, unique_labels
 
 # The keys of a model's size: what a scaling study varies beside the attention.
 SIZE_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads",
@@ -472,8 +472,7 @@ def scaling(paths: Sequence[str | Path], out: Optional[str | Path] = None,
     :func:`_default_out`); returns (summary, printed text)."""
     folders = run_folders(paths)
     for path in folders:  # named first: one missing path is not "two runs needed"
-        if not path.is_dir():
-            raise ConfigError(f"{path}: no such run folder")
+        checked_folder(path)
     if len(folders) < 2:
         raise ConfigError("kvtrain scaling needs at least two runs (models of different sizes)")
     runs = [read_run(p, label) for p, label in zip(folders, unique_labels(folders))]

@@ -212,6 +212,11 @@ def import_config(hf: dict, where: str, config: Optional[str | Path] = None,
         del arch["attention"]  # a stock Llama getting KV shift from the training config
     if "kv_shift" in arch:  # an export: its shift options are those of its weights
         model["kv_shift"] = {**(model.get("kv_shift") or {}), **arch.pop("kv_shift")}
+    for key in ARCHITECTURE:  # what the training config says, the weights must be
+        if model.get(key) is not None and model[key] != arch[key]:
+            raise ConfigError(f"{config}: model.{key} ({model[key]}) differs from {where} "
+                              f"({arch[key]}): the weights decide the architecture (leave "
+                              "it out of the config, or give the folder's)")
     model.update(arch)
     data["model"] = model
     # a Llama's context: what a run continuing it trains on unless the config says otherwise

@@ -217,6 +217,8 @@ def test_default_out_is_next_to_the_runs(tmp_path, capsys):
 
 @pytest.mark.parametrize("setup,message", [
     (lambda d: None, "{d}/missing: no such run folder"),
+    # a file there: "no such run folder" said it was not there (a probe's)
+    (lambda d: (d / "missing").write_text("x"), "{d}/missing is a file, not a run folder"),
     (lambda d: (d / "missing").mkdir(), "{d}/missing is not a kvtrain run folder (no metrics.jsonl)"),
     (lambda d: ((d / "missing").mkdir(), (d / "missing" / "metrics.jsonl").write_text(
         '{"kind": "event", "iteration": 0}\n')),

@@ -421,6 +421,28 @@ def test_the_end_of_document_id_of_a_folder_is_imported(mp1, tmp_path):
     assert import_config(config, "config.json", tmp_path / "run.yaml").data.eod_id is None
 
 
+def test_a_config_whose_model_is_not_the_folders_is_one_line(tmp_path):
+    """``--config`` is the training config the imported run will use: a model key it
+    sets that the folder's weights decide otherwise was replaced by the folder's, unsaid,
+    and the YAML could not resume the checkpoint (a probe's). Refused, naming both; the
+    keys it leaves out come from the folder, and one that agrees passes."""
+    from kvtrain.hf.importer import import_config
+
+    base = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+            "vocab_size": VOCAB, "max_position_embeddings": 64, "rope_theta": 10000.0}
+    run = tmp_path / "run.yaml"
+    run.write_text("model: {num_layers: 4, hidden_size: 32}\n")
+    with pytest.raises(ConfigError) as e:
+        import_config(base, "hf/config.json", run)
+    assert str(e.value) == (f"{run}: model.num_layers (4) differs from hf/config.json (2): the "
+                            "weights decide the architecture (leave it out of the config, or "
+                            "give the folder's)")
+    run.write_text("model: {num_layers: 2, hidden_size: 32}\ntrain: {seed: 3}\n")
+    cfg = import_config(base, "hf/config.json", run)
+    assert (cfg.model.num_layers, cfg.model.rotary_base, cfg.train.seed) == (2, 10000, 3)
+
+
 def test_a_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(tmp_path):
     """A ``rope_scaling`` added to a transformers-5 config.json (which writes
     ``rope_parameters``: the context-extension recipes add ``rope_scaling``) is what
