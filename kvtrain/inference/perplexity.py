@@ -82,9 +82,10 @@ def default_name(paths: list) -> str:
 
 
 def _scoring_config(cfg: RunConfig, s: Scoring) -> RunConfig:
-    """The run's config with the scoring's sequence length and tokenizer."""
+    """The run's config with the scoring's sequence length and tokenizer, reading shards
+    (``data.type`` gpt: a run trained on mock or toy data ignored ``--tokenizer``)."""
     train = dataclasses.replace(cfg.train, seq_length=s.seq_length)
-    data = dataclasses.replace(cfg.data, tokenizer=s.tokenizer)
+    data = dataclasses.replace(cfg.data, type="gpt", tokenizer=s.tokenizer)
     return dataclasses.replace(cfg, train=train, data=data)
 
 

@@ -143,6 +143,22 @@ def test_scoring_writes_nothing_beside_the_shards(mp1, trained, tmp_path, capsys
     assert not prefix.exists()
 
 
+def test_a_mock_data_runs_scoring_reads_the_tokenizer_given(tmp_path):
+    """A run trained on mock data scores shards like any other: ``--tokenizer`` is read
+    and checked (it was never looked at: a folder, a missing file and a vocabulary
+    larger than the model's were all taken, a probe's)."""
+    from kvtrain.config import ConfigError, load_config
+    from kvtrain.data import load_tokenizer
+    from kvtrain.inference.perplexity import Scoring, _scoring_config
+
+    cfg = load_config(write_config(tmp_path / "c.yaml", tiny_config(None, tmp_path / "cache")),
+                      [])
+    assert cfg.data.type == "mock"
+    s = Scoring(paths=["x"], name="x", tokenizer=str(tmp_path / "nope")).resolved(cfg)
+    with pytest.raises(ConfigError, match=f"^--tokenizer {tmp_path / 'nope'}: cannot load"):
+        load_tokenizer(_scoring_config(cfg, s).data, cfg.model, key="--tokenizer")
+
+
 def test_context_positions_count_from_the_sequence_or_the_document():
     import torch
 
