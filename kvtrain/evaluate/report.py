@@ -63,14 +63,17 @@ def record_name(tasks: list[str], iteration: Optional[int], num_fewshot: Optiona
 
 
 def write_record(path: Path, record: dict, samples: list[dict]) -> list[Path]:
-    """Writes the record (and the samples next to it as JSONL), atomically."""
+    """Writes the record (and the samples next to it as JSONL), atomically; a samples
+    file of the record it replaces goes with it (it would pass for this one's)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(record, indent=1) + "\n")
     written = [path]
+    side = path.with_name(path.stem + ".samples.jsonl")
     if samples:
-        side = path.with_name(path.stem + ".samples.jsonl")
         atomic_write_text(side, "".join(json.dumps(s) + "\n" for s in samples))
         written.append(side)
+    else:
+        side.unlink(missing_ok=True)
     return written
 
 

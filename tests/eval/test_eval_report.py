@@ -99,3 +99,14 @@ def test_the_prefix_token_of_an_export_whose_files_are_damaged_or_list_several(t
     assert prefix_token_of(tmp_path) is None
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
     assert prefix_token_of(tmp_path) == 3
+
+
+def test_a_record_written_over_one_with_samples_takes_its_samples_file_with_it(tmp_path):
+    """``--out r.json`` again without ``--log-samples``: the first record's
+    ``r.samples.jsonl`` stayed beside the new record as if its own (a probe's)."""
+    from kvtrain.evaluate.report import write_record
+
+    out = tmp_path / "r.json"
+    assert write_record(out, {"tasks": "a"}, [{"x": 1}]) == [out, tmp_path / "r.samples.jsonl"]
+    assert write_record(out, {"tasks": "b"}, []) == [out]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
