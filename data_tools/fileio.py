@@ -105,13 +105,17 @@ def not_a_folder(path: str | os.PathLike) -> str | None:
     return f"{os.fspath(path)}{where} is a file, not a folder"
 
 
-def check_prefix(prefix: str, option: str, example: str) -> None:
+def check_prefix(prefix: str, option: str, example: str, added: str = "") -> None:
     """Refuse an output prefix that names a folder (``out/``, ``.``): the names
     made from it (``out/`` + ``_text_document``, ``out`` + ``.model`` once
-    normalized) would land as hidden files in it or beside it."""
+    normalized) would land as hidden files in it or beside it; and one that ends in
+    what the tool adds (``added``: ``tok.model`` made ``tok.model.model``)."""
     if os.path.basename(prefix) in ("", ".", ".."):
         raise ValueError(f"{option} {prefix} names a folder, not a file name prefix: "
                          f"give a name in it, e.g. {os.path.join(prefix, example)}")
+    if added and prefix.endswith(added) and len(os.path.basename(prefix)) > len(added):
+        raise ValueError(f"{option} {prefix}: give the prefix without {added}, which the "
+                         f"tool adds ({prefix[:-len(added)]} writes {prefix})")
 
 
 def check_not_there(paths: list[str], option: str, keep: str = "") -> None:

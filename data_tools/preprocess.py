@@ -398,7 +398,7 @@ def run(args) -> int:
             raise ValueError("--resume and --force: --resume keeps the shards an earlier run "
                              "completed, --force replaces them; give one")
         check_options(args.workers, args.shards, args.report_bad)  # before reading inputs
-        check_prefix(args.output_prefix, "--output-prefix", "corpus")
+        check_prefix(args.output_prefix, "--output-prefix", "corpus", added="_text_document")
         inputs = readers.discover(args.input, args.format)
         if args.shards and args.shards > len(inputs):  # it gave fewer without a word
             print(f"kvtrain data preprocess: warning: --shards {args.shards} with "

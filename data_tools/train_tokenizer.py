@@ -216,7 +216,7 @@ def run(args) -> int:
         check_options(args.vocab_size, seed=args.seed, max_documents=args.max_documents,
                       threads=args.threads, character_coverage=args.character_coverage,
                       max_sentences=args.max_sentences)
-        check_prefix(args.output, "--output", "tokenizer")
+        check_prefix(args.output, "--output", "tokenizer", added=".model")
         if not args.force:  # before minutes of training
             prefix = os.path.abspath(args.output)
             check_not_there([prefix + ext for ext in (".model", ".vocab", ".json")], "--output")

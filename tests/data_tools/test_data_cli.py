@@ -316,6 +316,24 @@ def test_preprocess_resume_with_force_is_one_line(tmp_path, capsys):
     assert os.listdir(tmp_path) == ["c.jsonl"]
 
 
+def test_an_output_prefix_ending_in_what_the_tool_adds_is_one_line(tmp_path, capsys):
+    """``train-tokenizer -o t.model`` wrote t.model.model (.vocab, .json) and
+    ``preprocess -o d_text_document`` d_text_document_text_document.bin/.idx, unsaid
+    (a probe's); ``merge`` takes either form, as before."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    out = str(tmp_path / "t.model")
+    err = _refused(capsys, "train-tokenizer", "-i", str(corpus), "--vocab-size", "300",
+                   "-o", out)
+    assert err.endswith(f"--output {out}: give the prefix without .model, which the tool "
+                        f"adds ({tmp_path / 't'} writes {out})"), err
+    out = str(tmp_path / "d_text_document")
+    err = _refused(capsys, "preprocess", "-i", str(corpus), "-t", h.tokenizer(), "-o", out,
+                   "-j", "0")
+    assert err.endswith(f"--output-prefix {out}: give the prefix without _text_document, "
+                        f"which the tool adds ({tmp_path / 'd'} writes {out})"), err
+    assert os.listdir(tmp_path) == ["c.jsonl"]
+
+
 def test_preprocess_negative_report_bad_is_one_line(tmp_path, capsys):
     """--report-bad -1 silently meant 0 (no bad record printed)."""
     corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
