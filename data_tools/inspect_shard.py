@@ -130,6 +130,11 @@ def inspect(prefix: str, tokenizer=None, docs: int = 3, max_chars: int = 400,
         meta, lambda m: out(f"warning: {m}"))
     if tok is not None and r.num_tokens and not problems:
         out(f"tokenizer  {tok.model_path} (vocab {tok.vocab_size}, eod {tok.eod})")
+        made_with = ((meta or {}).get("fingerprint") or {}).get("tokenizer_sha256")
+        if isinstance(made_with, str) and made_with != tok.sha256:  # train refuses it
+            out(f"  WARNING: {tok.model_path} is not the tokenizer the shard was made with "
+                "(its meta records another sha256): the text below is another "
+                "tokenizer's reading")
         ends = r.sequence_pointers[r.document_indices[1:] - 1] // r.itemsize + \
             r.sequence_lengths[r.document_indices[1:] - 1] - 1
         no_eod = int((r._tokens[ends[lengths > 0]] != tok.eod).sum())

@@ -115,6 +115,24 @@ def test_inspect_ids_beyond_the_tokenizer_vocabulary_say_wrong_tokenizer(tmp_pat
     assert "check      OK" in out
 
 
+def test_inspect_with_another_tokenizer_than_the_shards_was_made_with_warns(tmp_path, capsys):
+    """``--tokenizer`` another than the one the shard's meta records (its sha256): its
+    text is printed with a warning, as train and perplexity refuse such a tokenizer; it
+    decoded garbage without a word (a probe's). The shard's own: no warning."""
+    corpus = h.write_jsonl(tmp_path / "c.jsonl", h.DOCS)
+    prefix = str(tmp_path / "p")
+    assert main(["preprocess", "-i", str(corpus), "-t", h.tokenizer(), "-o", prefix,
+                 "-j", "0", "--quiet"]) == 0
+    capsys.readouterr()
+    other = h.tokenizer(900)
+    status, out, _ = _inspect(capsys, prefix + "_text_document", "--tokenizer", other)
+    assert status == 0, out
+    assert (f"  WARNING: {other} is not the tokenizer the shard was made with (its meta "
+            "records another sha256): the text below is another tokenizer's reading") in out
+    status, out, _ = _inspect(capsys, prefix + "_text_document", "--tokenizer", h.tokenizer())
+    assert status == 0 and "WARNING" not in out, out
+
+
 def test_inspect_of_a_merge_result_says_what_it_was_merged_from(tmp_path, capsys):
     """The merged dataset's .meta.json: "merged from N datasets"; an output prefix
     already ending in _text_document is used as it is."""
