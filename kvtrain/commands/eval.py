@@ -151,8 +151,9 @@ def run(args) -> int:
             for path in written:
                 print(f"kvtrain eval: wrote {path}")
         else:
-            print(f"kvtrain eval: results not saved ({args.source} is in no kvtrain run "
-                  "folder: --out FILE)")
+            why = ("is an HF folder, no kvtrain checkpoint" if src.checkpoint is None
+                   else "is in no kvtrain run folder")  # an export in a run's eval/ too
+            print(f"kvtrain eval: results not saved ({args.source} {why}: --out FILE)")
         if src.run_dir is not None and src.config is not None and not args.no_wandb:
             note = log_to_wandb(src.config, src.run_dir, src.iteration, out.tasks)
             print(f"kvtrain eval: {note}")
