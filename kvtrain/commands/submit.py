@@ -185,6 +185,9 @@ def check_options(args) -> None:
                           "start at once on one run folder (--dependency=singleton runs them "
                           "one after another)")
     check_text(args)
+    if args.container_mounts and not args.container_image:  # slurm.sbatch would drop them
+        raise ConfigError(f"--container-mounts {args.container_mounts}: mounts are a "
+                          "container's (give --container-image)")
     check_time(args.time, args.signal_seconds)
 
 

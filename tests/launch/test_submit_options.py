@@ -32,6 +32,9 @@ NO_LIMIT = "SLURM reads it as no time limit: leave --time out for the partition'
                         "D-HH, D-HH:MM or D-HH:MM:SS"),
     (["--time", "5", "--signal-seconds", "300"], "--signal-seconds 300 is not shorter than "
                                                  "--time 5 (300 s)"),
+    # slurm.sbatch mounts them only into a container: taken, and nothing mounted (a probe's)
+    (["--container-mounts", "/data:/data"], "--container-mounts /data:/data: mounts are a "
+                                            "container's (give --container-image)"),
 ])
 def test_submit_refuses_a_non_positive_margin_or_time_limit(capsys, tmp_path, options, message):
     """--signal-seconds 0 signals at the kill, with no time to save; SLURM reads
