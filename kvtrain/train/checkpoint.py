@@ -100,7 +100,7 @@ from .optimizer import (adam_step, fresh_adam_state, inner_optimizers, run_param
 from .rng_states import restore_rng_state, rng_sharded_object
 from .save_agreement import gather_or_fail, on_rank0_or_fail
 from .step import sync_params
-from .writer_watch import SyncSaveWatch, check_async_writers
+from .writer_watch import SyncSaveWatch, check_async_writers, finalize_async
 
 log = logging.getLogger(__name__)
 
@@ -420,7 +420,7 @@ class Checkpointer:
         with self._save_failure():
             while True:
                 check_async_writers(queue)
-                queue.maybe_finalize_async_calls(blocking=False)
+                finalize_async(queue, self.rank)
                 if not blocking or not queue.get_num_unfinalized_calls():
                     return
                 time.sleep(0.05)

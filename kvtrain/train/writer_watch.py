@@ -194,6 +194,25 @@ class SyncSaveWatch:
                 os._exit(self._exit_code)
 
 
+def finalize_async(async_queue, rank: int) -> None:
+    """megatron's non-blocking finalize of the saves in flight. A writer that died
+    after :func:`check_async_writers` looked and before megatron did fails the save
+    with its own line too, not megatron's ``CheckpointException ranks:...``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .integrity import SaveFailed
+
+    writers = [p for c in list(async_queue.async_calls)
+               if (p := getattr(c.async_caller, "process", None)) is not None]
+    try:
+        async_queue.maybe_finalize_async_calls(blocking=False)
+    except CheckpointException as e:
+        reason = dead_writer(writers)  # the exit code stays on the process after its join
+        if reason is None:
+            raise
+        raise SaveFailed(f"rank {rank}: {reason}") from e
+
+
 def check_async_writers(async_queue) -> None:
     """Collective, while asynchronous saves are in flight: when a writer of one of
     them died on any rank, every rank kills its own writers, drops the saves in

@@ -153,3 +153,34 @@ def test_dead_children_are_found_with_their_wait_status():
         for p in (alive, killed, failed, clean):
             p.wait()
     assert w.ended(killed.pid) is None  # waited for: gone
+
+
+def test_a_writer_that_dies_between_the_check_and_megatrons_finalize_is_named():
+    """The watch looked before the writer died, megatron's finalize after it: its
+    ``CheckpointException ranks:dict_keys([0])`` was the line, not the writer's death
+    (a clean clone's run of the test above, once). The dead writer is named then too;
+    an exception with every writer alive is megatron's own."""
+    from types import SimpleNamespace
+
+    import pytest
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from kvtrain.train import writer_watch as w
+    from kvtrain.train.integrity import SaveFailed
+
+    writer = SimpleNamespace(pid=4321, exitcode=None)
+
+    def finalize(blocking):  # the writer dies as megatron looks
+        writer.exitcode = -9
+        raise CheckpointException("async save failed", {0: (RuntimeError("x"), "")})
+
+    queue = SimpleNamespace(async_calls=[SimpleNamespace(
+        async_caller=SimpleNamespace(process=writer))], maybe_finalize_async_calls=finalize)
+    with pytest.raises(SaveFailed, match=r"^rank 0: the checkpoint writer process \(pid 4321\) "
+                                         r"was killed by SIGKILL"):
+        w.finalize_async(queue, rank=0)
+    writer.exitcode = None
+    queue.maybe_finalize_async_calls = lambda blocking: (_ for _ in ()).throw(
+        CheckpointException("other", {}))
+    with pytest.raises(CheckpointException):
+        w.finalize_async(queue, rank=0)
