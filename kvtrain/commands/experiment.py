@@ -17,6 +17,10 @@ from __future__ import annotations
 import os
 import time
 
+# O(T) past it: the loss differs by ~1/O(T) across Figure 2's landscape, under float64's
+# precision beside log O(T) (1e20 put its minimum at (0, 0))
+MAX_REST = 1e12
+
 
 def register(sub) -> None:
     p = sub.add_parser("experiment", help="reproduce the paper's toy experiments",
@@ -77,6 +81,9 @@ def run_landscape(args) -> int:
         rests = []
     if not rests or any(not math.isfinite(r) or r < 0 for r in rests):
         raise ConfigError(f"--rest {args.rest!r}: give finite O(T) values >= 0, e.g. 0,10,100")
+    if max(rests) > MAX_REST:
+        raise ConfigError(f"--rest {args.rest!r}: O(T) above {MAX_REST:g} leaves the landscape's "
+                          "differences (~1/O(T)) below float64's precision")
     out = make_folder(args.run_dir, "--run-dir")
     print(format_panels(write_landscape(out, rests)))
     print(f"wrote {out}/landscape.png, {out}/landscape.json")

@@ -83,6 +83,18 @@ def test_the_command_writes_the_figure_and_what_it_shows(tmp_path, capsys):
                                                                    "landscape.png"]
 
 
+def test_a_rest_past_float64s_precision_is_one_line(tmp_path, capsys):
+    """The loss differs by ~1/O(T) across the landscape: past 1e12 that is below
+    float64's precision beside log O(T); 1e20 put the minimum at (0, 0), 1e50 wrote
+    Infinity into landscape.json (not JSON; a probe's)."""
+    assert main(["experiment", "landscape", "--rest", "0,1e20", "--run-dir",
+                 str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvtrain: config error: --rest '0,1e20': O(T) above 1e+12 leaves the landscape's "
+        "differences (~1/O(T)) below float64's precision")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("rest", ["", "0,-1", "nan", "a,b"])
 def test_a_bad_rest_is_one_line_and_writes_nothing(tmp_path, capsys, rest):
     assert main(["experiment", "landscape", "--rest", rest, "--run-dir",
