@@ -242,9 +242,11 @@ def check_before_building(config: Path, run_dir: Path, overrides: list[str], npr
 
     if why := not_a_folder(run_dir):
         raise ConfigError(f"--run-dir {why}")
+    from kvtrain.experiments.presets import owned_key
+
     for assignment in overrides:  # what arm_command sets after them would win, unsaid
-        key = assignment.partition("=")[0].strip()
-        if any(key == k or k.startswith(key + ".") for k in ARM_KEYS):
+        if owned_key(assignment, ARM_KEYS) is not None:
+            key = assignment.partition("=")[0].strip()
             raise ConfigError(f"--set {key}: the demo sets it for each arm ({', '.join(ARMS)}); "
                               "train one config with kvtrain train")
     for arm in ARMS:

@@ -182,21 +182,19 @@ def window_of(hf_dir: Path, asked: Optional[int] = None) -> tuple[Optional[int],
     ``--max-length``. None: lm-eval's."""
     from kvtrain.hf.export import RECORD
 
+    try:
+        positions = json.loads((Path(hf_dir) / "config.json").read_text())[
+            "max_position_embeddings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        positions = None
     if asked is not None:
-        try:  # past them the model has no position: scored as if it had
-            positions = json.loads((Path(hf_dir) / "config.json").read_text())[
-                "max_position_embeddings"]
-        except (OSError, ValueError, KeyError, TypeError):
-            positions = None
-        if isinstance(positions, int) and asked > positions:
+        if isinstance(positions, int) and asked > positions:  # past them: no position
             raise ConfigError(f"--max-length {asked} is longer than the model's "
                               f"max_position_embeddings ({positions})")
         return asked, "--max-length"
     try:
         record = json.loads((Path(hf_dir) / RECORD).read_text())
         trained = record["config"]["train"]["seq_length"]
-        positions = json.loads((Path(hf_dir) / "config.json").read_text())[
-            "max_position_embeddings"]
     except (OSError, ValueError, KeyError, TypeError):
         return None, "lm-eval's, the folder's max_position_embeddings"
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0

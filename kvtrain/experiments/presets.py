@@ -189,16 +189,23 @@ def _override_key(assignment: str) -> str:
     return assignment.partition("=")[0].strip()
 
 
+def owned_key(assignment: str, owned: Sequence[str]) -> Optional[str]:
+    """The key of ``owned`` that the ``--set``/``--grid`` ``assignment`` sets (itself,
+    or a section holding it), else None: a key a command sets after the user's."""
+    key = _override_key(assignment)
+    return next((k for k in owned if key == k or k.startswith(key + ".")), None)
+
+
 def check_overrides(preset: str, scale: str, overrides: Sequence[str]) -> None:
     """Refuses a ``--set`` of a key that each arm sets (or of a section holding one)."""
     for assignment in overrides:
         key = _override_key(assignment)
-        for arm_key in PER_ARM_KEYS:
-            if key == arm_key or arm_key.startswith(key + "."):
-                varied = ", ".join(a.name for a in preset_arms(preset, scale))
-                raise ConfigError(
-                    f"--set {key}: {arm_key} is set by each arm of preset {preset} ({varied}); "
-                    "choose arms with --arms, or train one config with kvtrain train")
+        arm_key = owned_key(assignment, PER_ARM_KEYS)
+        if arm_key is not None:
+            varied = ", ".join(a.name for a in preset_arms(preset, scale))
+            raise ConfigError(
+                f"--set {key}: {arm_key} is set by each arm of preset {preset} ({varied}); "
+                "choose arms with --arms, or train one config with kvtrain train")
 
 
 def select_arms(preset: str, scale: str, names: Optional[Sequence[str]]) -> list[Arm]:

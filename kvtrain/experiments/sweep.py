@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from kvtrain.config import ConfigError, RunConfig, load_config, to_dict
 
-from .presets import Arm
+from .presets import Arm, owned_key
 
 # kvtrain.train.loop.EXIT_NONFINITE (not imported: it imports torch): a cell stopped by
 # train.max_consecutive_nonfinite steps in a row, a diverged run (Figure 4c's vanilla)
@@ -65,10 +65,10 @@ def parse_grid(grids: list[str], sets: list[str]) -> list[Axis]:
     given twice, or a key also in ``--set`` (the grid would not vary it)."""
     axes: list[Axis] = []
     set_keys = {s.partition("=")[0].strip() for s in sets}
-    for flag, keys in (("--set", sorted(set_keys)),
-                       ("--grid", [g.partition("=")[0].strip() for g in grids])):
-        for key in keys:
-            if key in CELL_KEYS:  # the cell's command sets them after the user's
+    for flag, assignments in (("--set", sets), ("--grid", grids)):
+        for assignment in assignments:  # the cell's command sets them after the user's
+            if owned_key(assignment, CELL_KEYS) is not None:
+                key = assignment.partition("=")[0].strip()
                 raise ConfigError(f"{flag} {key}: the sweep sets it for each cell (its folder: "
                                   "--run-dir DIR/arms/CELL/run; its name: the config's and "
                                   "the cell's)")

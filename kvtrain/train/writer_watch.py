@@ -194,6 +194,11 @@ class SyncSaveWatch:
                 os._exit(self._exit_code)
 
 
+def _writers(calls) -> list:
+    """The writer processes of megatron's async calls (those that have one yet)."""
+    return [p for c in calls if (p := getattr(c.async_caller, "process", None)) is not None]
+
+
 def finalize_async(async_queue, rank: int) -> None:
     """megatron's non-blocking finalize of the saves in flight. A writer that died
     after :func:`check_async_writers` looked and before megatron did fails the save
@@ -202,8 +207,7 @@ def finalize_async(async_queue, rank: int) -> None:
 
     from .integrity import SaveFailed
 
-    writers = [p for c in list(async_queue.async_calls)
-               if (p := getattr(c.async_caller, "process", None)) is not None]
+    writers = _writers(async_queue.async_calls)
     try:
         async_queue.maybe_finalize_async_calls(blocking=False)
     except CheckpointException as e:
@@ -222,7 +226,7 @@ def check_async_writers(async_queue) -> None:
     from .integrity import SaveFailed
 
     calls = list(async_queue.async_calls)
-    writers = [p for c in calls if (p := getattr(c.async_caller, "process", None)) is not None]
+    writers = _writers(calls)
     reason = dead_writer(writers)
     stuck = _ASYNC_WAITS.check({w.pid: children(w.pid) for w in writers})
     if reason is None and stuck is not None:
